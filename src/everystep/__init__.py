@@ -1,0 +1,32 @@
+"""everystep: checkpointing cheap enough to run every training iteration, with exact recovery."""
+
+from .checkpointer import Checkpointer
+from .errors import (
+    BackgroundWriteError,
+    CheckpointDirectoryError,
+    ConfigError,
+    CorruptCheckpointError,
+    EverystepError,
+    NoValidCheckpointError,
+    StateMismatchError,
+    UnclosedCheckpointerWarning,
+)
+from .state import TrainingComponents, state_hash
+from .strategies import STRATEGIES
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpointer",
+    "TrainingComponents",
+    "state_hash",
+    "STRATEGIES",
+    "EverystepError",
+    "BackgroundWriteError",
+    "CheckpointDirectoryError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "NoValidCheckpointError",
+    "StateMismatchError",
+    "UnclosedCheckpointerWarning",
+]

@@ -1,0 +1,60 @@
+"""Named crash points for fault injection.
+
+``crash_point("store.object.mid_write")`` does nothing unless that point is armed, either by the
+environment (``EVERYSTEP_CRASH=name`` or ``name:N`` to fire at the N-th arrival) or by :func:`arm`.
+An armed point kills the process with SIGKILL: no handler, no flush, exactly like an external kill.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+__all__ = ["arm", "disarm", "crash_point", "kill_self"]
+
+_lock = threading.Lock()
+_armed: dict[str, tuple[int, Callable[[], None]]] = {}
+
+
+def kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(name: str, *, after: int = 1, action: Callable[[], None] = kill_self) -> None:
+    """Fire ``action`` at the ``after``-th arrival at crash point ``name``."""
+    if after < 1:
+        raise ValueError(f"after must be >= 1, got {after}")
+    with _lock:
+        _armed[name] = (after, action)
+
+
+def disarm(name: str) -> None:
+    with _lock:
+        _armed.pop(name, None)
+
+
+def crash_point(name: str) -> None:
+    if not _armed:
+        return
+    with _lock:
+        entry = _armed.get(name)
+        if entry is None:
+            return
+        remaining, action = entry
+        if remaining > 1:
+            _armed[name] = (remaining - 1, action)
+            return
+        del _armed[name]
+    action()
+
+
+def _arm_from_environment() -> None:
+    spec = os.environ.get("EVERYSTEP_CRASH", "")
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, count = item.partition(":")
+        arm(name, after=int(count) if count else 1)
+
+
+_arm_from_environment()

@@ -1,0 +1,208 @@
+"""The Checkpointer: attach to a model and optimizer, restore once, train as usual.
+
+Example::
+
+    with everystep.Checkpointer("ckpt", model, optimizer, scheduler=sched, data=loader) as ckpt:
+        start = ckpt.restore()
+        for step in range(start + 1, total + 1):
+            loss = model(next(batches)).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sched.step()
+
+Step boundaries come from the optimizer's step hooks (see :mod:`everystep.capture.hooks`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from .capture import StepHooks
+from .errors import CheckpointDirectoryError, EverystepError, UnclosedCheckpointerWarning
+from .recovery import Recovered, recover
+from .state import Stateful, TrainingComponents
+from .storage.local import LocalStore
+from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, create
+
+__all__ = ["Checkpointer"]
+
+
+class Checkpointer:
+    """Checkpoints the complete training state with a chosen strategy.
+
+    Args:
+        directory: where checkpoints live; created if absent. Ignored by strategy ``none``.
+        model, optimizer: the live objects being trained.
+        scheduler, scaler, data: optional LR scheduler, GradScaler, and a data-position object
+            with ``state_dict()``/``load_state_dict()`` (epoch, index, sampler seed).
+        strategy: a name from :data:`everystep.strategies.STRATEGIES` or a strategy instance.
+        every, keep, **options: the strategy's configuration, when given by name.
+        final: write a last checkpoint at a clean :meth:`close` if the last step has none.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: Any | None = None,
+        scaler: Any | None = None,
+        data: Stateful | None = None,
+        strategy: str | Strategy = "checkfreq",
+        every: int = 1,
+        keep: int = 2,
+        final: bool = True,
+        store: LocalStore | None = None,
+        **options: Any,
+    ) -> None:
+        self._closed = True  # until construction succeeds
+        if data is not None and not isinstance(data, Stateful):
+            raise TypeError(f"data must have state_dict() and load_state_dict(); got {type(data).__name__}")
+        self.strategy: Strategy = (
+            create(strategy, every=every, keep=keep, **options) if isinstance(strategy, str) else strategy
+        )
+        self.components = TrainingComponents(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data)
+        self.final = final
+        self.stats = CheckpointStats()
+        if store is None and self.strategy.needs_store:
+            if directory is None:
+                raise CheckpointDirectoryError(f"strategy {self.strategy.name!r} needs a checkpoint directory")
+            store = LocalStore.open(directory, strategy=self.strategy.name)
+        self.store = store
+        if store is not None:
+            store.collect_garbage()
+        self._ctx = StrategyContext(self.components, store, self.stats)
+        self.strategy.attach(self._ctx)
+        self.step = 0
+        self.recovered: Recovered | None = None
+        self._restored = False
+        self._state_ready_pending = False
+        self._hooks = StepHooks(
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            step_end=self._timed(self._step_end),
+            activity=self._timed(self._activity),
+            before_update=self._timed(self._before_update),
+        )
+        self._closed = False
+
+    # -- public ------------------------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the newest recoverable state into the live objects; return its step (0 if none).
+
+        Call once, before the first training step. Loading never executes code from the
+        checkpoint, and a checkpoint that does not fit the model raises without changing it.
+        """
+        if self.step or self._restored:
+            raise EverystepError("restore() must be called once, before the first training step")
+        self._restored = True
+        if self.store is None:
+            return 0
+        t0 = time.perf_counter()
+        found = recover(self.store)
+        if found is None:
+            return 0
+        self.components.restore(found.tree)
+        self.strategy.load_state_dict(found.tree.get("strategy", {}))
+        self.step = found.step
+        self.recovered = Recovered(
+            step=found.step, tree={}, source=found.source, manifest=found.manifest, seconds=time.perf_counter() - t0
+        )
+        return self.step
+
+    def close(self) -> None:
+        """Write the final checkpoint (if ``final``), wait for work in flight, release resources.
+
+        Raises the first background failure that has not been raised yet.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._hooks.remove()
+        try:
+            if self.final and self.step and not getattr(self, "_failed", False):
+                self._state_ready_pending = False
+                self._timed(lambda: self.strategy.on_state_ready(self.step, final=True))()
+        finally:
+            self.strategy.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self._failed = True  # the state may be mid-step: no final checkpoint
+            try:
+                self.close()
+            except EverystepError as e:
+                warnings.warn(f"while closing after an error: {e}", stacklevel=2)
+            return
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(
+                "a Checkpointer was never closed: use it as a context manager or call close(); "
+                "checkpoints in flight may be lost",
+                UnclosedCheckpointerWarning,
+                stacklevel=2,
+            )
+
+    @property
+    def bytes_written(self) -> int:
+        return self.store.bytes_written if self.store is not None else 0
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _timed(self, fn: Any) -> Any:
+        stats = self.stats
+
+        def wrapper() -> None:
+            t0 = time.perf_counter()
+            try:
+                fn()
+            finally:
+                stats.stall_seconds += time.perf_counter() - t0
+
+        return wrapper
+
+    def _step_end(self) -> None:
+        if self.step == 0 and not self._restored and self.store is not None:
+            self._refuse_unrestored_directory()
+        self.step += 1
+        self.stats.steps += 1
+        self._ctx.boundary = copy.deepcopy(self.components.capture_boundary())
+        self._state_ready_pending = True
+        self.strategy.on_step_end(self.step)
+
+    def _activity(self) -> None:
+        if self._state_ready_pending:
+            self._state_ready_pending = False
+            self.strategy.on_state_ready(self.step)
+
+    def _before_update(self) -> None:
+        self.strategy.before_update(self.step + 1)
+
+    def _refuse_unrestored_directory(self) -> None:
+        assert self.store is not None
+        steps = [r.manifest.step for r in self.store.manifests() if r.manifest]
+        if steps:
+            self._restored = True  # raise once
+            raise CheckpointDirectoryError(
+                f"{self.store.root} holds checkpoints up to step {max(steps)}, but training started without "
+                "restore(); call restore() first or use an empty directory (nothing was deleted)"
+            )
+
+
+def available_strategies() -> list[str]:
+    return sorted(STRATEGIES)

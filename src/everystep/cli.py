@@ -1,0 +1,147 @@
+"""The ``everystep`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .errors import EverystepError
+
+__all__ = ["main"]
+
+
+def _steps_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated step numbers like 7,19; got {text!r}") from None
+
+
+def _write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .eval.train import TrainConfig, run
+
+    cfg = TrainConfig(
+        workload=args.workload, strategy=args.strategy, steps=args.steps, directory=args.dir,
+        every=args.every, keep=args.keep, seed=args.seed, threads=args.threads,
+        optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode,
+    )
+    summary = run(cfg)
+    _write_json(args.json, summary)
+    print(
+        f"{summary['strategy']} on {summary['workload']}: {summary['steps']} steps, "
+        f"final loss {summary['losses'][-1]:.4f}, {summary['mean_step_seconds'] * 1e3:.1f} ms/step, "
+        f"{summary['bytes_written'] / 2**20:.1f} MiB written, {len(summary['recoveries'])} recoveries"
+    )
+    for r in summary["recoveries"]:
+        print(f"  failed at step {r['failed_at']}: resumed from step {r['resumed_from']} "
+              f"({r['source']}, {r['recovery_seconds'] * 1e3:.1f} ms)")
+    print(f"final state sha256 {summary['final_state_sha256']}")
+    return 0
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    from .eval.train import training_state_hash
+    from .recovery import recover
+    from .storage.local import LocalStore
+
+    store = LocalStore.open(args.dir, create=False)
+    found = recover(store)
+    if found is None:
+        result = {"step": 0, "state_sha256": None, "source": "none"}
+    else:
+        result = {"step": found.step, "state_sha256": training_state_hash(found.tree), "source": found.source,
+                  "recovery_seconds": found.seconds}
+    _write_json(args.json, result)
+    print(f"step {result['step']}" + (f", state sha256 {result['state_sha256']}" if result["state_sha256"] else " (empty)"))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .storage.local import LocalStore
+    from .inventory import inspect_store
+
+    store = LocalStore.open(args.dir, create=False)
+    rows = inspect_store(store)
+    print(f"{store.root}: strategy {store.marker.get('strategy')}, world size {store.marker.get('world_size')}")
+    if not rows:
+        print("  no checkpoints")
+    for r in rows:
+        status = "valid" if r["valid"] else f"INVALID: {r['reason']}"
+        print(f"  {r['kind']:>6} step {r['step']:>8}  {r['bytes'] / 2**20:10.2f} MiB  {status}")
+    _write_json(args.json, {"directory": str(store.root), "checkpoints": rows})
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import demo
+
+    return demo(Path(args.dir), steps=args.steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .eval.workloads import OPTIMIZERS, WORKLOADS
+    from .strategies import STRATEGIES
+
+    p = argparse.ArgumentParser(prog="everystep", description="Checkpointing every training step, with exact recovery.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a workload with a checkpointing strategy, optionally killing it")
+    t.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-tiny")
+    t.add_argument("--strategy", choices=sorted(STRATEGIES), default="checkfreq")
+    t.add_argument("--steps", type=int, default=20)
+    t.add_argument("--dir", help="checkpoint directory (needed by every strategy but none)")
+    t.add_argument("--every", type=int, default=1, help="checkpoint every K steps (default 1)")
+    t.add_argument("--keep", type=int, default=2, help="full checkpoints to keep (default 2)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=1, help="intra-op threads for training (default 1)")
+    t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
+    t.add_argument("--fail-at", type=_steps_list, default=(), metavar="STEPS", help="kill the training during these steps, e.g. 7,19")
+    t.add_argument("--fail-mode", choices=["software", "hardware"], default="software")
+    t.add_argument("--json", metavar="PATH", help="write the run summary here")
+    t.set_defaults(func=cmd_train)
+
+    r = sub.add_parser("recover", help="recover the newest valid state without training")
+    r.add_argument("--dir", required=True)
+    r.add_argument("--json", metavar="PATH")
+    r.set_defaults(func=cmd_recover)
+
+    i = sub.add_parser("inspect", help="list stored checkpoints and whether each verifies")
+    i.add_argument("dir")
+    i.add_argument("--json", metavar="PATH")
+    i.set_defaults(func=cmd_inspect)
+
+    d = sub.add_parser("demo", help="train gpt2-tiny, kill it twice, recover, and compare with an uninterrupted run")
+    d.add_argument("--dir", default="demo-out")
+    d.add_argument("--steps", type=int, default=30)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.formatwarning = lambda msg, cat, *a, **k: f"everystep: warning: {msg}\n"  # type: ignore[assignment]
+            return int(args.func(args))
+    except EverystepError as e:
+        print(f"everystep: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("everystep: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Workloads, training driver with failure injection, and measurement."""

@@ -1,0 +1,234 @@
+"""The training driver behind ``everystep train``: one loop, optional failures, crash-restart.
+
+A run with failures is supervised: the loop runs in a child process that kills itself (SIGKILL)
+during each planned step, and the supervisor starts a fresh child that recovers and goes on,
+until every step is done. Each child appends to a journal (JSON lines) that survives its death;
+the summary takes each step's loss from that step's last execution.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..checkpointer import Checkpointer
+from ..errors import ConfigError, EverystepError
+from ..state import state_hash
+from ..strategies import STRATEGIES
+from .faults import FailurePlan, Injector
+from .workloads import OPTIMIZERS, WORKLOADS, build
+
+__all__ = ["TrainConfig", "train", "run_supervised", "training_state_hash"]
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run. Steps are numbered from 1."""
+
+    workload: str = "gpt2-tiny"
+    strategy: str = "checkfreq"
+    steps: int = 20
+    directory: str | None = None
+    every: int = 1
+    keep: int = 2
+    seed: int = 0
+    threads: int = 1
+    optimizer: str = "adamw"
+    fail_at: tuple[int, ...] = ()
+    fail_mode: str = "software"
+    options: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.fail_at = tuple(sorted(set(self.fail_at)))
+        if self.workload not in WORKLOADS:
+            raise ConfigError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(sorted(STRATEGIES))}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if self.steps < 1:
+            raise ConfigError(f"--steps must be at least 1, got {self.steps}")
+        if self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+        if self.fail_mode not in ("software", "hardware"):
+            raise ConfigError(f"--fail-mode must be software or hardware, got {self.fail_mode!r}")
+        bad = [s for s in self.fail_at if not 1 <= s <= self.steps]
+        if bad:
+            raise ConfigError(f"--fail-at steps must lie in 1..{self.steps}; got {', '.join(map(str, bad))}")
+        if self.strategy != "none" and self.directory is None:
+            raise ConfigError(f"strategy {self.strategy!r} needs --dir")
+        if self.fail_at and self.strategy == "none" and self.directory is None:
+            self.directory = None  # recovery restarts from step 0
+
+
+def training_state_hash(tree: dict[str, Any]) -> str:
+    """The hash reported as ``final_state_sha256``: S_t without strategy-private bookkeeping."""
+    return state_hash({k: v for k, v in tree.items() if k != "strategy"})
+
+
+class Journal:
+    """Append-only JSON lines; each record is flushed before the next step begins."""
+
+    def __init__(self, path: str | None) -> None:
+        self.records: list[dict[str, Any]] = []
+        self._file = open(path, "a", buffering=1) if path else None
+
+    def write(self, **record: Any) -> None:
+        self.records.append(record)
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+    @staticmethod
+    def read(path: str) -> list[dict[str, Any]]:
+        out = []
+        for line in Path(path).read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut short by the kill
+        return out
+
+
+def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -> None:
+    """Run (or resume) the loop of ``cfg`` in this process, journaling every step."""
+    torch.set_num_threads(cfg.threads)
+    w = build(cfg.workload, seed=cfg.seed, optimizer=cfg.optimizer)
+    inject = Injector(plan)
+    strategy = cfg.strategy
+    directory = cfg.directory if STRATEGIES[strategy].needs_store else None
+    with Checkpointer(
+        directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+        strategy=strategy, every=cfg.every, keep=cfg.keep, **cfg.options,
+    ) as ckpt:
+        t0 = time.perf_counter()
+        start = ckpt.restore()
+        journal.write(
+            event="start", resumed_from=start, recovery_seconds=time.perf_counter() - t0,
+            source=ckpt.recovered.source if ckpt.recovered else "none", pid=os.getpid(),
+        )
+        bar = tqdm(total=cfg.steps, initial=start, unit="step", disable=None if cfg.progress else True, leave=False)
+        for step in range(start + 1, cfg.steps + 1):
+            t_step = time.perf_counter()
+            inject.point(step, "start")
+            loss = w.loss(w.data.next())
+            inject.point(step, "forward")
+            loss.backward()
+            inject.point(step, "backward")
+            torch.nn.utils.clip_grad_norm_(w.model.parameters(), 1.0)
+            w.optimizer.step()
+            inject.point(step, "update")
+            w.optimizer.zero_grad(set_to_none=True)
+            w.scheduler.step()
+            journal.write(
+                event="step", step=step, loss=loss.item(), seconds=time.perf_counter() - t_step,
+                bytes_written=ckpt.bytes_written, stall_seconds=ckpt.stats.stall_seconds,
+            )
+            bar.update(1)
+        bar.close()
+    inject.finish()
+    final_tree = {"step": cfg.steps, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
+    journal.write(
+        event="end", final_state_sha256=training_state_hash(final_tree), bytes_written=ckpt.bytes_written,
+        **{f"stats_{k}": v for k, v in ckpt.stats.as_dict().items()},
+    )
+
+
+def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fold a journal (one or more process lifetimes) into the run summary."""
+    losses: dict[int, float] = {}
+    seconds: dict[int, float] = {}
+    recoveries, bytes_total, lifetime_bytes = [], 0, 0
+    stall_total, lifetime_stall = 0.0, 0.0
+    end: dict[str, Any] | None = None
+    failures = iter(cfg.fail_at)
+    for r in records:
+        if r["event"] == "start":
+            bytes_total += lifetime_bytes
+            stall_total += lifetime_stall
+            lifetime_bytes, lifetime_stall = 0, 0.0
+            if r["pid"] != records[0]["pid"]:
+                recoveries.append({
+                    "failed_at": next(failures, None), "resumed_from": r["resumed_from"],
+                    "recovery_seconds": r["recovery_seconds"], "source": r["source"],
+                })
+        elif r["event"] == "step":
+            losses[r["step"]] = r["loss"]
+            seconds[r["step"]] = r["seconds"]
+            lifetime_bytes, lifetime_stall = r["bytes_written"], r["stall_seconds"]
+        elif r["event"] == "end":
+            end = r
+            lifetime_bytes, lifetime_stall = r["bytes_written"], r["stats_stall_seconds"]
+    if end is None or len(losses) != cfg.steps:
+        raise EverystepError(f"the run ended without finishing: {len(losses)} of {cfg.steps} steps recorded")
+    return {
+        "workload": cfg.workload,
+        "strategy": cfg.strategy,
+        "seed": cfg.seed,
+        "threads": cfg.threads,
+        "every": cfg.every,
+        "steps": cfg.steps,
+        "losses": [losses[s] for s in range(1, cfg.steps + 1)],
+        "final_state_sha256": end["final_state_sha256"],
+        "recoveries": recoveries,
+        "mean_step_seconds": statistics.fmean(seconds.values()),
+        "bytes_written": bytes_total + lifetime_bytes,
+        "stall_seconds": stall_total + lifetime_stall,
+        "checkpoints": end["stats_checkpoints"],
+        "snapshot_wait_seconds": end["stats_snapshot_wait_seconds"],
+    }
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Run ``cfg`` to the end; supervised in child processes when failures are planned."""
+    if not cfg.fail_at:
+        journal = Journal(None)
+        train(cfg, journal)
+        return summarise(cfg, journal.records)
+    return run_supervised(cfg)
+
+
+def run_supervised(cfg: TrainConfig) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="everystep-run-") as tmp:
+        journal_path = os.path.join(tmp, "journal.jsonl")
+        pending = list(cfg.fail_at)
+        while True:
+            spec = {"config": {**asdict(cfg), "fail_at": []}, "plan": pending}
+            cmd = [sys.executable, "-m", "everystep.eval.worker", json.dumps(spec), journal_path]
+            proc = subprocess.run(cmd, start_new_session=True)
+            records = Journal.read(journal_path)
+            if proc.returncode == 0:
+                return summarise(cfg, records)
+            if proc.returncode != -9 or not pending:
+                raise EverystepError(f"the training process failed unexpectedly (exit status {proc.returncode})")
+            pending.pop(0)
+
+
+def worker_main(argv: list[str]) -> int:
+    spec, journal_path = json.loads(argv[0]), argv[1]
+    conf = spec["config"]
+    conf["fail_at"] = tuple(conf["fail_at"])
+    cfg = TrainConfig(**conf)
+    plan = FailurePlan(steps=tuple(spec["plan"]), mode=cfg.fail_mode, seed=cfg.seed) if spec["plan"] else None
+    journal = Journal(journal_path)
+    try:
+        train(cfg, journal, plan)
+    finally:
+        journal.close()
+    return 0

@@ -1,0 +1,8 @@
+"""Entry point of a supervised training child: ``python -m everystep.eval.worker SPEC JOURNAL``."""
+
+import sys
+
+from .train import worker_main
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))

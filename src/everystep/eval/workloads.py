@@ -1,0 +1,225 @@
+"""The deterministic workloads of the measurement protocol.
+
+=============  =====================================================  ==========
+name           model                                                  batch
+=============  =====================================================  ==========
+``mlp``        3-layer MLP classifier with dropout, 32 → 10 classes   16
+``gpt2-tiny``  GPT-2 (2 layers, width 64, vocab 256, seq 32)          4
+``gpt2-small`` GPT-2 (6 layers, width 512, vocab 8192, seq 128), ~23M  8
+``resnet``     ResNet-style CNN with BatchNorm, 3×32×32 → 10 classes  16
+=============  =====================================================  ==========
+
+GPT-2 models tie the token embedding and the output projection, and use dropout, so shared
+parameters and the random generator's state are exercised by every checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from .data import SyntheticData
+
+__all__ = ["Workload", "WORKLOADS", "OPTIMIZERS", "build", "GPT", "GPTConfig"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int
+    seq: int
+    layers: int
+    width: int
+    heads: int
+    dropout: float = 0.1
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.heads = c.heads
+        self.dropout = c.dropout
+        self.ln1 = nn.LayerNorm(c.width)
+        self.qkv = nn.Linear(c.width, 3 * c.width)
+        self.proj = nn.Linear(c.width, c.width)
+        self.ln2 = nn.LayerNorm(c.width)
+        self.mlp = nn.Sequential(nn.Linear(c.width, 4 * c.width), nn.GELU(), nn.Linear(4 * c.width, c.width))
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, w = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, w)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style decoder whose output projection shares the token embedding's weight."""
+
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.wte = nn.Embedding(c.vocab, c.width)
+        self.wpe = nn.Embedding(c.seq, c.width)
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln_f = nn.LayerNorm(c.width)
+        self.lm_head = nn.Linear(c.width, c.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * c.layers) if name.endswith("proj.weight") else 0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.wte(tokens) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.skip = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.skip(x))
+
+
+def resnet(classes: int = 10, widths: tuple[int, ...] = (32, 64, 128)) -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()]
+    cin = widths[0]
+    for i, w in enumerate(widths):
+        layers += [ResidualBlock(cin, w, 1 if i == 0 else 2), ResidualBlock(w, w, 1)]
+        cin = w
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
+@dataclass
+class Workload:
+    """A model, its optimizer and schedule, resumable data, and how to compute a batch's loss."""
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: SyntheticData
+    loss: Callable[[Any], torch.Tensor]
+
+
+def _token_sample(vocab: int, seq: int) -> Callable[[torch.Generator], torch.Tensor]:
+    def make(g: torch.Generator) -> torch.Tensor:
+        # A noisy affine walk over the vocabulary: learnable, yet not trivial.
+        start = torch.randint(vocab, (1,), generator=g)
+        noise = (torch.rand(seq + 1, generator=g) < 0.1) * torch.randint(vocab, (seq + 1,), generator=g)
+        steps = torch.arange(seq + 1) * 7
+        return (start + steps + noise) % vocab
+
+    return make
+
+
+def _gpt(c: GPTConfig, batch: int, seed: int) -> tuple[nn.Module, SyntheticData, Callable[[Any], torch.Tensor]]:
+    model = GPT(c)
+    data = SyntheticData(_token_sample(c.vocab, c.seq), size=4096, batch_size=batch, seed=seed)
+
+    def loss(tokens: torch.Tensor) -> torch.Tensor:
+        logits = model(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, c.vocab), tokens[:, 1:].reshape(-1))
+
+    return model, data, loss
+
+
+def _classifier(model: nn.Module, make: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]], batch: int, seed: int):
+    data = SyntheticData(make, size=4096, batch_size=batch, seed=seed)
+
+    def loss(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = b
+        return F.cross_entropy(model(x), y)
+
+    return model, data, loss
+
+
+def _mlp(seed: int):
+    teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(seed + 17))
+
+    def make(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(32, generator=g)
+        return x, (x @ teacher).argmax()
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    return _classifier(model, make, 16, seed)
+
+
+def _resnet(seed: int):
+    def make(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.randint(10, (), generator=g)
+        x = torch.randn(3, 32, 32, generator=g) * 0.5
+        x[y % 3, :, :] += (y.float() - 4.5) / 4.5  # a class signal in one channel
+        return x, y
+
+    return _classifier(resnet(), make, 16, seed)
+
+
+WORKLOADS: dict[str, Callable[[int], Any]] = {
+    "mlp": _mlp,
+    "gpt2-tiny": lambda seed: _gpt(GPTConfig(vocab=256, seq=32, layers=2, width=64, heads=4), 4, seed),
+    "gpt2-small": lambda seed: _gpt(GPTConfig(vocab=8192, seq=128, layers=6, width=512, heads=8), 8, seed),
+    "resnet": _resnet,
+}
+
+OPTIMIZERS: dict[str, Callable[[Any, float], torch.optim.Optimizer]] = {
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
+    "momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4),
+    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
+    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
+}
+
+_DEFAULT_LR = {"sgd": 0.05, "momentum": 0.02, "adam": 1e-3, "adamw": 1e-3}
+
+
+class WarmupCosine:
+    """LR multiplier: linear warm-up over ``warmup`` steps, then cosine decay to 10% at ``total``."""
+
+    def __init__(self, warmup: int = 10, total: int = 1000) -> None:
+        self.warmup, self.total = warmup, total
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | None = None) -> Workload:
+    """Build a workload deterministically from ``seed``: same seed, same bits."""
+    if name not in WORKLOADS:
+        raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    model, data, loss = WORKLOADS[name](seed)
+    opt = OPTIMIZERS[optimizer](model.parameters(), lr if lr is not None else _DEFAULT_LR[optimizer])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine())
+    return Workload(name=name, model=model, optimizer=opt, scheduler=scheduler, data=data, loss=loss)

@@ -1,0 +1,60 @@
+"""Finding and loading the newest recoverable point."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CorruptCheckpointError, NoValidCheckpointError
+from .storage.base import Manifest
+from .storage.local import LocalStore
+from .strategies._full import read_full
+
+__all__ = ["Recovered", "latest_full", "recover"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recovered:
+    """A recovered state: ``tree`` is S_step; ``source`` says where it came from."""
+
+    step: int
+    tree: dict[str, Any]
+    source: str
+    manifest: Manifest | None
+    seconds: float
+
+
+def latest_full(store: LocalStore) -> tuple[Manifest, dict[str, Any]] | None:
+    """The newest full checkpoint that verifies, with its state; ``None`` when there is none.
+
+    Each checkpoint that fails verification is skipped with a warning naming why; if every one
+    fails, :class:`NoValidCheckpointError` lists the reasons.
+    """
+    records = store.manifests()
+    reasons = []
+    for r in records:
+        if r.error:
+            warnings.warn(f"skipping {r.name}: {r.error}", stacklevel=3)
+            reasons.append(r.error)
+    fulls = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == "full"), key=lambda m: -m.step)
+    for manifest in fulls:
+        try:
+            return manifest, read_full(store, manifest)
+        except CorruptCheckpointError as e:
+            warnings.warn(f"skipping the checkpoint at step {manifest.step}: {e}", stacklevel=3)
+            reasons.append(f"step {manifest.step}: {e}")
+    if reasons:
+        raise NoValidCheckpointError(f"no valid checkpoint in {store.root}: " + "; ".join(reasons))
+    return None
+
+
+def recover(store: LocalStore) -> Recovered | None:
+    """The newest recoverable state in ``store``, or ``None`` for an empty store."""
+    t0 = time.perf_counter()
+    found = latest_full(store)
+    if found is None:
+        return None
+    manifest, tree = found
+    return Recovered(step=manifest.step, tree=tree, source="disk", manifest=manifest, seconds=time.perf_counter() - t0)

@@ -1,0 +1,291 @@
+"""The complete training state: capture, flat tensor views, serialisable skeleton, hash, restore.
+
+A training state is a tree of dicts, lists and tuples whose leaves are tensors or JSON scalars.
+``flatten`` splits it into a ``{key: tensor}`` table and a JSON skeleton that refers to the table,
+storing tensors that share memory (tied weights) once. ``unflatten`` is its inverse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .errors import StateMismatchError
+
+__all__ = [
+    "Stateful",
+    "TrainingComponents",
+    "capture_rng",
+    "restore_rng",
+    "flatten",
+    "unflatten",
+    "state_hash",
+    "tensor_nbytes",
+]
+
+_TENSOR = "__tensor__"
+_TUPLE = "__tuple__"
+_INTKEYS = "__intkeys__"
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: a data position, a sampler."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every random generator the training may draw from: torch CPU and CUDA, Python, NumPy."""
+    state: dict[str, Any] = {
+        "torch_cpu": torch.get_rng_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype("int64")),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng`."""
+    torch.set_rng_state(state["torch_cpu"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "torch_cuda" in state:
+        if not torch.cuda.is_available():
+            raise StateMismatchError(
+                "the checkpoint holds CUDA random state but CUDA is not available here; "
+                "restore it on a machine with the same GPUs"
+            )
+        torch.cuda.set_rng_state_all(state["torch_cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        n = state["numpy"]
+        keys = n["keys"].numpy().astype("uint32")
+        np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+
+
+@dataclass(kw_only=True)
+class TrainingComponents:
+    """The live objects whose state makes up S_t. Only model and optimizer are required."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any | None = None
+    scaler: Any | None = None
+    data: Stateful | None = None
+
+    def capture(self) -> dict[str, Any]:
+        """The heavy, slowly-changing part of the state, referencing live tensors (no copy)."""
+        tree: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+        if self.scheduler is not None:
+            tree["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            tree["scaler"] = self.scaler.state_dict()
+        return tree
+
+    def capture_boundary(self) -> dict[str, Any]:
+        """The part that must be read at the instant a step ends: RNG and data position."""
+        tree: dict[str, Any] = {"rng": capture_rng()}
+        if self.data is not None:
+            tree["data"] = self.data.state_dict()
+        return tree
+
+    def restore(self, tree: dict[str, Any]) -> None:
+        """Load a captured state into the live objects, checking every shape first."""
+        check_model(self.model, tree["model"])
+        check_optimizer(self.optimizer, tree["optimizer"])
+        for name, component in (("scheduler", self.scheduler), ("scaler", self.scaler), ("data", self.data)):
+            if (component is None) != (name not in tree):
+                have = "has" if name in tree else "has no"
+                given = "was given one" if component is not None else "was not given one"
+                raise StateMismatchError(
+                    f"the checkpoint {have} {name} state but the Checkpointer {given}; "
+                    f"attach the same components that wrote it"
+                )
+        self.model.load_state_dict(tree["model"])
+        self.optimizer.load_state_dict(tree["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(tree["scheduler"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(tree["scaler"])
+        if self.data is not None:
+            self.data.load_state_dict(tree["data"])
+        restore_rng(tree["rng"])
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_model(model: torch.nn.Module, stored: dict[str, Any]) -> None:
+    """Raise :class:`StateMismatchError` naming the first key or shape that differs."""
+    live = model.state_dict()
+    missing = sorted(set(live) - set(stored))
+    unexpected = sorted(set(stored) - set(live))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"the model has {_names(missing)} which the checkpoint lacks")
+        if unexpected:
+            parts.append(f"the checkpoint has {_names(unexpected)} which the model lacks")
+        raise StateMismatchError(
+            "; ".join(parts) + " — was it written by another model (or with/without a DDP 'module.' prefix)?"
+        )
+    for key, tensor in live.items():
+        other = stored[key]
+        if isinstance(tensor, torch.Tensor) and _shape(tensor) != _shape(other):
+            raise StateMismatchError(
+                f"model parameter {key!r} has shape {_shape(tensor)}; the checkpoint has {_shape(other)} "
+                "— was it written by another model configuration?"
+            )
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, stored: dict[str, Any]) -> None:
+    """Check parameter counts per group and the shapes of per-parameter state tensors."""
+    groups = optimizer.param_groups
+    stored_groups = stored.get("param_groups", [])
+    if len(groups) != len(stored_groups):
+        raise StateMismatchError(
+            f"the optimizer has {len(groups)} parameter groups; the checkpoint has {len(stored_groups)}"
+        )
+    for gi, (group, sgroup) in enumerate(zip(groups, stored_groups)):
+        if len(group["params"]) != len(sgroup["params"]):
+            raise StateMismatchError(
+                f"optimizer parameter group {gi} has {len(group['params'])} parameters; "
+                f"the checkpoint has {len(sgroup['params'])} — was it written by another model or optimizer?"
+            )
+        for param, index in zip(group["params"], sgroup["params"]):
+            for name, value in stored.get("state", {}).get(index, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and _shape(value) != _shape(param):
+                    raise StateMismatchError(
+                        f"optimizer state {name!r} of parameter {index} has shape {_shape(value)}; "
+                        f"the parameter has {_shape(param)} — was it written by another model configuration?"
+                    )
+
+
+def _names(keys: list[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return shown + more
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), _shape(t), t.stride(), t.dtype)
+
+
+def flatten(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a state tree into ``{key: tensor}`` and a JSON-serialisable skeleton.
+
+    Tensors that are the same view of the same memory (tied weights) are stored once; the
+    skeleton refers to the first key. Dicts with non-string keys (optimizer state) and tuples
+    survive the round trip.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            if node.layout != torch.strided:
+                raise TypeError(f"state entry {path!r} is a {node.layout} tensor; only dense tensors are supported")
+            key = seen.get(_storage_key(node)) if node.numel() else None
+            if key is None:
+                key = path
+                tensors[key] = node
+                if node.numel():
+                    seen[_storage_key(node)] = key
+            return {_TENSOR: key}
+        if isinstance(node, dict):
+            if all(isinstance(k, str) for k in node):
+                return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
+            if all(isinstance(k, int) for k in node):
+                return {_INTKEYS: [[k, walk(v, f"{path}/{k}")] for k, v in node.items()]}
+            raise TypeError(f"state entry {path!r} is a dict with keys that are neither all str nor all int")
+        if isinstance(node, tuple):
+            return {_TUPLE: [walk(v, f"{path}/{i}") for i, v in enumerate(node)]}
+        if isinstance(node, list):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        raise TypeError(
+            f"state entry {path!r} has type {type(node).__name__}, which cannot be stored without pickle; "
+            "expose it as tensors or JSON scalars"
+        )
+
+    skeleton = walk(tree, prefix)
+    return tensors, skeleton
+
+
+def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten`."""
+    if isinstance(skeleton, dict):
+        if _TENSOR in skeleton:
+            key = skeleton[_TENSOR]
+            if key not in tensors:
+                raise KeyError(f"the checkpoint refers to tensor {key!r} but does not store it")
+            return tensors[key]
+        if _TUPLE in skeleton:
+            return tuple(unflatten(v, tensors) for v in skeleton[_TUPLE])
+        if _INTKEYS in skeleton:
+            return {int(k): unflatten(v, tensors) for k, v in skeleton[_INTKEYS]}
+        return {k: unflatten(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [unflatten(v, tensors) for v in skeleton]
+    return skeleton
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def state_hash(tree: Any) -> str:
+    """SHA-256 of every tensor's dtype, shape and values and every scalar, by path.
+
+    Independent of memory layout, device, dict order and of whether tied tensors are stored once.
+    """
+    h = hashlib.sha256()
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, torch.Tensor):
+            t = node.detach().to("cpu").contiguous()
+            h.update(f"T|{path}|{t.dtype}|{tuple(t.shape)}|".encode())
+            if t.numel():
+                h.update(t.view(-1).view(torch.uint8).numpy().data)
+            return
+        if isinstance(node, dict):
+            h.update(f"D|{path}|{len(node)}|".encode())
+            for k in sorted(node, key=lambda x: (str(type(x)), x)):
+                walk(node[k], f"{path}/{k}")
+            return
+        if isinstance(node, (list, tuple)):
+            h.update(f"L|{path}|{len(node)}|".encode())
+            for i, v in enumerate(node):
+                walk(v, f"{path}/{i}")
+            return
+        h.update(f"S|{path}|{json.dumps(node)}|".encode())
+
+    walk(tree, "")
+    return h.hexdigest()

@@ -1,0 +1,28 @@
+"""Checkpointing strategies, one module each, behind the :class:`Strategy` protocol."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from ..errors import ConfigError
+from .base import CheckpointStats, Strategy, StrategyConfig, StrategyContext
+from .checkfreq import CheckFreq
+from .full_sync import FullSync
+from .none import NoCheckpoint
+
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq"]
+
+STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq)}
+
+
+def create(name: str, **options: Any) -> Strategy:
+    """Build a strategy by name; options are the fields of its ``Config``."""
+    cls = STRATEGIES.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown strategy {name!r}; choose one of {', '.join(sorted(STRATEGIES))}")
+    allowed = {f.name for f in fields(cls.Config)}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ConfigError(f"strategy {name!r} has no option {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}")
+    return cls(cls.Config(**options))

@@ -1,0 +1,143 @@
+"""The Strategy protocol, its configuration and the context a strategy works in.
+
+Call order (enforced by :class:`~everystep.Checkpointer`):
+
+1. ``attach(ctx)`` once, before anything else.
+2. ``load_state_dict(state)`` when recovery found strategy-owned state.
+3. For each training step t = 1, 2, …:
+   a. ``on_step_end(t)`` right after the update of step t;
+   b. ``on_state_ready(t)`` once S_t is complete and before step t+1 changes it;
+   c. ``before_update(t + 1)`` right before the update of step t+1.
+4. ``on_state_ready(t, final=True)`` at a clean close, where t is the last step.
+5. ``close()`` once: wait for work in flight, raise any background failure.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+from ..errors import BackgroundWriteError, ConfigError
+from ..state import TrainingComponents, flatten
+
+if TYPE_CHECKING:
+    from ..storage.local import LocalStore
+
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats"]
+
+
+@dataclass(kw_only=True, slots=True)
+class StrategyConfig:
+    """Options every strategy shares."""
+
+    every: int = 1
+    """Checkpoint every this many steps (1: every step)."""
+    keep: int = 2
+    """Full checkpoints to keep; older ones, and what only they need, are deleted."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"every must be a positive number of steps, got {self.every}")
+        if self.keep < 1:
+            raise ConfigError(f"keep must be at least 1 so that a checkpoint survives, got {self.keep}")
+
+
+@dataclass
+class CheckpointStats:
+    """What checkpointing cost, as observed by the training process."""
+
+    steps: int = 0
+    checkpoints: int = 0
+    stall_seconds: float = 0.0
+    snapshot_wait_seconds: float = 0.0
+    stalls: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "checkpoints": self.checkpoints,
+            "stall_seconds": self.stall_seconds,
+            "snapshot_wait_seconds": self.snapshot_wait_seconds,
+            "stall_per_checkpoint_seconds": self.stall_seconds / self.checkpoints if self.checkpoints else 0.0,
+        }
+
+
+class StrategyContext:
+    """What a strategy may use: the live components, the store, the boundary capture, stats."""
+
+    def __init__(self, components: TrainingComponents, store: "LocalStore | None", stats: CheckpointStats) -> None:
+        self.components = components
+        self.store = store
+        self.stats = stats
+        self.boundary: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.strategy_state: dict[str, Any] | None = None
+
+    def state_tree(self, step: int) -> dict[str, Any]:
+        """S_step as a tree referencing live tensors (valid until the next update)."""
+        tree = {"step": step, **self.components.capture(), **self.boundary}
+        if self.strategy_state is not None:
+            tree["strategy"] = self.strategy_state
+        return tree
+
+    def flatten_state(self, step: int) -> tuple[dict[str, torch.Tensor], Any]:
+        return flatten(self.state_tree(step))
+
+    def stable_keys(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+        """Keys of tensors that only ``optimizer.step()`` modifies: parameters and optimizer state.
+
+        Everything else (BatchNorm statistics, RNG, counters) may change in the next forward and
+        must be copied before it starts.
+        """
+        opt = self.components.optimizer
+        ptrs = {p.untyped_storage().data_ptr() for g in opt.param_groups for p in g["params"]}
+        for st in opt.state.values():
+            ptrs |= {v.untyped_storage().data_ptr() for v in st.values() if isinstance(v, torch.Tensor) and v.numel()}
+        return {k for k, t in tensors.items() if t.numel() and t.untyped_storage().data_ptr() in ptrs}
+
+    def committed(self) -> None:
+        with self._lock:
+            self.stats.checkpoints += 1
+
+
+class BackgroundErrors:
+    """Keeps the first failure of background work and raises it once, in the training thread."""
+
+    def __init__(self) -> None:
+        self._error: BaseException | None = None
+        self._what = ""
+        self._lock = threading.Lock()
+
+    def record(self, what: str, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error, self._what = error, what
+
+    def raise_pending(self) -> None:
+        with self._lock:
+            error, what, self._error = self._error, self._what, None
+        if error is not None:
+            raise BackgroundWriteError(f"{what} failed: {error}") from error
+
+
+class Strategy(Protocol):
+    """A checkpointing strategy; see the module docstring for the call order."""
+
+    name: ClassVar[str]
+    needs_store: ClassVar[bool]
+
+    def attach(self, ctx: StrategyContext) -> None: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def on_step_end(self, step: int) -> None: ...
+
+    def on_state_ready(self, step: int, *, final: bool = False) -> None: ...
+
+    def before_update(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+

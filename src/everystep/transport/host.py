@@ -1,0 +1,135 @@
+"""Flat host buffers that hold a whole checkpoint as one allocation.
+
+A :class:`TensorLayout` packs tensors back to back, largest element size first, so every tensor
+is naturally aligned and the buffer has no holes: the same bytes are the data section of a
+safetensors file. A snapshot is one ``copy_`` per tensor into views of the buffer; on CUDA the
+copies run on a side stream into pinned memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TensorLayout", "HostBuffer", "HostBufferPool", "snapshot_into", "tensor_bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutEntry:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """Where each tensor lives in a flat buffer. Built by :meth:`of`; compared by value."""
+
+    entries: tuple[LayoutEntry, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> "TensorLayout":
+        order = sorted(enumerate(tensors.items()), key=lambda it: (-it[1][1].element_size(), it[0]))
+        entries, offset = [], 0
+        for _, (key, t) in order:
+            n = t.numel() * t.element_size()
+            entries.append(LayoutEntry(key, t.dtype, tuple(t.shape), offset, n))
+            offset += n
+        return cls(tuple(entries), offset)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without a copy when it is contiguous."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+class HostBuffer:
+    """One flat, optionally pinned, byte buffer with a typed view per layout entry."""
+
+    def __init__(self, layout: TensorLayout, *, pin: bool = False) -> None:
+        self.layout = layout
+        self.data = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.views: dict[str, torch.Tensor] = {
+            e.key: self.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries
+        }
+
+    def memoryview(self) -> memoryview:
+        return memoryview(self.data.numpy()) if self.layout.nbytes else memoryview(b"")
+
+
+def snapshot_into(
+    buffer: HostBuffer,
+    tensors: dict[str, torch.Tensor],
+    keys: list[str] | None = None,
+    *,
+    stream: "torch.cuda.Stream | None" = None,
+) -> "torch.cuda.Event | None":
+    """Copy ``tensors[k]`` into ``buffer.views[k]`` for each key (all when ``keys`` is None).
+
+    CPU sources are copied synchronously. CUDA sources are copied asynchronously on ``stream``
+    (which first waits for the current stream); the returned event completes with the copies.
+    """
+    keys = list(tensors) if keys is None else keys
+    on_cuda = any(tensors[k].is_cuda for k in keys)
+    if not on_cuda:
+        for k in keys:
+            buffer.views[k].copy_(tensors[k].detach())
+        return None
+    stream = stream or torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for k in keys:
+            src = tensors[k].detach()
+            buffer.views[k].copy_(src, non_blocking=True)
+            if src.is_cuda:
+                src.record_stream(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
+class HostBufferPool:
+    """A bounded set of reusable host buffers. ``acquire`` blocks while all are in use."""
+
+    def __init__(self, capacity: int = 2, *, pin: bool | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"a buffer pool needs capacity >= 1, got {capacity}")
+        self.capacity = capacity
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._free: list[HostBuffer] = []
+        self._outstanding = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, layout: TensorLayout) -> HostBuffer:
+        with self._cond:
+            while self._outstanding >= self.capacity:
+                self._cond.wait()
+            self._outstanding += 1
+            for i, buf in enumerate(self._free):
+                if buf.layout == layout:
+                    return self._free.pop(i)
+            if self._free:
+                self._free.pop(0)  # a stale layout: drop it and allocate anew
+        return HostBuffer(layout, pin=self.pin)
+
+    def release(self, buffer: HostBuffer) -> None:
+        with self._cond:
+            self._outstanding -= 1
+            self._free.append(buffer)
+            self._cond.notify()
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return self._outstanding
