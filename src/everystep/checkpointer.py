@@ -20,6 +20,7 @@ import copy
 import os
 import time
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -89,9 +90,9 @@ class Checkpointer:
             model=model,
             optimizer=optimizer,
             scaler=scaler,
-            step_end=self._timed(self._step_end),
-            activity=self._timed(self._activity),
-            before_update=self._timed(self._before_update),
+            step_end=self._timed("_step_end"),
+            activity=self._timed("_activity"),
+            before_update=self._timed("_before_update"),
         )
         self._closed = False
 
@@ -120,6 +121,10 @@ class Checkpointer:
         )
         return self.step
 
+    def wait(self) -> None:
+        """Block until every checkpoint started so far is durable; raise a background failure."""
+        self.strategy.wait()
+
     def close(self) -> None:
         """Write the final checkpoint (if ``final``), wait for work in flight, release resources.
 
@@ -132,7 +137,7 @@ class Checkpointer:
         try:
             if self.final and self.step and not getattr(self, "_failed", False):
                 self._state_ready_pending = False
-                self._timed(lambda: self.strategy.on_state_ready(self.step, final=True))()
+                self._timed("_final")()
         finally:
             self.strategy.close()
 
@@ -151,6 +156,7 @@ class Checkpointer:
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
+            self._hooks.remove()
             warnings.warn(
                 "a Checkpointer was never closed: use it as a context manager or call close(); "
                 "checkpoints in flight may be lost",
@@ -164,17 +170,28 @@ class Checkpointer:
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def _timed(self, fn: Any) -> Any:
-        stats = self.stats
+    def _timed(self, name: str) -> Any:
+        """A hook that calls method ``name`` and charges its time to the training stall.
 
-        def wrapper() -> None:
+        The hook holds the Checkpointer weakly: hooks live as long as the model, and must not
+        keep a forgotten Checkpointer alive (it would never warn that it was not closed).
+        """
+        ref = weakref.ref(self)
+
+        def hook() -> None:
+            me = ref()
+            if me is None:
+                return
             t0 = time.perf_counter()
             try:
-                fn()
+                getattr(me, name)()
             finally:
-                stats.stall_seconds += time.perf_counter() - t0
+                me.stats.stall_seconds += time.perf_counter() - t0
 
-        return wrapper
+        return hook
+
+    def _final(self) -> None:
+        self.strategy.on_state_ready(self.step, final=True)
 
     def _step_end(self) -> None:
         if self.step == 0 and not self._restored and self.store is not None:

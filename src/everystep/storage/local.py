@@ -141,16 +141,17 @@ class LocalStore:
         with self._lock:
             self._bytes_written += n
 
-    def _atomic_write(self, final: Path, data: bytes) -> None:
-        self._write_chunks(final, [memoryview(data)], hasher=None)
+    def _atomic_write(self, final: Path, data: bytes, what: str = "file") -> None:
+        self._write_chunks(final, [memoryview(data)], hasher=None, what=what)
 
-    def _write_chunks(self, final: Path, chunks: Iterable[bytes | memoryview], hasher: Any) -> int:
+    def _write_chunks(self, final: Path, chunks: Iterable[bytes | memoryview], hasher: Any, what: str) -> int:
+        """Write ``final`` atomically; crash points are ``store.<what>.mid_write`` and ``.before_rename``."""
         tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         total = 0
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                for chunk in chunks:
+                for i, chunk in enumerate(chunks):
                     view = memoryview(chunk).cast("B")
                     if hasher is not None:
                         hasher.update(view)
@@ -159,11 +160,12 @@ class LocalStore:
                         view = view[n:]
                         total += n
                         self._count(n)
-                    crash_point("store.object.mid_write")
+                    if i == 0:
+                        crash_point(f"store.{what}.mid_write")  # once per write: part written, not durable
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            crash_point("store.object.before_rename")
+            crash_point(f"store.{what}.before_rename")
             os.rename(tmp, final)
             _fsync_dir(final.parent)
         except OSError as e:
@@ -185,12 +187,12 @@ class LocalStore:
         if not _OBJECT_NAME.match(name):
             raise ValueError(f"invalid object name {name!r}")
         hasher = new_hasher()
-        n = self._write_chunks(self.objects_dir / name, chunks, hasher)
+        n = self._write_chunks(self.objects_dir / name, chunks, hasher, what="object")
         return ObjectInfo(name=name, nbytes=n, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
 
     def commit(self, manifest: Manifest) -> None:
         crash_point("store.commit.before_manifest")
-        self._atomic_write(self.manifests_dir / f"{manifest.name}.json", manifest.to_bytes())
+        self._atomic_write(self.manifests_dir / f"{manifest.name}.json", manifest.to_bytes(), what="manifest")
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -8,8 +8,9 @@ Call order (enforced by :class:`~everystep.Checkpointer`):
    a. ``on_step_end(t)`` right after the update of step t;
    b. ``on_state_ready(t)`` once S_t is complete and before step t+1 changes it;
    c. ``before_update(t + 1)`` right before the update of step t+1.
-4. ``on_state_ready(t, final=True)`` at a clean close, where t is the last step.
-5. ``close()`` once: wait for work in flight, raise any background failure.
+4. ``wait()`` whenever the user asks: block until work in flight is done, raise any failure.
+5. ``on_state_ready(t, final=True)`` at a clean close, where t is the last step.
+6. ``close()`` once: ``wait()``, then release threads and buffers.
 """
 
 from __future__ import annotations
@@ -104,23 +105,30 @@ class StrategyContext:
 
 
 class BackgroundErrors:
-    """Keeps the first failure of background work and raises it once, in the training thread."""
+    """Keeps every failure of background work and raises them, once, in the training thread.
+
+    The first failure is raised as the cause; any others that happened before the raise are
+    named in the same message, so no failure is ever dropped.
+    """
 
     def __init__(self) -> None:
-        self._error: BaseException | None = None
-        self._what = ""
+        self._errors: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
 
     def record(self, what: str, error: BaseException) -> None:
         with self._lock:
-            if self._error is None:
-                self._error, self._what = error, what
+            self._errors.append((what, error))
 
     def raise_pending(self) -> None:
         with self._lock:
-            error, what, self._error = self._error, self._what, None
-        if error is not None:
-            raise BackgroundWriteError(f"{what} failed: {error}") from error
+            errors, self._errors = self._errors, []
+        if not errors:
+            return
+        (what, first), rest = errors[0], errors[1:]
+        message = f"{what} failed: {first}"
+        if rest:
+            message += f" (and {len(rest)} more failed since: " + "; ".join(w for w, _ in rest) + ")"
+        raise BackgroundWriteError(message) from first
 
 
 class Strategy(Protocol):
@@ -138,6 +146,8 @@ class Strategy(Protocol):
     def on_state_ready(self, step: int, *, final: bool = False) -> None: ...
 
     def before_update(self, step: int) -> None: ...
+
+    def wait(self) -> None: ...
 
     def close(self) -> None: ...
 

@@ -116,12 +116,18 @@ class CheckFreq:
     def before_update(self, step: int) -> None:
         self._wait_snapshot()
 
-    def close(self) -> None:
+    def wait(self) -> None:
         try:
             self._wait_snapshot()
+        finally:
             for f in self._persists:
-                f.result()
+                f.result()  # _persist records its own failures
+            self._persists.clear()
+        self._errors.raise_pending()
+
+    def close(self) -> None:
+        try:
+            self.wait()
         finally:
             self._snapshotter.shutdown(wait=True)
             self._persister.shutdown(wait=True)
-        self._errors.raise_pending()

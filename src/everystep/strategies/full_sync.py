@@ -47,5 +47,8 @@ class FullSync:
     def before_update(self, step: int) -> None:
         pass
 
+    def wait(self) -> None:
+        pass
+
     def close(self) -> None:
         pass

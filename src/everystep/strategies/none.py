@@ -32,5 +32,8 @@ class NoCheckpoint:
     def before_update(self, step: int) -> None:
         pass
 
+    def wait(self) -> None:
+        pass
+
     def close(self) -> None:
         pass

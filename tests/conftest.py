@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+    yield
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``everystep ARGS`` as a user would, in a fresh process."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "everystep", *args],
+        capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=600,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"everystep {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    """Every file below ``directory`` with its content, to prove nothing was touched."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}

@@ -1,0 +1,110 @@
+"""End to end: `everystep train` with failures equals an uninterrupted run; the CLI's other verbs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from everystep.eval.faults import FailurePlan
+from everystep.eval.train import TrainConfig, run
+
+from .conftest import run_cli
+
+STEPS = 12
+MIDDLE = 6
+
+
+def _seed_with_mid_write_kill() -> int:
+    """A seed whose failure at step MIDDLE lands in the middle of a checkpoint write."""
+    return next(s for s in range(1000) if FailurePlan(steps=(MIDDLE,), seed=s).point(MIDDLE) == "write")
+
+
+SEED = _seed_with_mid_write_kill()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(TrainConfig(workload="gpt2-tiny", strategy="none", steps=STEPS, seed=SEED, progress=False))
+
+
+@pytest.mark.parametrize("mode", ["software", "hardware"])
+@pytest.mark.parametrize("strategy", ["full_sync", "checkfreq"])
+def test_killed_runs_recover_bit_exactly(tmp_path, reference, strategy, mode):
+    """I1 and I2: killed during the first step, mid-write, and the last step; same losses and state."""
+    fail_at = (1, MIDDLE, STEPS)
+    s = run(TrainConfig(workload="gpt2-tiny", strategy=strategy, steps=STEPS, seed=SEED, directory=str(tmp_path / "c"),
+                        fail_at=fail_at, fail_mode=mode, progress=False))
+    assert s["losses"] == reference["losses"]
+    assert s["final_state_sha256"] == reference["final_state_sha256"]
+    assert [r["failed_at"] for r in s["recoveries"]] == list(fail_at)
+    for r in s["recoveries"]:
+        assert r["source"] in ("disk", "none") and r["recovery_seconds"] >= 0
+        # Lost: the step in progress and at most one checkpoint still being written.
+        assert r["failed_at"] - 2 <= r["resumed_from"] <= r["failed_at"] - 1
+    assert s["recoveries"][0]["resumed_from"] == 0 and s["recoveries"][0]["source"] == "none"
+    assert len(s["losses"]) == STEPS and s["steps"] == STEPS
+    assert s["bytes_written"] > 0 and s["mean_step_seconds"] > 0
+
+
+def test_cli_train_recover_inspect(tmp_path, reference):
+    out, d = tmp_path / "run.json", tmp_path / "c"
+    run_cli("train", "--workload", "gpt2-tiny", "--strategy", "checkfreq", "--steps", str(STEPS), "--seed", str(SEED),
+            "--dir", str(d), "--fail-at", "4", "--json", str(out), check=True)
+    summary = json.loads(out.read_text())
+    for key in ("steps", "losses", "final_state_sha256", "recoveries", "mean_step_seconds", "bytes_written"):
+        assert key in summary
+    assert summary["final_state_sha256"] == reference["final_state_sha256"]
+    assert set(summary["recoveries"][0]) == {"failed_at", "resumed_from", "recovery_seconds", "source"}
+
+    rec = tmp_path / "rec.json"
+    run_cli("recover", "--dir", str(d), "--json", str(rec), check=True)
+    recovered = json.loads(rec.read_text())
+    assert recovered["step"] == STEPS and recovered["state_sha256"] == reference["final_state_sha256"]
+
+    obj = d / "objects" / f"full-{STEPS:012d}.safetensors"
+    raw = bytearray(obj.read_bytes())
+    raw[-10] ^= 0xFF
+    obj.write_bytes(raw)
+    listing = run_cli("inspect", str(d), check=True).stdout
+    assert f"step {STEPS - 1:>8}" in listing and "valid" in listing
+    assert "INVALID: object" in listing and "fails its checksum" in listing
+    recovered = json.loads((run_cli("recover", "--dir", str(d), "--json", str(rec), check=True), rec.read_text())[1])
+    assert recovered["step"] == STEPS - 1
+
+
+def test_crash_inside_a_write_leaves_the_previous_checkpoint(tmp_path):
+    """I3 through the CLI: SIGKILL in the middle of the third checkpoint's write."""
+    d = tmp_path / "c"
+    killed = run_cli("train", "--strategy", "full_sync", "--steps", "5", "--dir", str(d),
+                     env={"EVERYSTEP_CRASH": "store.object.mid_write:3"})
+    assert killed.returncode == -9
+    assert any(p.name.startswith(".tmp-") for p in (d / "objects").iterdir())  # the torn write is there
+    ref = tmp_path / "ref.json"
+    run_cli("train", "--strategy", "none", "--steps", "2", "--json", str(ref), check=True)
+    rec = tmp_path / "rec.json"
+    run_cli("recover", "--dir", str(d), "--json", str(rec), check=True)
+    assert json.loads(rec.read_text())["step"] == 2
+    assert json.loads(rec.read_text())["state_sha256"] == json.loads(ref.read_text())["final_state_sha256"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--steps", "10", "--fail-at", "11", "--dir", "{tmp}/c"], "--fail-at steps must lie in 1..10; got 11"),
+        (["train", "--strategy", "full_sync"], "strategy 'full_sync' needs --dir"),
+        (["train", "--strategy", "full_sync", "--dir", "{tmp}/foreign"], "is not empty and is not an everystep checkpoint"),
+        (["recover", "--dir", "{tmp}/missing"], "no everystep checkpoint directory at"),
+        (["inspect", "{tmp}/missing"], "no everystep checkpoint directory at"),
+        (["train", "--strategy", "full_sync", "--every", "0", "--dir", "{tmp}/c"], "every must be a positive number of steps"),
+    ],
+)
+def test_user_mistakes_get_one_clear_line_and_status_2(tmp_path, args, message):
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "data.csv").write_text("1,2\n")
+    proc = run_cli(*[a.format(tmp=tmp_path) for a in args])
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "foreign" / "data.csv").read_text() == "1,2\n"

@@ -1,0 +1,77 @@
+"""State capture: flatten/unflatten round trips, the state hash, RNG capture."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from everystep.state import capture_rng, flatten, restore_rng, state_hash, unflatten
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=5))
+tensors = st.builds(
+    lambda shape, dtype, seed: (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 10).to(dtype),
+    st.lists(st.integers(0, 4), max_size=3).map(tuple),
+    st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.uint8]),
+    st.integers(0, 1000),
+)
+trees = st.recursive(
+    st.one_of(scalars, tensors),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.text("abc", min_size=1, max_size=3), children, max_size=3),
+        st.dictionaries(st.integers(0, 5), children, max_size=3),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(trees)
+def test_flatten_round_trip_preserves_structure_and_bits(tree):
+    tensors_, skeleton = flatten({"root": tree})
+    back = unflatten(skeleton, {k: v.clone() for k, v in tensors_.items()})
+    assert state_hash(back) == state_hash({"root": tree})
+    assert type(back["root"]) is type(tree)
+
+
+def test_tied_tensors_are_stored_once_and_restored_to_both_names():
+    w = torch.randn(8, 4)
+    tree = {"model": {"wte.weight": w, "lm_head.weight": w, "other": w[:2]}}
+    tensors_, skeleton = flatten(tree)
+    assert len(tensors_) == 2  # the full view once, and the distinct slice
+    back = unflatten(skeleton, tensors_)
+    assert back["model"]["lm_head.weight"] is back["model"]["wte.weight"]
+    assert torch.equal(back["model"]["other"], w[:2])
+
+
+def test_flatten_refuses_objects_that_would_need_pickle():
+    with pytest.raises(TypeError, match="'/x' has type object"):
+        flatten({"x": object()})
+
+
+def test_state_hash_ignores_layout_and_order_but_sees_every_value():
+    a = torch.arange(12.0).reshape(3, 4)
+    t1 = {"a": a.t().contiguous().t(), "b": 1.5, "c": [1, 2]}
+    t2 = {"c": [1, 2], "b": 1.5, "a": a.clone()}
+    assert not t1["a"].is_contiguous()
+    assert state_hash(t1) == state_hash(t2)
+    changed = a.clone()
+    changed[2, 3] = torch.nextafter(changed[2, 3], torch.tensor(100.0))
+    assert state_hash({**t2, "a": changed}) != state_hash(t2)
+    assert state_hash({**t2, "b": 1.5000001}) != state_hash(t2)
+    assert state_hash({**t2, "a": a.double()}) != state_hash(t2)
+
+
+def test_rng_capture_restores_every_generator():
+    state = capture_rng()
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.rand(5), random.random(), np.random.rand()
+    restore_rng(state)
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]

@@ -1,0 +1,197 @@
+"""The store: atomic commits, checksums, crash safety, retention, refusing foreign directories.
+
+Store behaviour is tested through ``STORES``, so every Store implementation passes the same suite.
+"""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+from everystep.errors import CheckpointDirectoryError, CorruptCheckpointError
+from everystep.storage import LocalStore, Manifest, plan_retention
+from everystep.storage.tensorfile import load_tensors, tensor_chunks
+from everystep.transport import HostBuffer, TensorLayout, snapshot_into
+from everystep.storage.tensorfile import buffer_chunks
+
+from .conftest import ROOT, files_of
+
+STORES = {"local": lambda path: LocalStore.open(path, strategy="test")}
+
+
+@pytest.fixture(params=sorted(STORES))
+def store(request, tmp_path):
+    return STORES[request.param](tmp_path / "ckpt")
+
+
+def _commit(store, step, payload=b"x" * 100, kind="full", requires=()):
+    info = store.write_object(f"{kind}-{step:012d}.bin", [payload])
+    m = Manifest(kind=kind, step=step, objects={"data": info}, requires=requires)
+    store.commit(m)
+    return m
+
+
+def test_object_round_trip_and_checksum(store):
+    info = store.write_object("a.bin", [b"hello ", memoryview(b"world")])
+    assert info.nbytes == 11
+    assert bytes(store.read_object(info)) == b"hello world"
+    assert store.bytes_written >= 11
+
+
+def test_object_is_invisible_until_its_manifest_is_committed(store):
+    info = store.write_object("full-000000000001.bin", [b"data"])
+    assert store.manifests() == []
+    store.commit(Manifest(kind="full", step=1, objects={"data": info}))
+    [record] = store.manifests()
+    assert record.manifest.step == 1 and record.manifest.objects["data"] == info
+
+
+def test_flipped_byte_and_truncation_are_detected(store):
+    m = _commit(store, 1, b"0123456789" * 10)
+    path = store.objects_dir / m.objects["data"].name
+    raw = bytearray(path.read_bytes())
+    raw[37] ^= 0x01
+    path.write_bytes(raw)
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+        store.read_object(m.objects["data"])
+    path.write_bytes(raw[:50])
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        store.read_object(m.objects["data"])
+
+
+def test_tampered_manifest_is_reported_not_trusted(store):
+    m = _commit(store, 3)
+    path = store.manifests_dir / f"{m.name}.json"
+    path.write_text(path.read_text().replace('"step": 3', '"step": 4'))
+    [record] = store.manifests()
+    assert record.manifest is None and "checksum" in record.error
+
+
+def test_discard_removes_manifest_then_unshared_objects(store):
+    m1, m2 = _commit(store, 1), _commit(store, 2)
+    store.discard(m1.name)
+    assert [r.name for r in store.manifests()] == [m2.name]
+    assert not (store.objects_dir / m1.objects["data"].name).exists()
+    assert (store.objects_dir / m2.objects["data"].name).exists()
+
+
+def test_crash_mid_write_leaves_previous_checkpoint_and_no_visible_garbage(tmp_path):
+    """I3: SIGKILL in the middle of writing an object, then in the commit: the old one survives."""
+    root = tmp_path / "ckpt"
+    store = LocalStore.open(root, strategy="test")
+    _commit(store, 1, b"first" * 1000)
+    points = ("store.object.mid_write", "store.object.before_rename", "store.commit.before_manifest",
+              "store.manifest.mid_write", "store.manifest.before_rename")
+    for point in points:
+        script = textwrap.dedent(f"""
+            from everystep.storage import LocalStore, Manifest
+            s = LocalStore.open({str(root)!r}, strategy="test")
+            info = s.write_object("full-000000000002.bin", [b"second" * 1000, b"more"])
+            s.commit(Manifest(kind="full", step=2, objects={{"data": info}}))
+        """)
+        proc = subprocess.run([sys.executable, "-c", script], env={"EVERYSTEP_CRASH": point, "PYTHONPATH": str(ROOT / "src")})
+        assert proc.returncode == -9, point
+        reopened = LocalStore.open(root, strategy="test")
+        assert [r.manifest.step for r in reopened.manifests()] == [1], point
+        assert bytes(reopened.read_object(reopened.manifests()[0].manifest.objects["data"])) == b"first" * 1000
+        reopened.collect_garbage()
+        assert sorted(p.name for p in reopened.objects_dir.iterdir()) == ["full-000000000001.bin"]
+
+
+def test_write_error_removes_the_temporary_and_names_the_file(tmp_path):
+    class FullDisk(LocalStore):
+        full = False
+
+        def _os_write(self, fd, view):
+            if self.full:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super()._os_write(fd, view)
+
+    store = FullDisk.open(tmp_path / "ckpt", strategy="test")
+    store.full = True
+    with pytest.raises(OSError, match=r"writing .*a\.bin failed: No space left on device — free space"):
+        store.write_object("a.bin", [b"data"])
+    assert list(store.objects_dir.iterdir()) == []
+
+
+def test_foreign_directory_is_refused_and_untouched(tmp_path):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("precious")
+    before = files_of(foreign)
+    with pytest.raises(CheckpointDirectoryError, match="not empty and is not an everystep checkpoint directory.*notes.txt"):
+        LocalStore.open(foreign, strategy="full_sync")
+    assert files_of(foreign) == before
+
+
+def test_directory_of_another_strategy_or_world_size_is_refused(tmp_path):
+    LocalStore.open(tmp_path / "c", strategy="checkfreq")
+    with pytest.raises(CheckpointDirectoryError, match="written by strategy 'checkfreq'; this run uses 'full_sync'"):
+        LocalStore.open(tmp_path / "c", strategy="full_sync")
+    with pytest.raises(CheckpointDirectoryError, match="written by 1 processes; this run has 2"):
+        LocalStore.open(tmp_path / "c", strategy="checkfreq", world_size=2)
+    with pytest.raises(CheckpointDirectoryError, match="no everystep checkpoint directory"):
+        LocalStore.open(tmp_path / "missing", create=False)
+
+
+def _m(kind, step, requires=()):
+    return Manifest(kind=kind, step=step, objects={}, requires=requires)
+
+
+def test_retention_keeps_newest_by_step_number_not_by_name():
+    ms = [_m("full", s) for s in (9, 10, 100, 11)]
+    assert plan_retention(ms, keep=2) == ["full-000000000009", "full-000000000010"]
+    assert plan_retention(ms, keep=5) == []
+
+
+def test_retention_keeps_what_recoverable_points_require():
+    ms = [_m("full", 10), _m("full", 20), _m("diff", 5, ("full-000000000000",)), _m("diff", 21, ("full-000000000020",)),
+          _m("diff", 15, ("full-000000000010",)), _m("full", 30)]
+    # keep=1: full 30 and any newer differential survive; diff 21 is older than the kept full.
+    assert plan_retention(ms, keep=1) == ["diff-000000000005", "full-000000000010", "diff-000000000015",
+                                          "full-000000000020", "diff-000000000021"]
+    keep2 = plan_retention(ms, keep=2)
+    assert "diff-000000000021" not in keep2 and "full-000000000020" not in keep2
+    ms.append(_m("diff", 31, ("full-000000000010",)))  # a differential whose base is old: its base stays
+    assert "full-000000000010" not in plan_retention(ms, keep=1)
+
+
+dtypes = st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(dtypes, st.lists(st.integers(0, 5), max_size=3)), min_size=1, max_size=6))
+def test_tensor_files_are_valid_safetensors_both_from_tensors_and_from_a_flat_buffer(specs):
+    tensors = {f"t{i}/x": (torch.rand(shape) * 100).to(dtype) for i, (dtype, shape) in enumerate(specs)}
+    layout = TensorLayout.of(tensors)
+    direct = b"".join(bytes(c) for c in tensor_chunks(layout, tensors))
+    buf = HostBuffer(layout)
+    snapshot_into(buf, tensors)
+    flat = b"".join(bytes(c) for c in buffer_chunks(layout, buf.memoryview()))
+    assert direct == flat
+    for key, value in load_tensors(flat, what="test").items():
+        assert value.dtype == tensors[key].dtype and torch.equal(value, tensors[key])
+
+
+def test_tensor_file_opens_with_the_safetensors_library(tmp_path):
+    tensors = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.tensor(2.0)}
+    layout = TensorLayout.of(tensors)
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(b"".join(bytes(c) for c in tensor_chunks(layout, tensors)))
+    with safe_open(str(path), framework="pt") as f:
+        assert sorted(f.keys()) == ["a", "b", "c"]
+        assert torch.equal(f.get_tensor("a"), tensors["a"])
+
+
+def test_corrupt_tensor_file_is_refused():
+    with pytest.raises(CorruptCheckpointError, match="not a valid safetensors file"):
+        load_tensors(b"\x80\x04garbage", what="object x")
