@@ -45,6 +45,8 @@ def test_killed_runs_recover_bit_exactly(tmp_path, reference, strategy, mode):
     assert s["recoveries"][0]["resumed_from"] == 0 and s["recoveries"][0]["source"] == "none"
     assert len(s["losses"]) == STEPS and s["steps"] == STEPS
     assert s["bytes_written"] > 0 and s["mean_step_seconds"] > 0
+    # every process lifetime's checkpoints count: at least one per step that was finished and kept
+    assert s["checkpoints"] >= STEPS - 1
 
 
 def test_cli_train_recover_inspect(tmp_path, reference):

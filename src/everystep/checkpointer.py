@@ -115,7 +115,7 @@ class Checkpointer:
             return 0
         self.components.restore(found.tree)
         self.strategy.load_state_dict(found.tree.get("strategy", {}))
-        self.step = found.step
+        self.step = self.stats.last_durable_step = found.step
         self.recovered = Recovered(
             step=found.step, tree={}, source=found.source, manifest=found.manifest, seconds=time.perf_counter() - t0
         )

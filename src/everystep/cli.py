@@ -82,6 +82,60 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in _csv(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}") from None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .eval import bench
+
+    cfg = bench.BenchConfig(workload=args.workload, strategies=args.strategies, steps=args.steps, warmup=args.warmup,
+                            every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed)
+    if args.max_frequency:
+        found = bench.max_frequency(cfg, args.budget)
+        print(f"smallest checkpoint interval within {args.budget:.1%} overhead on {cfg.workload}:")
+        print("| strategy | interval (steps) | overheads measured |\n|---|---|---|")
+        for name, f in found.items():
+            tried = ", ".join(f"{k}: {v:.1%}" for k, v in f["overheads"].items())
+            print(f"| {name} | {f['interval'] if f['interval'] is not None else 'none within budget'} | {tried} |")
+        _write_json(args.json, {"machine": bench.machine_info(cfg.threads), "budget": args.budget, "max_frequency": found})
+        return 0
+    runs = bench.run_bench(cfg)
+    result = bench.report(cfg, runs)
+    print(f"{cfg.workload}, {cfg.steps} steps ({cfg.warmup} warm-up), checkpoint every {cfg.every}, "
+          f"{cfg.repeats} interleaved repeats, {cfg.threads} training thread(s)")
+    print(bench.markdown_table(result["summary"]))
+    _write_json(args.json, result)
+    if args.plot:
+        bench.plot(result["summary"], args.plot, f"{cfg.workload}: every {cfg.every} step(s)")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .eval import simulate_cli
+
+    return simulate_cli.main(args)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import plan
+
+    result = plan(step_seconds=args.step_seconds, ckpt_seconds=args.ckpt_seconds, size_bytes=args.size_bytes,
+                  bandwidth=args.bandwidth, mtbf_seconds=args.mtbf, load_seconds=args.load_seconds,
+                  merge_seconds=args.merge_seconds)
+    for line in result["lines"]:
+        print(line)
+    _write_json(args.json, {k: v for k, v in result.items() if k != "lines"})
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import demo
 
@@ -119,6 +173,46 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("dir")
     i.add_argument("--json", metavar="PATH")
     i.set_defaults(func=cmd_inspect)
+
+    b = sub.add_parser("bench", help="measure every strategy side by side on one workload, interleaved")
+    b.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-tiny")
+    b.add_argument("--strategies", type=_csv, default=("none", "full_sync", "checkfreq"), help="comma-separated")
+    b.add_argument("--steps", type=int, default=20)
+    b.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (default 3)")
+    b.add_argument("--every", type=int, default=1)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--max-frequency", action="store_true", help="find each strategy's smallest interval within --budget")
+    b.add_argument("--budget", type=float, default=0.035, help="overhead budget for --max-frequency (default 0.035)")
+    b.add_argument("--json", metavar="PATH")
+    b.add_argument("--plot", metavar="PATH", help="write a PNG figure")
+    b.set_defaults(func=cmd_bench)
+
+    sm = sub.add_parser("simulate", help="wasted time of a long job under failures: Monte Carlo and analytic")
+    sm.add_argument("--from-bench", metavar="JSON", help="per-strategy costs measured by `everystep bench --json`")
+    sm.add_argument("--strategy", action="append", default=[], metavar="NAME:STEP_S:BASE_S:INTERVAL:LAG:RECOVERY_S",
+                    help="costs given by hand; repeatable")
+    sm.add_argument("--mtbf", type=float, default=3600.0, help="mean time between failures of one GPU, seconds")
+    sm.add_argument("--gpus", type=_ints, default=(1,), help="GPU counts; the job's MTBF is --mtbf divided by each")
+    sm.add_argument("--mtbf-sweep", type=_ints, default=(), help="MTBF values (s) for the ratio-against-MTBF figure")
+    sm.add_argument("--job-steps", type=int, default=10_000)
+    sm.add_argument("--trials", type=int, default=200)
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--json", metavar="PATH")
+    sm.add_argument("--plot", metavar="PATH", help="PNG: ratio against MTBF and against GPUs")
+    sm.set_defaults(func=cmd_simulate)
+
+    pl = sub.add_parser("plan", help="optimal checkpoint interval (Young/Daly) and LowDiff's (F*, b*)")
+    pl.add_argument("--step-seconds", type=float, required=True)
+    pl.add_argument("--ckpt-seconds", type=float, help="training stall per full checkpoint")
+    pl.add_argument("--size-bytes", type=float, help="full checkpoint size (with --bandwidth, instead of --ckpt-seconds)")
+    pl.add_argument("--bandwidth", type=float, help="write bandwidth, bytes/s")
+    pl.add_argument("--mtbf", type=float, required=True, help="mean time between failures, seconds")
+    pl.add_argument("--load-seconds", type=float, default=0.0)
+    pl.add_argument("--merge-seconds", type=float, help="time to merge one batched differential (LowDiff)")
+    pl.add_argument("--json", metavar="PATH")
+    pl.set_defaults(func=cmd_plan)
 
     d = sub.add_parser("demo", help="train gpt2-tiny, kill it twice, recover, and compare with an uninterrupted run")
     d.add_argument("--dir", default="demo-out")

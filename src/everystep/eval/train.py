@@ -136,47 +136,55 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
             inject.point(step, "update")
             w.optimizer.zero_grad(set_to_none=True)
             w.scheduler.step()
-            journal.write(
-                event="step", step=step, loss=loss.item(), seconds=time.perf_counter() - t_step,
-                bytes_written=ckpt.bytes_written, stall_seconds=ckpt.stats.stall_seconds,
-            )
+            journal.write(event="step", step=step, loss=loss.item(), seconds=time.perf_counter() - t_step, **_counters(ckpt))
             bar.update(1)
         bar.close()
     inject.finish()
     final_tree = {"step": cfg.steps, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
-    journal.write(
-        event="end", final_state_sha256=training_state_hash(final_tree), bytes_written=ckpt.bytes_written,
-        **{f"stats_{k}": v for k, v in ckpt.stats.as_dict().items()},
-    )
+    journal.write(event="end", final_state_sha256=training_state_hash(final_tree), **_counters(ckpt))
+
+
+def _counters(ckpt: Checkpointer) -> dict[str, Any]:
+    return {
+        "bytes_written": ckpt.bytes_written,
+        "stall_seconds": ckpt.stats.stall_seconds,
+        "checkpoints": ckpt.stats.checkpoints,
+        "snapshot_wait_seconds": ckpt.stats.snapshot_wait_seconds,
+    }
+
+
+_CUMULATIVE = ("bytes_written", "stall_seconds", "checkpoints", "snapshot_wait_seconds")
+"""Counters each process journals from zero; a run's total sums their last values per lifetime."""
 
 
 def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Fold a journal (one or more process lifetimes) into the run summary."""
     losses: dict[int, float] = {}
     seconds: dict[int, float] = {}
-    recoveries, bytes_total, lifetime_bytes = [], 0, 0
-    stall_total, lifetime_stall = 0.0, 0.0
+    recoveries: list[dict[str, Any]] = []
+    totals = dict.fromkeys(_CUMULATIVE, 0.0)
+    lifetime = dict.fromkeys(_CUMULATIVE, 0.0)
     end: dict[str, Any] | None = None
     failures = iter(cfg.fail_at)
     for r in records:
         if r["event"] == "start":
-            bytes_total += lifetime_bytes
-            stall_total += lifetime_stall
-            lifetime_bytes, lifetime_stall = 0, 0.0
+            totals = {k: totals[k] + lifetime[k] for k in _CUMULATIVE}
+            lifetime = dict.fromkeys(_CUMULATIVE, 0.0)
             if r["pid"] != records[0]["pid"]:
                 recoveries.append({
                     "failed_at": next(failures, None), "resumed_from": r["resumed_from"],
                     "recovery_seconds": r["recovery_seconds"], "source": r["source"],
                 })
-        elif r["event"] == "step":
-            losses[r["step"]] = r["loss"]
-            seconds[r["step"]] = r["seconds"]
-            lifetime_bytes, lifetime_stall = r["bytes_written"], r["stall_seconds"]
-        elif r["event"] == "end":
-            end = r
-            lifetime_bytes, lifetime_stall = r["bytes_written"], r["stats_stall_seconds"]
+        elif r["event"] in ("step", "end"):
+            lifetime = {k: r[k] for k in _CUMULATIVE}
+            if r["event"] == "step":
+                losses[r["step"]] = r["loss"]
+                seconds[r["step"]] = r["seconds"]
+            else:
+                end = r
     if end is None or len(losses) != cfg.steps:
         raise EverystepError(f"the run ended without finishing: {len(losses)} of {cfg.steps} steps recorded")
+    totals = {k: totals[k] + lifetime[k] for k in _CUMULATIVE}
     return {
         "workload": cfg.workload,
         "strategy": cfg.strategy,
@@ -188,10 +196,10 @@ def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]
         "final_state_sha256": end["final_state_sha256"],
         "recoveries": recoveries,
         "mean_step_seconds": statistics.fmean(seconds.values()),
-        "bytes_written": bytes_total + lifetime_bytes,
-        "stall_seconds": stall_total + lifetime_stall,
-        "checkpoints": end["stats_checkpoints"],
-        "snapshot_wait_seconds": end["stats_snapshot_wait_seconds"],
+        "bytes_written": int(totals["bytes_written"]),
+        "stall_seconds": totals["stall_seconds"],
+        "checkpoints": int(totals["checkpoints"]),
+        "snapshot_wait_seconds": totals["snapshot_wait_seconds"],
     }
 
 

@@ -16,7 +16,7 @@ Call order (enforced by :class:`~everystep.Checkpointer`):
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -54,7 +54,10 @@ class CheckpointStats:
     checkpoints: int = 0
     stall_seconds: float = 0.0
     snapshot_wait_seconds: float = 0.0
-    stalls: list[float] = field(default_factory=list)
+    last_durable_step: int = 0
+    """The newest step recoverable after a hardware failure (on storage)."""
+    last_memory_step: int = 0
+    """The newest step recoverable after a software failure from memory that outlives the process."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +66,7 @@ class CheckpointStats:
             "stall_seconds": self.stall_seconds,
             "snapshot_wait_seconds": self.snapshot_wait_seconds,
             "stall_per_checkpoint_seconds": self.stall_seconds / self.checkpoints if self.checkpoints else 0.0,
+            "last_durable_step": self.last_durable_step,
         }
 
 
@@ -99,9 +103,11 @@ class StrategyContext:
             ptrs |= {v.untyped_storage().data_ptr() for v in st.values() if isinstance(v, torch.Tensor) and v.numel()}
         return {k for k, t in tensors.items() if t.numel() and t.untyped_storage().data_ptr() in ptrs}
 
-    def committed(self) -> None:
+    def committed(self, step: int) -> None:
+        """Record that the checkpoint of ``step`` is durable and visible."""
         with self._lock:
             self.stats.checkpoints += 1
+            self.stats.last_durable_step = max(self.stats.last_durable_step, step)
 
 
 class BackgroundErrors:

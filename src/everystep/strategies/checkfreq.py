@@ -93,7 +93,7 @@ class CheckFreq:
             snapshot.result()
             assert self.ctx.store is not None
             write_full(self.ctx.store, step, buffer.layout, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton)
-            self.ctx.committed()
+            self.ctx.committed(step)
             apply_retention(self.ctx.store, self.config.keep)
         except BaseException as e:
             self._errors.record(f"background write of the checkpoint at step {step}", e)

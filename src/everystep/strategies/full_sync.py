@@ -41,7 +41,7 @@ class FullSync:
         layout = TensorLayout.of(tensors)
         write_full(self.ctx.store, step, layout, tensor_chunks(layout, tensors), skeleton)
         self._last = step
-        self.ctx.committed()
+        self.ctx.committed(step)
         apply_retention(self.ctx.store, self.config.keep)
 
     def before_update(self, step: int) -> None:

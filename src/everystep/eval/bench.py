@@ -1,0 +1,195 @@
+"""``everystep bench``: every strategy on one workload, in one invocation, interleaved.
+
+Each (repeat, strategy) run is a fresh process (clean memory peaks, no state carried over);
+repeat r runs the strategies in an order rotated by r, so that drift in the machine's speed hits
+every strategy alike. Overhead is each run's mean step time over the same repeat's ``none`` run,
+minus one; the reported figure is the median over repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..errors import ConfigError, EverystepError
+from ..strategies import STRATEGIES
+from .workloads import WORKLOADS
+
+__all__ = ["BenchConfig", "run_bench", "summarise", "markdown_table", "smallest_interval", "interleaved_order"]
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    workload: str = "gpt2-tiny"
+    strategies: tuple[str, ...] = ("none", "full_sync", "checkfreq")
+    steps: int = 20
+    warmup: int = 3
+    every: int = 1
+    repeats: int = 3
+    threads: int = 1
+    seed: int = 0
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ConfigError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown:
+            raise ConfigError(f"unknown strategies {', '.join(unknown)}; choose from {', '.join(sorted(STRATEGIES))}")
+        if "none" not in self.strategies:
+            self.strategies = ("none", *self.strategies)
+        if self.steps <= self.warmup:
+            raise ConfigError(f"--steps ({self.steps}) must exceed the warm-up steps ({self.warmup})")
+        if self.repeats < 1 or self.every < 1 or self.threads < 1:
+            raise ConfigError("--repeats, --every and --threads must be at least 1")
+
+
+def interleaved_order(strategies: Sequence[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, strategy) pairs; repeat r starts r places further along the list."""
+    n = len(strategies)
+    return [(r, strategies[(r + i) % n]) for r in range(repeats) for i in range(n)]
+
+
+def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int) -> dict[str, Any]:
+    spec = {
+        "workload": cfg.workload, "strategy": strategy, "steps": cfg.steps, "warmup": cfg.warmup,
+        "every": every, "threads": cfg.threads, "seed": cfg.seed, "repeat": repeat,
+        "options": cfg.options.get(strategy, {}),
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
+    proc = subprocess.run([sys.executable, "-m", "everystep.eval.measure", json.dumps(spec)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise EverystepError(f"benchmark run of {strategy} failed:\n{proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_bench(cfg: BenchConfig, *, progress: bool = True) -> list[dict[str, Any]]:
+    order = interleaved_order(cfg.strategies, cfg.repeats)
+    runs = []
+    for repeat, strategy in tqdm(order, desc=f"bench {cfg.workload}", disable=None if progress else True):
+        runs.append(_run_one(cfg, repeat, strategy, cfg.every))
+    return runs
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per strategy: medians over repeats, overhead relative to the same repeat's ``none``."""
+    reference = {r["repeat"]: r["mean_step_seconds"] for r in runs if r["strategy"] == "none"}
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r["strategy"] for r in runs):
+        mine = [r for r in runs if r["strategy"] == name]
+
+        def med(key: str, rows: list[dict[str, Any]] = mine) -> Any:
+            values = [r[key] for r in rows if r[key] is not None]
+            return statistics.median(values) if values else None
+
+        out[name] = {
+            "overhead": statistics.median(r["mean_step_seconds"] / reference[r["repeat"]] - 1 for r in mine),
+            "overheads": [r["mean_step_seconds"] / reference[r["repeat"]] - 1 for r in mine],
+            "mean_step_seconds": med("mean_step_seconds"),
+            "stall_per_checkpoint_seconds": statistics.median(
+                r["stall_seconds"] / r["checkpoints"] if r["checkpoints"] else 0.0 for r in mine
+            ),
+            "bytes_per_step": med("bytes_per_step"),
+            "peak_host_bytes": max(r["peak_host_bytes"] for r in mine),
+            "peak_device_bytes": med("peak_device_bytes"),
+            "recovery_seconds_disk": med("recovery_seconds_disk"),
+            "recovery_seconds_memory": med("recovery_seconds_memory"),
+            "lost_steps_software": max(r["lost_steps_software"] for r in mine),
+            "lost_steps_hardware": max(r["lost_steps_hardware"] for r in mine),
+        }
+    return out
+
+
+def _fmt(value: Any, scale: float = 1.0, digits: int = 2, suffix: str = "") -> str:
+    return "–" if value is None else f"{value * scale:.{digits}f}{suffix}"
+
+
+def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
+    head = ("| strategy | overhead | stall/ckpt (ms) | MiB/step | peak host MiB | recovery disk (s) "
+            "| recovery mem (s) | lost steps sw/hw |")
+    rows = [head, "|" + "---|" * 8]
+    for name, s in summary.items():
+        rows.append(
+            f"| {name} | {_fmt(s['overhead'], 100, 1, '%')} | {_fmt(s['stall_per_checkpoint_seconds'], 1e3, 1)} "
+            f"| {_fmt(s['bytes_per_step'], 2**-20, 2)} | {_fmt(s['peak_host_bytes'], 2**-20, 0)} "
+            f"| {_fmt(s['recovery_seconds_disk'], 1, 3)} | {_fmt(s['recovery_seconds_memory'], 1, 3)} "
+            f"| {s['lost_steps_software']}/{s['lost_steps_hardware']} |"
+        )
+    return "\n".join(rows)
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "training_threads": threads,
+    }
+
+
+def smallest_interval(overhead_at: Callable[[int], float], budget: float, candidates: Sequence[int]) -> int | None:
+    """The first interval in ascending ``candidates`` whose measured overhead is within ``budget``."""
+    for k in sorted(candidates):
+        if overhead_at(k) <= budget:
+            return k
+    return None
+
+
+def max_frequency(cfg: BenchConfig, budget: float, candidates: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)) -> dict[str, Any]:
+    """For each strategy, the smallest checkpoint interval (steps) with overhead within ``budget``."""
+    found: dict[str, Any] = {}
+    for strategy in cfg.strategies:
+        if strategy == "none":
+            continue
+        trials: dict[int, float] = {}
+
+        def overhead_at(k: int, strategy: str = strategy, trials: dict[int, float] = trials) -> float:
+            runs = []
+            for repeat, name in interleaved_order(("none", strategy), cfg.repeats):
+                runs.append(_run_one(cfg, repeat, name, k))
+            trials[k] = summarise(runs)[strategy]["overhead"]
+            return trials[k]
+
+        found[strategy] = {"interval": smallest_interval(overhead_at, budget, candidates), "overheads": trials}
+    return found
+
+
+def plot(summary: dict[str, dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    series = [
+        ("overhead over none (%)", [100 * summary[n]["overhead"] for n in names]),
+        ("MiB written per step", [summary[n]["bytes_per_step"] / 2**20 for n in names]),
+        ("recovery from disk (s)", [summary[n]["recovery_seconds_disk"] or 0 for n in names]),
+    ]
+    for ax, (label, values) in zip(axes, series):
+        ax.bar(names, values, color="#4c72b0")
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(cfg: BenchConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"machine": machine_info(cfg.threads), "config": asdict(cfg), "summary": summarise(runs), "runs": runs}

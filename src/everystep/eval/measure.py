@@ -1,0 +1,93 @@
+"""One measured training run, in its own process: ``python -m everystep.eval.measure SPEC``.
+
+Prints one JSON line: step times after warm-up, checkpoint stall, bytes written, peak memory,
+steps that a failure would lose at each step end, and the time to recover from what was stored.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from ..checkpointer import Checkpointer
+from ..strategies import STRATEGIES
+from .workloads import build
+
+__all__ = ["measure"]
+
+
+def _attach(w: Any, directory: str | None, strategy: str, options: dict[str, Any], **kw: Any) -> Checkpointer:
+    return Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                        strategy=strategy, **options, **kw)
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(spec["threads"])
+    strategy, steps, warmup = spec["strategy"], spec["steps"], spec["warmup"]
+    options = {"every": spec["every"], **spec.get("options", {})}
+    with tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch")) as tmp:
+        directory = f"{tmp}/ckpt" if STRATEGIES[strategy].needs_store else None
+        w = build(spec["workload"], seed=spec["seed"])
+        times, lost_sw, lost_hw = [], [], []
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        with _attach(w, directory, strategy, options) as ckpt:
+            ckpt.restore()
+            stall_at_warmup = ckpt.stats.stall_seconds
+            checkpoints_at_warmup = 0
+            for step in range(1, steps + 1):
+                if step == warmup + 1:
+                    stall_at_warmup, checkpoints_at_warmup = ckpt.stats.stall_seconds, ckpt.stats.checkpoints
+                t0 = time.perf_counter()
+                loss = w.loss(w.data.next())
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(w.model.parameters(), 1.0)
+                w.optimizer.step()
+                w.optimizer.zero_grad(set_to_none=True)
+                w.scheduler.step()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                if step > warmup:
+                    times.append(time.perf_counter() - t0)
+                stats = ckpt.stats
+                lost_hw.append(step - stats.last_durable_step)
+                lost_sw.append(step - max(stats.last_durable_step, stats.last_memory_step))
+            stall = ckpt.stats.stall_seconds - stall_at_warmup
+            checkpoints_measured = ckpt.stats.checkpoints - checkpoints_at_warmup
+            bytes_before_close = ckpt.bytes_written
+        result: dict[str, Any] = {
+            "strategy": strategy,
+            "repeat": spec["repeat"],
+            "every": spec["every"],
+            "step_seconds": times,
+            "mean_step_seconds": sum(times) / len(times),
+            "stall_seconds": stall,
+            "checkpoints": checkpoints_measured,
+            "bytes_per_step": bytes_before_close / steps,
+            "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_device_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+            "lost_steps_software": max(lost_sw),
+            "lost_steps_hardware": max(lost_hw),
+            "recovery_seconds_disk": None,
+            "recovery_seconds_memory": None,
+        }
+        if directory is not None:
+            fresh = build(spec["workload"], seed=spec["seed"] + 1)
+            fresh.data.seed = spec["seed"]
+            t0 = time.perf_counter()
+            with _attach(fresh, directory, strategy, options, final=False) as again:
+                recovered = again.restore()
+            result["recovery_seconds_disk"] = time.perf_counter() - t0
+            if recovered != steps:
+                raise RuntimeError(f"recovered step {recovered}, expected {steps}")
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(json.loads(sys.argv[1]))))

@@ -1,0 +1,62 @@
+"""Benchmark mechanics on a tiny workload. No test here asserts a timing."""
+
+from __future__ import annotations
+
+import json
+
+from everystep.eval.bench import BenchConfig, interleaved_order, markdown_table, run_bench, smallest_interval, summarise
+
+from .conftest import run_cli
+
+
+def test_interleaving_rotates_the_order_every_repeat():
+    order = interleaved_order(("none", "a", "b"), 3)
+    assert order == [(0, "none"), (0, "a"), (0, "b"), (1, "a"), (1, "b"), (1, "none"), (2, "b"), (2, "none"), (2, "a")]
+
+
+def test_max_frequency_search_takes_the_first_interval_within_budget():
+    measured = []
+
+    def overhead(k):
+        measured.append(k)
+        return {1: 0.30, 2: 0.12, 4: 0.03, 8: 0.01}[k]
+
+    assert smallest_interval(overhead, 0.035, [8, 1, 4, 2]) == 4
+    assert measured == [1, 2, 4]
+    assert smallest_interval(lambda k: 1.0, 0.035, [1, 2]) is None
+
+
+def test_bench_reports_every_field_for_every_strategy(tmp_path):
+    cfg = BenchConfig(workload="mlp", strategies=("full_sync", "checkfreq"), steps=5, warmup=1, repeats=2)
+    assert cfg.strategies[0] == "none"  # the reference is always measured
+    runs = run_bench(cfg, progress=False)
+    assert [(r["repeat"], r["strategy"]) for r in runs] == interleaved_order(cfg.strategies, 2)
+    summary = summarise(runs)
+    for name in cfg.strategies:
+        s = summary[name]
+        assert len(s["overheads"]) == 2
+        for key in ("overhead", "stall_per_checkpoint_seconds", "bytes_per_step", "peak_host_bytes",
+                    "recovery_seconds_disk", "recovery_seconds_memory", "lost_steps_software", "lost_steps_hardware"):
+            assert key in s
+    assert summary["none"]["overhead"] == 0 and summary["none"]["bytes_per_step"] == 0
+    assert summary["full_sync"]["bytes_per_step"] > 0 and summary["full_sync"]["recovery_seconds_disk"] > 0
+    assert summary["none"]["lost_steps_hardware"] == 5  # nothing stored: a failure loses everything
+    assert summary["full_sync"]["lost_steps_hardware"] <= 2
+    table = markdown_table(summary)
+    assert table.count("\n") == 2 + len(cfg.strategies) - 1
+
+
+def test_bench_cli_writes_json_with_machine_info_and_a_figure(tmp_path):
+    out, fig = tmp_path / "b.json", tmp_path / "b.png"
+    proc = run_cli("bench", "--workload", "mlp", "--strategies", "full_sync", "--steps", "4", "--warmup", "1",
+                   "--repeats", "1", "--json", str(out), "--plot", str(fig), check=True)
+    assert "| full_sync |" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["machine"]["training_threads"] == 1 and report["machine"]["torch"]
+    assert set(report["summary"]) == {"none", "full_sync"}
+    assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sim = tmp_path / "s.json"
+    run_cli("simulate", "--from-bench", str(out), "--gpus", "1,64", "--mtbf-sweep", "600,3600", "--job-steps", "300",
+            "--trials", "5", "--json", str(sim), "--plot", str(tmp_path / "s.png"), check=True)
+    data = json.loads(sim.read_text())
+    assert {r["gpus"] for r in data["by_gpus"]} == {1, 64} and len(data["by_mtbf"]) == 2

@@ -1,0 +1,98 @@
+"""Pure planning functions: Young/Daly and LowDiff's model, checked against calculus and numerics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import minimize, minimize_scalar
+
+from everystep.plan import plan
+from everystep.policy import (
+    LowDiffCosts,
+    lowdiff_integer_optimum,
+    lowdiff_optimum,
+    lowdiff_wasted_time,
+    overhead_at,
+    young_daly_interval,
+    young_daly_overhead,
+)
+
+
+def test_young_daly_closed_form_is_the_minimum_of_p():
+    kw = dict(step_seconds=0.5, ckpt_seconds=4.0, mtbf_seconds=3600.0)
+    n = young_daly_interval(**kw)
+    assert n == pytest.approx(math.sqrt(2 * 4.0 * 3600.0) / 0.5)
+    numeric = minimize_scalar(lambda x: overhead_at(x, **kw, load_seconds=7.0), bounds=(1, 10_000), method="bounded")
+    assert numeric.x == pytest.approx(n, rel=1e-4)
+    assert overhead_at(n, **kw, load_seconds=7.0) == pytest.approx(
+        young_daly_overhead(ckpt_seconds=4.0, mtbf_seconds=3600.0, load_seconds=7.0))
+
+
+def test_young_daly_rejects_nonsense():
+    with pytest.raises(ValueError, match="MTBF > 0"):
+        young_daly_interval(step_seconds=1, ckpt_seconds=1, mtbf_seconds=0)
+
+
+costs = st.builds(
+    LowDiffCosts,
+    iteration_seconds=st.floats(0.01, 10), mtbf_seconds=st.floats(600, 1e6), write_bandwidth=st.floats(1e7, 1e10),
+    full_bytes=st.floats(1e6, 1e11), load_seconds=st.floats(0, 100), merge_seconds=st.floats(1e-3, 10),
+    gpus=st.integers(1, 1024), job_seconds=st.floats(1e3, 1e7),
+)
+
+
+def test_reduces_to_the_papers_eq10_when_an_iteration_takes_one_second():
+    c = LowDiffCosts(iteration_seconds=1.0, mtbf_seconds=7200, write_bandwidth=2e9, full_bytes=6e9,
+                     load_seconds=20, merge_seconds=0.4)
+    f, b = lowdiff_optimum(c)
+    rd, w, s, m = 0.4, 2e9, 6e9, 7200
+    assert f == pytest.approx((rd * w**2 / (4 * s**2 * m**2)) ** (1 / 3))  # Eq. 10, as printed
+    assert b == pytest.approx((2 * s * rd * m / w) ** (1 / 3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(costs)
+def test_closed_form_is_a_stationary_point_and_numerical_minimisation_agrees(c):
+    f, b = lowdiff_optimum(c)
+    g = lambda x: lowdiff_wasted_time(c, math.exp(x[0]), math.exp(x[1]))  # noqa: E731 (log space keeps both > 0)
+    res = minimize(g, x0=[math.log(f) + 0.7, math.log(b) - 0.7], method="Nelder-Mead",
+                   options={"xatol": 1e-10, "fatol": 1e-14 * g([math.log(f), math.log(b)]), "maxiter": 20_000})
+    assert g(res.x) >= g([math.log(f), math.log(b)]) * (1 - 1e-9)
+    assert math.exp(res.x[0]) == pytest.approx(f, rel=2e-3)
+    assert math.exp(res.x[1]) == pytest.approx(b, rel=2e-3)
+
+
+def test_dimensional_consistency_iteration_time_scales_the_optimum():
+    """Halving every duration (iteration, MTBF, merge, load) and doubling bandwidth keeps F* and b* in iterations."""
+    c = LowDiffCosts(iteration_seconds=0.5, mtbf_seconds=3600, write_bandwidth=1e9, full_bytes=3e9,
+                     load_seconds=10, merge_seconds=0.2)
+    half = LowDiffCosts(iteration_seconds=0.25, mtbf_seconds=1800, write_bandwidth=2e9, full_bytes=3e9,
+                        load_seconds=5, merge_seconds=0.1)
+    (f1, b1), (f2, b2) = lowdiff_optimum(c), lowdiff_optimum(half)
+    assert f1 == pytest.approx(f2) and b1 == pytest.approx(b2)
+
+
+def test_integer_optimum_is_no_worse_than_its_neighbours():
+    c = LowDiffCosts(iteration_seconds=0.3, mtbf_seconds=3600, write_bandwidth=5e8, full_bytes=1e9,
+                     load_seconds=5, merge_seconds=0.05)
+    F, B = lowdiff_integer_optimum(c)
+    best = lowdiff_wasted_time(c, 1 / F, B)
+    for dF in (-1, 0, 1):
+        for dB in (-1, 0, 1):
+            if F + dF >= 1 and 1 <= B + dB <= F + dF:
+                assert best <= lowdiff_wasted_time(c, 1 / (F + dF), B + dB) * (1 + 1e-12)
+
+
+def test_plan_reports_both_models_and_explains_missing_inputs():
+    out = plan(step_seconds=1, size_bytes=3e9, bandwidth=1e9, mtbf_seconds=3600, load_seconds=10, merge_seconds=0.5)
+    assert out["young_daly"]["interval_steps"] == pytest.approx(math.sqrt(2 * 3 * 3600))
+    assert out["lowdiff"]["F"] >= out["lowdiff"]["batch"] >= 1
+    from everystep.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="give --ckpt-seconds, or both --size-bytes and --bandwidth"):
+        plan(step_seconds=1, mtbf_seconds=10)
+    with pytest.raises(ConfigError, match="LowDiff's optimum needs --size-bytes"):
+        plan(step_seconds=1, mtbf_seconds=10, ckpt_seconds=1, merge_seconds=0.1)
