@@ -44,9 +44,10 @@ class Stateful(Protocol):
 
 def capture_rng() -> dict[str, Any]:
     """Every random generator the training may draw from: torch CPU and CUDA, Python, NumPy."""
+    version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch_cpu": torch.get_rng_state(),
-        "python": random.getstate(),
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
@@ -68,8 +69,8 @@ def capture_rng() -> dict[str, Any]:
 def restore_rng(state: dict[str, Any]) -> None:
     """Inverse of :func:`capture_rng`."""
     torch.set_rng_state(state["torch_cpu"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss"]))
     if "torch_cuda" in state:
         if not torch.cuda.is_available():
             raise StateMismatchError(

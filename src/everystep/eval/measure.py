@@ -39,11 +39,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats()
         with _attach(w, directory, strategy, options) as ckpt:
             ckpt.restore()
-            stall_at_warmup = ckpt.stats.stall_seconds
-            checkpoints_at_warmup = 0
+            stall_at_warmup, checkpoints_at_warmup, bytes_at_warmup = 0.0, 0, 0
             for step in range(1, steps + 1):
                 if step == warmup + 1:
+                    ckpt.wait()  # what the warm-up started is not charged to the timed steps
                     stall_at_warmup, checkpoints_at_warmup = ckpt.stats.stall_seconds, ckpt.stats.checkpoints
+                    bytes_at_warmup = ckpt.bytes_written
                 t0 = time.perf_counter()
                 loss = w.loss(w.data.next())
                 loss.backward()
@@ -59,8 +60,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 lost_hw.append(step - stats.last_durable_step)
                 lost_sw.append(step - max(stats.last_durable_step, stats.last_memory_step))
             stall = ckpt.stats.stall_seconds - stall_at_warmup
+            ckpt.wait()  # count what the timed steps wrote, not the final checkpoint written at close
             checkpoints_measured = ckpt.stats.checkpoints - checkpoints_at_warmup
-            bytes_before_close = ckpt.bytes_written
+            bytes_measured = ckpt.bytes_written - bytes_at_warmup
         result: dict[str, Any] = {
             "strategy": strategy,
             "repeat": spec["repeat"],
@@ -69,7 +71,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "mean_step_seconds": sum(times) / len(times),
             "stall_seconds": stall,
             "checkpoints": checkpoints_measured,
-            "bytes_per_step": bytes_before_close / steps,
+            "bytes_per_step": bytes_measured / (steps - warmup),
             "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "peak_device_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
             "lost_steps_software": max(lost_sw),
