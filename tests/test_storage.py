@@ -156,12 +156,12 @@ def test_retention_keeps_newest_by_step_number_not_by_name():
 def test_retention_keeps_what_recoverable_points_require():
     ms = [_m("full", 10), _m("full", 20), _m("diff", 5, ("full-000000000000",)), _m("diff", 21, ("full-000000000020",)),
           _m("diff", 15, ("full-000000000010",)), _m("full", 30)]
-    # keep=1: full 30 and any newer differential survive; diff 21 is older than the kept full.
+    # differentials no newer than the newest full (30) go, whatever keep is.
     assert plan_retention(ms, keep=1) == ["diff-000000000005", "full-000000000010", "diff-000000000015",
                                           "full-000000000020", "diff-000000000021"]
     keep2 = plan_retention(ms, keep=2)
-    assert "diff-000000000021" not in keep2 and "full-000000000020" not in keep2
-    ms.append(_m("diff", 31, ("full-000000000010",)))  # a differential whose base is old: its base stays
+    assert "full-000000000020" not in keep2 and "diff-000000000021" in keep2
+    ms.append(_m("diff", 31, ("full-000000000010",)))  # a differential newer than 30 whose base is old: its base stays
     assert "full-000000000010" not in plan_retention(ms, keep=1)
 
 

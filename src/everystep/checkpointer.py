@@ -43,6 +43,8 @@ class Checkpointer:
         model, optimizer: the live objects being trained.
         scheduler, scaler, data: optional LR scheduler, GradScaler, and a data-position object
             with ``state_dict()``/``load_state_dict()`` (epoch, index, sampler seed).
+        compression: a :class:`~everystep.compress.GradientCompression` in use; its residuals are
+            saved, and differential strategies reuse its compressed gradients.
         strategy: a name from :data:`everystep.strategies.STRATEGIES` or a strategy instance.
         every, keep, **options: the strategy's configuration, when given by name.
         final: write a last checkpoint at a clean :meth:`close` if the last step has none.
@@ -57,6 +59,7 @@ class Checkpointer:
         scheduler: Any | None = None,
         scaler: Any | None = None,
         data: Stateful | None = None,
+        compression: Any | None = None,
         strategy: str | Strategy = "checkfreq",
         every: int = 1,
         keep: int = 2,
@@ -70,7 +73,9 @@ class Checkpointer:
         self.strategy: Strategy = (
             create(strategy, every=every, keep=keep, **options) if isinstance(strategy, str) else strategy
         )
-        self.components = TrainingComponents(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data)
+        self.components = TrainingComponents(
+            model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data, compression=compression
+        )
         self.final = final
         self.stats = CheckpointStats()
         if store is None and self.strategy.needs_store:
@@ -110,16 +115,28 @@ class Checkpointer:
         if self.store is None:
             return 0
         t0 = time.perf_counter()
-        found = recover(self.store)
-        if found is None:
-            return 0
-        self.components.restore(found.tree)
-        self.strategy.load_state_dict(found.tree.get("strategy", {}))
-        self.step = self.stats.last_durable_step = found.step
-        self.recovered = Recovered(
-            step=found.step, tree={}, source=found.source, manifest=found.manifest, seconds=time.perf_counter() - t0
-        )
+        custom = getattr(self.strategy, "restore", None)
+        if custom is not None:
+            found = custom()
+        else:
+            found = recover(self.store)
+            if found is not None:
+                self.components.restore(found.tree)
+                self.strategy.load_state_dict(found.tree.get("strategy", {}))
+        if found is not None:
+            self.step = self.stats.last_durable_step = found.step
+            self.recovered = Recovered(
+                step=found.step, tree={}, source=found.source, manifest=found.manifest, seconds=time.perf_counter() - t0
+            )
+        self._start()
         return self.step
+
+    def _start(self) -> None:
+        """Tell the strategy where training starts; S_step is what the live objects hold now."""
+        self._ctx.boundary = copy.deepcopy(self.components.capture_boundary())
+        start = getattr(self.strategy, "on_start", None)
+        if start is not None:
+            start(self.step)
 
     def wait(self) -> None:
         """Block until every checkpoint started so far is durable; raise a background failure."""
@@ -196,6 +213,12 @@ class Checkpointer:
     def _step_end(self) -> None:
         if self.step == 0 and not self._restored and self.store is not None:
             self._refuse_unrestored_directory()
+            if hasattr(self.strategy, "on_start"):
+                self._restored = True
+                raise EverystepError(
+                    f"strategy {self.strategy.name!r} needs restore() to be called before the first step "
+                    "(it records the starting state)"
+                )
         self.step += 1
         self.stats.steps += 1
         self._ctx.boundary = copy.deepcopy(self.components.capture_boundary())

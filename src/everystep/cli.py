@@ -33,7 +33,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         workload=args.workload, strategy=args.strategy, steps=args.steps, directory=args.dir,
         every=args.every, keep=args.keep, seed=args.seed, threads=args.threads,
-        optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode,
+        optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode, compress=args.compress,
+        options={"batch": args.batch} if args.batch is not None else {},
     )
     summary = run(cfg)
     _write_json(args.json, summary)
@@ -50,19 +51,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
-    from .eval.train import training_state_hash
-    from .recovery import recover
-    from .storage.local import LocalStore
+    from .eval.train import recover_run
 
-    store = LocalStore.open(args.dir, create=False)
-    found = recover(store)
-    if found is None:
-        result = {"step": 0, "state_sha256": None, "source": "none"}
-    else:
-        result = {"step": found.step, "state_sha256": training_state_hash(found.tree), "source": found.source,
-                  "recovery_seconds": found.seconds}
+    result = recover_run(args.dir)
     _write_json(args.json, result)
-    print(f"step {result['step']}" + (f", state sha256 {result['state_sha256']}" if result["state_sha256"] else " (empty)"))
+    print(f"step {result['step']}" + (f", state sha256 {result['state_sha256']}" if result["state_sha256"] else " (empty)")
+          + (f", from {result['source']}" if result["step"] else ""))
     return 0
 
 
@@ -161,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     t.add_argument("--fail-at", type=_steps_list, default=(), metavar="STEPS", help="kill the training during these steps, e.g. 7,19")
     t.add_argument("--fail-mode", choices=["software", "hardware"], default="software")
+    t.add_argument("--compress", metavar="SPEC", help="train with gradient compression: topk:0.01 or quant8")
+    t.add_argument("--batch", type=int, help="lowdiff: steps per differential write (b)")
     t.add_argument("--json", metavar="PATH", help="write the run summary here")
     t.set_defaults(func=cmd_train)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from .errors import CorruptCheckpointError
 from .storage.local import LocalStore
-from .strategies._full import read_full
+from .recovery import read_full
 
 __all__ = ["inspect_store"]
 

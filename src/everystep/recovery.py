@@ -10,9 +10,10 @@ from typing import Any
 from .errors import CorruptCheckpointError, NoValidCheckpointError
 from .storage.base import Manifest
 from .storage.local import LocalStore
-from .strategies._full import read_full
+from .state import unflatten
+from .storage.tensorfile import load_tensors
 
-__all__ = ["Recovered", "latest_full", "recover"]
+__all__ = ["Recovered", "read_full", "latest_full", "recover"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,6 +25,22 @@ class Recovered:
     source: str
     manifest: Manifest | None
     seconds: float
+
+
+def read_full(store: LocalStore, manifest: Manifest) -> dict[str, Any]:
+    """Read, verify and rebuild the state tree of a full checkpoint."""
+    info = manifest.objects.get("tensors")
+    if info is None or "skeleton" not in manifest.meta:
+        raise CorruptCheckpointError(f"manifest {manifest.name} lacks its tensor object or skeleton")
+    data = store.read_object(info)
+    tensors = load_tensors(data, what=f"object {info.name}")
+    try:
+        tree = unflatten(manifest.meta["skeleton"], tensors)
+    except KeyError as e:
+        raise CorruptCheckpointError(f"checkpoint {manifest.name}: {e.args[0]}") from None
+    if tree.get("step") != manifest.step:
+        raise CorruptCheckpointError(f"checkpoint {manifest.name} holds step {tree.get('step')}, not {manifest.step}")
+    return tree
 
 
 def latest_full(store: LocalStore) -> tuple[Manifest, dict[str, Any]] | None:

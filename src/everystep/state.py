@@ -95,6 +95,10 @@ class TrainingComponents:
     scheduler: Any | None = None
     scaler: Any | None = None
     data: Stateful | None = None
+    compression: Stateful | None = None
+    """Gradient compression whose error-feedback residuals are training state."""
+
+    OPTIONAL = ("scheduler", "scaler", "data", "compression")
 
     def capture(self) -> dict[str, Any]:
         """The heavy, slowly-changing part of the state, referencing live tensors (no copy)."""
@@ -106,6 +110,8 @@ class TrainingComponents:
             tree["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             tree["scaler"] = self.scaler.state_dict()
+        if self.compression is not None:
+            tree["compression"] = self.compression.state_dict()
         return tree
 
     def capture_boundary(self) -> dict[str, Any]:
@@ -119,7 +125,8 @@ class TrainingComponents:
         """Load a captured state into the live objects, checking every shape first."""
         check_model(self.model, tree["model"])
         check_optimizer(self.optimizer, tree["optimizer"])
-        for name, component in (("scheduler", self.scheduler), ("scaler", self.scaler), ("data", self.data)):
+        for name in self.OPTIONAL:
+            component = getattr(self, name)
             if (component is None) != (name not in tree):
                 have = "has" if name in tree else "has no"
                 given = "was given one" if component is not None else "was not given one"
@@ -135,6 +142,8 @@ class TrainingComponents:
             self.scaler.load_state_dict(tree["scaler"])
         if self.data is not None:
             self.data.load_state_dict(tree["data"])
+        if self.compression is not None:
+            self.compression.load_state_dict(tree["compression"])
         restore_rng(tree["rng"])
 
 

@@ -24,8 +24,11 @@ from tqdm import tqdm
 
 from ..checkpointer import Checkpointer
 from ..errors import ConfigError, EverystepError
+from ..recovery import recover
+from ..storage.local import LocalStore
 from ..state import state_hash
 from ..strategies import STRATEGIES
+from ..compress import GradientCompression, make_compressor
 from .faults import FailurePlan, Injector
 from .workloads import OPTIMIZERS, WORKLOADS, build
 
@@ -48,6 +51,8 @@ class TrainConfig:
     fail_at: tuple[int, ...] = ()
     fail_mode: str = "software"
     options: dict[str, Any] = field(default_factory=dict)
+    compress: str | None = None
+    """Gradient compression for training itself (``topk:0.01``, ``quant8``); None trains dense."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -69,8 +74,41 @@ class TrainConfig:
             raise ConfigError(f"--fail-at steps must lie in 1..{self.steps}; got {', '.join(map(str, bad))}")
         if self.strategy != "none" and self.directory is None:
             raise ConfigError(f"strategy {self.strategy!r} needs --dir")
-        if self.fail_at and self.strategy == "none" and self.directory is None:
-            self.directory = None  # recovery restarts from step 0
+        if self.compress is not None:
+            make_compressor(self.compress)  # validates the spec
+
+
+def run_record(cfg: TrainConfig) -> dict[str, Any]:
+    """What ``everystep recover`` needs to rebuild the live objects a differential chain replays into."""
+    return {"workload": cfg.workload, "optimizer": cfg.optimizer, "seed": cfg.seed, "compress": cfg.compress,
+            "every": cfg.every, "keep": cfg.keep, "options": cfg.options}
+
+
+def recover_run(directory: str) -> dict[str, Any]:
+    """Recover a directory written by ``everystep train``; returns step, hash and source."""
+    store = LocalStore.open(directory, create=False)
+    run = store.marker.get("run")
+    if run is None:
+        found = recover(store)
+        if found is None:
+            return {"step": 0, "state_sha256": None, "source": "none"}
+        if any(r.manifest and r.manifest.kind != "full" for r in store.manifests()):
+            raise EverystepError(f"{directory} holds differentials but no record of the model they replay into; "
+                                 "restore it with Checkpointer.restore() in the training script")
+        return {"step": found.step, "state_sha256": training_state_hash(found.tree), "source": found.source,
+                "recovery_seconds": found.seconds}
+    w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"])
+    compression = GradientCompression(make_compressor(run["compress"]), w.model, w.optimizer) if run["compress"] else None
+    with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=compression,
+                      strategy=store.marker["strategy"], every=run["every"], keep=run["keep"], final=False,
+                      store=store, **run["options"]) as ckpt:
+        step = ckpt.restore()
+        tree = {"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
+        result = {"step": step, "state_sha256": training_state_hash(tree) if step else None,
+                  "source": ckpt.recovered.source if ckpt.recovered else "none",
+                  "recovery_seconds": ckpt.recovered.seconds if ckpt.recovered else 0.0}
+        ckpt._restored = True
+    return result
 
 
 def training_state_hash(tree: dict[str, Any]) -> str:
@@ -113,9 +151,11 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
     inject = Injector(plan)
     strategy = cfg.strategy
     directory = cfg.directory if STRATEGIES[strategy].needs_store else None
+    compression = GradientCompression(make_compressor(cfg.compress), w.model, w.optimizer) if cfg.compress else None
+    store = LocalStore.open(directory, strategy=strategy, extra={"run": run_record(cfg)}) if directory else None
     with Checkpointer(
-        directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
-        strategy=strategy, every=cfg.every, keep=cfg.keep, **cfg.options,
+        directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=compression,
+        strategy=strategy, every=cfg.every, keep=cfg.keep, store=store, **cfg.options,
     ) as ckpt:
         t0 = time.perf_counter()
         start = ckpt.restore()
@@ -140,6 +180,8 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
             bar.update(1)
         bar.close()
     inject.finish()
+    if plan is None and ckpt.recovered is not None and isinstance(getattr(ckpt.strategy, "replay_seconds", None), float):
+        journal.write(event="replay", seconds=ckpt.strategy.replay_seconds)
     final_tree = {"step": cfg.steps, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
     journal.write(event="end", final_state_sha256=training_state_hash(final_tree), **_counters(ckpt))
 
@@ -199,6 +241,7 @@ def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]
         "bytes_written": int(totals["bytes_written"]),
         "stall_seconds": totals["stall_seconds"],
         "checkpoints": int(totals["checkpoints"]),
+        "compress": cfg.compress,
         "snapshot_wait_seconds": totals["snapshot_wait_seconds"],
     }
 

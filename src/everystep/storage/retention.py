@@ -8,21 +8,21 @@ __all__ = ["plan_retention"]
 
 
 def plan_retention(manifests: list[Manifest], *, keep: int) -> list[str]:
-    """Names of manifests to discard so that the newest ``keep`` full checkpoints, and everything
-    they or any newer checkpoint require, remain.
+    """Names of manifests to discard so that the newest ``keep`` full checkpoints, the
+    differentials newer than the newest full checkpoint, and everything those require, remain.
 
-    Ordered by step number, never by name or time. A differential older than the oldest kept
-    full checkpoint is not needed by any recoverable point and goes too.
+    Ordered by step number, never by name or time. A differential no newer than the newest full
+    checkpoint leads to no point that checkpoint does not already give, and goes.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     fulls = sorted((m for m in manifests if m.kind == "full"), key=lambda m: m.step, reverse=True)
     if not fulls:
         return []
-    oldest_kept = fulls[: keep][-1].step
+    newest = fulls[0].step
     by_name = {m.name: m for m in manifests}
     live = {m.name for m in fulls[:keep]}
-    live |= {m.name for m in manifests if m.kind != "full" and m.step >= oldest_kept}
+    live |= {m.name for m in manifests if m.kind != "full" and m.step > newest}
     stack = list(live)
     while stack:
         for dep in by_name[stack.pop()].requires:

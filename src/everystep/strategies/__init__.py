@@ -9,11 +9,13 @@ from ..errors import ConfigError
 from .base import CheckpointStats, Strategy, StrategyConfig, StrategyContext
 from .checkfreq import CheckFreq
 from .full_sync import FullSync
+from .lowdiff import LowDiff
+from .naive_diff import NaiveDiff
 from .none import NoCheckpoint
 
-__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq"]
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "NaiveDiff"]
 
-STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq)}
+STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq, LowDiff, NaiveDiff)}
 
 
 def create(name: str, **options: Any) -> Strategy:

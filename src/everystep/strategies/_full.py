@@ -5,15 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import CorruptCheckpointError
-from ..state import unflatten
 from ..storage.base import Manifest
 from ..storage.local import LocalStore
 from ..storage.retention import plan_retention
-from ..storage.tensorfile import load_tensors
 from ..transport.host import TensorLayout
 
-__all__ = ["write_full", "read_full", "apply_retention"]
+__all__ = ["write_full", "apply_retention"]
 
 
 def write_full(
@@ -44,20 +41,3 @@ def apply_retention(store: LocalStore, keep: int) -> None:
     committed = [r.manifest for r in store.manifests() if r.manifest is not None]
     for name in plan_retention(committed, keep=keep):
         store.discard(name)
-
-
-def read_full(store: LocalStore, manifest: Manifest) -> dict[str, Any]:
-    """Read, verify and rebuild the state tree of a full checkpoint."""
-    info = manifest.objects.get("tensors")
-    if info is None or "skeleton" not in manifest.meta:
-        raise CorruptCheckpointError(f"manifest {manifest.name} lacks its tensor object or skeleton")
-    data = store.read_object(info)
-    tensors = load_tensors(data, what=f"object {info.name}")
-    try:
-        tree = unflatten(manifest.meta["skeleton"], tensors)
-    except KeyError as e:
-        raise CorruptCheckpointError(f"checkpoint {manifest.name}: {e.args[0]}") from None
-    if tree.get("step") != manifest.step:
-        raise CorruptCheckpointError(f"checkpoint {manifest.name} holds step {tree.get('step')}, not {manifest.step}")
-    return tree
-

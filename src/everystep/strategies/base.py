@@ -101,6 +101,10 @@ class StrategyContext:
         ptrs = {p.untyped_storage().data_ptr() for g in opt.param_groups for p in g["params"]}
         for st in opt.state.values():
             ptrs |= {v.untyped_storage().data_ptr() for v in st.values() if isinstance(v, torch.Tensor) and v.numel()}
+        compression = self.components.compression
+        if compression is not None and getattr(compression, "immutable_tensors", False):
+            tensors_, _ = flatten(compression.state_dict())
+            ptrs |= {t.untyped_storage().data_ptr() for t in tensors_.values() if t.numel()}
         return {k for k, t in tensors.items() if t.numel() and t.untyped_storage().data_ptr() in ptrs}
 
     def committed(self, step: int) -> None:

@@ -44,7 +44,7 @@ class CheckFreq:
 
     def __init__(self, config: CheckFreqConfig | None = None) -> None:
         self.config = config or CheckFreqConfig()
-        self._last = 0
+        self._last = -1
         self._snapshot: Future[Any] | None = None
         self._persists: list[Future[Any]] = []
         self._errors = BackgroundErrors()

@@ -22,7 +22,7 @@ class FullSync:
 
     def __init__(self, config: StrategyConfig | None = None) -> None:
         self.config = config or StrategyConfig()
-        self._last = 0
+        self._last = -1
 
     def attach(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

@@ -1,0 +1,85 @@
+"""Gradient compression as training uses it, in one process: compress → decompress → optimizer.
+
+:class:`GradientCompression` registers an optimizer step pre-hook that replaces every gradient
+the optimizer is about to consume (after the user's clipping and a GradScaler's unscaling) by
+the decompression of its compressed form. The compressed forms of the last update are kept for
+a checkpointing strategy to reuse (:meth:`take`); the error-feedback residuals are training
+state (:meth:`state_dict`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .base import Compressed, Compressor
+from .quant import Quant8
+from .topk import TopK
+
+__all__ = ["GradientCompression", "make_compressor", "parameter_names"]
+
+
+def make_compressor(spec: str) -> Compressor:
+    """``topk``, ``topk:0.01`` or ``quant8``."""
+    kind, _, arg = spec.partition(":")
+    if kind == "topk":
+        try:
+            ratio = float(arg) if arg else 0.01
+        except ValueError:
+            raise ConfigError(f"--compress topk takes a ratio like topk:0.01; got {spec!r}") from None
+        return TopK(ratio)
+    if kind == "quant8" and not arg:
+        return Quant8()
+    if kind == "powersgd":
+        raise ConfigError("--compress powersgd is not available in this version; use topk:RATIO or quant8")
+    raise ConfigError(f"unknown compression {spec!r}; use topk:RATIO or quant8")
+
+
+def parameter_names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    """Each parameter's name as ``named_parameters`` first yields it (tied weights: the first name)."""
+    return {p: n for n, p in model.named_parameters()}
+
+
+class GradientCompression:
+    """Compresses the gradients an optimizer consumes. Use :meth:`remove` to detach it."""
+
+    immutable_tensors = True  # residuals are replaced, never modified in place
+
+    def __init__(self, compressor: Compressor, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.compressor = compressor
+        self.spec = compressor.name
+        names = parameter_names(model)
+        self.params: list[tuple[str, torch.nn.Parameter]] = [
+            (names[p], p) for group in optimizer.param_groups for p in group["params"]
+        ]
+        self._last: dict[str, Compressed] | None = None
+        self._handle = optimizer.register_step_pre_hook(self._pre_step)
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        record: dict[str, Compressed] = {}
+        with torch.no_grad():
+            for name, p in self.params:
+                if p.grad is None:
+                    continue
+                compressed = self.compressor.compress(name, p.grad)
+                p.grad.copy_(self.compressor.decompress(compressed, p.grad))
+                record[name] = compressed
+        self._last = record
+
+    def take(self) -> dict[str, Compressed] | None:
+        """The compressed gradients of the last update, once; ``None`` if no update happened."""
+        last, self._last = self._last, None
+        return last
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.compressor.name, "residuals": dict(self.compressor.residuals)}  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != self.compressor.name:
+            raise ConfigError(f"the checkpoint was trained with {state.get('kind')!r} compression; this run uses {self.compressor.name!r}")
+        self.compressor.residuals = {k: v.clone() for k, v in state["residuals"].items()}  # type: ignore[attr-defined]
+
+    def remove(self) -> None:
+        self._handle.remove()

@@ -1,0 +1,42 @@
+"""Top-k sparsification with error feedback (Stich et al.; the ratio ρ keeps ⌈ρ·n⌉ entries)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import ConfigError
+from .base import Compressed
+
+__all__ = ["TopK"]
+
+
+class TopK:
+    name = "topk"
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        if not 0 < ratio <= 1:
+            raise ConfigError(f"top-k ratio must lie in (0, 1], got {ratio}")
+        self.ratio = ratio
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compress(self, name: str, grad: torch.Tensor) -> Compressed:
+        flat = grad.detach().reshape(-1)
+        residual = self.residuals.get(name)
+        acc = flat + residual if residual is not None else flat.clone()
+        k = max(1, math.ceil(self.ratio * acc.numel()))
+        indices = acc.abs().topk(k, sorted=False).indices.sort().values
+        values = acc[indices]
+        acc[indices] = 0
+        self.residuals[name] = acc
+        index_dtype = torch.int32 if acc.numel() < 2**31 else torch.int64
+        return {"values": values, "indices": indices.to(index_dtype)}
+
+    def decompress(self, compressed: Compressed, like: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        out[compressed["indices"].long()] = compressed["values"].to(like.dtype)
+        return out.view_as(like)
+
+    def nbytes(self, compressed: Compressed) -> int:
+        return sum(t.numel() * t.element_size() for t in compressed.values())

@@ -1,0 +1,140 @@
+"""Replaying differentials: turn S_k into S_n by applying the updates of steps k+1..n again.
+
+Each step record holds what the optimizer consumed at that step — the compressed gradient of every
+parameter that had one, keyed by the parameter's name — and the scalar context the update read
+(every param group's hyperparameters, learning rate included, and whether a GradScaler skipped
+the step). Replay sets each ``p.grad`` to the decompressed gradient and runs ``step()`` of the same
+optimizer class with the same group settings, so the result is bitwise that of training.
+
+Optimizers in ``torch.optim`` update each parameter from its own gradient and state only, so
+replay runs in parallel across parameters: the parameters are split into shards, each replayed
+by its own optimizer instance that shares the original's per-parameter state, on its own thread.
+Reading and decompressing the next records overlaps with applying the current ones.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .compress.base import Compressed, Compressor
+from .compress.hook import parameter_names
+
+__all__ = ["StepRecord", "Replayer", "group_scalars"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    step: int
+    skipped: bool
+    groups: list[dict[str, Any]]
+    grads: dict[str, Compressed] = field(default_factory=dict)
+
+
+def _scalar(v: Any) -> bool:
+    if isinstance(v, (list, tuple)):
+        return all(_scalar(x) for x in v)
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def group_scalars(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every param group's hyperparameters that are plain values (lr, betas, weight decay, …)."""
+    return [{k: v for k, v in g.items() if k != "params" and _scalar(v)} for g in optimizer.param_groups]
+
+
+class Replayer:
+    """Applies step records to a live model and optimizer, on ``threads`` threads."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, compressor: Compressor, *, threads: int = 1) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        names = parameter_names(model)
+        entries = [(gi, names[p], p) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]
+        shards: list[list[tuple[int, str, torch.nn.Parameter]]] = [[] for _ in range(min(threads, len(entries)) or 1)]
+        loads = [0] * len(shards)
+        for entry in sorted(entries, key=lambda e: -e[2].numel()):  # largest first onto the lightest shard
+            i = loads.index(min(loads))
+            shards[i].append(entry)
+            loads[i] += entry[2].numel()
+        self.compressor = compressor
+        self.shards = [_Shard(optimizer, shard) for shard in shards if shard]
+
+    def apply(self, records: Iterable[StepRecord]) -> int:
+        """Apply ``records`` in order; returns how many steps were applied."""
+        if len(self.shards) == 1:
+            n = 0
+            for record in records:
+                self.shards[0].apply(record, self.compressor)
+                n += 1
+            return n
+        queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=8) for _ in self.shards]
+        errors: list[BaseException] = []
+
+        def work(shard: _Shard, q: queue.Queue[Any]) -> None:
+            while (record := q.get()) is not None:
+                if not errors:
+                    try:
+                        shard.apply(record, self.compressor)
+                    except BaseException as e:  # surfaced below
+                        errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(s, q), daemon=True) for s, q in zip(self.shards, queues)]
+        for t in threads:
+            t.start()
+        n = 0
+        try:
+            for record in records:  # reading (and parsing) the next record overlaps with applying
+                for q in queues:
+                    q.put(record)
+                n += 1
+        finally:
+            for q in queues:
+                q.put(None)
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
+        return n
+
+
+class _Shard:
+    """Some parameters of an optimizer, with a private optimizer that shares their state."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, entries: list[tuple[int, str, torch.nn.Parameter]]) -> None:
+        by_group: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
+        for gi, name, p in entries:
+            by_group.setdefault(gi, []).append((name, p))
+        self.group_index = list(by_group)
+        self.params = [by_group[gi] for gi in self.group_index]
+        groups = [
+            {**{k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}, "params": [p for _, p in ps]}
+            for gi, ps in zip(self.group_index, self.params)
+        ]
+        self.optimizer = type(optimizer)(groups)
+        for ps in self.params:
+            for _, p in ps:
+                self.optimizer.state[p] = optimizer.state[p]  # the same dict: updates land in the original
+
+    def apply(self, record: StepRecord, compressor: Compressor) -> None:
+        if record.skipped:
+            return
+        with torch.no_grad():
+            for gi, group, ps in zip(self.group_index, self.optimizer.param_groups, self.params):
+                group.update(record.groups[gi])
+                for name, p in ps:
+                    compressed = record.grads.get(name)
+                    p.grad = None if compressed is None else compressor.decompress(compressed, p)
+        self.optimizer.step()
+        for ps in self.params:
+            for _, p in ps:
+                p.grad = None
+
+
+def records_in_order(batches: Iterable[list[StepRecord]]) -> Iterator[StepRecord]:
+    for batch in batches:
+        yield from batch

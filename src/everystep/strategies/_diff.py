@@ -1,0 +1,42 @@
+"""What differential strategies share: the part of S_t that gradients or deltas cannot rebuild."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..replay import group_scalars
+from ..state import TrainingComponents, flatten, restore_rng
+
+__all__ = ["end_state", "apply_end_state"]
+
+
+def end_state(components: TrainingComponents, boundary: dict[str, Any], step: int) -> tuple[dict[str, torch.Tensor], Any]:
+    """Model buffers (BatchNorm statistics), param-group settings as the scheduler left them,
+    scheduler, scaler, compression residuals, RNG and data position, as of the end of ``step``."""
+    c = components
+    buffers = {n for n, _ in c.model.named_buffers()}
+    tree: dict[str, Any] = {
+        "step": step,
+        "buffers": {k: v.detach().clone() for k, v in c.model.state_dict().items() if k in buffers},
+        "groups": group_scalars(c.optimizer),
+        **boundary,
+    }
+    for name in ("scheduler", "scaler", "compression"):
+        component = getattr(c, name)
+        if component is not None:
+            tree[name] = component.state_dict()
+    return flatten(tree)
+
+
+def apply_end_state(components: TrainingComponents, end: dict[str, Any]) -> None:
+    c = components
+    c.model.load_state_dict(end["buffers"], strict=False)
+    for group, saved in zip(c.optimizer.param_groups, end["groups"]):
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    for name in ("scheduler", "scaler", "data", "compression"):
+        component = getattr(c, name)
+        if component is not None and name in end:
+            component.load_state_dict(end[name])
+    restore_rng(end["rng"])

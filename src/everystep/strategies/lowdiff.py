@@ -1,0 +1,330 @@
+"""``lowdiff``: LowDiff — the compressed gradients training already computes are the differentials.
+
+Each step's compressed gradient (what the optimizer consumed) goes, in order and without a copy
+on the training path, through a bounded *reusing queue* to a writer thread. The writer moves it to
+host memory and gathers ``batch`` steps into one object: a concatenation of per-step records,
+never a sum (Adam, momentum and weight decay are not linear in the gradient). With
+``sum_linear=True`` and plain SGD (no momentum, no weight decay, not Nesterov), a batch stores
+the sum of lr·g instead, which is exact in real arithmetic and equal up to rounding in floating
+point; any other optimizer is refused.
+
+A full checkpoint every ``every`` steps (F) goes through CheckFreq's asynchronous path. Recovery
+loads the newest full checkpoint that verifies and replays the gap-free chain of verified
+batches that starts at its step. With ``adapt=True`` and ``mtbf`` seconds, F and b follow LowDiff's
+optimum computed from the measured step time, write bandwidth and replay time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import ConfigError, CorruptCheckpointError
+from ..policy import LowDiffCosts, lowdiff_integer_optimum
+from ..recovery import Recovered, latest_full
+from ..replay import Replayer, StepRecord, group_scalars
+from ..state import unflatten
+from ..storage.base import Manifest
+from ..storage.tensorfile import load_tensors, tensor_chunks
+from ..transport.host import TensorLayout
+from ._diff import apply_end_state, end_state
+from .base import BackgroundErrors, StrategyConfig, StrategyContext
+from .checkfreq import CheckFreq, CheckFreqConfig
+
+__all__ = ["LowDiff", "LowDiffConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class LowDiffConfig(StrategyConfig):
+    """``every`` is F, the full-checkpoint interval; a differential is recorded every step."""
+
+    every: int = 50
+    batch: int = 1
+    """b: steps per differential write."""
+    queue: int = 64
+    """Steps the reusing queue holds before training waits (bounded memory, measured stall)."""
+    replay_threads: int = 2
+    sum_linear: bool = False
+    adapt: bool = False
+    mtbf: float | None = None
+    """Mean time between failures in seconds, for ``adapt``."""
+
+    def __post_init__(self) -> None:
+        StrategyConfig.__post_init__(self)
+        if self.batch < 1:
+            raise ConfigError(f"batch must be at least 1 step, got {self.batch}")
+        if self.queue < 1 or self.replay_threads < 1:
+            raise ConfigError("queue and replay_threads must be at least 1")
+        if self.adapt and (self.mtbf is None or self.mtbf <= 0):
+            raise ConfigError("adapt=True needs mtbf, the mean time between failures in seconds")
+
+
+def _linear_in_gradient(optimizer: torch.optim.Optimizer) -> bool:
+    if type(optimizer) is not torch.optim.SGD:
+        return False
+    return all(
+        not g.get("momentum") and not g.get("weight_decay") and not g.get("nesterov") and not g.get("maximize")
+        for g in optimizer.param_groups
+    )
+
+
+_FLUSH = object()
+
+
+class LowDiff:
+    name: ClassVar[str] = "lowdiff"
+    needs_store: ClassVar[bool] = True
+    Config = LowDiffConfig
+
+    def __init__(self, config: LowDiffConfig | None = None) -> None:
+        self.config = config or LowDiffConfig()
+        self.interval, self.batch = self.config.every, self.config.batch
+        self._errors = BackgroundErrors()
+        self._base = 0
+        self._pending = 0  # steps recorded since the last flush
+        self._step_started = 0.0
+        self._step_seconds: list[float] = []
+        self.replay_seconds: float | None = None
+        self.last_costs: LowDiffCosts | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def attach(self, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+        compression = ctx.components.compression
+        if compression is None:
+            raise ConfigError("lowdiff reuses compressed gradients: train with compression (--compress topk:0.01 or quant8)")
+        self.compression = compression
+        if self.config.sum_linear and not _linear_in_gradient(ctx.components.optimizer):
+            raise ConfigError(
+                f"sum_linear needs an update that is linear in the gradient (plain SGD without momentum, weight "
+                f"decay or Nesterov); {type(ctx.components.optimizer).__name__} with these settings is not, so "
+                "batches must stay concatenations of per-step records"
+            )
+        self.full = CheckFreq(CheckFreqConfig(every=self.interval, keep=self.config.keep))
+        self.full.attach(ctx)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=self.config.queue)
+        self._writer = threading.Thread(target=self._write_loop, name="everystep-lowdiff-writer", daemon=True)
+        self._writer.start()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def on_start(self, step: int) -> None:
+        """A fresh run writes S_0 as the first full checkpoint, so that a chain can start at 0."""
+        if step == 0:
+            self.full.on_state_ready(0, final=True)
+            self.full.wait()
+        self._base = self._base if step else 0
+
+    # -- training path -------------------------------------------------------------------------
+
+    def on_step_end(self, step: int) -> None:
+        self._errors.raise_pending()
+        now = time.perf_counter()
+        if self._step_started:
+            self._step_seconds = (self._step_seconds + [now - self._step_started])[-20:]
+        self._step_started = now
+        grads = self.compression.take()
+        record = StepRecord(step=step, skipped=grads is None, groups=group_scalars(self.ctx.components.optimizer),
+                            grads=grads or {})
+        t0 = time.perf_counter()
+        self._queue.put(record)  # blocks while the writer is `queue` steps behind
+        self.ctx.stats.snapshot_wait_seconds += time.perf_counter() - t0
+        self._pending += 1
+
+    def on_state_ready(self, step: int, *, final: bool = False) -> None:
+        self._errors.raise_pending()
+        full_now = step % self.interval == 0
+        if self._pending and (final or full_now or self._pending >= self.batch):
+            self._queue.put((_FLUSH, self._base, self._end_state(step)))
+            self._pending = 0
+        if full_now and not final:
+            self.full.on_state_ready(step)
+            self._base = step
+            if self.config.adapt:
+                self._adapt()
+
+    def before_update(self, step: int) -> None:
+        self.full.before_update(step)
+
+    def wait(self) -> None:
+        self._queue.join()
+        self.full.wait()
+        self._errors.raise_pending()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._queue.put(None)
+            self._writer.join()
+            self.full.close()
+
+    def _end_state(self, step: int) -> tuple[dict[str, torch.Tensor], Any]:
+        return end_state(self.ctx.components, self.ctx.boundary, step)
+
+    # -- the writer ----------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        records: list[StepRecord] = []
+        while (item := self._queue.get()) is not None:
+            try:
+                if isinstance(item, StepRecord):
+                    records.append(self._to_host(item))
+                else:
+                    _, base, (end_tensors, end_skeleton) = item
+                    if records:
+                        self._write_batch(base, records, end_tensors, end_skeleton)
+                    records = []
+            except BaseException as e:
+                self._errors.record(f"writing the differential batch ending at step {records[-1].step if records else '?'}", e)
+                records = []
+            finally:
+                self._queue.task_done()
+
+    @staticmethod
+    def _to_host(record: StepRecord) -> StepRecord:
+        if all(t.device.type == "cpu" for c in record.grads.values() for t in c.values()):
+            return record
+        grads = {n: {k: t.to("cpu") for k, t in c.items()} for n, c in record.grads.items()}
+        return StepRecord(step=record.step, skipped=record.skipped, groups=record.groups, grads=grads)
+
+    def _write_batch(self, base: int, records: list[StepRecord], end_tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
+        assert self.ctx.store is not None
+        tensors: dict[str, torch.Tensor] = {}
+        steps_meta = []
+        if self.config.sum_linear:
+            records = [self._summed(records)]
+        for r in records:
+            for name, compressed in r.grads.items():
+                for key, t in compressed.items():
+                    tensors[f"g/{r.step}/{name}/{key}"] = t
+            steps_meta.append({"step": r.step, "skipped": r.skipped, "groups": r.groups, "params": sorted(r.grads)})
+        for key, t in end_tensors.items():
+            tensors[f"end{key}"] = t
+        first, last = (records[0].step if not self.config.sum_linear else self._sum_first), records[-1].step
+        layout = TensorLayout.of(tensors)
+        info = self.ctx.store.write_object(f"diff-{last:012d}.safetensors", tensor_chunks(layout, tensors))
+        manifest = Manifest(
+            kind="diff", step=last, objects={"tensors": info}, requires=(f"full-{base:012d}",),
+            meta={"base": base, "first": first, "last": last, "steps": steps_meta, "end": end_skeleton,
+                  "compression": self.compression.spec, "summed": self.config.sum_linear},
+        )
+        self.ctx.store.commit(manifest)
+        self.ctx.stats.last_durable_step = max(self.ctx.stats.last_durable_step, last)
+
+    def _summed(self, records: list[StepRecord]) -> StepRecord:
+        """One record whose 'gradient' is Σ lr_s·g_s per parameter (plain SGD only), stored dense."""
+        self._sum_first = records[0].step
+        like = {n: p for p, n in _names(self.ctx.components.model).items()}
+        total: dict[str, torch.Tensor] = {}
+        for r in records:
+            if r.skipped:
+                continue
+            lr = r.groups[0]["lr"]
+            for name, compressed in r.grads.items():
+                g = self.compression.compressor.decompress(compressed, like[name].detach().cpu())
+                total[name] = total.get(name, torch.zeros_like(g)).add_(g, alpha=lr)
+        return StepRecord(step=records[-1].step, skipped=False, groups=records[-1].groups,
+                          grads={n: {"dense": t} for n, t in total.items()})
+
+    # -- adaptation ----------------------------------------------------------------------------
+
+    def _adapt(self) -> None:
+        """Re-plan (F, b) from what was measured: step time, write bandwidth, replay cost."""
+        store = self.ctx.store
+        if not self._step_seconds or store is None:
+            return
+        fulls = [r.manifest for r in store.manifests() if r.manifest and r.manifest.kind == "full"]
+        if not fulls:
+            return
+        size = max(m.nbytes for m in fulls)
+        tau = sorted(self._step_seconds)[len(self._step_seconds) // 2]
+        write_seconds = max(self.ctx.stats.stall_seconds / max(1, self.ctx.stats.checkpoints), 1e-6)
+        bandwidth = getattr(self.full, "last_write_bandwidth", None) or size / write_seconds
+        merge = max(self.replay_seconds or tau * 0.2, 1e-6) * self.batch
+        costs = LowDiffCosts(iteration_seconds=tau, mtbf_seconds=float(self.config.mtbf or 3600), write_bandwidth=bandwidth,
+                             full_bytes=size, load_seconds=size / bandwidth, merge_seconds=merge)
+        self.last_costs = costs
+        self.interval, self.batch = lowdiff_integer_optimum(costs)
+
+    # -- recovery ------------------------------------------------------------------------------
+
+    def restore(self) -> Recovered | None:
+        """Newest verified full checkpoint, then the gap-free chain of verified batches, replayed."""
+        store, c = self.ctx.store, self.ctx.components
+        assert store is not None
+        t0 = time.perf_counter()
+        found = latest_full(store)
+        if found is None:
+            return None
+        full, tree = found
+        c.restore(tree)
+        batches = self._chain(full)
+        replayer = Replayer(c.model, c.optimizer, self.compression.compressor, threads=self.config.replay_threads)
+        step, end = full.step, None
+        t_replay = time.perf_counter()
+        for manifest, records, end_tree in batches:
+            if manifest.meta.get("summed"):
+                self._apply_sum(records)
+            else:
+                replayer.apply(records)
+            step, end = manifest.step, end_tree
+        self.replay_seconds = time.perf_counter() - t_replay
+        if end is not None:
+            self._apply_end(end)
+        self._base, self._pending = full.step, 0
+        return Recovered(step=step, tree={}, source="disk", manifest=full, seconds=time.perf_counter() - t0)
+
+    def _chain(self, full: Manifest) -> list[tuple[Manifest, list[StepRecord], dict[str, Any]]]:
+        store = self.ctx.store
+        assert store is not None
+        diffs = {r.manifest.meta["first"]: r.manifest for r in store.manifests()
+                 if r.manifest and r.manifest.kind == "diff" and r.manifest.meta.get("base") == full.step}
+        chain, next_step = [], full.step + 1
+        while next_step in diffs:
+            m = diffs[next_step]
+            try:
+                tensors = load_tensors(store.read_object(m.objects["tensors"]), what=f"differential {m.name}")
+                records = [
+                    StepRecord(step=s["step"], skipped=s["skipped"], groups=s["groups"],
+                               grads={n: _compressed(tensors, s["step"], n) for n in s["params"]})
+                    for s in m.meta["steps"]
+                ]
+                end = unflatten(m.meta["end"], {k[len("end"):]: v for k, v in tensors.items() if k.startswith("end/")})
+            except (CorruptCheckpointError, KeyError) as e:
+                warnings.warn(f"the differential chain from step {full.step} ends at step {next_step - 1}: {e}", stacklevel=4)
+                break
+            chain.append((m, records, end))
+            next_step = m.meta["last"] + 1
+        return chain
+
+    def _apply_sum(self, records: list[StepRecord]) -> None:
+        names = _names(self.ctx.components.model)
+        with torch.no_grad():
+            for p, name in names.items():
+                for r in records:
+                    if name in r.grads:
+                        p.sub_(r.grads[name]["dense"].to(p.device).view_as(p))
+
+    def _apply_end(self, end: dict[str, Any]) -> None:
+        apply_end_state(self.ctx.components, end)
+
+
+def _names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    return {p: n for n, p in model.named_parameters()}
+
+
+def _compressed(tensors: dict[str, torch.Tensor], step: int, name: str) -> dict[str, torch.Tensor]:
+    prefix = f"g/{step}/{name}/"
+    found = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    if not found:
+        raise KeyError(f"the record of step {step} lacks parameter {name!r}")
+    return found
