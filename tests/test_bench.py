@@ -27,7 +27,7 @@ def test_max_frequency_search_takes_the_first_interval_within_budget():
 
 
 def test_bench_reports_every_field_for_every_strategy(tmp_path):
-    cfg = BenchConfig(workload="mlp", strategies=("full_sync", "checkfreq"), steps=5, warmup=1, repeats=2)
+    cfg = BenchConfig(workload="mlp", strategies=("full_sync", "checkfreq"), steps=5, warmup=1, repeats=2, every=1)
     assert cfg.strategies[0] == "none"  # the reference is always measured
     runs = run_bench(cfg, progress=False)
     assert [(r["repeat"], r["strategy"]) for r in runs] == interleaved_order(cfg.strategies, 2)

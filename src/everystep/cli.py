@@ -90,8 +90,10 @@ def _ints(text: str) -> tuple[int, ...]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .eval import bench
 
+    options = {"lowdiff": {"batch": args.batch}} if args.batch else {}
     cfg = bench.BenchConfig(workload=args.workload, strategies=args.strategies, steps=args.steps, warmup=args.warmup,
-                            every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed)
+                            every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
+                            compress=args.compress, options=options)
     if args.max_frequency:
         found = bench.max_frequency(cfg, args.budget)
         print(f"smallest checkpoint interval within {args.budget:.1%} overhead on {cfg.workload}:")
@@ -103,12 +105,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     runs = bench.run_bench(cfg)
     result = bench.report(cfg, runs)
-    print(f"{cfg.workload}, {cfg.steps} steps ({cfg.warmup} warm-up), checkpoint every {cfg.every}, "
+    print(f"{cfg.workload}, {cfg.steps} steps ({cfg.warmup} warm-up), checkpoint every "
+          f"{cfg.every or 'default'} step(s), compression {cfg.compress or 'off'}, "
           f"{cfg.repeats} interleaved repeats, {cfg.threads} training thread(s)")
+    for name, s in result["summary"].items():
+        if s.get("replay_seconds"):
+            r = s["replay_seconds"]
+            print(f"{name} replay of the differential chain: serial {r['serial']:.3f} s, "
+                  f"parallel (2 threads) {r['parallel_2_threads']:.3f} s")
     print(bench.markdown_table(result["summary"]))
     _write_json(args.json, result)
     if args.plot:
-        bench.plot(result["summary"], args.plot, f"{cfg.workload}: every {cfg.every} step(s)")
+        bench.plot(result["summary"], args.plot, f"{cfg.workload}: checkpoint every {cfg.every or 'default'} step(s), "
+                                                 f"compression {cfg.compress or 'off'}")
     return 0
 
 
@@ -175,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--strategies", type=_csv, default=("none", "full_sync", "checkfreq"), help="comma-separated")
     b.add_argument("--steps", type=int, default=20)
     b.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (default 3)")
-    b.add_argument("--every", type=int, default=1)
+    b.add_argument("--every", type=int, help="checkpoint interval for every strategy (default: each strategy's own)")
+    b.add_argument("--compress", metavar="SPEC", help="gradient compression for every strategy, none included")
+    b.add_argument("--batch", type=int, help="lowdiff: steps per differential write")
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--threads", type=int, default=1)
     b.add_argument("--seed", type=int, default=0)

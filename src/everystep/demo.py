@@ -44,8 +44,10 @@ def demo(directory: Path, *, steps: int = 30) -> int:
     from .eval.bench import BenchConfig, markdown_table, run_bench, summarise
     from .strategies import STRATEGIES
 
-    cfg = BenchConfig(workload="gpt2-tiny", strategies=tuple(STRATEGIES), steps=15, warmup=3, repeats=3)
-    print(f"4. a short bench: every strategy on gpt2-tiny, {cfg.steps} steps, {cfg.repeats} interleaved repeats")
+    cfg = BenchConfig(workload="gpt2-tiny", strategies=tuple(STRATEGIES), steps=15, warmup=3, repeats=3,
+                      compress="topk:0.01")
+    print(f"4. a short bench: every strategy on gpt2-tiny, {cfg.steps} steps, {cfg.repeats} interleaved repeats, "
+          f"all training with top-k compression (which lowdiff reuses)")
     print(markdown_table(summarise(run_bench(cfg))))
     print("   (on a model this small, fixed per-checkpoint costs dominate; see the README for gpt2-small)")
     return 0

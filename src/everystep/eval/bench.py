@@ -34,11 +34,14 @@ class BenchConfig:
     strategies: tuple[str, ...] = ("none", "full_sync", "checkfreq")
     steps: int = 20
     warmup: int = 3
-    every: int = 1
+    every: int | None = None
+    """Checkpoint interval for every strategy; None leaves each its default (F = 50 for differentials)."""
     repeats: int = 3
     threads: int = 1
     seed: int = 0
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    compress: str | None = None
+    """Gradient compression for every strategy, the ``none`` reference included."""
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -50,8 +53,11 @@ class BenchConfig:
             self.strategies = ("none", *self.strategies)
         if self.steps <= self.warmup:
             raise ConfigError(f"--steps ({self.steps}) must exceed the warm-up steps ({self.warmup})")
-        if self.repeats < 1 or self.every < 1 or self.threads < 1:
+        if self.repeats < 1 or (self.every is not None and self.every < 1) or self.threads < 1:
             raise ConfigError("--repeats, --every and --threads must be at least 1")
+        needs = [s for s in self.strategies if s == "lowdiff"]
+        if needs and not self.compress:
+            raise ConfigError("lowdiff reuses compressed gradients: give --compress (applied to every strategy)")
 
 
 def interleaved_order(strategies: Sequence[str], repeats: int) -> list[tuple[int, str]]:
@@ -60,11 +66,11 @@ def interleaved_order(strategies: Sequence[str], repeats: int) -> list[tuple[int
     return [(r, strategies[(r + i) % n]) for r in range(repeats) for i in range(n)]
 
 
-def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int) -> dict[str, Any]:
+def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) -> dict[str, Any]:
     spec = {
         "workload": cfg.workload, "strategy": strategy, "steps": cfg.steps, "warmup": cfg.warmup,
         "every": every, "threads": cfg.threads, "seed": cfg.seed, "repeat": repeat,
-        "options": cfg.options.get(strategy, {}),
+        "options": cfg.options.get(strategy, {}), "compress": cfg.compress,
     }
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
     proc = subprocess.run([sys.executable, "-m", "everystep.eval.measure", json.dumps(spec)],
@@ -107,6 +113,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "recovery_seconds_memory": med("recovery_seconds_memory"),
             "lost_steps_software": max(r["lost_steps_software"] for r in mine),
             "lost_steps_hardware": max(r["lost_steps_hardware"] for r in mine),
+            "recovery_error": max((r.get("recovery_error") or 0.0) for r in mine) if mine[0].get("recovery_error") is not None else None,
+            "replay_seconds": mine[-1].get("replay_seconds"),
         }
     return out
 
@@ -117,14 +125,15 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 2, suffix: str = "") -> s
 
 def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
     head = ("| strategy | overhead | stall/ckpt (ms) | MiB/step | peak host MiB | recovery disk (s) "
-            "| recovery mem (s) | lost steps sw/hw |")
-    rows = [head, "|" + "---|" * 8]
+            "| recovery mem (s) | lost steps sw/hw | recovery error |")
+    rows = [head, "|" + "---|" * 9]
     for name, s in summary.items():
         rows.append(
             f"| {name} | {_fmt(s['overhead'], 100, 1, '%')} | {_fmt(s['stall_per_checkpoint_seconds'], 1e3, 1)} "
             f"| {_fmt(s['bytes_per_step'], 2**-20, 2)} | {_fmt(s['peak_host_bytes'], 2**-20, 0)} "
             f"| {_fmt(s['recovery_seconds_disk'], 1, 3)} | {_fmt(s['recovery_seconds_memory'], 1, 3)} "
-            f"| {s['lost_steps_software']}/{s['lost_steps_hardware']} |"
+            f"| {s['lost_steps_software']}/{s['lost_steps_hardware']} "
+            f"| {'–' if s.get('recovery_error') is None else format(s['recovery_error'], '.2e')} |"
         )
     return "\n".join(rows)
 

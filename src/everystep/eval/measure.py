@@ -16,24 +16,48 @@ from typing import Any
 import torch
 
 from ..checkpointer import Checkpointer
+from ..compress import GradientCompression, make_compressor
+from ..state import flatten
 from ..strategies import STRATEGIES
+from ..strategies.naive_diff import state_error
 from .workloads import build
 
 __all__ = ["measure"]
 
 
+def _build(spec: dict[str, Any], seed: int) -> Any:
+    w = build(spec["workload"], seed=seed)
+    w.compression = (GradientCompression(make_compressor(spec["compress"]), w.model, w.optimizer)
+                     if spec.get("compress") else None)
+    return w
+
+
 def _attach(w: Any, directory: str | None, strategy: str, options: dict[str, Any], **kw: Any) -> Checkpointer:
     return Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
-                        strategy=strategy, **options, **kw)
+                        compression=w.compression, strategy=strategy, **{**options, **kw})
+
+
+def _model_and_optimizer(w: Any) -> dict[str, torch.Tensor]:
+    tensors, _ = flatten({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()["state"]})
+    return {k: t.detach().clone() for k, t in tensors.items()}
+
+
+def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[str, Any]) -> tuple[float, int, Any, Checkpointer]:
+    fresh = _build(spec, spec["seed"] + 1)
+    fresh.data.seed = spec["seed"]
+    t0 = time.perf_counter()
+    with _attach(fresh, directory, strategy, options, final=False) as again:
+        recovered = again.restore()
+    return time.perf_counter() - t0, recovered, fresh, again
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     strategy, steps, warmup = spec["strategy"], spec["steps"], spec["warmup"]
-    options = {"every": spec["every"], **spec.get("options", {})}
+    options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
     with tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch")) as tmp:
         directory = f"{tmp}/ckpt" if STRATEGIES[strategy].needs_store else None
-        w = build(spec["workload"], seed=spec["seed"])
+        w = _build(spec, spec["seed"])
         times, lost_sw, lost_hw = [], [], []
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -63,6 +87,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             ckpt.wait()  # count what the timed steps wrote, not the final checkpoint written at close
             checkpoints_measured = ckpt.stats.checkpoints - checkpoints_at_warmup
             bytes_measured = ckpt.bytes_written - bytes_at_warmup
+            live = _model_and_optimizer(w)
         result: dict[str, Any] = {
             "strategy": strategy,
             "repeat": spec["repeat"],
@@ -78,16 +103,21 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "lost_steps_hardware": max(lost_hw),
             "recovery_seconds_disk": None,
             "recovery_seconds_memory": None,
+            "recovery_error": None,
+            "replay_seconds": None,
         }
         if directory is not None:
-            fresh = build(spec["workload"], seed=spec["seed"] + 1)
-            fresh.data.seed = spec["seed"]
-            t0 = time.perf_counter()
-            with _attach(fresh, directory, strategy, options, final=False) as again:
-                recovered = again.restore()
-            result["recovery_seconds_disk"] = time.perf_counter() - t0
+            seconds, recovered, fresh, again = _recover(spec, directory, strategy, options)
+            result["recovery_seconds_disk"] = seconds
             if recovered != steps:
                 raise RuntimeError(f"recovered step {recovered}, expected {steps}")
+            result["recovery_error"] = state_error(_model_and_optimizer(fresh), live)
+            if strategy == "lowdiff":
+                replay = {}
+                for threads in (1, 2):
+                    _, _, _, r = _recover(spec, directory, strategy, {**options, "replay_threads": threads})
+                    replay[threads] = r.strategy.replay_seconds
+                result["replay_seconds"] = {"serial": replay[1], "parallel_2_threads": replay[2]}
     return result
 
 

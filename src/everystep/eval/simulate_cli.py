@@ -27,7 +27,7 @@ def parse_costs(spec: str) -> StrategyCosts:
 
 def costs_from_bench(report: dict[str, Any]) -> list[StrategyCosts]:
     """Costs measured by ``everystep bench``: the lag is what a hardware failure lost beyond the interval."""
-    every = report["config"]["every"]
+    every = report["config"]["every"] or 1
     summary = report["summary"]
     base = summary["none"]["mean_step_seconds"]
     out = []

@@ -218,7 +218,7 @@ class LowDiff:
                   "compression": self.compression.spec, "summed": self.config.sum_linear},
         )
         self.ctx.store.commit(manifest)
-        self.ctx.stats.last_durable_step = max(self.ctx.stats.last_durable_step, last)
+        self.ctx.committed(last)
 
     def _summed(self, records: list[StepRecord]) -> StepRecord:
         """One record whose 'gradient' is Σ lr_s·g_s per parameter (plain SGD only), stored dense."""

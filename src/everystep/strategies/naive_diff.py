@@ -126,7 +126,7 @@ class NaiveDiff:
             info = self.ctx.store.write_object(f"ndiff-{step:012d}.safetensors", tensor_chunks(layout, tensors))
             self.ctx.store.commit(Manifest(kind="ndiff", step=step, objects={"tensors": info},
                                            requires=(f"full-{base:012d}",), meta={"base": base, "end": end_skeleton}))
-            self.ctx.stats.last_durable_step = max(self.ctx.stats.last_durable_step, step)
+            self.ctx.committed(step)
         except BaseException as e:
             self._errors.record(f"writing the difference at step {step}", e)
 
