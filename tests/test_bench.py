@@ -60,3 +60,22 @@ def test_bench_cli_writes_json_with_machine_info_and_a_figure(tmp_path):
             "--trials", "5", "--json", str(sim), "--plot", str(tmp_path / "s.png"), check=True)
     data = json.loads(sim.read_text())
     assert {r["gpus"] for r in data["by_gpus"]} == {1, 64} and len(data["by_mtbf"]) == 2
+
+
+def test_max_frequency_cli_measures_intervals_and_reports_each_strategy(tmp_path):
+    out = tmp_path / "mf.json"
+    proc = run_cli("bench", "--workload", "mlp", "--strategies", "full_sync", "--steps", "4", "--warmup", "1",
+                   "--repeats", "1", "--max-frequency", "--budget", "100", "--json", str(out), check=True)
+    found = json.loads(out.read_text())["max_frequency"]
+    # a budget of 10000% is met at the first interval tried, after measuring exactly that one
+    assert found["full_sync"]["interval"] == 1 and list(found["full_sync"]["overheads"]) == ["1"]
+    assert "| full_sync | 1 |" in proc.stdout
+
+
+def test_bench_refuses_lowdiff_without_compression():
+    import pytest
+
+    from everystep.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="lowdiff reuses compressed gradients: give --compress"):
+        BenchConfig(strategies=("lowdiff",))

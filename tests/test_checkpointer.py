@@ -6,7 +6,6 @@ import errno
 import gc
 import pickle
 import re
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from everystep import (
     BackgroundWriteError,
     Checkpointer,
     CheckpointDirectoryError,
-    CorruptCheckpointError,
     NoValidCheckpointError,
     StateMismatchError,
     UnclosedCheckpointerWarning,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from everystep.eval.faults import FailurePlan
 from everystep.eval.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.policy import lowdiff_integer_optimum
-from everystep.replay import Replayer
 from everystep.state import TrainingComponents, flatten, state_hash
 from everystep.storage import LocalStore
 from everystep.storage.tensorfile import load_tensors

@@ -9,7 +9,6 @@ import errno
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch

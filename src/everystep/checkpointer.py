@@ -46,7 +46,8 @@ class Checkpointer:
         compression: a :class:`~everystep.compress.GradientCompression` in use; its residuals are
             saved, and differential strategies reuse its compressed gradients.
         strategy: a name from :data:`everystep.strategies.STRATEGIES` or a strategy instance.
-        every, keep, **options: the strategy's configuration, when given by name.
+        every, keep, **options: the strategy's configuration, when given by name; ``None`` keeps the
+            strategy's default (every step for full_sync and checkfreq, 50 for the differential ones).
         final: write a last checkpoint at a clean :meth:`close` if the last step has none.
     """
 
@@ -61,8 +62,8 @@ class Checkpointer:
         data: Stateful | None = None,
         compression: Any | None = None,
         strategy: str | Strategy = "checkfreq",
-        every: int = 1,
-        keep: int = 2,
+        every: int | None = None,
+        keep: int | None = None,
         final: bool = True,
         store: LocalStore | None = None,
         **options: Any,
@@ -70,9 +71,8 @@ class Checkpointer:
         self._closed = True  # until construction succeeds
         if data is not None and not isinstance(data, Stateful):
             raise TypeError(f"data must have state_dict() and load_state_dict(); got {type(data).__name__}")
-        self.strategy: Strategy = (
-            create(strategy, every=every, keep=keep, **options) if isinstance(strategy, str) else strategy
-        )
+        given = {k: v for k, v in (("every", every), ("keep", keep)) if v is not None}
+        self.strategy: Strategy = create(strategy, **given, **options) if isinstance(strategy, str) else strategy
         self.components = TrainingComponents(
             model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data, compression=compression
         )

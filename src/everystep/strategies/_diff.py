@@ -6,10 +6,14 @@ from typing import Any
 
 import torch
 
+from ..recovery import latest_full
 from ..replay import group_scalars
-from ..state import TrainingComponents, flatten, restore_rng
+from ..state import TrainingComponents, flatten, restore_rng, unflatten
+from ..storage.base import Manifest
+from ..storage.local import LocalStore
+from ..storage.tensorfile import load_tensors
 
-__all__ = ["end_state", "apply_end_state"]
+__all__ = ["end_state", "apply_end_state", "restore_base", "read_differential"]
 
 
 def end_state(components: TrainingComponents, boundary: dict[str, Any], step: int) -> tuple[dict[str, torch.Tensor], Any]:
@@ -40,3 +44,20 @@ def apply_end_state(components: TrainingComponents, end: dict[str, Any]) -> None
         if component is not None and name in end:
             component.load_state_dict(end[name])
     restore_rng(end["rng"])
+
+
+def restore_base(store: LocalStore, components: TrainingComponents) -> Manifest | None:
+    """Load the newest verified full checkpoint into the live objects: the base of a chain."""
+    found = latest_full(store)
+    if found is None:
+        return None
+    full, tree = found
+    components.restore(tree)
+    return full
+
+
+def read_differential(store: LocalStore, manifest: Manifest) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A differential's tensors and its end state; raises CorruptCheckpointError if it fails to verify."""
+    tensors = load_tensors(store.read_object(manifest.objects["tensors"]), what=f"differential {manifest.name}")
+    end = unflatten(manifest.meta["end"], {k[len("end"):]: v for k, v in tensors.items() if k.startswith("end/")})
+    return tensors, end

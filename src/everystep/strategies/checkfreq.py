@@ -48,6 +48,8 @@ class CheckFreq:
         self._snapshot: Future[Any] | None = None
         self._persists: list[Future[Any]] = []
         self._errors = BackgroundErrors()
+        self.write_bandwidth: float | None = None
+        """Bytes per second of the last full checkpoint's write, as measured."""
 
     def attach(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -92,7 +94,10 @@ class CheckFreq:
         try:
             snapshot.result()
             assert self.ctx.store is not None
-            write_full(self.ctx.store, step, buffer.layout, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton)
+            t0 = time.perf_counter()
+            manifest = write_full(self.ctx.store, step, buffer.layout, buffer_chunks(buffer.layout, buffer.memoryview()),
+                                  skeleton)
+            self.write_bandwidth = manifest.nbytes / max(time.perf_counter() - t0, 1e-9)
             self.ctx.committed(step)
             apply_retention(self.ctx.store, self.config.keep)
         except BaseException as e:

@@ -27,13 +27,12 @@ import torch
 
 from ..errors import ConfigError, CorruptCheckpointError
 from ..policy import LowDiffCosts, lowdiff_integer_optimum
-from ..recovery import Recovered, latest_full
+from ..recovery import Recovered
 from ..replay import Replayer, StepRecord, group_scalars
-from ..state import unflatten
 from ..storage.base import Manifest
-from ..storage.tensorfile import load_tensors, tensor_chunks
+from ..storage.tensorfile import tensor_chunks
 from ..transport.host import TensorLayout
-from ._diff import apply_end_state, end_state
+from ._diff import apply_end_state, end_state, read_differential, restore_base
 from .base import BackgroundErrors, StrategyConfig, StrategyContext
 from .checkfreq import CheckFreq, CheckFreqConfig
 
@@ -247,8 +246,9 @@ class LowDiff:
             return
         size = max(m.nbytes for m in fulls)
         tau = sorted(self._step_seconds)[len(self._step_seconds) // 2]
-        write_seconds = max(self.ctx.stats.stall_seconds / max(1, self.ctx.stats.checkpoints), 1e-6)
-        bandwidth = getattr(self.full, "last_write_bandwidth", None) or size / write_seconds
+        bandwidth = self.full.write_bandwidth
+        if bandwidth is None:  # no full checkpoint has been timed yet
+            return
         merge = max(self.replay_seconds or tau * 0.2, 1e-6) * self.batch
         costs = LowDiffCosts(iteration_seconds=tau, mtbf_seconds=float(self.config.mtbf or 3600), write_bandwidth=bandwidth,
                              full_bytes=size, load_seconds=size / bandwidth, merge_seconds=merge)
@@ -262,11 +262,9 @@ class LowDiff:
         store, c = self.ctx.store, self.ctx.components
         assert store is not None
         t0 = time.perf_counter()
-        found = latest_full(store)
-        if found is None:
+        full = restore_base(store, c)
+        if full is None:
             return None
-        full, tree = found
-        c.restore(tree)
         batches = self._chain(full)
         replayer = Replayer(c.model, c.optimizer, self.compression.compressor, threads=self.config.replay_threads)
         step, end = full.step, None
@@ -292,13 +290,12 @@ class LowDiff:
         while next_step in diffs:
             m = diffs[next_step]
             try:
-                tensors = load_tensors(store.read_object(m.objects["tensors"]), what=f"differential {m.name}")
+                tensors, end = read_differential(store, m)
                 records = [
                     StepRecord(step=s["step"], skipped=s["skipped"], groups=s["groups"],
                                grads={n: _compressed(tensors, s["step"], n) for n in s["params"]})
                     for s in m.meta["steps"]
                 ]
-                end = unflatten(m.meta["end"], {k[len("end"):]: v for k, v in tensors.items() if k.startswith("end/")})
             except (CorruptCheckpointError, KeyError) as e:
                 warnings.warn(f"the differential chain from step {full.step} ends at step {next_step - 1}: {e}", stacklevel=4)
                 break

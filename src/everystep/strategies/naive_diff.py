@@ -22,12 +22,12 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ConfigError, CorruptCheckpointError
-from ..recovery import Recovered, latest_full
-from ..state import flatten, unflatten
+from ..recovery import Recovered
+from ..state import flatten
 from ..storage.base import Manifest
-from ..storage.tensorfile import load_tensors, tensor_chunks
+from ..storage.tensorfile import tensor_chunks
 from ..transport.host import TensorLayout
-from ._diff import apply_end_state, end_state
+from ._diff import apply_end_state, end_state, read_differential, restore_base
 from .base import BackgroundErrors, StrategyConfig, StrategyContext
 from .checkfreq import CheckFreq, CheckFreqConfig
 
@@ -152,11 +152,9 @@ class NaiveDiff:
         store, c = self.ctx.store, self.ctx.components
         assert store is not None
         t0 = time.perf_counter()
-        found = latest_full(store)
-        if found is None:
+        full = restore_base(store, c)
+        if full is None:
             return None
-        full, tree = found
-        c.restore(tree)
         diffs = {r.manifest.step: r.manifest for r in store.manifests()
                  if r.manifest and r.manifest.kind == "ndiff" and r.manifest.meta.get("base") == full.step}
         step, end = full.step, None
@@ -164,7 +162,7 @@ class NaiveDiff:
         while step + 1 in diffs:
             m = diffs[step + 1]
             try:
-                tensors = load_tensors(store.read_object(m.objects["tensors"]), what=f"difference {m.name}")
+                tensors, end = read_differential(store, m)
             except CorruptCheckpointError as e:
                 warnings.warn(f"the chain of differences from step {full.step} ends at step {step}: {e}", stacklevel=3)
                 break
@@ -174,7 +172,6 @@ class NaiveDiff:
                     if target is None:  # optimizer state that did not exist yet at the full checkpoint
                         continue
                     target.view(-1)[tensors[f"d/{name}/indices"].long()] += tensors[f"d/{name}/values"]
-            end = unflatten(m.meta["end"], {k[len("end"):]: v for k, v in tensors.items() if k.startswith("end/")})
             step = m.step
         if end is not None:
             apply_end_state(c, end)
