@@ -30,7 +30,7 @@ from .errors import CheckpointDirectoryError, EverystepError, UnclosedCheckpoint
 from .recovery import Recovered, recover
 from .state import Stateful, TrainingComponents
 from .storage.local import LocalStore
-from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, create
+from .strategies import CheckpointStats, Strategy, StrategyContext, create
 
 __all__ = ["Checkpointer"]
 
@@ -242,7 +242,3 @@ class Checkpointer:
                 f"{self.store.root} holds checkpoints up to step {max(steps)}, but training started without "
                 "restore(); call restore() first or use an empty directory (nothing was deleted)"
             )
-
-
-def available_strategies() -> list[str]:
-    return sorted(STRATEGIES)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,8 +133,3 @@ class _Shard:
         for ps in self.params:
             for _, p in ps:
                 p.grad = None
-
-
-def records_in_order(batches: Iterable[list[StepRecord]]) -> Iterator[StepRecord]:
-    for batch in batches:
-        yield from batch

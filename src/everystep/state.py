@@ -25,7 +25,6 @@ __all__ = [
     "flatten",
     "unflatten",
     "state_hash",
-    "tensor_nbytes",
 ]
 
 _TENSOR = "__tensor__"
@@ -265,10 +264,6 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, list):
         return [unflatten(v, tensors) for v in skeleton]
     return skeleton
-
-
-def tensor_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def state_hash(tree: Any) -> str:

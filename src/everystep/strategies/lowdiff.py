@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..compress.hook import parameter_names
 from ..errors import ConfigError, CorruptCheckpointError
 from ..policy import LowDiffCosts, lowdiff_integer_optimum
 from ..recovery import Recovered
@@ -199,6 +200,7 @@ class LowDiff:
         assert self.ctx.store is not None
         tensors: dict[str, torch.Tensor] = {}
         steps_meta = []
+        first, last = records[0].step, records[-1].step
         if self.config.sum_linear:
             records = [self._summed(records)]
         for r in records:
@@ -208,7 +210,6 @@ class LowDiff:
             steps_meta.append({"step": r.step, "skipped": r.skipped, "groups": r.groups, "params": sorted(r.grads)})
         for key, t in end_tensors.items():
             tensors[f"end{key}"] = t
-        first, last = (records[0].step if not self.config.sum_linear else self._sum_first), records[-1].step
         layout = TensorLayout.of(tensors)
         info = self.ctx.store.write_object(f"diff-{last:012d}.safetensors", tensor_chunks(layout, tensors))
         manifest = Manifest(
@@ -221,8 +222,7 @@ class LowDiff:
 
     def _summed(self, records: list[StepRecord]) -> StepRecord:
         """One record whose 'gradient' is Σ lr_s·g_s per parameter (plain SGD only), stored dense."""
-        self._sum_first = records[0].step
-        like = {n: p for p, n in _names(self.ctx.components.model).items()}
+        like = {n: p for p, n in parameter_names(self.ctx.components.model).items()}
         total: dict[str, torch.Tensor] = {}
         for r in records:
             if r.skipped:
@@ -304,7 +304,7 @@ class LowDiff:
         return chain
 
     def _apply_sum(self, records: list[StepRecord]) -> None:
-        names = _names(self.ctx.components.model)
+        names = parameter_names(self.ctx.components.model)
         with torch.no_grad():
             for p, name in names.items():
                 for r in records:
@@ -313,10 +313,6 @@ class LowDiff:
 
     def _apply_end(self, end: dict[str, Any]) -> None:
         apply_end_state(self.ctx.components, end)
-
-
-def _names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
-    return {p: n for n, p in model.named_parameters()}
 
 
 def _compressed(tensors: dict[str, torch.Tensor], step: int, name: str) -> dict[str, torch.Tensor]:
