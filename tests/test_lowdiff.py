@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from everystep.policy import lowdiff_integer_optimum
 from everystep.state import TrainingComponents, flatten, state_hash
 from everystep.storage import LocalStore
 from everystep.storage.tensorfile import load_tensors
+from everystep.strategies.lowdiff import LowDiff
 from everystep.strategies.naive_diff import state_error
 
 STEPS = 12
@@ -188,7 +190,16 @@ def test_a_corrupt_batch_ends_the_chain_with_a_warning(tmp_path):
             assert ckpt.restore() == 2
 
 
-def test_differentials_older_than_a_durable_full_checkpoint_are_deleted(tmp_path):
+def test_differentials_older_than_a_durable_full_checkpoint_are_deleted(tmp_path, monkeypatch):
+    # Batches are committed late, so the full checkpoint of step 4 usually becomes durable before
+    # the batch that ends at step 4: whichever commits second must still leave only newer batches.
+    write_batch = LowDiff._write_batch
+
+    def late(self, *args):
+        time.sleep(0.2)
+        write_batch(self, *args)
+
+    monkeypatch.setattr(LowDiff, "_write_batch", late)
     w = _make()
     with _attach(w, tmp_path / "c", every=4, batch=1, keep=1) as ckpt:
         ckpt.restore()

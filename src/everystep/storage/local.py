@@ -24,6 +24,7 @@ from typing import Any
 from .._faults import crash_point
 from ..errors import CheckpointDirectoryError, CorruptCheckpointError, EverystepError
 from .base import CHECKSUM_ALGORITHM, Manifest, ManifestRecord, ObjectInfo, new_hasher
+from .retention import plan_retention
 
 __all__ = ["LocalStore", "StoreWriteError", "MARKER"]
 
@@ -60,6 +61,7 @@ class LocalStore:
         self.objects_dir = root / "objects"
         self.manifests_dir = root / "manifests"
         self._lock = threading.Lock()
+        self._retention_lock = threading.Lock()
         self._bytes_written = 0
 
     # -- opening -----------------------------------------------------------------------------
@@ -234,6 +236,21 @@ class LocalStore:
         return records
 
     # -- removing ----------------------------------------------------------------------------
+
+    def retain(self, keep: int) -> list[str]:
+        """Discard what the newest ``keep`` full checkpoints and the newer differentials do not
+        need (see :func:`plan_retention`); returns the names discarded. Several writer threads may
+        call it; one plans and deletes at a time.
+
+        IMPORTANT: call only after the newest checkpoint is committed, so that deleting an older
+        one never leaves fewer recoverable points than before.
+        """
+        with self._retention_lock:
+            committed = [r.manifest for r in self.manifests() if r.manifest is not None]
+            doomed = plan_retention(committed, keep=keep)
+            for name in doomed:
+                self.discard(name)
+        return doomed
 
     def discard(self, manifest_name: str) -> None:
         """Uncommit a checkpoint (its manifest goes first), then delete the objects only it used."""

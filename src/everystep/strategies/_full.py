@@ -7,10 +7,9 @@ from typing import Any
 
 from ..storage.base import Manifest
 from ..storage.local import LocalStore
-from ..storage.retention import plan_retention
 from ..transport.host import TensorLayout
 
-__all__ = ["write_full", "apply_retention"]
+__all__ = ["write_full"]
 
 
 def write_full(
@@ -30,14 +29,3 @@ def write_full(
     manifest = Manifest(kind="full", step=step, objects={"tensors": info}, meta={"skeleton": skeleton, **(meta or {})})
     store.commit(manifest)
     return manifest
-
-
-def apply_retention(store: LocalStore, keep: int) -> None:
-    """Delete what the newest ``keep`` full checkpoints do not need.
-
-    IMPORTANT: call only after the newest checkpoint is committed, so that deleting an older
-    one never leaves fewer recoverable points than before.
-    """
-    committed = [r.manifest for r in store.manifests() if r.manifest is not None]
-    for name in plan_retention(committed, keep=keep):
-        store.discard(name)

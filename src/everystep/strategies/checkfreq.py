@@ -20,7 +20,7 @@ import torch
 from ..errors import ConfigError
 from ..storage.tensorfile import buffer_chunks
 from ..transport.host import HostBuffer, HostBufferPool, TensorLayout, snapshot_into
-from ._full import apply_retention, write_full
+from ._full import write_full
 from .base import BackgroundErrors, StrategyConfig, StrategyContext
 
 __all__ = ["CheckFreq"]
@@ -99,7 +99,7 @@ class CheckFreq:
                                   skeleton)
             self.write_bandwidth = manifest.nbytes / max(time.perf_counter() - t0, 1e-9)
             self.ctx.committed(step)
-            apply_retention(self.ctx.store, self.config.keep)
+            self.ctx.store.retain(self.config.keep)
         except BaseException as e:
             self._errors.record(f"background write of the checkpoint at step {step}", e)
         finally:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from ..storage.tensorfile import tensor_chunks
 from ..transport.host import TensorLayout
-from ._full import apply_retention, write_full
+from ._full import write_full
 from .base import StrategyConfig, StrategyContext
 
 __all__ = ["FullSync"]
@@ -42,7 +42,7 @@ class FullSync:
         write_full(self.ctx.store, step, layout, tensor_chunks(layout, tensors), skeleton)
         self._last = step
         self.ctx.committed(step)
-        apply_retention(self.ctx.store, self.config.keep)
+        self.ctx.store.retain(self.config.keep)
 
     def before_update(self, step: int) -> None:
         pass

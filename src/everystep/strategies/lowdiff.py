@@ -219,6 +219,7 @@ class LowDiff:
         )
         self.ctx.store.commit(manifest)
         self.ctx.committed(last)
+        self.ctx.store.retain(self.config.keep)  # a batch committed after a newer full checkpoint goes now
 
     def _summed(self, records: list[StepRecord]) -> StepRecord:
         """One record whose 'gradient' is Σ lr_s·g_s per parameter (plain SGD only), stored dense."""

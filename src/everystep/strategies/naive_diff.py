@@ -127,6 +127,7 @@ class NaiveDiff:
             self.ctx.store.commit(Manifest(kind="ndiff", step=step, objects={"tensors": info},
                                            requires=(f"full-{base:012d}",), meta={"base": base, "end": end_skeleton}))
             self.ctx.committed(step)
+            self.ctx.store.retain(self.config.keep)
         except BaseException as e:
             self._errors.record(f"writing the difference at step {step}", e)
 
