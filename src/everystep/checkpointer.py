@@ -83,8 +83,8 @@ class Checkpointer:
                 raise CheckpointDirectoryError(f"strategy {self.strategy.name!r} needs a checkpoint directory")
             store = LocalStore.open(directory, strategy=self.strategy.name)
         self.store = store
-        if store is not None:
-            store.collect_garbage()
+        if store is not None and not getattr(self.strategy, "shares_store", False):
+            store.collect_garbage()  # nothing else writes here: what a crash left is garbage
         self._ctx = StrategyContext(self.components, store, self.stats)
         self.strategy.attach(self._ctx)
         self.step = 0

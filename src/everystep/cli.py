@@ -34,7 +34,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         workload=args.workload, strategy=args.strategy, steps=args.steps, directory=args.dir,
         every=args.every, keep=args.keep, seed=args.seed, threads=args.threads,
         optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode, compress=args.compress,
-        options={"batch": args.batch} if args.batch is not None else {},
+        options={**({"batch": args.batch} if args.batch is not None else {}), **dict(args.option)},
     )
     summary = run(cfg)
     _write_json(args.json, summary)
@@ -85,6 +85,16 @@ def _ints(text: str) -> tuple[int, ...]:
         return tuple(int(s) for s in _csv(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}") from None
+
+
+def _option(text: str) -> tuple[str, Any]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE; got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -157,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--strategy", choices=sorted(STRATEGIES), default="checkfreq")
     t.add_argument("--steps", type=int, default=20)
     t.add_argument("--dir", help="checkpoint directory (needed by every strategy but none)")
-    t.add_argument("--every", type=int, default=1, help="checkpoint every K steps (default 1)")
+    t.add_argument("--every", type=int, help="checkpoint every K steps (default: the strategy's own; 1 for full_sync "
+                   "and checkfreq, 50 for lowdiff and naive_diff, from the write bandwidth for lowdiff_plus)")
     t.add_argument("--keep", type=int, default=2, help="full checkpoints to keep (default 2)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=1, help="intra-op threads for training (default 1)")
@@ -166,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--fail-mode", choices=["software", "hardware"], default="software")
     t.add_argument("--compress", metavar="SPEC", help="train with gradient compression: topk:0.01 or quant8")
     t.add_argument("--batch", type=int, help="lowdiff: steps per differential write (b)")
+    t.add_argument("--option", type=_option, action="append", default=[], metavar="NAME=VALUE",
+                   help="a strategy option, e.g. verify_every=1 or grace=5 (repeatable)")
     t.add_argument("--json", metavar="PATH", help="write the run summary here")
     t.set_defaults(func=cmd_train)
 

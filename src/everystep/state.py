@@ -66,8 +66,12 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng`."""
-    torch.set_rng_state(state["torch_cpu"])
+    """Inverse of :func:`capture_rng`.
+
+    Generator states are cloned first: ``set_rng_state`` reads a state tensor from the start of its
+    storage, so a view into a larger buffer (a replica in shared memory) would be misread.
+    """
+    torch.set_rng_state(state["torch_cpu"].clone())
     py = state["python"]
     random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss"]))
     if "torch_cuda" in state:
@@ -76,7 +80,7 @@ def restore_rng(state: dict[str, Any]) -> None:
                 "the checkpoint holds CUDA random state but CUDA is not available here; "
                 "restore it on a machine with the same GPUs"
             )
-        torch.cuda.set_rng_state_all(state["torch_cuda"])
+        torch.cuda.set_rng_state_all([t.clone() for t in state["torch_cuda"]])
     if "numpy" in state:
         import numpy as np
 

@@ -43,7 +43,8 @@ class TrainConfig:
     strategy: str = "checkfreq"
     steps: int = 20
     directory: str | None = None
-    every: int = 1
+    every: int | None = None
+    """Checkpoint interval; None: the strategy's default."""
     keep: int = 2
     seed: int = 0
     threads: int = 1

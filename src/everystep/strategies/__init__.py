@@ -10,12 +10,13 @@ from .base import CheckpointStats, Strategy, StrategyConfig, StrategyContext
 from .checkfreq import CheckFreq
 from .full_sync import FullSync
 from .lowdiff import LowDiff
+from .lowdiff_plus import LowDiffPlus
 from .naive_diff import NaiveDiff
 from .none import NoCheckpoint
 
-__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "NaiveDiff"]
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff"]
 
-STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq, LowDiff, NaiveDiff)}
+STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq, LowDiff, LowDiffPlus, NaiveDiff)}
 
 
 def create(name: str, **options: Any) -> Strategy:

@@ -107,11 +107,17 @@ class StrategyContext:
             ptrs |= {t.untyped_storage().data_ptr() for t in tensors_.values() if t.numel()}
         return {k for k, t in tensors.items() if t.numel() and t.untyped_storage().data_ptr() in ptrs}
 
-    def committed(self, step: int) -> None:
-        """Record that the checkpoint of ``step`` is durable and visible."""
+    def committed(self, step: int, *, count: bool = True) -> None:
+        """Record that the checkpoint of ``step`` is durable and visible (``count``: as a checkpoint)."""
+        with self._lock:
+            self.stats.checkpoints += count
+            self.stats.last_durable_step = max(self.stats.last_durable_step, step)
+
+    def in_memory(self, step: int) -> None:
+        """Record a checkpoint of ``step`` held in memory that outlives the training process."""
         with self._lock:
             self.stats.checkpoints += 1
-            self.stats.last_durable_step = max(self.stats.last_durable_step, step)
+            self.stats.last_memory_step = max(self.stats.last_memory_step, step)
 
 
 class BackgroundErrors:

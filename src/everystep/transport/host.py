@@ -57,9 +57,14 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 class HostBuffer:
     """One flat, optionally pinned, byte buffer with a typed view per layout entry."""
 
-    def __init__(self, layout: TensorLayout, *, pin: bool = False) -> None:
+    def __init__(self, layout: TensorLayout, *, pin: bool = False, data: torch.Tensor | None = None) -> None:
+        """``data``: existing memory to lay the tensors over (at least ``layout.nbytes`` bytes)."""
         self.layout = layout
-        self.data = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        if data is None:
+            data = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        elif data.numel() < layout.nbytes:
+            raise ValueError(f"a buffer of {data.numel()} bytes cannot hold a layout of {layout.nbytes}")
+        self.data = data
         self.views: dict[str, torch.Tensor] = {
             e.key: self.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries
         }

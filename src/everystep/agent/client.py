@@ -1,0 +1,186 @@
+"""The training process's end of the link to its checkpoint agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from multiprocessing import connection
+from pathlib import Path
+from typing import Any
+
+from ..errors import EverystepError
+from .channel import AgentAddress, connect, message, recv_fds, send_fds
+from .process import AgentConfig
+
+__all__ = ["AgentLink", "AgentLostError"]
+
+LOG_FILE = "agent.log"
+
+
+class AgentLostError(EverystepError):
+    """The agent did not answer, or its connection broke."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class AgentLink:
+    """A connection to an agent, with a reader thread once :meth:`start_reader` is called.
+
+    Before the reader starts, :meth:`call` reads the reply itself; after, replies come through
+    the reader, which also dispatches the agent's unsolicited messages to ``handlers``.
+    """
+
+    def __init__(self, conn: connection.Connection, pid: int, process: subprocess.Popen[bytes] | None) -> None:
+        self.conn, self.pid, self.process = conn, pid, process
+        self.lost: str | None = None
+        self._send_lock = threading.Lock()
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader: threading.Thread | None = None
+
+    # -- finding or starting an agent ----------------------------------------------------------
+
+    @classmethod
+    def find(cls, directory: Path) -> "AgentLink | None":
+        """The live agent that ``directory/agent.json`` names, or None."""
+        address = AgentAddress.find(directory)
+        if address is None or not _alive(address.pid):
+            return None
+        try:
+            conn = connect(address)
+        except OSError:
+            return None
+        return cls(conn, address.pid, None)
+
+    @classmethod
+    def spawn(cls, config: AgentConfig, *, timeout: float = 120.0) -> "AgentLink":
+        """Start ``python -m everystep.agent`` (a fresh interpreter) and connect to it."""
+        address = AgentAddress.new()
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "EVERYSTEP_AGENT": json.dumps(asdict(address)),
+               "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        log = open(Path(config.directory) / LOG_FILE, "ab")
+        try:
+            process = subprocess.Popen([sys.executable, "-m", "everystep.agent", json.dumps(asdict(config))], env=env,
+                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return cls(connect(address), process.pid, process)
+            except OSError:
+                if process.poll() is not None:
+                    raise AgentLostError(f"the checkpoint agent exited with status {process.returncode} before it "
+                                         f"listened; see {Path(config.directory) / LOG_FILE}") from None
+                if time.monotonic() > deadline:
+                    process.kill()
+                    process.wait()
+                    raise AgentLostError(f"the checkpoint agent did not listen within {timeout:.0f} s") from None
+                time.sleep(0.05)
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def send(self, kind: str, *, fds: list[int] | None = None, **fields: Any) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(message(kind, **fields))
+                if fds:
+                    send_fds(self.conn, fds)
+        except OSError as e:
+            self._mark_lost(f"sending to it failed ({e})")
+            raise AgentLostError(self.lost) from e
+
+    def call(self, kind: str, *, timeout: float, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
+        """Send a request and return its reply."""
+        self.send(kind, fds=fds, **fields)
+        if self._reader is None:
+            if not self.conn.poll(timeout):
+                raise AgentLostError(f"no answer to {kind!r} within {timeout:.0f} s")
+            try:
+                return self.conn.recv()
+            except (EOFError, OSError) as e:
+                self._mark_lost("its connection closed")
+                raise AgentLostError(self.lost) from e
+        try:
+            reply = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise AgentLostError(f"no answer to {kind!r} within {timeout:.0f} s") from None
+        if reply is None:
+            raise AgentLostError(self.lost or "its connection closed")
+        return reply
+
+    def receive_fds(self, n: int) -> list[int]:
+        assert self._reader is None, "descriptors are received before the reader starts"
+        return recv_fds(self.conn, n)
+
+    def start_reader(self, handlers: dict[str, Callable[[dict[str, Any]], None]], on_lost: Callable[[str], None]) -> None:
+        def read() -> None:
+            while True:
+                try:
+                    msg = self.conn.recv()
+                except (EOFError, OSError):
+                    self._mark_lost("its connection closed")
+                    self._replies.put(None)
+                    on_lost(self.lost or "")
+                    return
+                handler = handlers.get(msg["kind"])
+                if handler is None:
+                    self._replies.put(msg)
+                else:
+                    handler(msg)
+
+        self._reader = threading.Thread(target=read, name="everystep-agent-reader", daemon=True)
+        self._reader.start()
+
+    def _mark_lost(self, reason: str) -> None:
+        if self.lost is None:
+            self.lost = reason
+
+    # -- ending --------------------------------------------------------------------------------
+
+    def close(self, *, timeout: float) -> None:
+        """Ask the agent to persist what it holds and exit; wait for it to be gone."""
+        if self.lost is None:
+            try:
+                self.call("close", timeout=timeout)
+            except AgentLostError:
+                pass
+        self.conn.close()
+        self._wait_gone(timeout)
+
+    def kill(self) -> None:
+        """End an agent that stopped answering (it would otherwise outlive the job)."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.conn.close()
+        self._wait_gone(10.0)
+
+    def _wait_gone(self, timeout: float) -> None:
+        if self.process is not None:
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            return
+        deadline = time.monotonic() + timeout
+        while _alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)

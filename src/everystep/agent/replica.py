@@ -1,0 +1,155 @@
+"""The CPU-resident replica of the training state, kept in shared memory by the agent.
+
+The replica is S_t as a full checkpoint holds it — ``{key: tensor}`` plus a skeleton — laid out in
+one :class:`SharedRegion`. The parameters and the optimizer state are views of that region, and a
+private optimizer of the training optimizer's class updates them in place. A step applies the
+gradients the training optimizer consumed (from a slot of shared memory) with that step's group
+settings, unless the step was skipped, then takes over everything a gradient cannot rebuild (RNG,
+data position, scheduler, buffers, compression residuals) from the same slot, and the skeleton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from ..state import unflatten
+from ..transport.host import HostBuffer, TensorLayout
+from ..transport.shared import SharedRegion
+
+__all__ = ["Replica", "optimizer_class_path", "slot_layout"]
+
+_NOT_ON_CPU = ("capturable",)
+
+
+def optimizer_class_path(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _import(path: str) -> type:
+    module, _, qualname = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise TypeError(
+            f"the checkpoint agent cannot import the optimizer class {path!r}: lowdiff_plus needs an optimizer "
+            "class defined in an importable module"
+        ) from e
+    return obj
+
+
+def slot_layout(grads: dict[int, torch.Tensor], volatile: dict[str, torch.Tensor]) -> TensorLayout:
+    """One step's slot: the gradient of each optimizer parameter and the volatile tensors."""
+    return TensorLayout.of({**{f"g/{i}": g for i, g in grads.items()}, **{f"v{k}": t for k, t in volatile.items()}})
+
+
+class Replica:
+    """S_t in shared memory, advanced one step at a time by a CPU optimizer."""
+
+    def __init__(self, *, step: int, region: SharedRegion, layout: TensorLayout, skeleton: Any, index_keys: list[str],
+                 optimizer_class: str) -> None:
+        self.step = step
+        self.skeleton = skeleton
+        self.index_keys = index_keys
+        self._adopt(region, HostBuffer(layout, data=region.data))
+        tree = unflatten(skeleton, self.tensors)
+        saved = tree["optimizer"]
+        self.params = [torch.nn.Parameter(self.tensors[k], requires_grad=False) for k in index_keys]
+        groups = []
+        for g in saved["param_groups"]:
+            options = {k: v for k, v in g.items() if k != "params" and k not in _NOT_ON_CPU}
+            groups.append({**options, "params": [self.params[i] for i in g["params"]]})
+        self.optimizer: torch.optim.Optimizer = _import(optimizer_class)(groups)
+        for index, state in saved["state"].items():
+            self.optimizer.state[self.params[index]] = dict(state)
+
+    def _adopt(self, region: SharedRegion, buffer: HostBuffer) -> None:
+        self.region, self.layout, self.tensors = region, buffer.layout, buffer.views
+
+    def apply(self, step: int, slot: HostBuffer, *, groups: list[dict[str, Any]], skipped: bool,
+              has_grad: list[int], skeleton: Any) -> None:
+        """S_{step-1} → S_step."""
+        if step != self.step + 1:
+            raise ValueError(f"the replica is at step {self.step} and cannot apply step {step}")
+        if not skipped:
+            with torch.no_grad():
+                for group, saved in zip(self.optimizer.param_groups, groups):
+                    group.update({k: v for k, v in saved.items() if k not in _NOT_ON_CPU})
+                for i in has_grad:
+                    self.params[i].grad = slot.views[f"g/{i}"]
+                self.optimizer.step()
+                for p in self.params:
+                    p.grad = None
+        for key in slot.views:
+            if key.startswith("v/"):
+                self.tensors[key[1:]].copy_(slot.views[key])
+        self.skeleton, self.step = skeleton, step
+        self._keep_in_region()
+
+    def _keep_in_region(self) -> None:
+        """Optimizer state created or replaced by ``step()`` moves into the region."""
+        moved = False
+        for i, p in enumerate(self.params):
+            state = self.optimizer.state.get(p, {})
+            for name, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                key = f"/optimizer/state/{i}/{name}"
+                home = self.tensors.get(key)
+                if home is None or home.shape != value.shape or home.dtype != value.dtype:
+                    moved = True
+                elif value is not home:
+                    home.copy_(value)
+                    state[name] = home
+        if moved:
+            self._relayout()
+
+    def _relayout(self) -> None:
+        tensors = dict(self.tensors)
+        for i, p in enumerate(self.params):
+            for name, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"/optimizer/state/{i}/{name}"] = value
+        region, buffer = SharedRegion.holding(TensorLayout.of(tensors))
+        for key, t in tensors.items():
+            buffer.views[key].copy_(t)
+        for i, p in enumerate(self.params):
+            p.data = buffer.views[self.index_keys[i]]
+            state = self.optimizer.state.get(p, {})
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[name] = buffer.views[f"/optimizer/state/{i}/{name}"]
+        old = self.region
+        self._adopt(region, buffer)
+        old.close()
+
+    def missing(self) -> list[str]:
+        """Tensors the skeleton names that the replica lacks (a replica that cannot be served)."""
+        found: list[str] = []
+
+        def walk(node: Any) -> None:
+            if isinstance(node, dict):
+                if "__tensor__" in node:
+                    if node["__tensor__"] not in self.tensors:
+                        found.append(node["__tensor__"])
+                    return
+                for v in node.values():
+                    walk(v)
+            elif isinstance(node, list):
+                for v in node:
+                    walk(v)
+
+        walk(self.skeleton)
+        return found
+
+    def replayed_keys(self) -> list[str]:
+        """Keys of the tensors the optimizer updates: parameters and their state."""
+        keys = set(self.index_keys)
+        for i, p in enumerate(self.params):
+            keys |= {f"/optimizer/state/{i}/{n}" for n, v in self.optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+        return sorted(keys)

@@ -1,0 +1,438 @@
+"""``lowdiff_plus``: LowDiff+ — every step's gradients update a CPU replica in a checkpoint agent.
+
+Layer-wise capture: a post-accumulate-grad hook hands each parameter's gradient, the moment it is
+final for this backward pass, to a copy thread that moves it into a slot of shared memory (on CUDA,
+on a low-priority side stream, so that compute and gradient synchronisation go first). Right
+before ``optimizer.step()`` every gradient is checked against what was copied — same tensor,
+same version counter — and copied again where clipping, unscaling, compression or another backward
+changed it in place, so the slot holds exactly what the optimizer consumes.
+
+The agent (:mod:`everystep.agent`), a separate process started from a fresh interpreter, holds S_t
+in shared memory and advances it with the same optimizer class on the CPU: the step's gradients,
+its param-group settings as the optimizer read them, and whether a GradScaler skipped it; then it
+takes over what gradients cannot rebuild (RNG, data position, scheduler, buffers, residuals). It
+persists the replica as a full checkpoint every ``every`` steps (default: as often as keeps its
+writer busy a quarter of the time, from the measured write and step times).
+
+Recovery: after a software failure the agent survives and the restarted process takes the replica
+from its memory (``source`` ``memory``); after a hardware failure, the newest full checkpoint on
+storage (``disk``). Every ``verify_every`` steps the agent compares a digest of its parameters and
+optimizer state with the live ones and a divergence is reported as a warning, then repaired by
+sending the agent the full state.
+
+Backpressure: at most ``queue`` steps are in flight (memory: ``queue`` slots of one gradient
+each). Training waits for a free slot, and the wait is measured (``snapshot_wait_seconds``). An
+agent that frees no slot within ``agent_timeout`` seconds, or whose connection breaks, is lost:
+training warns, ends it if it still runs, and goes on with CheckFreq full checkpoints written by
+the training process itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..agent.channel import digest
+from ..agent.client import AgentLink, AgentLostError
+from ..agent.process import AgentConfig
+from ..agent.replica import optimizer_class_path, slot_layout
+from ..errors import ConfigError
+from ..recovery import Recovered
+from ..replay import group_scalars
+from ..state import unflatten
+from ..transport.host import HostBuffer, TensorLayout, snapshot_into
+from ..transport.shared import SharedRegion
+from ._diff import restore_base
+from .base import BackgroundErrors, StrategyConfig, StrategyContext
+from .checkfreq import CheckFreq, CheckFreqConfig
+
+__all__ = ["LowDiffPlus", "LowDiffPlusConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class LowDiffPlusConfig(StrategyConfig):
+    every: int | None = None  # type: ignore[assignment]
+    """P: the agent persists its replica every P steps; None: from the measured write bandwidth."""
+    queue: int = 2
+    """Steps in flight to the agent before training waits."""
+    verify_every: int = 50
+    """Compare the replica with the live state every this many steps (0: never)."""
+    verify_sample: int = 1024
+    """Elements per tensor the comparison reads (0: all)."""
+    grace: float = 30.0
+    """Seconds the agent waits for a restarted training process before it exits."""
+    agent_timeout: float = 60.0
+    """Seconds without a free slot or an answer after which the agent counts as lost."""
+    agent_threads: int = 1
+    busy: float = 0.25
+    """With ``every=None``: the share of time the agent's writer may spend writing."""
+
+    def __post_init__(self) -> None:
+        if self.every is not None and self.every < 1:
+            raise ConfigError(f"every must be a positive number of steps or None, got {self.every}")
+        if self.keep < 1:
+            raise ConfigError(f"keep must be at least 1 so that a checkpoint survives, got {self.keep}")
+        if self.queue < 1 or self.agent_threads < 1:
+            raise ConfigError("queue and agent_threads must be at least 1")
+        if self.verify_every < 0 or self.verify_sample < 0:
+            raise ConfigError("verify_every and verify_sample must be >= 0")
+        if self.grace <= 0 or self.agent_timeout <= 0 or not 0 < self.busy <= 1:
+            raise ConfigError("grace and agent_timeout must be positive and busy in (0, 1]")
+
+
+class LowDiffPlus:
+    name: ClassVar[str] = "lowdiff_plus"
+    needs_store: ClassVar[bool] = True
+    shares_store: ClassVar[bool] = True
+    """Another process (the agent) writes to the store: only this strategy may collect its garbage."""
+    Config = LowDiffPlusConfig
+
+    def __init__(self, config: LowDiffPlusConfig | None = None) -> None:
+        self.config = config or LowDiffPlusConfig()
+        self._errors = BackgroundErrors()
+        self.link: AgentLink | None = None
+        self.fallback: CheckFreq | None = None
+        self._lost: str | None = None
+        self._fetched = False
+        self._slots: list[HostBuffer] = []
+        self._free: queue.Queue[int] = queue.Queue()
+        self._slot: int | None = None
+        self._copied: dict[int, tuple[torch.Tensor, int]] = {}
+        self._updated = False
+        self._groups: list[dict[str, Any]] = []
+        self._has_grad: list[int] = []
+        self._skipped = False
+        self._index_keys: list[str] = []
+        self._volatile: TensorLayout | None = None
+        self._diverged: list[str] = []
+        self._persisted: list[int] = []
+        self._jobs: queue.Queue[Any] = queue.Queue()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def attach(self, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+        self.params = [p for g in ctx.components.optimizer.param_groups for p in g["params"]]
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                       for i, p in enumerate(self.params) if p.requires_grad]
+        self._stream = torch.cuda.Stream(priority=0) if torch.cuda.is_available() else None
+        self._copier = threading.Thread(target=self._copy_loop, name="everystep-grad-copy", daemon=True)
+        self._copier.start()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def restore(self) -> Recovered | None:
+        """The agent's replica if one is alive and at least as new as storage, else the newest full checkpoint."""
+        store, c = self.ctx.store, self.ctx.components
+        assert store is not None
+        t0 = time.perf_counter()
+        link = AgentLink.find(store.root)
+        if link is None:
+            store.collect_garbage()  # no agent writes here now
+        else:
+            try:
+                hello = link.call("hello", timeout=self.config.agent_timeout)
+                on_disk = max((r.manifest.step for r in store.manifests() if r.manifest and r.manifest.kind == "full"),
+                              default=-1)
+                if hello["step"] is not None and hello["step"] >= on_disk:
+                    step = self._fetch(link)
+                    self.link = link
+                    return Recovered(step=step, tree={}, source="memory", manifest=None, seconds=time.perf_counter() - t0)
+                self.link = link
+            except AgentLostError as e:
+                warnings.warn(f"the checkpoint agent (pid {link.pid}) could not serve its replica ({e}); "
+                              "recovering from storage", RuntimeWarning, stacklevel=3)
+                link.kill()
+        full = restore_base(store, c)
+        if full is None:
+            return None
+        return Recovered(step=full.step, tree={}, source="disk", manifest=full, seconds=time.perf_counter() - t0)
+
+    def _fetch(self, link: AgentLink) -> int:
+        reply = link.call("fetch", timeout=self.config.agent_timeout)
+        (fd,) = link.receive_fds(1)
+        region, buffer = SharedRegion.holding(reply["layout"], fd=fd)
+        # The model copies into its parameters; anything else (optimizer state above all) may keep
+        # the tensors it is given, which must then not be the agent's memory: those are cloned.
+        tensors = {k: v if k.startswith("/model/") else v.clone() for k, v in buffer.views.items()}
+        try:
+            self.ctx.components.restore(unflatten(reply["skeleton"], tensors))
+        finally:
+            region.close()
+        self._fetched = True
+        return int(reply["step"])
+
+    def on_start(self, step: int) -> None:
+        store = self.ctx.store
+        assert store is not None
+        tensors, skeleton = self.ctx.flatten_state(step)
+        self._index_keys = self._keys_of_params(tensors)
+        if self.link is None:
+            self.link = AgentLink.spawn(AgentConfig(
+                directory=str(store.root), strategy=self.name, keep=self.config.keep, every=self.config.every,
+                busy=self.config.busy, grace=self.config.grace, threads=self.config.agent_threads))
+        if not self._fetched:
+            self._send_state(step, tensors, skeleton, persist=step == 0)
+        self._make_slots(tensors)
+        self.link.start_reader(
+            {"done": self._on_done, "persisted": self._on_persisted, "diverged": self._on_diverged, "error": self._on_error},
+            self._on_lost,
+        )
+
+    # -- the agent's messages (reader thread) --------------------------------------------------
+
+    def _on_done(self, msg: dict[str, Any]) -> None:
+        self.ctx.in_memory(msg["step"])
+        self._free.put(msg["slot"])
+
+    def _on_persisted(self, msg: dict[str, Any]) -> None:
+        self._persisted = (self._persisted + [msg["step"]])[-2:]
+        self.ctx.committed(msg["step"], count=False)
+
+    def _on_diverged(self, msg: dict[str, Any]) -> None:
+        self._diverged.append(f"step {msg['step']}: {msg['detail']}")
+
+    def _on_error(self, msg: dict[str, Any]) -> None:
+        if msg["fatal"]:
+            self._lose(f"{msg['what']} failed: {msg['detail']}")
+        else:
+            self._errors.record(msg["what"], RuntimeError(msg["detail"]))
+
+    def _on_lost(self, reason: str) -> None:
+        self._lose(reason)
+
+    def _lose(self, reason: str) -> None:
+        if self._lost is None:
+            self._lost = reason
+        self._free.put(-1)  # wakes a waiting step
+
+    # -- training path -------------------------------------------------------------------------
+
+    def _active(self) -> bool:
+        return self.link is not None and self.fallback is None and self._lost is None and bool(self._slots)
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        if self._active():
+            self._copy(index, param.grad)
+
+    def _copy(self, index: int, grad: torch.Tensor | None) -> None:
+        if grad is None or (self._slot is None and not self._acquire()):
+            return
+        self._copied[index] = (grad, grad._version)
+        event = None
+        if grad.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._jobs.put((self._slots[self._slot], index, grad, event))
+
+    def _acquire(self) -> bool:
+        t0 = time.perf_counter()
+        try:
+            slot = self._free.get(timeout=self.config.agent_timeout)
+        except queue.Empty:
+            self._lose(f"it freed no slot within {self.config.agent_timeout:.0f} s")
+            slot = -1
+        self.ctx.stats.snapshot_wait_seconds += time.perf_counter() - t0
+        if slot < 0:
+            return False
+        self._slot = slot
+        return True
+
+    def _copy_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            buffer, index, grad, event = job
+            try:
+                target = buffer.views[f"g/{index}"]
+                if event is None:
+                    target.copy_(grad)
+                else:
+                    assert self._stream is not None
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(event)
+                        target.copy_(grad)
+                        grad.record_stream(self._stream)
+                    self._stream.synchronize()
+            except BaseException as e:
+                self._errors.record(f"copying the gradient of parameter {index} for the agent", e)
+            finally:
+                self._jobs.task_done()
+
+    def before_update(self, step: int) -> None:
+        if self.fallback is not None:
+            self.fallback.before_update(step)
+        if not self._active():
+            return
+        self._updated = True
+        for i, p in enumerate(self.params):
+            g = p.grad
+            seen = self._copied.get(i)
+            if g is not None and (seen is None or seen[0] is not g or seen[1] != g._version):
+                self._copy(i, g)  # changed since the hook copied it: clipped, unscaled, compressed
+        self._has_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+
+    def on_step_end(self, step: int) -> None:
+        self._errors.raise_pending()
+        if self.fallback is not None:
+            self.fallback.on_step_end(step)
+        self._groups = group_scalars(self.ctx.components.optimizer)
+        self._skipped = not self._updated
+        t0 = time.perf_counter()
+        self._jobs.join()  # the slot must hold this step's gradients before they can change again
+        self.ctx.stats.snapshot_wait_seconds += time.perf_counter() - t0
+        self._copied.clear()
+        self._updated = False
+        self._errors.raise_pending()
+
+    def on_state_ready(self, step: int, *, final: bool = False) -> None:
+        self._errors.raise_pending()
+        if self.fallback is None and self._lost is not None:
+            self._fall_back(step)
+            return
+        if self.fallback is not None:
+            self.fallback.on_state_ready(step, final=final)
+            return
+        assert self.link is not None
+        tensors, skeleton = self.ctx.flatten_state(step)
+        volatile = {k: t for k, t in tensors.items() if k not in self._replayed(tensors)}
+        if self._diverged or TensorLayout.of(volatile) != self._volatile:
+            if self._diverged:
+                warnings.warn(f"the checkpoint agent's replica diverged from the live state ({'; '.join(self._diverged)}); "
+                              f"sending it the full state of step {step}", RuntimeWarning, stacklevel=2)
+            self._diverged = []
+            self._resync(step, tensors, skeleton)
+        else:
+            self._send_step(step, tensors, skeleton, volatile)
+        if final:
+            self._sync(persist=True)
+
+    def _send_step(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, volatile: dict[str, torch.Tensor]) -> None:
+        assert self.link is not None
+        if self._slot is None and not self._acquire():
+            return  # lost while waiting; the next step falls back
+        assert self._slot is not None
+        event = snapshot_into(self._slots[self._slot], {f"v{k}": t for k, t in volatile.items()})
+        if event is not None:
+            event.synchronize()
+        check = None
+        every = self.config.verify_every
+        if every and step % every == 0:
+            keys = sorted(self._replayed(tensors))
+            check = {"keys": keys, "sample": self.config.verify_sample,
+                     "value": digest(tensors, keys, self.config.verify_sample)}
+        try:
+            self.link.send("step", step=step, slot=self._slot, groups=self._groups, skipped=self._skipped,
+                           has_grad=[] if self._skipped else self._has_grad, skeleton=skeleton, digest=check)
+        except AgentLostError as e:
+            self._lose(str(e))
+        self._slot = None
+
+    def _replayed(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+        return set(self._index_keys) | {k for k in tensors if k.startswith("/optimizer/state/")}
+
+    def _keys_of_params(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        where = {(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)): k for k, t in tensors.items() if t.numel()}
+        keys = []
+        for i, p in enumerate(self.params):
+            key = where.get((p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape)))
+            if key is None:
+                raise ConfigError(f"optimizer parameter {i} is not in the model's state_dict; lowdiff_plus replicates "
+                                  "the parameters the model holds")
+            keys.append(key)
+        return keys
+
+    # -- the agent's state ---------------------------------------------------------------------
+
+    def _send_state(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, *, persist: bool) -> None:
+        """Give the agent S_step whole, in a region it adopts as its replica."""
+        assert self.link is not None
+        region, buffer = SharedRegion.holding(TensorLayout.of(tensors))
+        event = snapshot_into(buffer, tensors)
+        if event is not None:
+            event.synchronize()
+        try:
+            self.link.send("init", fds=[region.fd], step=step, layout=buffer.layout, skeleton=skeleton,
+                           index_keys=self._index_keys, optimizer_class=optimizer_class_path(self.ctx.components.optimizer),
+                           persist=persist)
+        finally:
+            region.close()
+
+    def _make_slots(self, tensors: dict[str, torch.Tensor]) -> None:
+        assert self.link is not None
+        replayed = self._replayed(tensors)
+        volatile = {k: t for k, t in tensors.items() if k not in replayed}
+        layout = slot_layout({i: p for i, p in enumerate(self.params)}, {k: t for k, t in volatile.items()})
+        regions = [SharedRegion.holding(layout) for _ in range(self.config.queue)]
+        try:
+            self.link.send("slots", fds=[r.fd for r, _ in regions], count=len(regions), layout=layout)
+        finally:
+            for r, _ in regions:
+                r.close()
+        self._slots = [b for _, b in regions]
+        self._volatile = TensorLayout.of(volatile)
+        self._free = queue.Queue()
+        for i in range(len(regions)):
+            self._free.put(i)
+
+    def _resync(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any) -> None:
+        """Wait for every step in flight, then give the agent S_step whole and new slots."""
+        held = [self._slot] if self._slot is not None else []
+        while len(held) < len(self._slots):
+            if not self._acquire():
+                return
+            held.append(self._slot)  # type: ignore[arg-type]
+        self._slot = None
+        try:
+            self._send_state(step, tensors, skeleton, persist=False)
+            self._make_slots(tensors)
+        except AgentLostError as e:
+            self._lose(str(e))
+
+    def _fall_back(self, step: int) -> None:
+        assert self.link is not None
+        interval = self.config.every or (self._persisted[1] - self._persisted[0] if len(self._persisted) == 2 else 10)
+        warnings.warn(
+            f"the checkpoint agent (pid {self.link.pid}) is lost: {self._lost}; recovery from memory is off and the "
+            f"training process writes full checkpoints every {interval} steps from now on", RuntimeWarning, stacklevel=3)
+        self.link.kill()
+        self.fallback = CheckFreq(CheckFreqConfig(every=max(1, interval), keep=self.config.keep))
+        self.fallback.attach(self.ctx)
+        self.fallback.on_state_ready(step, final=True)  # S_step durable now, not at the next multiple
+
+    def _sync(self, *, persist: bool) -> None:
+        assert self.link is not None
+        try:
+            self.link.call("sync", timeout=self.config.agent_timeout + 600, persist=persist)
+        except AgentLostError as e:
+            self._lose(str(e))
+        self._errors.raise_pending()
+
+    def wait(self) -> None:
+        if self.fallback is not None:
+            self.fallback.wait()
+        elif self.link is not None and self._lost is None and self._slots:
+            self._sync(persist=False)
+        self._errors.raise_pending()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._jobs.put(None)
+            self._copier.join()
+            for h in self._hooks:
+                h.remove()
+            if self.link is not None:
+                if self._lost is None:
+                    self.link.close(timeout=self.config.agent_timeout + 600)
+                else:
+                    self.link.kill()
+            if self.fallback is not None:
+                self.fallback.close()

@@ -1,0 +1,259 @@
+"""LowDiff+: the agent's replica, recovery from its memory, fallbacks and the agent's lifecycle."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from everystep import Checkpointer
+from everystep.agent.channel import AgentAddress
+from everystep.eval.train import Journal, TrainConfig, run, summarise, training_state_hash
+from everystep.eval.workloads import build
+from everystep.recovery import latest_full
+from everystep.state import state_hash
+from everystep.storage import LocalStore
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited; only its parent has not reaped it yet
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _agent_pid(directory: Path) -> int:
+    address = AgentAddress.find(directory)
+    assert address is not None, "no agent.json"
+    return address.pid
+
+
+def _train(w, steps: int, *, clip: bool = True) -> None:
+    for _ in range(steps):
+        loss = w.loss(w.data.next())
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(w.model.parameters(), 1.0)
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+        w.scheduler.step()
+
+
+def _live_hash(w, step: int) -> str:
+    return state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
+                       "scheduler": w.scheduler.state_dict(), "data": w.data.state_dict(), "step": step})
+
+
+def _stored_hash(tree) -> str:
+    return state_hash({k: tree[k] for k in ("model", "optimizer", "scheduler", "data", "step")})
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_the_replica_equals_the_live_state_bitwise_after_every_step(tmp_path, optimizer):
+    w = build("gpt2-tiny", seed=0, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a divergence would be a RuntimeWarning
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                          strategy="lowdiff_plus", every=4, verify_every=1, verify_sample=0) as ckpt:
+            ckpt.restore()
+            _train(w, 9)
+            pid = _agent_pid(tmp_path / "c")
+    assert ckpt.stats.last_memory_step == 9 and ckpt.stats.checkpoints == 9
+    assert _gone_within(pid, 10), "the agent outlived a clean close"
+    assert not (tmp_path / "c" / "agent.json").exists()
+    manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
+    assert manifest.step == 9 and _stored_hash(tree) == _live_hash(w, 9)
+
+
+def test_a_divergence_is_reported_and_repaired(tmp_path):
+    w = build("mlp", seed=0, optimizer="adam")
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                      strategy="lowdiff_plus", every=100, verify_every=1, verify_sample=16) as ckpt:
+        ckpt.restore()
+        _train(w, 2)
+        with torch.no_grad():
+            next(w.model.parameters()).view(-1)[0] += 1.0  # a change the optimizer did not make
+        _train(w, 1)
+        ckpt.wait()
+        with pytest.warns(RuntimeWarning, match="replica diverged from the live state .*step 2.*sending it the full state"):
+            _train(w, 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _train(w, 2)
+    manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
+    assert manifest.step == 6 and _stored_hash(tree) == _live_hash(w, 6)
+
+
+def _reference(tmp_path: Path, **kw) -> dict:
+    return run(TrainConfig(workload="mlp", strategy="none", optimizer="adamw", **kw))
+
+
+def test_sigkill_at_20_random_instants_recovers_from_memory_bit_exactly(tmp_path):
+    """The training process is killed at random wall-clock instants — in the middle of a copy, a
+    message, an optimizer step — and restarted; every restart takes the replica from the agent."""
+    steps = 400
+    cfg = TrainConfig(workload="mlp", strategy="lowdiff_plus", optimizer="adamw", steps=steps,
+                      directory=str(tmp_path / "c"), options={"verify_every": 1, "verify_sample": 0}, progress=False)
+    journal = tmp_path / "journal.jsonl"
+    spec = json.dumps({"config": {**asdict(cfg), "fail_at": []}, "plan": []})
+    rng = random.Random(0)
+    kills = []
+    while True:
+        proc = subprocess.Popen([sys.executable, "-m", "everystep.eval.worker", spec, str(journal)], start_new_session=True)
+        if len(kills) < 20:
+            while proc.poll() is None and not any(r.get("pid") == proc.pid for r in _records(journal) if r["event"] == "start"):
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.15))
+            proc.send_signal(signal.SIGKILL)
+        code = proc.wait()
+        if code == 0:
+            break
+        assert code == -signal.SIGKILL, f"the training process failed with status {code}"
+        kills.append(proc.pid)
+    assert len(kills) >= 20, f"the run finished after {len(kills)} kills; lengthen it"
+    records = Journal.read(str(journal))
+    lifetimes = [r for r in records if r["event"] == "start"]
+    for before, after in zip(lifetimes, lifetimes[1:]):
+        done = max((r["step"] for r in records if r["event"] == "step" and _pid_of(records, r) == before["pid"]),
+                   default=before["resumed_from"])
+        # a kill after the clean close (the agent has persisted the last step and left) finds storage
+        assert after["source"] == "memory" or after["resumed_from"] == steps, after
+        assert after["resumed_from"] >= done - 1, f"lost more than one step: finished {done}, resumed {after['resumed_from']}"
+    summary = summarise(cfg, records)
+    reference = _reference(tmp_path, steps=steps)
+    assert summary["losses"] == reference["losses"]
+    assert summary["final_state_sha256"] == reference["final_state_sha256"]
+    assert _gone_within(_agent_pid_or(tmp_path / "c"), 30)
+
+
+def _records(path: Path) -> list[dict]:
+    return Journal.read(str(path)) if path.exists() else []
+
+
+def _pid_of(records: list[dict], record: dict) -> int:
+    """The pid of the lifetime a journal record belongs to (the newest start before it)."""
+    pid = 0
+    for r in records:
+        if r["event"] == "start":
+            pid = r["pid"]
+        if r is record:
+            return pid
+    return pid
+
+
+def _agent_pid_or(directory: Path) -> int:
+    address = AgentAddress.find(directory)
+    return address.pid if address else 2**22 + 1
+
+
+@pytest.mark.parametrize("mode,compress", [("hardware", None), ("software", "topk:0.01")])
+def test_failures_in_both_modes_dense_and_compressed(tmp_path, mode, compress):
+    cfg = TrainConfig(workload="mlp", strategy="lowdiff_plus", optimizer="adamw", steps=14, every=3,
+                      directory=str(tmp_path / "c"), fail_at=(8,), fail_mode=mode, compress=compress, progress=False)
+    summary = run(cfg)
+    reference = _reference(tmp_path, steps=14, compress=compress)
+    assert summary["losses"] == reference["losses"]
+    assert summary["final_state_sha256"] == reference["final_state_sha256"]
+    sources = {r["source"] for r in summary["recoveries"]}
+    assert sources == ({"disk"} if mode == "hardware" else {"memory"})
+
+
+def _spawn_trainer(tmp_path: Path, *, steps: int, options: dict, every: int | None = None) -> subprocess.Popen:
+    cfg = TrainConfig(workload="mlp", strategy="lowdiff_plus", optimizer="adamw", steps=steps, every=every,
+                      directory=str(tmp_path / "c"), options=options, progress=False)
+    spec = json.dumps({"config": {**asdict(cfg), "fail_at": []}, "plan": []})
+    return subprocess.Popen([sys.executable, "-m", "everystep.eval.worker", spec, str(tmp_path / "journal.jsonl")],
+                            start_new_session=True)
+
+
+def _wait_for_steps(tmp_path: Path, n: int, proc: subprocess.Popen) -> None:
+    while sum(r["event"] == "step" for r in _records(tmp_path / "journal.jsonl")) < n:
+        assert proc.poll() is None, "the trainer ended early"
+        time.sleep(0.02)
+
+
+def test_an_orphaned_agent_persists_its_newest_step_and_exits_after_the_grace_period(tmp_path):
+    proc = _spawn_trainer(tmp_path, steps=10_000, options={"grace": 1.0}, every=1000)
+    _wait_for_steps(tmp_path, 5, proc)
+    pid = _agent_pid(tmp_path / "c")
+    proc.kill()
+    proc.wait()
+    assert _gone_within(pid, 30), "the agent outlived its training process"
+    assert not (tmp_path / "c" / "agent.json").exists()
+    done = max(r["step"] for r in _records(tmp_path / "journal.jsonl") if r["event"] == "step")
+    manifest, _ = latest_full(LocalStore.open(tmp_path / "c"))
+    assert manifest.step >= done - 1
+
+
+def test_a_killed_agent_leaves_training_on_disk_checkpoints(tmp_path):
+    w = build("mlp", seed=0, optimizer="adamw")
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                      strategy="lowdiff_plus", every=4) as ckpt:
+        ckpt.restore()
+        _train(w, 3)
+        ckpt.wait()
+        os.kill(_agent_pid(tmp_path / "c"), signal.SIGKILL)
+        with pytest.warns(RuntimeWarning, match="checkpoint agent .* is lost: .*writes full checkpoints every 4 steps"):
+            _train(w, 6)
+    manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
+    assert manifest.step == 9 and _stored_hash(tree) == _live_hash(w, 9)
+
+
+def test_an_agent_that_stops_answering_is_ended_and_training_goes_on(tmp_path):
+    w = build("mlp", seed=0, optimizer="adamw")
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                      strategy="lowdiff_plus", every=100, queue=1, agent_timeout=1.0) as ckpt:
+        ckpt.restore()
+        _train(w, 2)
+        ckpt.wait()
+        pid = _agent_pid(tmp_path / "c")
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.perf_counter()
+        with pytest.warns(RuntimeWarning, match="is lost: it freed no slot within 1 s"):
+            _train(w, 4)
+        assert time.perf_counter() - t0 < 30  # the stall is bounded by agent_timeout
+    assert _gone_within(pid, 10), "a stopped agent was left behind"
+    assert ckpt.stats.snapshot_wait_seconds >= 1.0  # the wait was measured
+    manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
+    assert manifest.step == 6 and _stored_hash(tree) == _live_hash(w, 6)
+
+
+def test_recovery_from_memory_restores_what_a_fresh_process_needs(tmp_path):
+    """In-process view of a software failure: the trainer goes away without closing, a new one attaches."""
+    proc = _spawn_trainer(tmp_path, steps=10_000, options={"grace": 30.0})
+    _wait_for_steps(tmp_path, 6, proc)
+    proc.kill()
+    proc.wait()
+    done = max(r["step"] for r in _records(tmp_path / "journal.jsonl") if r["event"] == "step")
+    w = build("mlp", seed=0, optimizer="adamw")
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                      strategy="lowdiff_plus", final=False) as ckpt:
+        step = ckpt.restore()
+        assert ckpt.recovered.source == "memory" and step >= done - 1
+        recovered = training_state_hash({"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()})
+    assert recovered == _reference(tmp_path, steps=step)["final_state_sha256"]
