@@ -113,7 +113,8 @@ def test_every_and_keep_and_final_checkpoint(tmp_path, strategy):
         loop(w, ckpt, 0, 10)
     steps = sorted(r.manifest.step for r in LocalStore.open(tmp_path / "c").manifests())
     assert steps == [9, 10]  # 3, 6, 9 by interval, 10 at close; the newest two kept
-    assert ckpt.stats.checkpoints == 4
+    # lowdiff_plus also checkpoints every step in the agent's memory
+    assert ckpt.stats.checkpoints == (10 if strategy == "lowdiff_plus" else 4)
 
 
 def test_empty_directory_restores_step_zero_and_none_needs_no_directory(tmp_path):
@@ -260,6 +261,8 @@ class FullDisk(LocalStore):
 @pytest.mark.parametrize("strategy", DISK)
 def test_full_disk_surfaces_in_the_training_process_and_keeps_the_previous_checkpoint(tmp_path, strategy):
     """Every failed write is reported once, in the training thread, naming the cause."""
+    if strategy == "lowdiff_plus":
+        pytest.skip("the agent process writes through its own store: see test_lowdiff_plus.py")
     w = make("mlp", 0, strategy)
     store = FullDisk.open(tmp_path / "c", strategy=strategy)
     store.failed = []

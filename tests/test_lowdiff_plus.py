@@ -18,6 +18,7 @@ import torch
 
 from everystep import Checkpointer
 from everystep.agent.channel import AgentAddress
+from everystep.errors import BackgroundWriteError
 from everystep.eval.train import Journal, TrainConfig, run, summarise, training_state_hash
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
@@ -222,6 +223,22 @@ def test_a_killed_agent_leaves_training_on_disk_checkpoints(tmp_path):
             _train(w, 6)
     manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
     assert manifest.step == 9 and _stored_hash(tree) == _live_hash(w, 9)
+
+
+def test_a_failed_write_in_the_agent_surfaces_in_the_training_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("EVERYSTEP_FAIL", "store.object.mid_write:3")  # the agent's third write: step 4
+    w = build("mlp", seed=0, optimizer="adamw")
+    ckpt = Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                        strategy="lowdiff_plus", every=2)
+    ckpt.restore()
+    _train(w, 3)
+    ckpt.wait()
+    with pytest.raises(BackgroundWriteError, match="agent's write of the checkpoint at step 4 failed: .*No space left"):
+        _train(w, 2)
+        ckpt.wait()
+    ckpt.close()
+    manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
+    assert manifest.step == 5 and _stored_hash(tree) == _live_hash(w, 5)  # the final write succeeded
 
 
 def test_an_agent_that_stops_answering_is_ended_and_training_goes_on(tmp_path):

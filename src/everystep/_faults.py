@@ -3,10 +3,13 @@
 ``crash_point("store.object.mid_write")`` does nothing unless that point is armed, either by the
 environment (``EVERYSTEP_CRASH=name`` or ``name:N`` to fire at the N-th arrival) or by :func:`arm`.
 An armed point kills the process with SIGKILL: no handler, no flush, exactly like an external kill.
+``EVERYSTEP_FAIL`` arms points the same way to raise ``OSError(ENOSPC)`` instead, as a full disk
+would; child processes (the checkpoint agent) inherit both.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -50,11 +53,15 @@ def crash_point(name: str) -> None:
     action()
 
 
+def disk_full() -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
 def _arm_from_environment() -> None:
-    spec = os.environ.get("EVERYSTEP_CRASH", "")
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, _, count = item.partition(":")
-        arm(name, after=int(count) if count else 1)
+    for variable, action in (("EVERYSTEP_CRASH", kill_self), ("EVERYSTEP_FAIL", disk_full)):
+        for item in filter(None, (s.strip() for s in os.environ.get(variable, "").split(","))):
+            name, _, count = item.partition(":")
+            arm(name, after=int(count) if count else 1, action=action)
 
 
 _arm_from_environment()

@@ -25,7 +25,7 @@ import xxhash
 
 from ..transport.host import tensor_bytes
 
-__all__ = ["AgentAddress", "listen", "connect", "send_fds", "recv_fds", "digest", "DISCOVERY_FILE"]
+__all__ = ["AgentAddress", "listen", "connect", "hang_up", "send_fds", "recv_fds", "digest", "DISCOVERY_FILE"]
 
 DISCOVERY_FILE = "agent.json"
 
@@ -88,8 +88,9 @@ def accept(listener: socket.socket, authkey: str, timeout: float | None) -> conn
     return conn
 
 
-def connect(address: AgentAddress) -> connection.Connection:
-    """Connect and authenticate; raises OSError when no agent listens there."""
+def connect(address: AgentAddress, *, timeout: float = 30.0) -> connection.Connection:
+    """Connect and authenticate; raises OSError when no agent listens there or none answers
+    within ``timeout`` seconds (one that is serving another training process)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(address.address)
@@ -97,6 +98,9 @@ def connect(address: AgentAddress) -> connection.Connection:
         sock.close()
         raise
     conn = connection.Connection(sock.detach())
+    if not conn.poll(timeout):
+        conn.close()
+        raise TimeoutError(f"the agent at {address.address!r} did not answer within {timeout:.0f} s")
     try:
         connection.answer_challenge(conn, address.authkey.encode())  # type: ignore[attr-defined]
         connection.deliver_challenge(conn, address.authkey.encode())  # type: ignore[attr-defined]
@@ -104,6 +108,19 @@ def connect(address: AgentAddress) -> connection.Connection:
         conn.close()
         raise ConnectionRefusedError(f"the agent at {address.address!r} did not authenticate: {e}") from e
     return conn
+
+
+def hang_up(conn: connection.Connection) -> None:
+    """Close the connection so that the other end sees it at once, even while a thread of this
+    process is blocked reading it (a plain close would wait for that read)."""
+    if conn.closed:
+        return
+    try:
+        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()
 
 
 def send_fds(conn: connection.Connection, fds: list[int]) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EverystepError
-from .channel import AgentAddress, connect, message, recv_fds, send_fds
+from .channel import AgentAddress, connect, hang_up, message, recv_fds, send_fds
 from .process import AgentConfig
 
 __all__ = ["AgentLink", "AgentLostError"]
@@ -30,6 +30,11 @@ class AgentLostError(EverystepError):
 
 
 def _alive(pid: int) -> bool:
+    try:  # an agent this process started and that has exited: reap it
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -52,6 +57,7 @@ class AgentLink:
         self._send_lock = threading.Lock()
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reader: threading.Thread | None = None
+        self._early: list[dict[str, Any]] = []
 
     # -- finding or starting an agent ----------------------------------------------------------
 
@@ -106,30 +112,38 @@ class AgentLink:
             self._mark_lost(f"sending to it failed ({e})")
             raise AgentLostError(self.lost) from e
 
-    def call(self, kind: str, *, timeout: float, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
-        """Send a request and return its reply."""
+    def call(self, kind: str, *, reply: str, timeout: float, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
+        """Send a request and return its reply, of kind ``reply``."""
         self.send(kind, fds=fds, **fields)
         if self._reader is None:
-            if not self.conn.poll(timeout):
-                raise AgentLostError(f"no answer to {kind!r} within {timeout:.0f} s")
-            try:
-                return self.conn.recv()
-            except (EOFError, OSError) as e:
-                self._mark_lost("its connection closed")
-                raise AgentLostError(self.lost) from e
+            while True:  # the agent's own news (a write that finished) may come first: kept for the reader
+                if not self.conn.poll(timeout):
+                    raise AgentLostError(f"no answer to {kind!r} within {timeout:.0f} s")
+                try:
+                    msg = self.conn.recv()
+                except (EOFError, OSError) as e:
+                    self._mark_lost("its connection closed")
+                    raise AgentLostError(self.lost) from e
+                if msg["kind"] == reply:
+                    return msg
+                self._early.append(msg)
         try:
-            reply = self._replies.get(timeout=timeout)
+            answer = self._replies.get(timeout=timeout)
         except queue.Empty:
             raise AgentLostError(f"no answer to {kind!r} within {timeout:.0f} s") from None
-        if reply is None:
+        if answer is None:
             raise AgentLostError(self.lost or "its connection closed")
-        return reply
+        return answer
 
     def receive_fds(self, n: int) -> list[int]:
         assert self._reader is None, "descriptors are received before the reader starts"
         return recv_fds(self.conn, n)
 
     def start_reader(self, handlers: dict[str, Callable[[dict[str, Any]], None]], on_lost: Callable[[str], None]) -> None:
+        for msg in self._early:
+            handlers[msg["kind"]](msg)
+        self._early.clear()
+
         def read() -> None:
             while True:
                 try:
@@ -154,14 +168,18 @@ class AgentLink:
 
     # -- ending --------------------------------------------------------------------------------
 
+    def hang_up(self) -> None:
+        """Leave without a word, as a crashed training process would."""
+        hang_up(self.conn)
+
     def close(self, *, timeout: float) -> None:
         """Ask the agent to persist what it holds and exit; wait for it to be gone."""
         if self.lost is None:
             try:
-                self.call("close", timeout=timeout)
+                self.call("close", reply="closed", timeout=timeout)
             except AgentLostError:
                 pass
-        self.conn.close()
+        hang_up(self.conn)
         self._wait_gone(timeout)
 
     def kill(self) -> None:
@@ -170,7 +188,7 @@ class AgentLink:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.conn.close()
+        hang_up(self.conn)
         self._wait_gone(10.0)
 
     def _wait_gone(self, timeout: float) -> None:

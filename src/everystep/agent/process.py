@@ -109,13 +109,16 @@ class Agent:
             conn.close()
             self._drop_slots()
 
-    def _send(self, kind: str, **fields: Any) -> None:
+    def _send(self, kind: str, *, fds: list[int] | None = None, **fields: Any) -> None:
+        """Send a message (and descriptors right after it: nothing may come between)."""
         conn = self._conn
         if conn is None:
             return
         try:
             with self._send_lock:
                 conn.send(message(kind, **fields))
+                if fds:
+                    send_fds(conn, fds)
         except OSError:
             pass  # the training process is gone; the session loop notices
 
@@ -129,8 +132,7 @@ class Agent:
     def _on_fetch(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         r = self.replica
         assert r is not None
-        self._send("replica", step=r.step, layout=r.layout, skeleton=r.skeleton)
-        send_fds(conn, [r.region.fd])
+        self._send("replica", fds=[r.region.fd], step=r.step, layout=r.layout, skeleton=r.skeleton)
 
     def _on_init(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         (fd,) = recv_fds(conn, 1)
@@ -196,7 +198,9 @@ class Agent:
         if self._persist is not None and not self._persist.done():
             return False  # one write at a time; a due write happens at the first step after it
         P = self.interval()
-        return step % P == 0 if self.config.every is not None else step - self._persisted >= P
+        if self.config.every is not None:  # the first step at or after each multiple of P
+            return step // P > max(self._persisted, 0) // P
+        return step - self._persisted >= P
 
     def _persist_newest(self) -> None:
         if self.replica is not None and self._persisted < self.replica.step and not self.replica.missing():

@@ -48,7 +48,8 @@ def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[
     t0 = time.perf_counter()
     with _attach(fresh, directory, strategy, options, final=False) as again:
         recovered = again.restore()
-    return time.perf_counter() - t0, recovered, fresh, again
+        seconds = again.recovered.seconds if again.recovered else time.perf_counter() - t0
+    return seconds, recovered, fresh, again
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -88,6 +89,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             checkpoints_measured = ckpt.stats.checkpoints - checkpoints_at_warmup
             bytes_measured = ckpt.bytes_written - bytes_at_warmup
             live = _model_and_optimizer(w)
+            memory = None
+            if strategy == "lowdiff_plus":  # a software failure: the agent outlives the training process
+                ckpt._activity()  # S_steps is complete; hand it over as the next forward would
+                ckpt.wait()
+                ckpt.strategy.abandon()
+                memory = _recover(spec, directory, strategy, options)
         result: dict[str, Any] = {
             "strategy": strategy,
             "repeat": spec["repeat"],
@@ -106,6 +113,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "recovery_error": None,
             "replay_seconds": None,
         }
+        if memory is not None:
+            seconds, recovered, fresh, again = memory
+            if recovered != steps or again.recovered is None or again.recovered.source != "memory":
+                raise RuntimeError(f"recovered step {recovered} from {again.recovered}, expected {steps} from memory")
+            result["recovery_seconds_memory"] = seconds
         if directory is not None:
             seconds, recovered, fresh, again = _recover(spec, directory, strategy, options)
             result["recovery_seconds_disk"] = seconds

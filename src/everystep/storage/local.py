@@ -143,6 +143,10 @@ class LocalStore:
         with self._lock:
             self._bytes_written += n
 
+    def count_written_elsewhere(self, n: int) -> None:
+        """Add ``n`` bytes that another process (a checkpoint agent) wrote to this directory."""
+        self._count(n)
+
     def _atomic_write(self, final: Path, data: bytes, what: str = "file") -> None:
         self._write_chunks(final, [memoryview(data)], hasher=None, what=what)
 

@@ -114,6 +114,7 @@ class LowDiffPlus:
         self._diverged: list[str] = []
         self._persisted: list[int] = []
         self._jobs: queue.Queue[Any] = queue.Queue()
+        self._abandoned = False
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -139,7 +140,7 @@ class LowDiffPlus:
             store.collect_garbage()  # no agent writes here now
         else:
             try:
-                hello = link.call("hello", timeout=self.config.agent_timeout)
+                hello = link.call("hello", reply="hello", timeout=self.config.agent_timeout)
                 on_disk = max((r.manifest.step for r in store.manifests() if r.manifest and r.manifest.kind == "full"),
                               default=-1)
                 if hello["step"] is not None and hello["step"] >= on_disk:
@@ -157,7 +158,7 @@ class LowDiffPlus:
         return Recovered(step=full.step, tree={}, source="disk", manifest=full, seconds=time.perf_counter() - t0)
 
     def _fetch(self, link: AgentLink) -> int:
-        reply = link.call("fetch", timeout=self.config.agent_timeout)
+        reply = link.call("fetch", reply="replica", timeout=self.config.agent_timeout)
         (fd,) = link.receive_fds(1)
         region, buffer = SharedRegion.holding(reply["layout"], fd=fd)
         # The model copies into its parameters; anything else (optimizer state above all) may keep
@@ -196,6 +197,8 @@ class LowDiffPlus:
     def _on_persisted(self, msg: dict[str, Any]) -> None:
         self._persisted = (self._persisted + [msg["step"]])[-2:]
         self.ctx.committed(msg["step"], count=False)
+        if self.ctx.store is not None:
+            self.ctx.store.count_written_elsewhere(msg["nbytes"])
 
     def _on_diverged(self, msg: dict[str, Any]) -> None:
         self._diverged.append(f"step {msg['step']}: {msg['detail']}")
@@ -293,6 +296,8 @@ class LowDiffPlus:
 
     def on_state_ready(self, step: int, *, final: bool = False) -> None:
         self._errors.raise_pending()
+        if self._abandoned:
+            return
         if self.fallback is None and self._lost is not None:
             self._fall_back(step)
             return
@@ -409,7 +414,7 @@ class LowDiffPlus:
     def _sync(self, *, persist: bool) -> None:
         assert self.link is not None
         try:
-            self.link.call("sync", timeout=self.config.agent_timeout + 600, persist=persist)
+            self.link.call("sync", reply="synced", timeout=self.config.agent_timeout + 600, persist=persist)
         except AgentLostError as e:
             self._lose(str(e))
         self._errors.raise_pending()
@@ -421,7 +426,24 @@ class LowDiffPlus:
             self._sync(persist=False)
         self._errors.raise_pending()
 
+    def abandon(self) -> None:
+        """Leave the agent as a crashed training process would: no goodbye, no final persist.
+
+        The agent keeps the replica for a restarted process (this is how the benchmark measures
+        recovery from memory). Only :meth:`close` may follow.
+        """
+        self._abandoned = True
+        self._jobs.put(None)
+        self._copier.join()
+        for h in self._hooks:
+            h.remove()
+        if self.link is not None:
+            self.link.hang_up()
+            self.link = None
+
     def close(self) -> None:
+        if self._abandoned:
+            return
         try:
             self.wait()
         finally:
