@@ -113,3 +113,24 @@ def test_user_mistakes_get_one_clear_line_and_status_2(tmp_path, args, message):
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert (tmp_path / "foreign" / "data.csv").read_text() == "1,2\n"
+
+
+def test_verify_names_each_file_that_is_wrong(tmp_path):
+    run(TrainConfig(workload="mlp", strategy="full_sync", steps=3, every=1, keep=3, directory=str(tmp_path / "c"),
+                    progress=False))
+    ok = run_cli("verify", str(tmp_path / "c"))
+    assert ok.returncode == 0 and "3 checkpoint(s), all verify" in ok.stdout
+    objects = tmp_path / "c" / "objects"
+    flipped = objects / "full-000000000002.safetensors"
+    raw = bytearray(flipped.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    flipped.write_bytes(raw)
+    (objects / "full-000000000003.safetensors").unlink()
+    (objects / "stray.bin").write_bytes(b"x")
+    bad = run_cli("verify", str(tmp_path / "c"), "--json", str(tmp_path / "v.json"))
+    assert bad.returncode == 1
+    problems = json.loads((tmp_path / "v.json").read_text())["problems"]
+    assert any("full-000000000002" in p and "fails its checksum" in p for p in problems)
+    assert any("full-000000000003" in p and "is missing" in p for p in problems)
+    assert any(p.endswith("stray.bin: no checkpoint names this file") for p in problems)
+    assert len(problems) == 3 and "3 problem(s)" in bad.stdout

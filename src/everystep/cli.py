@@ -76,6 +76,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .inventory import verify_store
+    from .storage.local import LocalStore
+
+    store = LocalStore.open(args.dir, create=False)
+    problems = verify_store(store)
+    _write_json(args.json, {"directory": str(store.root), "problems": problems})
+    for problem in problems:
+        print(problem)
+    count = sum(1 for r in store.manifests())
+    print(f"{store.root}: {count} checkpoint(s), " + (f"{len(problems)} problem(s)" if problems else "all verify"))
+    return 1 if problems else 0
+
+
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
@@ -191,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("dir")
     i.add_argument("--json", metavar="PATH")
     i.set_defaults(func=cmd_inspect)
+    v = sub.add_parser("verify", help="check every checksum in a directory; exit 1 naming each file that is wrong")
+    v.add_argument("dir")
+    v.add_argument("--json", metavar="PATH")
+    v.set_defaults(func=cmd_verify)
 
     b = sub.add_parser("bench", help="measure every strategy side by side on one workload, interleaved")
     b.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-tiny")

@@ -8,7 +8,7 @@ from .errors import CorruptCheckpointError
 from .storage.local import LocalStore
 from .recovery import read_full
 
-__all__ = ["inspect_store"]
+__all__ = ["inspect_store", "verify_store"]
 
 
 def inspect_store(store: LocalStore) -> list[dict[str, Any]]:
@@ -30,3 +30,15 @@ def inspect_store(store: LocalStore) -> list[dict[str, Any]]:
             row.update(valid=False, reason=str(e))
         rows.append(row)
     return sorted(rows, key=lambda r: (r["step"], r["name"]))
+
+
+def verify_store(store: LocalStore) -> list[str]:
+    """Every problem in a checkpoint directory, each naming the file: checkpoints that fail to
+    verify (checksum, size, missing object, unreadable manifest), and files that no checkpoint
+    names (left by a crash, or copied in). An empty list means all is well."""
+    problems = [f"{row['name']}: {row['reason']}" for row in inspect_store(store) if not row["valid"]]
+    named = {o.name for r in store.manifests() if r.manifest for o in r.manifest.objects.values()}
+    for path in sorted(store.objects_dir.iterdir()):
+        if path.name not in named:
+            problems.append(f"{path}: no checkpoint names this file")
+    return problems
