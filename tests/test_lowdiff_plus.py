@@ -74,9 +74,8 @@ def _stored_hash(tree) -> str:
     return state_hash({k: tree[k] for k in ("model", "optimizer", "scheduler", "data", "step")})
 
 
-@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
-def test_the_replica_equals_the_live_state_bitwise_after_every_step(tmp_path, optimizer):
-    w = build("gpt2-tiny", seed=0, optimizer=optimizer)
+def test_the_replica_equals_the_live_state_bitwise_after_every_step(tmp_path):
+    w = build("gpt2-tiny", seed=0, optimizer="adam")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a divergence would be a RuntimeWarning
         with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
@@ -226,19 +225,23 @@ def test_a_killed_agent_leaves_training_on_disk_checkpoints(tmp_path):
 
 
 def test_a_failed_write_in_the_agent_surfaces_in_the_training_process(tmp_path, monkeypatch):
-    monkeypatch.setenv("EVERYSTEP_FAIL", "store.object.mid_write:3")  # the agent's third write: step 4
+    monkeypatch.setenv("EVERYSTEP_FAIL", "store.object.mid_write:2")  # the agent's second write: step 2
     w = build("mlp", seed=0, optimizer="adamw")
     ckpt = Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
                         strategy="lowdiff_plus", every=2)
     ckpt.restore()
-    _train(w, 3)
-    ckpt.wait()
-    with pytest.raises(BackgroundWriteError, match="agent's write of the checkpoint at step 4 failed: .*No space left"):
-        _train(w, 2)
+    _train(w, 2)
+    loss = w.loss(w.data.next())  # S_2 goes to the agent with the next forward; its write fails
+    with pytest.raises(BackgroundWriteError, match="agent's write of the checkpoint at step 2 failed: .*No space left"):
         ckpt.wait()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(w.model.parameters(), 1.0)
+    w.optimizer.step()
+    w.optimizer.zero_grad()
+    w.scheduler.step()
     ckpt.close()
     manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
-    assert manifest.step == 5 and _stored_hash(tree) == _live_hash(w, 5)  # the final write succeeded
+    assert manifest.step == 3 and _stored_hash(tree) == _live_hash(w, 3)  # the final write succeeded
 
 
 def test_an_agent_that_stops_answering_is_ended_and_training_goes_on(tmp_path):
