@@ -126,7 +126,7 @@ class Agent:
 
     def _on_hello(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         r = self.replica
-        servable = r is not None and not r.missing()
+        servable = r is not None and r.servable()
         self._send("hello", pid=os.getpid(), step=r.step if servable and r else None, persisted=self._persisted)
 
     def _on_fetch(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
@@ -165,9 +165,13 @@ class Agent:
         self._send("done", slot=msg["slot"], step=r.step)
         check = msg.get("digest")
         if check is not None:
-            mine = digest(r.tensors, check["keys"], check["sample"])
-            if mine != check["value"]:
-                self._send("diverged", step=r.step, detail=f"digest {mine} of the replica, {check['value']} of the live state")
+            lacking = [k for k in check["keys"] if k not in r.tensors]
+            if lacking:
+                self._send("diverged", step=r.step, detail=f"the replica lacks {', '.join(lacking[:3])}")
+            else:
+                mine = digest(r.tensors, check["keys"], check["sample"])
+                if mine != check["value"]:
+                    self._send("diverged", step=r.step, detail=f"digest {mine} of the replica, {check['value']} of the live state")
         if self._due(r.step):
             self._start_persist()
 
@@ -203,7 +207,7 @@ class Agent:
         return step - self._persisted >= P
 
     def _persist_newest(self) -> None:
-        if self.replica is not None and self._persisted < self.replica.step and not self.replica.missing():
+        if self.replica is not None and self._persisted < self.replica.step and self.replica.servable():
             self._finish_persist()
             self._start_persist()
 

@@ -128,28 +128,10 @@ class Replica:
         self._adopt(region, buffer)
         old.close()
 
-    def missing(self) -> list[str]:
-        """Tensors the skeleton names that the replica lacks (a replica that cannot be served)."""
-        found: list[str] = []
-
-        def walk(node: Any) -> None:
-            if isinstance(node, dict):
-                if "__tensor__" in node:
-                    if node["__tensor__"] not in self.tensors:
-                        found.append(node["__tensor__"])
-                    return
-                for v in node.values():
-                    walk(v)
-            elif isinstance(node, list):
-                for v in node:
-                    walk(v)
-
-        walk(self.skeleton)
-        return found
-
-    def replayed_keys(self) -> list[str]:
-        """Keys of the tensors the optimizer updates: parameters and their state."""
-        keys = set(self.index_keys)
-        for i, p in enumerate(self.params):
-            keys |= {f"/optimizer/state/{i}/{n}" for n, v in self.optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
-        return sorted(keys)
+    def servable(self) -> bool:
+        """Whether every tensor the skeleton names is in the replica (it can be handed out whole)."""
+        try:
+            unflatten(self.skeleton, self.tensors)
+        except KeyError:
+            return False
+        return True

@@ -46,7 +46,7 @@ from ..agent.replica import optimizer_class_path, slot_layout
 from ..errors import ConfigError
 from ..recovery import Recovered
 from ..replay import group_scalars
-from ..state import unflatten
+from ..state import _storage_key, unflatten
 from ..transport.host import HostBuffer, TensorLayout, snapshot_into
 from ..transport.shared import SharedRegion
 from ._diff import restore_base
@@ -306,7 +306,7 @@ class LowDiffPlus:
             return
         assert self.link is not None
         tensors, skeleton = self.ctx.flatten_state(step)
-        volatile = {k: t for k, t in tensors.items() if k not in self._replayed(tensors)}
+        replayed, volatile = self._split(tensors)
         if self._diverged or TensorLayout.of(volatile) != self._volatile:
             if self._diverged:
                 warnings.warn(f"the checkpoint agent's replica diverged from the live state ({'; '.join(self._diverged)}); "
@@ -314,11 +314,12 @@ class LowDiffPlus:
             self._diverged = []
             self._resync(step, tensors, skeleton)
         else:
-            self._send_step(step, tensors, skeleton, volatile)
+            self._send_step(step, tensors, skeleton, replayed, volatile)
         if final:
             self._sync(persist=True)
 
-    def _send_step(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, volatile: dict[str, torch.Tensor]) -> None:
+    def _send_step(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replayed: list[str],
+                   volatile: dict[str, torch.Tensor]) -> None:
         assert self.link is not None
         if self._slot is None and not self._acquire():
             return  # lost while waiting; the next step falls back
@@ -329,9 +330,8 @@ class LowDiffPlus:
         check = None
         every = self.config.verify_every
         if every and step % every == 0:
-            keys = sorted(self._replayed(tensors))
-            check = {"keys": keys, "sample": self.config.verify_sample,
-                     "value": digest(tensors, keys, self.config.verify_sample)}
+            check = {"keys": replayed, "sample": self.config.verify_sample,
+                     "value": digest(tensors, replayed, self.config.verify_sample)}
         try:
             self.link.send("step", step=step, slot=self._slot, groups=self._groups, skipped=self._skipped,
                            has_grad=[] if self._skipped else self._has_grad, skeleton=skeleton, digest=check)
@@ -339,14 +339,16 @@ class LowDiffPlus:
             self._lose(str(e))
         self._slot = None
 
-    def _replayed(self, tensors: dict[str, torch.Tensor]) -> set[str]:
-        return set(self._index_keys) | {k for k in tensors if k.startswith("/optimizer/state/")}
+    def _split(self, tensors: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """The keys the agent's optimizer updates (parameters and their state), and everything else."""
+        replayed = set(self._index_keys) | {k for k in tensors if k.startswith("/optimizer/state/")}
+        return sorted(replayed), {k: t for k, t in tensors.items() if k not in replayed}
 
     def _keys_of_params(self, tensors: dict[str, torch.Tensor]) -> list[str]:
-        where = {(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)): k for k, t in tensors.items() if t.numel()}
+        where = {_storage_key(t): k for k, t in tensors.items() if t.numel()}
         keys = []
         for i, p in enumerate(self.params):
-            key = where.get((p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape)))
+            key = where.get(_storage_key(p.detach()))
             if key is None:
                 raise ConfigError(f"optimizer parameter {i} is not in the model's state_dict; lowdiff_plus replicates "
                                   "the parameters the model holds")
@@ -371,9 +373,8 @@ class LowDiffPlus:
 
     def _make_slots(self, tensors: dict[str, torch.Tensor]) -> None:
         assert self.link is not None
-        replayed = self._replayed(tensors)
-        volatile = {k: t for k, t in tensors.items() if k not in replayed}
-        layout = slot_layout({i: p for i, p in enumerate(self.params)}, {k: t for k, t in volatile.items()})
+        _, volatile = self._split(tensors)
+        layout = slot_layout(dict(enumerate(self.params)), volatile)
         regions = [SharedRegion.holding(layout) for _ in range(self.config.queue)]
         try:
             self.link.send("slots", fds=[r.fd for r, _ in regions], count=len(regions), layout=layout)
