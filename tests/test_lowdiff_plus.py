@@ -74,26 +74,34 @@ def _stored_hash(tree) -> str:
     return state_hash({k: tree[k] for k in ("model", "optimizer", "scheduler", "data", "step")})
 
 
+def _attach(w, directory: Path, **options) -> Checkpointer:
+    return Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                        strategy="lowdiff_plus", **options)
+
+
+def _assert_stored(directory: Path, w, step: int) -> None:
+    """The newest full checkpoint is S_step of the live objects, bitwise."""
+    manifest, tree = latest_full(LocalStore.open(directory))
+    assert manifest.step == step and _stored_hash(tree) == _live_hash(w, step)
+
+
 def test_the_replica_equals_the_live_state_bitwise_after_every_step(tmp_path):
     w = build("gpt2-tiny", seed=0, optimizer="adam")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a divergence would be a RuntimeWarning
-        with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
-                          strategy="lowdiff_plus", every=4, verify_every=1, verify_sample=0) as ckpt:
+        with _attach(w, tmp_path / "c", every=4, verify_every=1, verify_sample=0) as ckpt:
             ckpt.restore()
             _train(w, 9)
             pid = _agent_pid(tmp_path / "c")
     assert ckpt.stats.last_memory_step == 9 and ckpt.stats.checkpoints == 9
     assert _gone_within(pid, 10), "the agent outlived a clean close"
     assert not (tmp_path / "c" / "agent.json").exists()
-    manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
-    assert manifest.step == 9 and _stored_hash(tree) == _live_hash(w, 9)
+    _assert_stored(tmp_path / "c", w, 9)
 
 
 def test_a_divergence_is_reported_and_repaired(tmp_path):
     w = build("mlp", seed=0, optimizer="adam")
-    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
-                      strategy="lowdiff_plus", every=100, verify_every=1, verify_sample=16) as ckpt:
+    with _attach(w, tmp_path / "c", every=100, verify_every=1, verify_sample=16) as ckpt:
         ckpt.restore()
         _train(w, 2)
         with torch.no_grad():
@@ -105,8 +113,7 @@ def test_a_divergence_is_reported_and_repaired(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             _train(w, 2)
-    manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
-    assert manifest.step == 6 and _stored_hash(tree) == _live_hash(w, 6)
+    _assert_stored(tmp_path / "c", w, 6)
 
 
 def _reference(tmp_path: Path, **kw) -> dict:
@@ -212,23 +219,20 @@ def test_an_orphaned_agent_persists_its_newest_step_and_exits_after_the_grace_pe
 
 def test_a_killed_agent_leaves_training_on_disk_checkpoints(tmp_path):
     w = build("mlp", seed=0, optimizer="adamw")
-    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
-                      strategy="lowdiff_plus", every=4) as ckpt:
+    with _attach(w, tmp_path / "c", every=4) as ckpt:
         ckpt.restore()
         _train(w, 3)
         ckpt.wait()
         os.kill(_agent_pid(tmp_path / "c"), signal.SIGKILL)
         with pytest.warns(RuntimeWarning, match="checkpoint agent .* is lost: .*writes full checkpoints every 4 steps"):
             _train(w, 6)
-    manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
-    assert manifest.step == 9 and _stored_hash(tree) == _live_hash(w, 9)
+    _assert_stored(tmp_path / "c", w, 9)
 
 
 def test_a_failed_write_in_the_agent_surfaces_in_the_training_process(tmp_path, monkeypatch):
     monkeypatch.setenv("EVERYSTEP_FAIL", "store.object.mid_write:2")  # the agent's second write: step 2
     w = build("mlp", seed=0, optimizer="adamw")
-    ckpt = Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
-                        strategy="lowdiff_plus", every=2)
+    ckpt = _attach(w, tmp_path / "c", every=2)
     ckpt.restore()
     _train(w, 2)
     loss = w.loss(w.data.next())  # S_2 goes to the agent with the next forward; its write fails
@@ -240,14 +244,12 @@ def test_a_failed_write_in_the_agent_surfaces_in_the_training_process(tmp_path, 
     w.optimizer.zero_grad()
     w.scheduler.step()
     ckpt.close()
-    manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
-    assert manifest.step == 3 and _stored_hash(tree) == _live_hash(w, 3)  # the final write succeeded
+    _assert_stored(tmp_path / "c", w, 3)  # the final write succeeded
 
 
 def test_an_agent_that_stops_answering_is_ended_and_training_goes_on(tmp_path):
     w = build("mlp", seed=0, optimizer="adamw")
-    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
-                      strategy="lowdiff_plus", every=100, queue=1, agent_timeout=1.0) as ckpt:
+    with _attach(w, tmp_path / "c", every=100, queue=1, agent_timeout=1.0) as ckpt:
         ckpt.restore()
         _train(w, 2)
         ckpt.wait()
@@ -259,8 +261,7 @@ def test_an_agent_that_stops_answering_is_ended_and_training_goes_on(tmp_path):
         assert time.perf_counter() - t0 < 30  # the stall is bounded by agent_timeout
     assert _gone_within(pid, 10), "a stopped agent was left behind"
     assert ckpt.stats.snapshot_wait_seconds >= 1.0  # the wait was measured
-    manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
-    assert manifest.step == 6 and _stored_hash(tree) == _live_hash(w, 6)
+    _assert_stored(tmp_path / "c", w, 6)
 
 
 def test_recovery_from_memory_restores_what_a_fresh_process_needs(tmp_path):
@@ -271,8 +272,7 @@ def test_recovery_from_memory_restores_what_a_fresh_process_needs(tmp_path):
     proc.wait()
     done = max(r["step"] for r in _records(tmp_path / "journal.jsonl") if r["event"] == "step")
     w = build("mlp", seed=0, optimizer="adamw")
-    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
-                      strategy="lowdiff_plus", final=False) as ckpt:
+    with _attach(w, tmp_path / "c", final=False) as ckpt:
         step = ckpt.restore()
         assert ckpt.recovered.source == "memory" and step >= done - 1
         recovered = training_state_hash({"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()})
