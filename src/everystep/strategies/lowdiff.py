@@ -143,7 +143,7 @@ class LowDiff:
         self._errors.raise_pending()
         full_now = step % self.interval == 0
         if self._pending and (final or full_now or self._pending >= self.batch):
-            self._queue.put((_FLUSH, self._base, self._end_state(step)))
+            self._queue.put((_FLUSH, self._base, end_state(self.ctx.components, self.ctx.boundary, step)))
             self._pending = 0
         if full_now and not final:
             self.full.on_state_ready(step)
@@ -166,9 +166,6 @@ class LowDiff:
             self._queue.put(None)
             self._writer.join()
             self.full.close()
-
-    def _end_state(self, step: int) -> tuple[dict[str, torch.Tensor], Any]:
-        return end_state(self.ctx.components, self.ctx.boundary, step)
 
     # -- the writer ----------------------------------------------------------------------------
 
@@ -278,7 +275,7 @@ class LowDiff:
             step, end = manifest.step, end_tree
         self.replay_seconds = time.perf_counter() - t_replay
         if end is not None:
-            self._apply_end(end)
+            apply_end_state(self.ctx.components, end)
         self._base, self._pending = full.step, 0
         return Recovered(step=step, tree={}, source="disk", manifest=full, seconds=time.perf_counter() - t0)
 
@@ -311,9 +308,6 @@ class LowDiff:
                 for r in records:
                     if name in r.grads:
                         p.sub_(r.grads[name]["dense"].to(p.device).view_as(p))
-
-    def _apply_end(self, end: dict[str, Any]) -> None:
-        apply_end_state(self.ctx.components, end)
 
 
 def _compressed(tensors: dict[str, torch.Tensor], step: int, name: str) -> dict[str, torch.Tensor]:
