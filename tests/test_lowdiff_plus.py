@@ -247,6 +247,20 @@ def test_a_failed_write_in_the_agent_surfaces_in_the_training_process(tmp_path, 
     _assert_stored(tmp_path / "c", w, 3)  # the final write succeeded
 
 
+def test_an_optimizer_the_agent_cannot_import_is_named_and_training_goes_on(tmp_path):
+    w = build("mlp", seed=0, optimizer="adamw")
+    local = type("Adam", (torch.optim.Adam,), {"__qualname__": "f.<locals>.Adam", "__module__": __name__})
+    w.optimizer = local(w.model.parameters(), lr=1e-3)
+    w.scheduler = torch.optim.lr_scheduler.StepLR(w.optimizer, step_size=2)
+    with _attach(w, tmp_path / "c", every=100) as ckpt:
+        ckpt.restore()
+        ckpt.wait()  # the agent has read the state it was sent, and failed
+        with pytest.warns(RuntimeWarning, match="taking over the training state of step 0 failed: .*cannot import "
+                                                "the optimizer class .*f.<locals>.Adam"):
+            _train(w, 3)
+    _assert_stored(tmp_path / "c", w, 3)
+
+
 def test_an_agent_that_stops_answering_is_ended_and_training_goes_on(tmp_path):
     w = build("mlp", seed=0, optimizer="adamw")
     with _attach(w, tmp_path / "c", every=100, queue=1, agent_timeout=1.0) as ckpt:

@@ -102,12 +102,26 @@ class Agent:
                     self._finish_persist()
                     self._send("closed", step=self.replica.step if self.replica else None)
                     return "close"
-                getattr(self, f"_on_{kind}")(conn, msg)
+                self._handle(conn, msg)
         except (EOFError, OSError):
             return "lost"
         finally:
             conn.close()
             self._drop_slots()
+
+    def _handle(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
+        """Serve one request. Anything but a broken connection is fatal: the training process is
+        told what failed, and falls back to its own checkpoints, before the agent exits."""
+        kind = msg["kind"]
+        try:
+            getattr(self, f"_on_{kind}")(conn, msg)
+        except (EOFError, OSError):
+            raise
+        except BaseException as e:
+            what = {"step": f"applying step {msg.get('step')} to the replica",
+                    "init": f"taking over the training state of step {msg.get('step')}"}.get(kind, f"the agent's {kind!r}")
+            self._send("error", fatal=True, what=what, detail="".join(traceback.format_exception_only(e)).strip())
+            raise SystemExit(1) from e
 
     def _send(self, kind: str, *, fds: list[int] | None = None, **fields: Any) -> None:
         """Send a message (and descriptors right after it: nothing may come between)."""
@@ -155,13 +169,8 @@ class Agent:
         r = self.replica
         assert r is not None, "a step arrived before the replica was initialised"
         self._arrivals = (self._arrivals + [time.perf_counter()])[-21:]
-        try:
-            r.apply(msg["step"], self.slots[msg["slot"]], groups=msg["groups"], skipped=msg["skipped"],
-                    has_grad=msg["has_grad"], skeleton=msg["skeleton"])
-        except BaseException as e:
-            self._send("error", fatal=True, what=f"applying step {msg['step']} to the replica",
-                       detail="".join(traceback.format_exception_only(e)).strip())
-            raise SystemExit(1)
+        r.apply(msg["step"], self.slots[msg["slot"]], groups=msg["groups"], skipped=msg["skipped"],
+                has_grad=msg["has_grad"], skeleton=msg["skeleton"])
         self._send("done", slot=msg["slot"], step=r.step)
         check = msg.get("digest")
         if check is not None:
