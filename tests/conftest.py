@@ -28,6 +28,19 @@ def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = False) 
     return proc
 
 
+def call_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """Run ``everystep ARGS`` in this process (no interpreter start-up): exit status, stdout, stderr."""
+    from everystep.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own errors
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def files_of(directory: Path) -> dict[str, bytes]:
     """Every file below ``directory`` with its content, to prove nothing was touched."""
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}

@@ -10,7 +10,7 @@ from everystep.eval.faults import FailurePlan
 from everystep.eval.train import TrainConfig, run
 from everystep.strategies.checkfreq import CheckFreqConfig
 
-from .conftest import run_cli
+from .conftest import call_cli, run_cli
 
 STEPS = 12
 MIDDLE = 6
@@ -29,9 +29,9 @@ def reference():
     return run(TrainConfig(workload="gpt2-tiny", strategy="none", steps=STEPS, seed=SEED, progress=False))
 
 
-@pytest.mark.parametrize("mode", ["software", "hardware"])
-@pytest.mark.parametrize("strategy", ["full_sync", "checkfreq"])
+@pytest.mark.parametrize("strategy, mode", [("full_sync", "software"), ("checkfreq", "hardware")])
 def test_killed_runs_recover_bit_exactly(tmp_path, reference, strategy, mode):
+    # The other two pairs run with two ranks in test_distributed.py.
     """I1 and I2: killed during the first step, mid-write, and the last step; same losses and state."""
     fail_at = (1, MIDDLE, STEPS)
     s = run(TrainConfig(workload="gpt2-tiny", strategy=strategy, steps=STEPS, seed=SEED, directory=str(tmp_path / "c"),
@@ -52,7 +52,7 @@ def test_killed_runs_recover_bit_exactly(tmp_path, reference, strategy, mode):
     assert s["checkpoints"] >= STEPS - 1
 
 
-def test_cli_train_recover_inspect(tmp_path, reference):
+def test_cli_train_recover_inspect(tmp_path, reference, capsys):
     out, d = tmp_path / "run.json", tmp_path / "c"
     run_cli("train", "--workload", "gpt2-tiny", "--strategy", "checkfreq", "--steps", str(STEPS), "--seed", str(SEED),
             "--dir", str(d), "--fail-at", "4", "--json", str(out), check=True)
@@ -63,7 +63,7 @@ def test_cli_train_recover_inspect(tmp_path, reference):
     assert set(summary["recoveries"][0]) == {"failed_at", "resumed_from", "recovery_seconds", "source"}
 
     rec = tmp_path / "rec.json"
-    run_cli("recover", "--dir", str(d), "--json", str(rec), check=True)
+    assert call_cli(capsys, "recover", "--dir", str(d), "--json", str(rec))[0] == 0
     recovered = json.loads(rec.read_text())
     assert recovered["step"] == STEPS and recovered["state_sha256"] == reference["final_state_sha256"]
 
@@ -71,26 +71,25 @@ def test_cli_train_recover_inspect(tmp_path, reference):
     raw = bytearray(obj.read_bytes())
     raw[-10] ^= 0xFF
     obj.write_bytes(raw)
-    listing = run_cli("inspect", str(d), check=True).stdout
-    assert f"step {STEPS - 1:>8}" in listing and "valid" in listing
+    code, listing, _ = call_cli(capsys, "inspect", str(d))
+    assert code == 0 and f"step {STEPS - 1:>8}" in listing and "valid" in listing
     assert "INVALID: object" in listing and "fails its checksum" in listing
-    recovered = json.loads((run_cli("recover", "--dir", str(d), "--json", str(rec), check=True), rec.read_text())[1])
-    assert recovered["step"] == STEPS - 1
+    assert call_cli(capsys, "recover", "--dir", str(d), "--json", str(rec))[0] == 0
+    assert json.loads(rec.read_text())["step"] == STEPS - 1
 
 
-def test_crash_inside_a_write_leaves_the_previous_checkpoint(tmp_path):
+def test_crash_inside_a_write_leaves_the_previous_checkpoint(tmp_path, capsys):
     """I3 through the CLI: SIGKILL in the middle of the third checkpoint's write."""
     d = tmp_path / "c"
     killed = run_cli("train", "--strategy", "full_sync", "--steps", "5", "--dir", str(d),
                      env={"EVERYSTEP_CRASH": "store.object.mid_write:3"})
     assert killed.returncode == -9
     assert any(p.name.startswith(".tmp-") for p in (d / "objects").iterdir())  # the torn write is there
-    ref = tmp_path / "ref.json"
-    run_cli("train", "--strategy", "none", "--steps", "2", "--json", str(ref), check=True)
+    ref = run(TrainConfig(strategy="none", steps=2, progress=False))
     rec = tmp_path / "rec.json"
-    run_cli("recover", "--dir", str(d), "--json", str(rec), check=True)
+    assert call_cli(capsys, "recover", "--dir", str(d), "--json", str(rec))[0] == 0
     assert json.loads(rec.read_text())["step"] == 2
-    assert json.loads(rec.read_text())["state_sha256"] == json.loads(ref.read_text())["final_state_sha256"]
+    assert json.loads(rec.read_text())["state_sha256"] == ref["final_state_sha256"]
 
 
 @pytest.mark.parametrize(
@@ -104,22 +103,21 @@ def test_crash_inside_a_write_leaves_the_previous_checkpoint(tmp_path):
         (["train", "--strategy", "full_sync", "--every", "0", "--dir", "{tmp}/c"], "every must be a positive number of steps"),
     ],
 )
-def test_user_mistakes_get_one_clear_line_and_status_2(tmp_path, args, message):
+def test_user_mistakes_get_one_clear_line_and_status_2(tmp_path, capsys, args, message):
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "data.csv").write_text("1,2\n")
-    proc = run_cli(*[a.format(tmp=tmp_path) for a in args])
-    assert proc.returncode == 2
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    code, _, err = call_cli(capsys, *[a.format(tmp=tmp_path) for a in args])
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
     assert (tmp_path / "foreign" / "data.csv").read_text() == "1,2\n"
 
 
-def test_verify_names_each_file_that_is_wrong(tmp_path):
+def test_verify_names_each_file_that_is_wrong(tmp_path, capsys):
     run(TrainConfig(workload="mlp", strategy="full_sync", steps=3, every=1, keep=3, directory=str(tmp_path / "c"),
                     progress=False))
-    ok = run_cli("verify", str(tmp_path / "c"))
-    assert ok.returncode == 0 and "3 checkpoint(s), all verify" in ok.stdout
+    code, out, _ = call_cli(capsys, "verify", str(tmp_path / "c"))
+    assert code == 0 and "3 checkpoint(s), all verify" in out
     objects = tmp_path / "c" / "objects"
     flipped = objects / "full-000000000002.safetensors"
     raw = bytearray(flipped.read_bytes())
@@ -127,10 +125,10 @@ def test_verify_names_each_file_that_is_wrong(tmp_path):
     flipped.write_bytes(raw)
     (objects / "full-000000000003.safetensors").unlink()
     (objects / "stray.bin").write_bytes(b"x")
-    bad = run_cli("verify", str(tmp_path / "c"), "--json", str(tmp_path / "v.json"))
-    assert bad.returncode == 1
+    code, out, _ = call_cli(capsys, "verify", str(tmp_path / "c"), "--json", str(tmp_path / "v.json"))
+    assert code == 1
     problems = json.loads((tmp_path / "v.json").read_text())["problems"]
     assert any("full-000000000002" in p and "fails its checksum" in p for p in problems)
     assert any("full-000000000003" in p and "is missing" in p for p in problems)
     assert any(p.endswith("stray.bin: no checkpoint names this file") for p in problems)
-    assert len(problems) == 3 and "3 problem(s)" in bad.stdout
+    assert len(problems) == 3 and "3 problem(s)" in out

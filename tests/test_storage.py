@@ -6,6 +6,7 @@ Store behaviour is tested through ``STORES``, so every Store implementation pass
 from __future__ import annotations
 
 import errno
+import json
 import subprocess
 import sys
 import textwrap
@@ -136,8 +137,11 @@ def test_directory_of_another_strategy_or_world_size_is_refused(tmp_path):
     LocalStore.open(tmp_path / "c", strategy="checkfreq")
     with pytest.raises(CheckpointDirectoryError, match="written by strategy 'checkfreq'; this run uses 'full_sync'"):
         LocalStore.open(tmp_path / "c", strategy="full_sync")
-    with pytest.raises(CheckpointDirectoryError, match="written by 1 processes; this run has 2"):
-        LocalStore.open(tmp_path / "c", strategy="checkfreq", world_size=2)
+    marker = tmp_path / "c" / "everystep.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "world_size": 2}))
+    with pytest.raises(CheckpointDirectoryError, match="written by 2 process.*this run has 1"):
+        LocalStore.open(tmp_path / "c", strategy="checkfreq")
+    assert LocalStore.open(tmp_path / "c", strategy="checkfreq", other_world=True).marker["world_size"] == 1
     with pytest.raises(CheckpointDirectoryError, match="no everystep checkpoint directory"):
         LocalStore.open(tmp_path / "missing", create=False)
 

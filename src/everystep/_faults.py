@@ -4,15 +4,19 @@
 environment (``EVERYSTEP_CRASH=name`` or ``name:N`` to fire at the N-th arrival) or by :func:`arm`.
 An armed point kills the process with SIGKILL: no handler, no flush, exactly like an external kill.
 ``EVERYSTEP_FAIL`` arms points the same way to raise ``OSError(ENOSPC)`` instead, as a full disk
-would; child processes (the checkpoint agent) inherit both.
+would; ``EVERYSTEP_DELAY=name=SECONDS`` to sleep there (a slow disk or a slow rank). Any item may
+end in ``@R`` to apply only to the process of rank R (environment variable ``RANK``). Child
+processes (the checkpoint agent) inherit all of them.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 __all__ = ["arm", "disarm", "crash_point", "kill_self"]
@@ -58,9 +62,17 @@ def disk_full() -> None:
 
 
 def _arm_from_environment() -> None:
-    for variable, action in (("EVERYSTEP_CRASH", kill_self), ("EVERYSTEP_FAIL", disk_full)):
+    rank = os.environ.get("RANK", "0")
+    for variable in ("EVERYSTEP_CRASH", "EVERYSTEP_FAIL", "EVERYSTEP_DELAY"):
         for item in filter(None, (s.strip() for s in os.environ.get(variable, "").split(","))):
+            item, _, only = item.partition("@")
+            if only and only != rank:
+                continue
+            item, _, seconds = item.partition("=")
             name, _, count = item.partition(":")
+            action = {"EVERYSTEP_CRASH": kill_self, "EVERYSTEP_FAIL": disk_full}.get(variable)
+            if action is None:
+                action = functools.partial(time.sleep, float(seconds))
             arm(name, after=int(count) if count else 1, action=action)
 
 

@@ -21,14 +21,23 @@ import os
 import time
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .capture import StepHooks
-from .errors import CheckpointDirectoryError, EverystepError, UnclosedCheckpointerWarning
+from .distributed import Ranks, sample_digest
+from .errors import (
+    CheckpointDirectoryError,
+    ConfigError,
+    EverystepError,
+    StateMismatchError,
+    UnclosedCheckpointerWarning,
+)
 from .recovery import Recovered, recover
 from .state import Stateful, TrainingComponents
+from .stopping import StopWatch
 from .storage.local import LocalStore
 from .strategies import CheckpointStats, Strategy, StrategyContext, create
 
@@ -49,6 +58,19 @@ class Checkpointer:
         every, keep, **options: the strategy's configuration, when given by name; ``None`` keeps the
             strategy's default (every step for full_sync and checkfreq, 50 for the differential ones).
         final: write a last checkpoint at a clean :meth:`close` if the last step has none.
+        deadline: a Unix time by which the job ends (PyRecover's time-aware exit; see
+            :meth:`should_stop`); ``k1``, ``k2``: the buffer kept before it, in longest steps and
+            longest checkpoints.
+        stop_signals: signals that ask for a stop at the next :meth:`should_stop` (a preemption
+            notice such as ``signal.SIGTERM`` or ``signal.SIGUSR1``); handlers are installed
+            while the Checkpointer is open, and a second signal of a kind acts as before.
+        full_format: ``"safetensors"`` (default) or ``"dcp"``: full checkpoints that plain
+            ``torch.distributed.checkpoint`` calls can load (see :mod:`everystep.storage.dcp`).
+
+    Under ``torch.distributed`` (initialised before the Checkpointer is made, by every rank at the
+    same point) every rank opens the same directory: the state that data parallelism replicates is
+    written once, split across ranks, each rank's own state (RNG, data position) by that rank, and
+    rank 0 commits each checkpoint once every part is durable.
     """
 
     def __init__(
@@ -66,6 +88,11 @@ class Checkpointer:
         keep: int | None = None,
         final: bool = True,
         store: LocalStore | None = None,
+        deadline: float | None = None,
+        k1: float = 10.0,
+        k2: float = 2.0,
+        stop_signals: Sequence[int] = (),
+        full_format: str = "safetensors",
         **options: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
@@ -78,14 +105,23 @@ class Checkpointer:
         )
         self.final = final
         self.stats = CheckpointStats()
+        self.ranks = store.ranks if store is not None else Ranks.detect()
         if store is None and self.strategy.needs_store:
             if directory is None:
                 raise CheckpointDirectoryError(f"strategy {self.strategy.name!r} needs a checkpoint directory")
-            store = LocalStore.open(directory, strategy=self.strategy.name)
+            store = LocalStore.open(directory, strategy=self.strategy.name, ranks=self.ranks,
+                                    other_world=getattr(self.strategy, "other_world_size", False))
         self.store = store
         if store is not None and not getattr(self.strategy, "shares_store", False):
-            store.collect_garbage()  # nothing else writes here: what a crash left is garbage
+            if self.ranks.rank == 0:
+                store.collect_garbage()  # nothing else writes here: what a crash left is garbage
+            self.ranks.barrier("control")
+        self.stop_reason: str | None = None
+        self._watch = StopWatch(deadline, k1=k1, k2=k2, signals=stop_signals)
+        if full_format not in ("safetensors", "dcp"):
+            raise ConfigError(f"full_format must be 'safetensors' or 'dcp', got {full_format!r}")
         self._ctx = StrategyContext(self.components, store, self.stats)
+        self._ctx.full_format = full_format
         self.strategy.attach(self._ctx)
         self.step = 0
         self.recovered: Recovered | None = None
@@ -131,12 +167,41 @@ class Checkpointer:
         self._start()
         return self.step
 
+    def should_stop(self) -> bool:
+        """True when training should end now: the deadline is too close or a stop signal came.
+
+        Call once per step, after ``optimizer.step()``, on every rank (the ranks agree in one
+        all-reduce, so all stop after the same step). When it returns True, leave the loop: the
+        Checkpointer's exit writes the final checkpoint, and ``stop_reason`` says why.
+        """
+        self._watch.checkpoint_took(self.stats.max_checkpoint_seconds)
+        reason = self._watch.reason()
+        if self.ranks.any("control", reason is not None):
+            self.stop_reason = reason or "another rank asked to stop"
+            return True
+        return False
+
     def _start(self) -> None:
         """Tell the strategy where training starts; S_step is what the live objects hold now."""
+        if self.ranks.distributed:
+            self._check_replicated()
         self._ctx.boundary = copy.deepcopy(self.components.capture_boundary())
         start = getattr(self.strategy, "on_start", None)
         if start is not None:
             start(self.step)
+
+    def _check_replicated(self) -> None:
+        """Refuse to start when the state that should be the same on every rank is not."""
+        tensors, _ = self._ctx.flatten_state(self.step)
+        keys = sorted(self._ctx.replicated_keys(tensors))
+        digests = self.ranks.all_gather("control", sample_digest(tensors, keys))
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            raise StateMismatchError(
+                f"parameters or optimizer state of rank {differ[0]} differ from rank 0's at step {self.step}: "
+                "everystep stores what data parallelism replicates once; wrap the model in DistributedDataParallel "
+                "(or make every rank start from the same state)"
+            )
 
     def wait(self) -> None:
         """Block until every checkpoint started so far is durable; raise a background failure."""
@@ -151,6 +216,7 @@ class Checkpointer:
             return
         self._closed = True
         self._hooks.remove()
+        self._watch.restore_signals()
         try:
             if self.final and self.step and not getattr(self, "_failed", False):
                 self._state_ready_pending = False
@@ -221,6 +287,7 @@ class Checkpointer:
                 )
         self.step += 1
         self.stats.steps += 1
+        self._watch.step_ended()
         self._ctx.boundary = copy.deepcopy(self.components.capture_boundary())
         self._state_ready_pending = True
         self.strategy.on_step_end(self.step)

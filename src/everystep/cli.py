@@ -28,25 +28,41 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .eval.train import TrainConfig, run
+    import os
+    import time
 
+    from .eval.train import TrainConfig, run
+    from .stopping import deadline_from_environment
+
+    deadline = time.time() + args.deadline if args.deadline is not None else deadline_from_environment()
     cfg = TrainConfig(
+        nproc=args.nproc, deadline=deadline, full_format=args.full_format,
         workload=args.workload, strategy=args.strategy, steps=args.steps, directory=args.dir,
         every=args.every, keep=args.keep, seed=args.seed, threads=args.threads,
         optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode, compress=args.compress,
         options={**({"batch": args.batch} if args.batch is not None else {}), **dict(args.option)},
     )
     summary = run(cfg)
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # under torchrun, rank 0 reports
     _write_json(args.json, summary)
+    ran = len(summary["losses"])
+    loss = f"final loss {summary['losses'][-1]:.4f}, " if ran else ""
+    ranks = f" on {cfg.nproc} ranks" if cfg.nproc > 1 else ""
     print(
-        f"{summary['strategy']} on {summary['workload']}: {summary['steps']} steps, "
-        f"final loss {summary['losses'][-1]:.4f}, {summary['mean_step_seconds'] * 1e3:.1f} ms/step, "
+        f"{summary['strategy']} on {summary['workload']}{ranks}: steps {summary['first_step']}..{summary['first_step'] + ran - 1}"
+        f" of {summary['steps']}, {loss}{summary['mean_step_seconds'] * 1e3:.1f} ms/step, "
         f"{summary['bytes_written'] / 2**20:.1f} MiB written, {len(summary['recoveries'])} recoveries"
     )
     for r in summary["recoveries"]:
         print(f"  failed at step {r['failed_at']}: resumed from step {r['resumed_from']} "
               f"({r['source']}, {r['recovery_seconds'] * 1e3:.1f} ms)")
     print(f"final state sha256 {summary['final_state_sha256']}")
+    if summary["stopped"]:
+        s = summary["stopped"]
+        where = f" in {args.dir}" if args.dir else ""
+        print(f"stopped early after step {s['step']} of {summary['steps']}: {s['reason']}; the final checkpoint of step "
+              f"{s['step']} is{where}; run the same command again to resume")
     return 0
 
 
@@ -193,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch", type=int, help="lowdiff: steps per differential write (b)")
     t.add_argument("--option", type=_option, action="append", default=[], metavar="NAME=VALUE",
                    help="a strategy option, e.g. verify_every=1 or grace=5 (repeatable)")
+    t.add_argument("--nproc", type=int, default=1, help="training processes (ranks) on this machine, each a "
+                   "DistributedDataParallel replica over gloo (default 1; under torchrun its own ranks are used)")
+    t.add_argument("--deadline", type=float, metavar="SECONDS", help="stop with a final checkpoint before this many "
+                   "seconds from now have passed (default: SLURM_JOB_END_TIME when set); SIGTERM and SIGUSR1 stop "
+                   "the same way at any time")
+    t.add_argument("--full-format", choices=["safetensors", "dcp"], default="safetensors",
+                   help="how full checkpoints are stored: everystep's safetensors parts (default) or a "
+                   "torch.distributed.checkpoint directory that plain DCP calls load")
     t.add_argument("--json", metavar="PATH", help="write the run summary here")
     t.set_defaults(func=cmd_train)
 

@@ -20,14 +20,19 @@ def inspect_store(store: LocalStore) -> list[dict[str, Any]]:
             rows.append({"name": record.name, "kind": "?", "step": -1, "bytes": 0, "valid": False, "reason": record.error})
             continue
         row = {"name": m.name, "kind": m.kind, "step": m.step, "bytes": m.nbytes, "valid": True, "reason": None}
-        try:
-            if m.kind == "full":
+        reasons = []
+        for info in m.objects.values():  # every object, so that each bad part of a sharded one is named
+            try:
+                store.read_object(info)
+            except CorruptCheckpointError as e:
+                reasons.append(str(e))
+        if not reasons and m.kind == "full":
+            try:
                 read_full(store, m)
-            else:
-                for info in m.objects.values():
-                    store.read_object(info)
-        except CorruptCheckpointError as e:
-            row.update(valid=False, reason=str(e))
+            except CorruptCheckpointError as e:
+                reasons.append(str(e))
+        if reasons:
+            row.update(valid=False, reason="; ".join(reasons))
         rows.append(row)
     return sorted(rows, key=lambda r: (r["step"], r["name"]))
 
@@ -38,7 +43,7 @@ def verify_store(store: LocalStore) -> list[str]:
     names (left by a crash, or copied in). An empty list means all is well."""
     problems = [f"{row['name']}: {row['reason']}" for row in inspect_store(store) if not row["valid"]]
     named = {o.name for r in store.manifests() if r.manifest for o in r.manifest.objects.values()}
-    for path in sorted(store.objects_dir.iterdir()):
-        if path.name not in named:
-            problems.append(f"{path}: no checkpoint names this file")
+    for name in store.stored_files():
+        if name not in named:
+            problems.append(f"{store.objects_dir / name}: no checkpoint names this file")
     return problems

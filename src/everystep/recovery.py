@@ -11,7 +11,7 @@ from .errors import CorruptCheckpointError, NoValidCheckpointError
 from .storage.base import Manifest
 from .storage.local import LocalStore
 from .state import unflatten
-from .storage.tensorfile import load_tensors
+from .storage.sharded import read_parts
 
 __all__ = ["Recovered", "read_full", "latest_full", "recover"]
 
@@ -29,13 +29,11 @@ class Recovered:
 
 def read_full(store: LocalStore, manifest: Manifest) -> dict[str, Any]:
     """Read, verify and rebuild the state tree of a full checkpoint."""
-    info = manifest.objects.get("tensors")
-    if info is None or "skeleton" not in manifest.meta:
-        raise CorruptCheckpointError(f"manifest {manifest.name} lacks its tensor object or skeleton")
-    data = store.read_object(info)
-    tensors = load_tensors(data, what=f"object {info.name}")
+    tensors, meta = read_parts(store, manifest)
+    if "skeleton" not in meta:
+        raise CorruptCheckpointError(f"manifest {manifest.name} lacks the skeleton of its state tree")
     try:
-        tree = unflatten(manifest.meta["skeleton"], tensors)
+        tree = unflatten(meta["skeleton"], tensors)
     except KeyError as e:
         raise CorruptCheckpointError(f"checkpoint {manifest.name}: {e.args[0]}") from None
     if tree.get("step") != manifest.step:

@@ -103,10 +103,22 @@ class TrainingComponents:
 
     OPTIONAL = ("scheduler", "scaler", "data", "compression")
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model without a DistributedDataParallel (or ``torch.compile``) wrapper, so that its
+        state has the same keys in a single process and under data parallelism."""
+        model = self.model
+        while True:
+            inner = getattr(model, "module", None) if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+                else getattr(model, "_orig_mod", None)
+            if not isinstance(inner, torch.nn.Module):
+                return model
+            model = inner
+
     def capture(self) -> dict[str, Any]:
         """The heavy, slowly-changing part of the state, referencing live tensors (no copy)."""
         tree: dict[str, Any] = {
-            "model": self.model.state_dict(),
+            "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
         }
         if self.scheduler is not None:
@@ -126,7 +138,7 @@ class TrainingComponents:
 
     def restore(self, tree: dict[str, Any]) -> None:
         """Load a captured state into the live objects, checking every shape first."""
-        check_model(self.model, tree["model"])
+        check_model(self.module, tree["model"])
         check_optimizer(self.optimizer, tree["optimizer"])
         for name in self.OPTIONAL:
             component = getattr(self, name)
@@ -137,7 +149,7 @@ class TrainingComponents:
                     f"the checkpoint {have} {name} state but the Checkpointer {given}; "
                     f"attach the same components that wrote it"
                 )
-        self.model.load_state_dict(tree["model"])
+        self.module.load_state_dict(tree["model"])
         self.optimizer.load_state_dict(tree["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(tree["scheduler"])

@@ -233,8 +233,8 @@ class Agent:
     def _write(self, step: int, buffer: HostBuffer, skeleton: Any) -> None:
         try:
             t0 = time.perf_counter()
-            manifest = write_full(self.store, step, buffer.layout, buffer_chunks(buffer.layout, buffer.memoryview()),
-                                  skeleton, meta={"writer": "agent"})
+            manifest = write_full(self.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton,
+                                  meta={"writer": "agent"})
             self._write_seconds = time.perf_counter() - t0
             self.store.retain(self.config.keep)
             self._send("persisted", step=step, nbytes=manifest.nbytes, seconds=self._write_seconds)

@@ -20,6 +20,8 @@ class FailurePlan:
     steps: tuple[int, ...]
     mode: str = "software"
     seed: int = 0
+    world: int = 1
+    """Ranks in the job; one of them, drawn from the seed, is killed at each planned step."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("software", "hardware"):
@@ -27,6 +29,9 @@ class FailurePlan:
 
     def point(self, step: int) -> str:
         return random.Random(f"{self.seed}/{step}").choice(POINTS)
+
+    def victim(self, step: int) -> int:
+        return random.Random(f"{self.seed}/{step}/rank").randrange(self.world)
 
 
 def kill(mode: str) -> None:
@@ -39,9 +44,11 @@ def kill(mode: str) -> None:
 class Injector:
     """Called by the training loop at named points; kills at the planned one."""
 
-    def __init__(self, plan: FailurePlan | None) -> None:
+    def __init__(self, plan: FailurePlan | None, rank: int = 0) -> None:
         self.plan = plan
         self.target: int | None = min(plan.steps) if plan and plan.steps else None
+        if plan is not None and self.target is not None and plan.victim(self.target) != rank:
+            self.target = None  # another rank dies; the supervisor ends this one
         self._fallback_at: int | None = None
 
     def point(self, step: int, where: str) -> None:

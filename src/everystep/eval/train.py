@@ -8,8 +8,11 @@ the summary takes each step's loss from that step's last execution.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -20,14 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from ..checkpointer import Checkpointer
+from ..distributed import Ranks
 from ..errors import ConfigError, EverystepError
 from ..recovery import recover
 from ..storage.local import LocalStore
 from ..state import state_hash
-from ..strategies import STRATEGIES
+from ..strategies import STRATEGIES, create
 from ..compress import GradientCompression, make_compressor
 from .faults import FailurePlan, Injector
 from .workloads import OPTIMIZERS, WORKLOADS, build
@@ -55,6 +60,12 @@ class TrainConfig:
     compress: str | None = None
     """Gradient compression for training itself (``topk:0.01``, ``quant8``); None trains dense."""
     progress: bool = True
+    nproc: int = 1
+    """Training processes (ranks), each a DistributedDataParallel replica, started by the supervisor."""
+    deadline: float | None = None
+    """Unix time by which the run must have ended: it stops early with a final checkpoint."""
+    full_format: str = "safetensors"
+    """How full checkpoints are stored: ``safetensors`` or ``dcp`` (torch.distributed.checkpoint)."""
 
     def __post_init__(self) -> None:
         self.fail_at = tuple(sorted(set(self.fail_at)))
@@ -68,6 +79,10 @@ class TrainConfig:
             raise ConfigError(f"--steps must be at least 1, got {self.steps}")
         if self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.full_format not in ("safetensors", "dcp"):
+            raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
         if self.fail_mode not in ("software", "hardware"):
             raise ConfigError(f"--fail-mode must be software or hardware, got {self.fail_mode!r}")
         bad = [s for s in self.fail_at if not 1 <= s <= self.steps]
@@ -77,12 +92,14 @@ class TrainConfig:
             raise ConfigError(f"strategy {self.strategy!r} needs --dir")
         if self.compress is not None:
             make_compressor(self.compress)  # validates the spec
+        given = {k: v for k, v in (("every", self.every), ("keep", self.keep)) if v is not None}
+        create(self.strategy, **given, **self.options)  # validates the options before any process starts
 
 
 def run_record(cfg: TrainConfig) -> dict[str, Any]:
     """What ``everystep recover`` needs to rebuild the live objects a differential chain replays into."""
     return {"workload": cfg.workload, "optimizer": cfg.optimizer, "seed": cfg.seed, "compress": cfg.compress,
-            "every": cfg.every, "keep": cfg.keep, "options": cfg.options}
+            "every": cfg.every, "keep": cfg.keep, "options": cfg.options, "full_format": cfg.full_format}
 
 
 def recover_run(directory: str) -> dict[str, Any]:
@@ -102,6 +119,7 @@ def recover_run(directory: str) -> dict[str, Any]:
     compression = GradientCompression(make_compressor(run["compress"]), w.model, w.optimizer) if run["compress"] else None
     with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=compression,
                       strategy=store.marker["strategy"], every=run["every"], keep=run["keep"], final=False,
+                      full_format=run.get("full_format", "safetensors"),
                       store=store, **run["options"]) as ckpt:
         step = ckpt.restore()
         tree = {"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
@@ -146,17 +164,42 @@ class Journal:
 
 
 def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -> None:
-    """Run (or resume) the loop of ``cfg`` in this process, journaling every step."""
+    """Run (or resume) the loop of ``cfg`` in this process, journaling every step.
+
+    Under torch.distributed (``torchrun`` or the supervisor set RANK and WORLD_SIZE) this process
+    is one rank; the process group is created here when it does not exist yet.
+    """
     torch.set_num_threads(cfg.threads)
-    w = build(cfg.workload, seed=cfg.seed, optimizer=cfg.optimizer)
-    inject = Injector(plan)
+    owns_group = _init_distributed()
+    try:
+        _train(cfg, journal, plan)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _init_distributed() -> bool:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("EVERYSTEP_COLLECTIVE_TIMEOUT", 600))))
+    return True
+
+
+def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None:
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    w = build(cfg.workload, seed=cfg.seed, optimizer=cfg.optimizer, rank=rank, world=world)
+    inject = Injector(plan, rank)
     strategy = cfg.strategy
     directory = cfg.directory if STRATEGIES[strategy].needs_store else None
     compression = GradientCompression(make_compressor(cfg.compress), w.model, w.optimizer) if cfg.compress else None
-    store = LocalStore.open(directory, strategy=strategy, extra={"run": run_record(cfg)}) if directory else None
+    store = None
+    if directory:
+        store = LocalStore.open(directory, strategy=strategy, extra={"run": run_record(cfg)}, ranks=Ranks.detect(),
+                                other_world=getattr(STRATEGIES[strategy], "other_world_size", False))
     with Checkpointer(
         directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=compression,
-        strategy=strategy, every=cfg.every, keep=cfg.keep, store=store, **cfg.options,
+        strategy=strategy, every=cfg.every, keep=cfg.keep, store=store, deadline=cfg.deadline, full_format=cfg.full_format,
+        stop_signals=(signal.SIGTERM, signal.SIGUSR1), **cfg.options,
     ) as ckpt:
         t0 = time.perf_counter()
         start = ckpt.restore()
@@ -164,7 +207,9 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
             event="start", resumed_from=start, recovery_seconds=time.perf_counter() - t0,
             source=ckpt.recovered.source if ckpt.recovered else "none", pid=os.getpid(),
         )
-        bar = tqdm(total=cfg.steps, initial=start, unit="step", disable=None if cfg.progress else True, leave=False)
+        bar = tqdm(total=cfg.steps, initial=start, unit="step", disable=None if cfg.progress and rank == 0 else True,
+                   leave=False)
+        step = start
         for step in range(start + 1, cfg.steps + 1):
             t_step = time.perf_counter()
             inject.point(step, "start")
@@ -179,12 +224,15 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
             w.scheduler.step()
             journal.write(event="step", step=step, loss=loss.item(), seconds=time.perf_counter() - t_step, **_counters(ckpt))
             bar.update(1)
+            if step < cfg.steps and ckpt.should_stop():
+                journal.write(event="stop", step=step, reason=ckpt.stop_reason)
+                break
         bar.close()
     inject.finish()
     if plan is None and ckpt.recovered is not None and isinstance(getattr(ckpt.strategy, "replay_seconds", None), float):
         journal.write(event="replay", seconds=ckpt.strategy.replay_seconds)
-    final_tree = {"step": cfg.steps, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
-    journal.write(event="end", final_state_sha256=training_state_hash(final_tree), **_counters(ckpt))
+    final_tree = {"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
+    journal.write(event="end", step=step, final_state_sha256=training_state_hash(final_tree), **_counters(ckpt))
 
 
 def _counters(ckpt: Checkpointer) -> dict[str, Any]:
@@ -201,13 +249,18 @@ _CUMULATIVE = ("bytes_written", "stall_seconds", "checkpoints", "snapshot_wait_s
 
 
 def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Fold a journal (one or more process lifetimes) into the run summary."""
+    """Fold a journal (one or more process lifetimes of one rank) into the run summary.
+
+    ``losses`` holds one value per step this run executed, from ``first_step`` (1 unless the run
+    resumed from a checkpoint already there) to the last: ``steps``, or the step it stopped at.
+    """
     losses: dict[int, float] = {}
     seconds: dict[int, float] = {}
     recoveries: list[dict[str, Any]] = []
     totals = dict.fromkeys(_CUMULATIVE, 0.0)
     lifetime = dict.fromkeys(_CUMULATIVE, 0.0)
     end: dict[str, Any] | None = None
+    stopped: dict[str, Any] | None = None
     failures = iter(cfg.fail_at)
     for r in records:
         if r["event"] == "start":
@@ -225,20 +278,28 @@ def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]
                 seconds[r["step"]] = r["seconds"]
             else:
                 end = r
-    if end is None or len(losses) != cfg.steps:
-        raise EverystepError(f"the run ended without finishing: {len(losses)} of {cfg.steps} steps recorded")
+        elif r["event"] == "stop":
+            stopped = {"step": r["step"], "reason": r["reason"]}
+    first = records[0]["resumed_from"] + 1 if records else 1
+    last = stopped["step"] if stopped else cfg.steps
+    done = [s for s in range(first, last + 1) if s in losses]
+    if end is None or len(done) != last - first + 1:
+        raise EverystepError(f"the run ended without finishing: {len(done)} of steps {first}..{last} recorded")
     totals = {k: totals[k] + lifetime[k] for k in _CUMULATIVE}
     return {
         "workload": cfg.workload,
         "strategy": cfg.strategy,
         "seed": cfg.seed,
         "threads": cfg.threads,
+        "nproc": cfg.nproc,
         "every": cfg.every,
         "steps": cfg.steps,
-        "losses": [losses[s] for s in range(1, cfg.steps + 1)],
+        "first_step": first,
+        "losses": [losses[s] for s in done],
         "final_state_sha256": end["final_state_sha256"],
+        "stopped": stopped,
         "recoveries": recoveries,
-        "mean_step_seconds": statistics.fmean(seconds.values()),
+        "mean_step_seconds": statistics.fmean(seconds.values()) if seconds else 0.0,
         "bytes_written": int(totals["bytes_written"]),
         "stall_seconds": totals["stall_seconds"],
         "checkpoints": int(totals["checkpoints"]),
@@ -247,28 +308,94 @@ def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]
     }
 
 
+def merge_ranks(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary for a job: rank 0's, with every rank's final hash and bytes written."""
+    out = dict(summaries[0])
+    if len(summaries) > 1:
+        out["rank_state_sha256"] = [s["final_state_sha256"] for s in summaries]
+        out["bytes_written_per_rank"] = [s["bytes_written"] for s in summaries]
+        out["bytes_written"] = sum(out["bytes_written_per_rank"])
+    return out
+
+
 def run(cfg: TrainConfig) -> dict[str, Any]:
-    """Run ``cfg`` to the end; supervised in child processes when failures are planned."""
-    if not cfg.fail_at:
+    """Run ``cfg`` to the end (or to an early stop); supervised in child processes when it has
+    several ranks or planned failures. Under ``torchrun`` this process is one rank of the job."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        pending = cfg.fail_at[restarts:]
+        world = int(os.environ["WORLD_SIZE"])
+        plan = FailurePlan(steps=pending, mode=cfg.fail_mode, seed=cfg.seed, world=world) if pending else None
+        journal = Journal(None)
+        train(cfg, journal, plan)
+        return summarise(cfg, journal.records)
+    if not cfg.fail_at and cfg.nproc == 1:
         journal = Journal(None)
         train(cfg, journal)
         return summarise(cfg, journal.records)
     return run_supervised(cfg)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Job:
+    """One lifetime of the job's ranks; a stop signal to the supervisor is passed on to each rank."""
+
+    def __init__(self, cfg: TrainConfig, pending: list[int], journals: list[str]) -> None:
+        spec = {"config": {**asdict(cfg), "fail_at": []}, "plan": pending}
+        port = _free_port()
+        self.procs = []
+        for rank, journal in enumerate(journals):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.nproc),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            if cfg.nproc == 1:
+                env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+            cmd = [sys.executable, "-m", "everystep.eval.worker", json.dumps(spec), journal]
+            self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+
+    def forward(self, signum: int, frame: Any) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def wait(self) -> list[int]:
+        """Exit statuses; when one rank fails the others are killed (their peers are gone)."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                return codes  # type: ignore[return-value]
+            if any(c is not None and c != 0 for c in codes):
+                for p in self.procs:
+                    if p.poll() is None:
+                        try:
+                            os.killpg(p.pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                return [p.wait() if c is None else c for p, c in zip(self.procs, codes)]
+            time.sleep(0.02)
+
+
 def run_supervised(cfg: TrainConfig) -> dict[str, Any]:
+    """Run the job's ranks as child processes; after a planned kill, start them all again."""
     with tempfile.TemporaryDirectory(prefix="everystep-run-") as tmp:
-        journal_path = os.path.join(tmp, "journal.jsonl")
+        journals = [os.path.join(tmp, f"journal-r{r}.jsonl") for r in range(cfg.nproc)]
         pending = list(cfg.fail_at)
         while True:
-            spec = {"config": {**asdict(cfg), "fail_at": []}, "plan": pending}
-            cmd = [sys.executable, "-m", "everystep.eval.worker", json.dumps(spec), journal_path]
-            proc = subprocess.run(cmd, start_new_session=True)
-            records = Journal.read(journal_path)
-            if proc.returncode == 0:
-                return summarise(cfg, records)
-            if proc.returncode != -9 or not pending:
-                raise EverystepError(f"the training process failed unexpectedly (exit status {proc.returncode})")
+            job = _Job(cfg, pending, journals)
+            previous = {sig: signal.signal(sig, job.forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+            try:
+                codes = job.wait()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+            if all(c == 0 for c in codes):
+                return merge_ranks([summarise(cfg, Journal.read(j)) for j in journals])
+            if -signal.SIGKILL not in codes or not pending:
+                raise EverystepError(f"the training process failed unexpectedly (exit statuses {codes})")
             pending.pop(0)
 
 
@@ -277,7 +404,8 @@ def worker_main(argv: list[str]) -> int:
     conf = spec["config"]
     conf["fail_at"] = tuple(conf["fail_at"])
     cfg = TrainConfig(**conf)
-    plan = FailurePlan(steps=tuple(spec["plan"]), mode=cfg.fail_mode, seed=cfg.seed) if spec["plan"] else None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan = FailurePlan(steps=tuple(spec["plan"]), mode=cfg.fail_mode, seed=cfg.seed, world=world) if spec["plan"] else None
     journal = Journal(journal_path)
     try:
         train(cfg, journal, plan)

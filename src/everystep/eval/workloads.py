@@ -124,7 +124,11 @@ class Workload:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     data: SyntheticData
-    loss: Callable[[Any], torch.Tensor]
+    criterion: Callable[[nn.Module, Any], torch.Tensor]
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` through ``model`` (the DistributedDataParallel wrapper, when there is one)."""
+        return self.criterion(self.model, batch)
 
 
 def _token_sample(vocab: int, seq: int) -> Callable[[torch.Generator], torch.Tensor]:
@@ -138,25 +142,21 @@ def _token_sample(vocab: int, seq: int) -> Callable[[torch.Generator], torch.Ten
     return make
 
 
-def _gpt(c: GPTConfig, batch: int, seed: int) -> tuple[nn.Module, SyntheticData, Callable[[Any], torch.Tensor]]:
-    model = GPT(c)
-    data = SyntheticData(_token_sample(c.vocab, c.seq), size=4096, batch_size=batch, seed=seed)
-
-    def loss(tokens: torch.Tensor) -> torch.Tensor:
+def _gpt(c: GPTConfig, batch: int) -> tuple[nn.Module, Any, int, Callable[[nn.Module, Any], torch.Tensor]]:
+    def loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         logits = model(tokens[:, :-1])
         return F.cross_entropy(logits.reshape(-1, c.vocab), tokens[:, 1:].reshape(-1))
 
-    return model, data, loss
+    return GPT(c), _token_sample(c.vocab, c.seq), batch, loss
 
 
-def _classifier(model: nn.Module, make: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]], batch: int, seed: int):
-    data = SyntheticData(make, size=4096, batch_size=batch, seed=seed)
+def _classify(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = b
+    return F.cross_entropy(model(x), y)
 
-    def loss(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = b
-        return F.cross_entropy(model(x), y)
 
-    return model, data, loss
+def _classifier(model: nn.Module, make: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]], batch: int):
+    return model, make, batch, _classify
 
 
 def _mlp(seed: int):
@@ -167,7 +167,7 @@ def _mlp(seed: int):
         return x, (x @ teacher).argmax()
 
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    return _classifier(model, make, 16, seed)
+    return _classifier(model, make, 16)
 
 
 def _resnet(seed: int):
@@ -177,13 +177,13 @@ def _resnet(seed: int):
         x[y % 3, :, :] += (y.float() - 4.5) / 4.5  # a class signal in one channel
         return x, y
 
-    return _classifier(resnet(), make, 16, seed)
+    return _classifier(resnet(), make, 16)
 
 
 WORKLOADS: dict[str, Callable[[int], Any]] = {
     "mlp": _mlp,
-    "gpt2-tiny": lambda seed: _gpt(GPTConfig(vocab=256, seq=32, layers=2, width=64, heads=4), 4, seed),
-    "gpt2-small": lambda seed: _gpt(GPTConfig(vocab=8192, seq=128, layers=6, width=512, heads=8), 8, seed),
+    "gpt2-tiny": lambda seed: _gpt(GPTConfig(vocab=256, seq=32, layers=2, width=64, heads=4), 4),
+    "gpt2-small": lambda seed: _gpt(GPTConfig(vocab=8192, seq=128, layers=6, width=512, heads=8), 8),
     "resnet": _resnet,
 }
 
@@ -210,8 +210,13 @@ class WarmupCosine:
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
-def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | None = None) -> Workload:
-    """Build a workload deterministically from ``seed``: same seed, same bits."""
+def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | None = None, rank: int = 0,
+          world: int = 1) -> Workload:
+    """Build a workload deterministically from ``seed``: same seed, same bits.
+
+    With ``world`` > 1 (torch.distributed initialised), the model is wrapped in
+    DistributedDataParallel and each rank draws its own part of every global batch.
+    """
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     if optimizer not in OPTIMIZERS:
@@ -219,7 +224,10 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
-    model, data, loss = WORKLOADS[name](seed)
+    model, make_sample, batch, criterion = WORKLOADS[name](seed)
+    data = SyntheticData(make_sample, size=4096, batch_size=batch, seed=seed, rank=rank, world=world)
     opt = OPTIMIZERS[optimizer](model.parameters(), lr if lr is not None else _DEFAULT_LR[optimizer])
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine())
-    return Workload(name=name, model=model, optimizer=opt, scheduler=scheduler, data=data, loss=loss)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    return Workload(name=name, model=model, optimizer=opt, scheduler=scheduler, data=data, criterion=criterion)

@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import threading
 import uuid
 from collections.abc import Iterable
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .._faults import crash_point
+from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError, CorruptCheckpointError, EverystepError
 from .base import CHECKSUM_ALGORITHM, Manifest, ManifestRecord, ObjectInfo, new_hasher
 from .retention import plan_retention
@@ -55,9 +57,11 @@ class LocalStore:
     set of checkpoints or the old set plus the new one, never a partial checkpoint.
     """
 
-    def __init__(self, root: Path, marker: dict[str, Any]) -> None:
+    def __init__(self, root: Path, marker: dict[str, Any], ranks: Ranks | None = None) -> None:
         self.root = root
         self.marker = marker
+        self.ranks = ranks or Ranks()
+        """The job writing here: each rank writes its part of a checkpoint; rank 0 commits and deletes."""
         self.objects_dir = root / "objects"
         self.manifests_dir = root / "manifests"
         self._lock = threading.Lock()
@@ -72,19 +76,36 @@ class LocalStore:
         root: str | os.PathLike[str],
         *,
         strategy: str | None = None,
-        world_size: int = 1,
+        ranks: Ranks | None = None,
         create: bool = True,
         extra: dict[str, Any] | None = None,
+        other_world: bool = False,
     ) -> "LocalStore":
         """Open a checkpoint directory, creating it when ``create`` and it is absent or empty.
 
         Refuses a directory that holds anything but an everystep checkpoint, or one written by
-        another strategy or world size (``None`` accepts any).
+        another strategy (``None`` accepts any) or, unless ``other_world``, another world size.
+        Under a job of several ranks every rank opens the directory; rank 0 creates it.
         """
+        ranks = ranks or Ranks()
         path = Path(root)
         if path.exists() and not path.is_dir():
             raise CheckpointDirectoryError(f"{path} is a file, not a checkpoint directory")
         marker_path = path / MARKER
+        if ranks.rank != 0:
+            ranks.barrier("control")  # rank 0 has created or checked the directory
+            return cls(path, cls._read_marker(marker_path), ranks)
+        try:
+            return cls._open_as_rank0(path, marker_path, strategy, ranks, create, extra, other_world)
+        finally:
+            ranks.barrier("control")
+
+    @classmethod
+    def _open_as_rank0(
+        cls, path: Path, marker_path: Path, strategy: str | None, ranks: Ranks, create: bool,
+        extra: dict[str, Any] | None, other_world: bool,
+    ) -> "LocalStore":
+        world_size = ranks.world
         if not marker_path.exists():
             if not create:
                 raise CheckpointDirectoryError(f"no everystep checkpoint directory at {path} (no {MARKER} there)")
@@ -99,7 +120,7 @@ class LocalStore:
             path.mkdir(parents=True, exist_ok=True)
             (path / "objects").mkdir(exist_ok=True)
             (path / "manifests").mkdir(exist_ok=True)
-            store = cls(path, marker)
+            store = cls(path, marker, ranks)
             store._atomic_write(marker_path, json.dumps(marker, indent=1).encode())
             if path.parent.exists():
                 _fsync_dir(path.parent)
@@ -110,13 +131,19 @@ class LocalStore:
                 f"{path} was written by strategy {marker.get('strategy')!r}; this run uses {strategy!r} — "
                 f"use --strategy {marker.get('strategy')} or another directory"
             )
-        if marker.get("world_size", 1) != world_size and strategy is not None:
-            raise CheckpointDirectoryError(
-                f"{path} was written by {marker.get('world_size')} processes; this run has {world_size}"
-            )
         for sub in ("objects", "manifests"):
             (path / sub).mkdir(exist_ok=True)
-        return cls(path, marker)
+        store = cls(path, marker, ranks)
+        written = marker.get("world_size", 1)
+        if written != world_size and strategy is not None:
+            if not other_world:
+                raise CheckpointDirectoryError(
+                    f"{path} was written by {written} process(es); this run has {world_size} — strategy "
+                    f"{strategy!r} keeps state per rank that cannot be carried to another world size"
+                )
+            store.marker = {**marker, "world_size": world_size}
+            store._atomic_write(marker_path, json.dumps(store.marker, indent=1).encode())
+        return store
 
     @staticmethod
     def _read_marker(marker_path: Path) -> dict[str, Any]:
@@ -196,6 +223,18 @@ class LocalStore:
         n = self._write_chunks(self.objects_dir / name, chunks, hasher, what="object")
         return ObjectInfo(name=name, nbytes=n, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
 
+    def install_directory(self, tmp: Path, name: str) -> None:
+        """Move a fully written and fsynced directory of objects (a DCP checkpoint) into place."""
+        final = self.objects_dir / name
+        try:
+            for path in (tmp, *tmp.iterdir()):
+                if path.is_dir():
+                    _fsync_dir(path)
+            os.rename(tmp, final)
+            _fsync_dir(self.objects_dir)
+        except OSError as e:
+            raise StoreWriteError(e.errno, f"installing {final} failed: {e.strerror or e}") from e
+
     def commit(self, manifest: Manifest) -> None:
         crash_point("store.commit.before_manifest")
         self._atomic_write(self.manifests_dir / f"{manifest.name}.json", manifest.to_bytes(), what="manifest")
@@ -247,8 +286,10 @@ class LocalStore:
         call it; one plans and deletes at a time.
 
         IMPORTANT: call only after the newest checkpoint is committed, so that deleting an older
-        one never leaves fewer recoverable points than before.
+        one never leaves fewer recoverable points than before. Only rank 0 deletes.
         """
+        if self.ranks.rank != 0:
+            return []
         with self._retention_lock:
             committed = [r.manifest for r in self.manifests() if r.manifest is not None]
             doomed = plan_retention(committed, keep=keep)
@@ -269,6 +310,9 @@ class LocalStore:
         still_used = self._referenced()
         for name in names - still_used:
             (self.objects_dir / name).unlink(missing_ok=True)
+        for folder in {name.split("/", 1)[0] for name in names if "/" in name}:
+            if not any(n.startswith(folder + "/") for n in still_used):
+                shutil.rmtree(self.objects_dir / folder, ignore_errors=True)
 
     def _referenced(self) -> set[str]:
         return {o.name for r in self.manifests() if r.manifest for o in r.manifest.objects.values()}
@@ -277,10 +321,19 @@ class LocalStore:
         """Delete temporaries and objects no manifest names (left by a crash). Call only when no
         write is in flight, e.g. at open. Returns the names removed."""
         removed, used = [], self._referenced()
+        folders = {name.split("/", 1)[0] for name in used if "/" in name}
         for directory in (self.objects_dir, self.manifests_dir):
             for path in directory.iterdir():
-                orphan = directory is self.objects_dir and _OBJECT_NAME.match(path.name) and path.name not in used
+                orphan = (directory is self.objects_dir and _OBJECT_NAME.match(path.name) and path.name not in used
+                          and path.name not in folders)
                 if _TMP.match(path.name) or orphan:
-                    path.unlink(missing_ok=True)
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
                     removed.append(path.name)
         return removed
+
+    def stored_files(self) -> list[str]:
+        """Every file under ``objects/``, as an object name (``a.safetensors``, ``full-….dcp/__0_0.distcp``)."""
+        return sorted(str(p.relative_to(self.objects_dir)) for p in self.objects_dir.rglob("*") if not p.is_dir())

@@ -11,7 +11,7 @@ from ..replay import group_scalars
 from ..state import TrainingComponents, flatten, restore_rng, unflatten
 from ..storage.base import Manifest
 from ..storage.local import LocalStore
-from ..storage.tensorfile import load_tensors
+from ..storage.sharded import read_parts
 
 __all__ = ["end_state", "apply_end_state", "restore_base", "read_differential"]
 
@@ -20,10 +20,10 @@ def end_state(components: TrainingComponents, boundary: dict[str, Any], step: in
     """Model buffers (BatchNorm statistics), param-group settings as the scheduler left them,
     scheduler, scaler, compression residuals, RNG and data position, as of the end of ``step``."""
     c = components
-    buffers = {n for n, _ in c.model.named_buffers()}
+    buffers = {n for n, _ in c.module.named_buffers()}
     tree: dict[str, Any] = {
         "step": step,
-        "buffers": {k: v.detach().clone() for k, v in c.model.state_dict().items() if k in buffers},
+        "buffers": {k: v.detach().clone() for k, v in c.module.state_dict().items() if k in buffers},
         "groups": group_scalars(c.optimizer),
         **boundary,
     }
@@ -36,7 +36,7 @@ def end_state(components: TrainingComponents, boundary: dict[str, Any], step: in
 
 def apply_end_state(components: TrainingComponents, end: dict[str, Any]) -> None:
     c = components
-    c.model.load_state_dict(end["buffers"], strict=False)
+    c.module.load_state_dict(end["buffers"], strict=False)
     for group, saved in zip(c.optimizer.param_groups, end["groups"]):
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
     for name in ("scheduler", "scaler", "data", "compression"):
@@ -58,6 +58,6 @@ def restore_base(store: LocalStore, components: TrainingComponents) -> Manifest 
 
 def read_differential(store: LocalStore, manifest: Manifest) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A differential's tensors and its end state; raises CorruptCheckpointError if it fails to verify."""
-    tensors = load_tensors(store.read_object(manifest.objects["tensors"]), what=f"differential {manifest.name}")
-    end = unflatten(manifest.meta["end"], {k[len("end"):]: v for k, v in tensors.items() if k.startswith("end/")})
+    tensors, meta = read_parts(store, manifest)
+    end = unflatten(meta["end"], {k[len("end"):]: v for k, v in tensors.items() if k.startswith("end/")})
     return tensors, end

@@ -1,31 +1,46 @@
-"""Writing and reading full checkpoints, shared by every strategy that makes them."""
+"""Writing full checkpoints, shared by every strategy that makes them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from ..storage.base import Manifest
+from ..storage.dcp import write_dcp
 from ..storage.local import LocalStore
-from ..transport.host import TensorLayout
+from ..storage.sharded import ShardPlan, commit_parts
 
 __all__ = ["write_full"]
+
+_WHOLE = ShardPlan({}, {})
 
 
 def write_full(
     store: LocalStore,
     step: int,
-    layout: TensorLayout,
-    chunks: Iterable[memoryview],
+    chunks: Iterable[memoryview] | None,
     skeleton: Any,
     *,
+    plan: ShardPlan = _WHOLE,
     meta: dict[str, Any] | None = None,
+    error: BaseException | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+    format: str = "safetensors",
 ) -> Manifest:
-    """Write one full checkpoint and commit it.
+    """Write this rank's part of one full checkpoint (all of it in a single process) and commit it.
 
-    IMPORTANT: the manifest is committed only after the tensor object is durable.
+    ``format`` "dcp" writes ``tensors`` (the whole plan, replicated tensors included) through
+    torch.distributed.checkpoint instead of ``chunks``.
+
+    IMPORTANT: the manifest is committed only after every part is durable. Under several ranks,
+    every rank calls this for the same steps in the same order, from its ``full`` channel thread.
     """
-    info = store.write_object(f"full-{step:012d}.safetensors", chunks)
-    manifest = Manifest(kind="full", step=step, objects={"tensors": info}, meta={"skeleton": skeleton, **(meta or {})})
-    store.commit(manifest)
-    return manifest
+    if format == "dcp":
+        if error is not None:
+            raise error
+        assert tensors is not None
+        return write_dcp(store, "full", step, tensors, set(plan.replicated), skeleton, meta)
+    return commit_parts(store, "full", kind="full", step=step, chunks=chunks, plan=plan, meta=meta or {},
+                        rank_meta={"skeleton": skeleton}, error=error)

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from ..distributed import Ranks
 from ..errors import BackgroundWriteError, ConfigError
 from ..state import TrainingComponents, flatten
+from ..storage.sharded import ShardPlan
 
 if TYPE_CHECKING:
     from ..storage.local import LocalStore
@@ -58,6 +60,8 @@ class CheckpointStats:
     """The newest step recoverable after a hardware failure (on storage)."""
     last_memory_step: int = 0
     """The newest step recoverable after a software failure from memory that outlives the process."""
+    max_checkpoint_seconds: float = 0.0
+    """The longest time one full checkpoint took to become durable (write and commit)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +82,8 @@ class StrategyContext:
         self.store = store
         self.stats = stats
         self.boundary: dict[str, Any] = {}
+        self.full_format = "safetensors"
+        """How full checkpoints are stored: ``safetensors`` (everystep's own) or ``dcp``."""
         self._lock = threading.Lock()
         self.strategy_state: dict[str, Any] | None = None
 
@@ -91,25 +97,50 @@ class StrategyContext:
     def flatten_state(self, step: int) -> tuple[dict[str, torch.Tensor], Any]:
         return flatten(self.state_tree(step))
 
+    @property
+    def ranks(self) -> Ranks:
+        return self.store.ranks if self.store is not None else Ranks()
+
+    def _optimizer_storages(self) -> set[int]:
+        opt = self.components.optimizer
+        ptrs = {p.untyped_storage().data_ptr() for g in opt.param_groups for p in g["params"]}
+        for st in opt.state.values():
+            ptrs |= {v.untyped_storage().data_ptr() for v in st.values() if isinstance(v, torch.Tensor) and v.numel()}
+        return ptrs
+
+    @staticmethod
+    def _keys_in(tensors: dict[str, torch.Tensor], ptrs: set[int]) -> set[str]:
+        return {k for k, t in tensors.items() if t.numel() and t.untyped_storage().data_ptr() in ptrs}
+
     def stable_keys(self, tensors: dict[str, torch.Tensor]) -> set[str]:
         """Keys of tensors that only ``optimizer.step()`` modifies: parameters and optimizer state.
 
         Everything else (BatchNorm statistics, RNG, counters) may change in the next forward and
         must be copied before it starts.
         """
-        opt = self.components.optimizer
-        ptrs = {p.untyped_storage().data_ptr() for g in opt.param_groups for p in g["params"]}
-        for st in opt.state.values():
-            ptrs |= {v.untyped_storage().data_ptr() for v in st.values() if isinstance(v, torch.Tensor) and v.numel()}
+        ptrs = self._optimizer_storages()
         compression = self.components.compression
         if compression is not None and getattr(compression, "immutable_tensors", False):
             tensors_, _ = flatten(compression.state_dict())
             ptrs |= {t.untyped_storage().data_ptr() for t in tensors_.values() if t.numel()}
-        return {k for k, t in tensors.items() if t.numel() and t.untyped_storage().data_ptr() in ptrs}
+        return self._keys_in(tensors, ptrs)
 
-    def committed(self, step: int, *, count: bool = True) -> None:
-        """Record that the checkpoint of ``step`` is durable and visible (``count``: as a checkpoint)."""
+    def replicated_keys(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+        """Keys of the state data parallelism keeps identical on every rank: parameters and
+        optimizer state. The rest (buffers, RNG, residuals) is treated as each rank's own."""
+        return self._keys_in(tensors, self._optimizer_storages()) if self.ranks.distributed else set()
+
+    def full_plan(self, step: int) -> tuple[ShardPlan, Any]:
+        """The tensors of S_step this rank writes (all of them in a single process), and the skeleton."""
+        tensors, skeleton = self.flatten_state(step)
+        split = self.full_format != "dcp"  # DCP spreads whole replicated tensors over the ranks itself
+        return ShardPlan.of(tensors, self.replicated_keys(tensors), self.ranks, split=split), skeleton
+
+    def committed(self, step: int, *, count: bool = True, seconds: float = 0.0) -> None:
+        """Record that the checkpoint of ``step`` is durable and visible (``count``: as a checkpoint),
+        a full one written in ``seconds``."""
         with self._lock:
+            self.stats.max_checkpoint_seconds = max(self.stats.max_checkpoint_seconds, seconds)
             self.stats.checkpoints += count
             self.stats.last_durable_step = max(self.stats.last_durable_step, step)
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ConfigError
+from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import buffer_chunks
 from ..transport.host import HostBuffer, HostBufferPool, TensorLayout, snapshot_into
 from ._full import write_full
@@ -40,6 +41,8 @@ class CheckFreqConfig(StrategyConfig):
 class CheckFreq:
     name: ClassVar[str] = "checkfreq"
     needs_store: ClassVar[bool] = True
+    other_world_size: ClassVar[bool] = True
+    """Only the full state is stored: a job of another size can resume from it."""
     Config = CheckFreqConfig
 
     def __init__(self, config: CheckFreqConfig | None = None) -> None:
@@ -69,7 +72,8 @@ class CheckFreq:
         if step == self._last or (step % self.config.every and not final):
             return
         self._wait_snapshot()
-        tensors, skeleton = self.ctx.flatten_state(step)
+        plan, skeleton = self.ctx.full_plan(step)
+        tensors = plan.local
         layout = TensorLayout.of(tensors)
         buffer = self._pool.acquire(layout)
         stable = self.ctx.stable_keys(tensors)
@@ -77,7 +81,7 @@ class CheckFreq:
         stable_keys = [k for k in tensors if k in stable]
         self._snapshot = self._snapshotter.submit(self._take_snapshot, buffer, tensors, stable_keys, volatile)
         self._persists = [f for f in self._persists if not f.done()]
-        self._persists.append(self._persister.submit(self._persist, step, self._snapshot, buffer, skeleton))
+        self._persists.append(self._persister.submit(self._persist, step, self._snapshot, buffer, skeleton, plan))
         self._last = step
         if final:
             self._wait_snapshot()
@@ -90,15 +94,19 @@ class CheckFreq:
             if e is not None:
                 e.synchronize()
 
-    def _persist(self, step: int, snapshot: Future[Any], buffer: HostBuffer, skeleton: Any) -> None:
+    def _persist(self, step: int, snapshot: Future[Any], buffer: HostBuffer, skeleton: Any, plan: ShardPlan) -> None:
         try:
-            snapshot.result()
             assert self.ctx.store is not None
+            try:
+                snapshot.result()
+            except BaseException as e:
+                write_full(self.ctx.store, step, None, skeleton, plan=plan, error=e)  # raises, on every rank
             t0 = time.perf_counter()
-            manifest = write_full(self.ctx.store, step, buffer.layout, buffer_chunks(buffer.layout, buffer.memoryview()),
-                                  skeleton)
-            self.write_bandwidth = manifest.nbytes / max(time.perf_counter() - t0, 1e-9)
-            self.ctx.committed(step)
+            manifest = write_full(self.ctx.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton,
+                                  plan=plan, tensors=buffer.views, format=self.ctx.full_format)
+            seconds = time.perf_counter() - t0
+            self.write_bandwidth = manifest.nbytes / max(seconds, 1e-9)
+            self.ctx.committed(step, seconds=seconds)
             self.ctx.store.retain(self.config.keep)
         except BaseException as e:
             self._errors.record(f"background write of the checkpoint at step {step}", e)

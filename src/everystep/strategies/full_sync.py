@@ -5,6 +5,7 @@ Training waits while the whole state is serialised straight from the live tensor
 
 from __future__ import annotations
 
+import time
 from typing import Any, ClassVar
 
 from ..storage.tensorfile import tensor_chunks
@@ -18,6 +19,8 @@ __all__ = ["FullSync"]
 class FullSync:
     name: ClassVar[str] = "full_sync"
     needs_store: ClassVar[bool] = True
+    other_world_size: ClassVar[bool] = True
+    """Only the full state is stored: a job of another size can resume from it."""
     Config = StrategyConfig
 
     def __init__(self, config: StrategyConfig | None = None) -> None:
@@ -37,11 +40,13 @@ class FullSync:
         if step == self._last or (step % self.config.every and not final):
             return
         assert self.ctx.store is not None
-        tensors, skeleton = self.ctx.flatten_state(step)
-        layout = TensorLayout.of(tensors)
-        write_full(self.ctx.store, step, layout, tensor_chunks(layout, tensors), skeleton)
+        t0 = time.perf_counter()
+        plan, skeleton = self.ctx.full_plan(step)
+        layout = TensorLayout.of(plan.local)
+        write_full(self.ctx.store, step, tensor_chunks(layout, plan.local), skeleton, plan=plan, tensors=plan.local,
+                   format=self.ctx.full_format)
         self._last = step
-        self.ctx.committed(step)
+        self.ctx.committed(step, seconds=time.perf_counter() - t0)
         self.ctx.store.retain(self.config.keep)
 
     def before_update(self, step: int) -> None:

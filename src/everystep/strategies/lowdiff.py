@@ -31,6 +31,7 @@ from ..policy import LowDiffCosts, lowdiff_integer_optimum
 from ..recovery import Recovered
 from ..replay import Replayer, StepRecord, group_scalars
 from ..storage.base import Manifest
+from ..storage.sharded import ShardPlan, commit_parts
 from ..storage.tensorfile import tensor_chunks
 from ..transport.host import TensorLayout
 from ._diff import apply_end_state, end_state, read_differential, restore_base
@@ -107,6 +108,9 @@ class LowDiff:
                 f"decay or Nesterov); {type(ctx.components.optimizer).__name__} with these settings is not, so "
                 "batches must stay concatenations of per-step records"
             )
+        if self.config.adapt and ctx.ranks.distributed:
+            raise ConfigError("adapt=True re-plans (F, b) from one process's measurements; under several ranks give "
+                              "every and batch (everystep plan computes them)")
         self.full = CheckFreq(CheckFreqConfig(every=self.interval, keep=self.config.keep))
         self.full.attach(ctx)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=self.config.queue)
@@ -207,14 +211,14 @@ class LowDiff:
             steps_meta.append({"step": r.step, "skipped": r.skipped, "groups": r.groups, "params": sorted(r.grads)})
         for key, t in end_tensors.items():
             tensors[f"end{key}"] = t
-        layout = TensorLayout.of(tensors)
-        info = self.ctx.store.write_object(f"diff-{last:012d}.safetensors", tensor_chunks(layout, tensors))
-        manifest = Manifest(
-            kind="diff", step=last, objects={"tensors": info}, requires=(f"full-{base:012d}",),
-            meta={"base": base, "first": first, "last": last, "steps": steps_meta, "end": end_skeleton,
-                  "compression": self.compression.spec, "summed": self.config.sum_linear},
+        plan = ShardPlan.of(tensors, {k for k in tensors if k.startswith("g/")}, self.ctx.ranks)
+        layout = TensorLayout.of(plan.local)
+        commit_parts(
+            self.ctx.store, "diff", kind="diff", step=last, chunks=tensor_chunks(layout, plan.local), plan=plan,
+            requires=(f"full-{base:012d}",), rank_meta={"end": end_skeleton},
+            meta={"base": base, "first": first, "last": last, "steps": steps_meta, "compression": self.compression.spec,
+                  "summed": self.config.sum_linear},
         )
-        self.ctx.store.commit(manifest)
         self.ctx.committed(last)
         self.ctx.store.retain(self.config.keep)  # a batch committed after a newer full checkpoint goes now
 

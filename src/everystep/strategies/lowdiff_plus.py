@@ -119,6 +119,11 @@ class LowDiffPlus:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def attach(self, ctx: StrategyContext) -> None:
+        if ctx.ranks.distributed:
+            raise ConfigError(
+                "lowdiff_plus runs one checkpoint agent for one training process; under several ranks use "
+                "checkfreq, full_sync, lowdiff or naive_diff"
+            )
         self.ctx = ctx
         self.params = [p for g in ctx.components.optimizer.param_groups for p in g["params"]]
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))

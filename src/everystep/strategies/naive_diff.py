@@ -24,7 +24,7 @@ import torch
 from ..errors import ConfigError, CorruptCheckpointError
 from ..recovery import Recovered
 from ..state import flatten
-from ..storage.base import Manifest
+from ..storage.sharded import ShardPlan, commit_parts
 from ..storage.tensorfile import tensor_chunks
 from ..transport.host import TensorLayout
 from ._diff import apply_end_state, end_state, read_differential, restore_base
@@ -79,8 +79,8 @@ class NaiveDiff:
 
     def _live(self) -> dict[str, torch.Tensor]:
         c = self.ctx.components
-        tensors, _ = flatten({"model": c.model.state_dict(), "optimizer": c.optimizer.state_dict()["state"]})
-        buffers = {f"/model/{n}" for n, _ in c.model.named_buffers()}
+        tensors, _ = flatten({"model": c.module.state_dict(), "optimizer": c.optimizer.state_dict()["state"]})
+        buffers = {f"/model/{n}" for n, _ in c.module.named_buffers()}
         return {k: t for k, t in tensors.items() if t.is_floating_point() and k not in buffers}
 
     def _reset_shadow(self) -> None:
@@ -122,10 +122,10 @@ class NaiveDiff:
     def _write(self, base: int, step: int, tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
         try:
             assert self.ctx.store is not None
-            layout = TensorLayout.of(tensors)
-            info = self.ctx.store.write_object(f"ndiff-{step:012d}.safetensors", tensor_chunks(layout, tensors))
-            self.ctx.store.commit(Manifest(kind="ndiff", step=step, objects={"tensors": info},
-                                           requires=(f"full-{base:012d}",), meta={"base": base, "end": end_skeleton}))
+            plan = ShardPlan.of(tensors, {k for k in tensors if k.startswith("d/")}, self.ctx.ranks)
+            layout = TensorLayout.of(plan.local)
+            commit_parts(self.ctx.store, "diff", kind="ndiff", step=step, chunks=tensor_chunks(layout, plan.local),
+                         plan=plan, requires=(f"full-{base:012d}",), meta={"base": base}, rank_meta={"end": end_skeleton})
             self.ctx.committed(step)
             self.ctx.store.retain(self.config.keep)
         except BaseException as e:

@@ -1,0 +1,91 @@
+"""Where this process stands in a torch.distributed job, and the process groups checkpointing uses.
+
+Checkpointing never issues a collective on the group the training uses. Each *channel* — one
+thread of checkpoint work that talks to the other ranks — gets a gloo group of its own:
+
+=========  ====================================================================
+``full``   commit of full checkpoints (the thread that writes them)
+``diff``   commit of differential checkpoints (the differential writer thread)
+``control``  agreement on a stop (the training thread, once per step)
+=========  ====================================================================
+
+Within a group every rank issues the same collectives in the same order, because one thread per
+rank issues them, in step order. Across groups no order is assumed, so a background commit can
+never deadlock against a barrier or an all-reduce the training thread is waiting in.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Ranks", "CHANNELS"]
+
+CHANNELS = ("full", "diff", "control")
+
+_DEFAULT_TIMEOUT = float(os.environ.get("EVERYSTEP_COLLECTIVE_TIMEOUT", 600))
+
+
+@dataclass
+class Ranks:
+    """This process's rank, the world size, and one process group per checkpoint channel."""
+
+    rank: int = 0
+    world: int = 1
+    groups: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def detect(cls, *, timeout: float = _DEFAULT_TIMEOUT) -> "Ranks":
+        """The job this process is in: a single process unless torch.distributed is initialised.
+
+        IMPORTANT: creating the groups is itself collective; every rank must call this at the
+        same point (Checkpointer construction does).
+        """
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls()
+        groups = {
+            name: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) for name in CHANNELS
+        }
+        return cls(rank=dist.get_rank(), world=dist.get_world_size(), groups=groups)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def all_gather(self, channel: str, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, over the channel's own group."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.groups[channel])
+        return out
+
+    def any(self, channel: str, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any: one small all-reduce."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups[channel])
+        return bool(t.item())
+
+    def barrier(self, channel: str) -> None:
+        if self.distributed:
+            dist.barrier(group=self.groups[channel])
+
+
+def sample_digest(tensors: dict[str, torch.Tensor], keys: list[str], sample: int = 64) -> str:
+    """A cheap fingerprint of ``keys``: dtype, shape and up to ``sample`` elements from each end."""
+    h = hashlib.sha256()
+    for key in sorted(keys):
+        t = tensors[key].detach()
+        flat = t.reshape(-1)
+        picked = torch.cat([flat[:sample], flat[-sample:]]) if flat.numel() > 2 * sample else flat
+        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(picked.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,112 @@
+"""Full checkpoints in the torch.distributed.checkpoint (DCP) format, inside an everystep store.
+
+A DCP checkpoint is a directory ``objects/full-<step>.dcp/`` that plain ``torch.distributed.checkpoint``
+calls load (``dcp.load``, ``format_utils.dcp_to_torch_save``) without everystep. Its keys are the
+flat state keys (``/model/…``, ``/optimizer/state/…``); state that differs per rank is stored
+under ``rank<R>/…`` so that DCP's deduplication of replicated tensors, which also spreads them
+over the ranks, never merges two ranks' own state.
+
+Commit follows the store's rules: DCP writes into ``objects/.tmp-full-<step>.dcp/``; each rank
+checksums the files it wrote; rank 0 renames the directory into place and commits a manifest
+naming every file with its checksum. Loading verifies every file against the manifest before DCP
+reads any of them. DCP keeps its own metadata file (``.metadata``) in pickle form, which loading
+unpickles: that file's checksum is checked first, but choose the default format where loading
+must never unpickle anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..errors import CorruptCheckpointError
+from .base import Manifest, ObjectInfo, checksum
+
+__all__ = ["write_dcp", "read_dcp", "DCP_SUFFIX"]
+
+DCP_SUFFIX = ".dcp"
+
+
+def _rank_key(rank: int, key: str) -> str:
+    return f"rank{rank}{key}"
+
+
+def _file_info(path: Path, name: str) -> ObjectInfo:
+    """Size and checksum of a written file, under the object name it will have once installed."""
+    with open(path, "rb") as f:
+        data = f.read()
+        os.fsync(f.fileno())
+    return ObjectInfo(name=name, nbytes=len(data), checksum=checksum(data))
+
+
+def write_dcp(store: Any, channel: str, step: int, tensors: dict[str, torch.Tensor], replicated: set[str],
+              skeleton: Any, meta: dict[str, Any] | None = None) -> Manifest:
+    """Save S_step with DCP from every rank and commit it (rank 0) once every file is durable."""
+    ranks = store.ranks
+    name = f"full-{step:012d}{DCP_SUFFIX}"
+    tmp = store.objects_dir / f".tmp-{name}"
+    state = {k if k in replicated else _rank_key(ranks.rank, k): t for k, t in tensors.items()}
+    error: BaseException | None = None
+    files: list[dict[str, Any]] = []
+    try:
+        group = ranks.groups.get(channel) if ranks.distributed else None
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
+                 no_dist=not ranks.distributed)
+        mine = sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{ranks.rank}_"))
+        if ranks.rank == 0:
+            mine.append(".metadata")
+        files = [_file_info(tmp / f, f"{name}/{f}").to_json() for f in mine]
+        store.count_written_elsewhere(sum(f["nbytes"] for f in files))
+    except BaseException as e:  # reported to every rank below
+        error = e
+    reports = ranks.all_gather(channel, {"files": files, "skeleton": skeleton,
+                                         "error": f"{type(error).__name__}: {error}" if error else None})
+    failed = [f"rank {r}: {p['error']}" for r, p in enumerate(reports) if p["error"]]
+    if failed:
+        if ranks.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise CorruptCheckpointError(f"the DCP checkpoint of step {step} was not committed: " + "; ".join(failed))
+    objects = {f"dcp/{Path(o['name']).name}": ObjectInfo.from_json(o) for p in reports for o in p["files"]}
+    manifest = Manifest(kind="full", step=step, objects=objects, meta={
+        **(meta or {}), "format": "dcp", "world_size": ranks.world,
+        "parts": [{"pieces": {}, "meta": {"skeleton": p["skeleton"]}} for p in reports],
+    })
+    if ranks.rank == 0:
+        store.install_directory(tmp, name)
+        store.commit(manifest)
+    return manifest
+
+
+def read_dcp(store: Any, manifest: Manifest, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's tensors of a DCP checkpoint (rank r mod the writer's world size for its own state)."""
+    parts = manifest.meta["parts"]
+    mine = rank % len(parts)
+    names = {info.name.split("/", 1)[0] for info in manifest.objects.values()}
+    if len(names) != 1:
+        raise CorruptCheckpointError(f"checkpoint {manifest.name} names files in several directories")
+    for info in manifest.objects.values():
+        store.read_object(info)  # size and checksum, before DCP reads anything
+    directory = store.objects_dir / names.pop()
+    reader = dcp.FileSystemReader(directory)
+    own = _rank_key(mine, "")
+    template: dict[str, torch.Tensor] = {}
+    for key, md in reader.read_metadata().state_dict_metadata.items():
+        if key.startswith("rank") and not key.startswith(own + "/"):
+            continue
+        size, dtype = getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None)
+        if size is None or dtype is None:
+            raise CorruptCheckpointError(f"checkpoint {manifest.name}: entry {key!r} is not a tensor")
+        template[key] = torch.empty(tuple(size), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(template, storage_reader=reader, no_dist=True)
+    tensors = {(k[len(own):] if k.startswith(own + "/") else k): t for k, t in template.items()}
+    return tensors, parts[mine]["meta"]

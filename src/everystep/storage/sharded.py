@@ -1,0 +1,182 @@
+"""Checkpoints written by every rank of a job, each rank writing its share, committed by rank 0.
+
+Under data parallelism most of the state (parameters, optimizer state, the gradients a
+differential records) is the same on every rank; the rest (random generators, the data
+position, compression residuals) is each rank's own. A :class:`ShardPlan` lays the replicated
+tensors end to end in key order and gives rank r the r-th of ``world`` equal byte ranges, cut at
+element boundaries; each rank's object holds its pieces (flat slices, stored under the tensor's
+own key) and its own per-rank tensors. So each rank writes about 1/world of the replicated bytes.
+
+Commit (:func:`commit_parts`): every rank writes its object (durable, invisible), then all ranks
+exchange what they wrote over the channel's own group; rank 0 commits one manifest naming every
+part only when every part was written. A single process writes the plain one-object format.
+
+Manifest of a checkpoint written by W > 1 ranks::
+
+    objects: {"tensors-r0": ..., "tensors-r1": ...}
+    meta:    {..., "world_size": W, "parts": [{"pieces": {key: [start, end, shape]}, "meta": {...}}, ...]}
+
+where a part's ``meta`` holds what differs per rank (the skeleton of its state tree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from ..distributed import Ranks
+from ..errors import BackgroundWriteError, CorruptCheckpointError, StateMismatchError
+from .base import Manifest, ObjectInfo
+from .dcp import read_dcp
+from .tensorfile import load_tensors
+
+__all__ = ["ShardPlan", "commit_parts", "read_parts"]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What this rank writes: ``local`` (tensor views) and, for replicated tensors, the piece ranges."""
+
+    local: dict[str, torch.Tensor]
+    pieces: dict[str, list[Any]]
+    replicated: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor], replicated: set[str], ranks: Ranks, *, split: bool = True) -> "ShardPlan":
+        """``split`` False: every tensor whole (a format that spreads replicated tensors itself)."""
+        if not ranks.distributed or not split:
+            return cls(dict(tensors), {}, frozenset(replicated))
+        keys = sorted(k for k in tensors if k in replicated)
+        total = sum(tensors[k].numel() * tensors[k].element_size() for k in keys)
+        lo, hi = total * ranks.rank // ranks.world, total * (ranks.rank + 1) // ranks.world
+        local = {k: t for k, t in tensors.items() if k not in replicated}
+        pieces: dict[str, list[Any]] = {}
+        offset = 0
+        for key in keys:
+            t = tensors[key]
+            size, n = t.element_size(), t.numel()
+            # Element i belongs to the rank whose byte range holds the element's first byte.
+            start = min(n, max(0, -(-(lo - offset) // size)))
+            end = min(n, max(0, -(-(hi - offset) // size)))
+            offset += n * size
+            if n == 0 and ranks.rank == 0:
+                start, end = 0, 0
+            elif start >= end:
+                continue
+            local[key] = t.detach().reshape(-1)[start:end]
+            pieces[key] = [start, end, list(t.shape)]
+        return cls(local, pieces, frozenset(replicated))
+
+
+def object_name(kind: str, step: int, ranks: Ranks) -> str:
+    suffix = f"-r{ranks.rank}" if ranks.distributed else ""
+    return f"{kind}-{step:012d}{suffix}.safetensors"
+
+
+def commit_parts(
+    store: Any,
+    channel: str,
+    *,
+    kind: str,
+    step: int,
+    chunks: Iterable[memoryview] | None,
+    plan: ShardPlan,
+    meta: dict[str, Any],
+    rank_meta: dict[str, Any],
+    requires: tuple[str, ...] = (),
+    error: BaseException | None = None,
+) -> Manifest:
+    """Write this rank's part and, on rank 0, commit the checkpoint once every part is durable.
+
+    Every rank must call this for the same checkpoints in the same order (``chunks`` None with
+    ``error`` set when this rank's part could not even be prepared), so that no rank waits alone;
+    a failure on any rank is raised on every rank and nothing is committed.
+    """
+    ranks: Ranks = store.ranks
+    info: ObjectInfo | None = None
+    if error is None:
+        try:
+            assert chunks is not None
+            info = store.write_object(object_name(kind, step, ranks), chunks)
+        except BaseException as e:  # reported to every rank below
+            error = e
+    if not ranks.distributed:
+        if error is not None:
+            raise error
+        assert info is not None
+        manifest = Manifest(kind=kind, step=step, objects={"tensors": info}, meta={**meta, **rank_meta}, requires=requires)
+        store.commit(manifest)
+        return manifest
+    report = {"info": info.to_json() if info else None, "pieces": plan.pieces, "meta": rank_meta,
+              "error": f"{type(error).__name__}: {error}" if error else None}
+    parts = ranks.all_gather(channel, report)
+    failed = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if p["error"]]
+    if failed:
+        if error is not None:
+            raise error
+        raise BackgroundWriteError(f"the {kind} checkpoint of step {step} was not committed: " + "; ".join(failed))
+    manifest = Manifest(
+        kind=kind, step=step, requires=requires,
+        objects={f"tensors-r{r}": ObjectInfo.from_json(p["info"]) for r, p in enumerate(parts)},
+        meta={**meta, "world_size": ranks.world, "parts": [{"pieces": p["pieces"], "meta": p["meta"]} for p in parts]},
+    )
+    if ranks.rank == 0:
+        store.commit(manifest)
+    return manifest
+
+
+def read_parts(store: Any, manifest: Manifest, *, rank: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's tensors of a checkpoint, replicated ones reassembled, and its per-rank meta.
+
+    At another world size than the writer's, rank r takes the per-rank state of stored rank
+    r mod W (only what is replicated is the same for every rank).
+    """
+    what = f"checkpoint {manifest.name}"
+    if manifest.meta.get("format") == "dcp":
+        return read_dcp(store, manifest, store.ranks.rank if rank is None else rank)
+    if "parts" not in manifest.meta:
+        info = manifest.objects.get("tensors")
+        if info is None:
+            raise CorruptCheckpointError(f"{what} lacks its tensor object")
+        return load_tensors(store.read_object(info), what=f"object {info.name}"), manifest.meta
+    parts = manifest.meta["parts"]
+    world = len(parts)
+    mine = (store.ranks.rank if rank is None else rank) % world
+    tensors: dict[str, torch.Tensor] = {}
+    flat: dict[str, torch.Tensor] = {}
+    for r, part in enumerate(parts):
+        info = manifest.objects.get(f"tensors-r{r}")
+        if info is None:
+            raise CorruptCheckpointError(f"{what} lacks the part of rank {r}")
+        loaded = load_tensors(store.read_object(info), what=f"object {info.name}")
+        for key, (start, end, shape) in part["pieces"].items():
+            piece = loaded.pop(key, None)
+            if piece is None or piece.numel() != end - start:
+                raise CorruptCheckpointError(f"{what}: the part of rank {r} lacks elements {start}:{end} of {key!r}")
+            whole = flat.get(key)
+            if whole is None:
+                numel = 1
+                for d in shape:
+                    numel *= d
+                whole = flat[key] = torch.empty(numel, dtype=piece.dtype)
+                tensors[key] = whole.view(shape)
+            whole[start:end] = piece
+        if r == mine:
+            tensors.update(loaded)
+    covered = {k: sum(p["pieces"][k][1] - p["pieces"][k][0] for p in parts if k in p["pieces"]) for k in flat}
+    short = [k for k, n in covered.items() if n != flat[k].numel()]
+    if short:
+        raise CorruptCheckpointError(f"{what}: the parts do not cover {short[0]!r}")
+    return tensors, parts[mine]["meta"]
+
+
+def check_world(manifest: Manifest, ranks: Ranks, *, replicated_only: bool) -> None:
+    """Refuse to resume at another world size where the per-rank state cannot be carried over."""
+    stored = int(manifest.meta.get("world_size", 1))
+    if stored != ranks.world and not replicated_only:
+        raise StateMismatchError(
+            f"checkpoint {manifest.name} was written by {stored} process(es) and holds state that differs per rank "
+            f"beyond what can be carried over; this job has {ranks.world} — resume with {stored}"
+        )

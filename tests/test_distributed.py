@@ -1,0 +1,236 @@
+"""Jobs of two real processes (gloo on loopback): sharded checkpoints, a killed rank, DCP, stopping."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from everystep.cli import main
+from everystep.distributed import Ranks
+from everystep.errors import StateMismatchError
+from everystep.eval.data import SyntheticData
+from everystep.eval.train import TrainConfig, run
+from everystep.inventory import verify_store
+from everystep.recovery import read_full
+from everystep.state import state_hash, unflatten
+from everystep.storage.local import LocalStore
+from everystep.storage.sharded import ShardPlan
+
+STEPS = 14
+JOB = dict(workload="gpt2-tiny", steps=STEPS, nproc=2, progress=False)
+
+
+def _job(tmp: Path, strategy: str, **kw) -> dict:
+    return run(TrainConfig(strategy=strategy, directory=None if strategy == "none" else str(tmp / strategy), **{**JOB, **kw}))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str | None, dict]:
+    """Uninterrupted two-rank runs without checkpointing, dense and with top-k compression."""
+    tmp = tmp_path_factory.mktemp("reference")
+    return {c: _job(tmp, "none", compress=c) for c in (None, "topk:0.01")}
+
+
+@pytest.fixture(scope="module")
+def delayed(tmp_path_factory) -> tuple[Path, dict]:
+    """checkfreq on two ranks, rank 1's part of the first checkpoint held back 1.5 s before its rename:
+    rank 0's commit waits for it in a gather while both training threads go on through DDP's
+    all-reduces. Sharing a group, the two would pair wrong collectives and hang; the collective
+    timeout turns a hang into a failure."""
+    tmp = tmp_path_factory.mktemp("delayed")
+    env = {"EVERYSTEP_DELAY": "store.object.before_rename=1.5@1", "EVERYSTEP_COLLECTIVE_TIMEOUT": "60"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        summary = _job(tmp, "checkfreq", keep=3)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return tmp / "checkfreq", summary
+
+
+def test_background_commits_never_wait_on_the_training_group(delayed, reference):
+    directory, summary = delayed
+    assert summary["rank_state_sha256"] == reference[None]["rank_state_sha256"]
+    assert summary["losses"] == reference[None]["losses"]
+    b0, b1 = summary["bytes_written_per_rank"]
+    assert abs(b0 - b1) < 0.1 * (b0 + b1)  # replicated state split in halves; each rank's own state is small
+    names = {p.name for p in (directory / "objects").iterdir()}
+    assert {f"full-{STEPS:012d}-r0.safetensors", f"full-{STEPS:012d}-r1.safetensors"} <= names
+
+
+@pytest.mark.parametrize("strategy, compress, mode, extra", [
+    ("full_sync", None, "hardware", {"every": 3}),
+    ("checkfreq", None, "software", {}),
+    ("lowdiff", "topk:0.01", "software", {"every": 5, "options": {"batch": 2}}),
+])
+def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference, strategy, compress, mode, extra):
+    # Step 4 kills rank 1 and step 7 rank 0, each in the middle of a checkpoint write (seed 0).
+    summary = _job(tmp_path, strategy, compress=compress, fail_at=(4, 7), fail_mode=mode, **extra)
+    ref = reference[compress]
+    assert [r["failed_at"] for r in summary["recoveries"]] == [4, 7]
+    assert summary["rank_state_sha256"] == ref["rank_state_sha256"]
+    assert summary["losses"] == ref["losses"]
+
+
+def test_verify_names_a_flipped_byte_and_a_missing_rank_part(delayed, tmp_path, capsys):
+    copy = tmp_path / "c"
+    shutil.copytree(delayed[0], copy)
+    store = LocalStore.open(copy, create=False)
+    assert verify_store(store) == []
+    first, second = sorted((r.manifest for r in store.manifests()), key=lambda m: m.step)[-2:]
+    flipped = copy / "objects" / first.objects["tensors-r0"].name
+    data = bytearray(flipped.read_bytes())
+    data[-5] ^= 0x40
+    flipped.write_bytes(bytes(data))
+    missing = copy / "objects" / second.objects["tensors-r1"].name
+    missing.unlink()
+    assert main(["verify", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert f"{flipped} fails its checksum" in out
+    assert f"{missing} is missing" in out
+
+
+def test_a_single_process_resumes_from_a_two_rank_checkpoint(delayed, tmp_path):
+    copy = tmp_path / "c"
+    shutil.copytree(delayed[0], copy)
+    one = run(TrainConfig(workload="gpt2-tiny", strategy="checkfreq", steps=STEPS + 2, directory=str(copy), progress=False))
+    assert one["first_step"] == STEPS + 1 and len(one["losses"]) == 2
+    assert LocalStore.open(copy, create=False).marker["world_size"] == 1
+    # Strategies with per-rank differential state refuse instead: see test_storage.
+
+
+def test_dcp_checkpoints_load_with_plain_torch_distributed_checkpoint(tmp_path, reference):
+    summary = _job(tmp_path, "checkfreq", full_format="dcp")
+    assert summary["rank_state_sha256"] == reference[None]["rank_state_sha256"]
+    store = LocalStore.open(tmp_path / "checkfreq", create=False)
+    newest = max((r.manifest for r in store.manifests()), key=lambda m: m.step)
+    tree = read_full(store, newest)  # everystep's own reading, as rank 0
+    outside = tmp_path / "plain.pt"
+    script = (
+        "import sys, torch\n"
+        "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+        "dcp_to_torch_save(sys.argv[1], sys.argv[2])\n"
+    )
+    folder = store.objects_dir / next(iter(newest.objects.values())).name.split("/")[0]
+    subprocess.run([sys.executable, "-c", script, str(folder), str(outside)], check=True, capture_output=True)
+    plain = torch.load(outside, weights_only=True)
+    rank0 = {k[len("rank0"):] if k.startswith("rank0/") else k: v for k, v in plain.items() if not k.startswith("rank1/")}
+    # DCP holds the tensors; the scalars (step, hyperparameters) live in the manifest's JSON skeleton.
+    skeleton = newest.meta["parts"][0]["meta"]["skeleton"]
+    assert state_hash(unflatten(skeleton, rank0)) == state_hash(tree)
+
+
+def test_a_deadline_ends_the_run_with_a_final_checkpoint_and_the_rerun_matches(tmp_path):
+    cfg = dict(workload="gpt2-tiny", strategy="checkfreq", steps=60, directory=str(tmp_path / "c"), progress=False)
+    stopped = run(TrainConfig(**cfg, deadline=time.time() + 1.5))
+    assert stopped["stopped"] is not None and "deadline" in stopped["stopped"]["reason"]
+    at = stopped["stopped"]["step"]
+    assert 1 <= at < 60 and len(stopped["losses"]) == at
+    steps = [r.manifest.step for r in LocalStore.open(tmp_path / "c", create=False).manifests()]
+    assert max(steps) == at
+    rest = run(TrainConfig(**cfg))
+    whole = run(TrainConfig(**{**cfg, "directory": str(tmp_path / "whole")}))
+    assert rest["first_step"] == at + 1
+    assert rest["final_state_sha256"] == whole["final_state_sha256"]
+    assert stopped["losses"] + rest["losses"] == whole["losses"]
+
+
+def test_sigterm_stops_every_rank_with_a_final_checkpoint_and_the_rerun_matches(tmp_path, reference):
+    directory = tmp_path / "c"
+    cmd = [sys.executable, "-m", "everystep", "train", "--workload", "gpt2-tiny", "--strategy", "checkfreq",
+           "--steps", str(STEPS), "--nproc", "2", "--dir", str(directory)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list((directory / "manifests").glob("full-*.json")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stopped early after step" in out and "received SIGTERM" in out
+    rest = run(TrainConfig(strategy="checkfreq", directory=str(directory), **JOB))
+    assert rest["first_step"] > 1
+    assert rest["rank_state_sha256"] == reference[None]["rank_state_sha256"]
+
+
+def test_replicated_state_that_differs_between_ranks_is_refused(tmp_path):
+    script = f"""
+import os, torch, torch.distributed as dist
+from everystep import Checkpointer
+dist.init_process_group("gloo")
+torch.manual_seed(dist.get_rank())  # no DDP: each rank starts from other weights
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    with Checkpointer({str(tmp_path / "c")!r}, model, opt, strategy="full_sync") as ckpt:
+        ckpt.restore()
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+    out = _spawn_two(script)
+    assert out.count("StateMismatchError parameters or optimizer state of rank 1 differ from rank 0's") == 2
+
+
+def _spawn_two(script: str) -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)}) for r in range(2)]
+    return "".join(p.communicate(timeout=120)[0] for p in procs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(0, 40), st.sampled_from([torch.float32, torch.float64, torch.int8])),
+                      min_size=1, max_size=6), world=st.integers(1, 4))
+def test_shard_plans_split_replicated_bytes_evenly_and_cover_every_element(sizes, world):
+    tensors = {f"/t{i}": torch.zeros(n, dtype=dtype) for i, (n, dtype) in enumerate(sizes)}
+    tensors["/own"] = torch.ones(3)
+    replicated = {k for k in tensors if k != "/own"}
+    plans = [ShardPlan.of(tensors, replicated, Ranks(rank=r, world=world)) for r in range(world)]
+    biggest = max(t.element_size() for t in tensors.values())
+    total = sum(tensors[k].numel() * tensors[k].element_size() for k in replicated)
+    for key in replicated:
+        covered = sorted(tuple(p.pieces[key][:2]) for p in plans if key in p.pieces) if world > 1 else [(0, tensors[key].numel())]
+        assert covered[0][0] == 0 and covered[-1][1] == tensors[key].numel()
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    for p in plans:
+        assert "/own" in p.local
+        share = sum(t.numel() * t.element_size() for k, t in p.local.items() if k != "/own")
+        assert abs(share - total / world) <= biggest * len(sizes) or world == 1
+
+
+def test_the_sampler_position_resumes_mid_epoch_without_repeating_or_skipping_a_sample():
+    def sampler(rank: int, world: int = 2) -> SyntheticData:
+        return SyntheticData(lambda g: torch.zeros(1), size=40, batch_size=4, seed=3, rank=rank, world=world)
+
+    drawn: list[int] = []
+    for rank in range(2):
+        first = sampler(rank)
+        for _ in range(2):
+            drawn += first.sample_indices()
+            first.next()
+        resumed = sampler(rank)
+        resumed.load_state_dict(first.state_dict())
+        while resumed.epoch == 0:
+            drawn += resumed.sample_indices()
+            resumed.next()
+    assert sorted(drawn) == list(range(40))  # 5 global batches of 2 × 4: each sample exactly once
+    single = sampler(0, world=1)
+    single.load_state_dict({**first.state_dict(), "epoch": 0, "index": 3})
+    assert single.index == 6
+    with pytest.raises(StateMismatchError, match="not a whole number of global batches of 2 × 4"):
+        sampler(0).load_state_dict({"epoch": 0, "index": 3, "seed": 3, "rank": 0, "world": 1})
