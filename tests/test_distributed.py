@@ -70,7 +70,7 @@ def test_background_commits_never_wait_on_the_training_group(delayed, reference)
 
 
 @pytest.mark.parametrize("strategy, compress, mode, extra", [
-    ("full_sync", None, "hardware", {"every": 3}),
+    ("full_sync", None, "hardware", {"every": 3, "stagger": 1}),
     ("checkfreq", None, "software", {}),
     ("lowdiff", "topk:0.01", "software", {"every": 5, "options": {"batch": 2}}),
 ])

@@ -66,6 +66,9 @@ class Checkpointer:
             while the Checkpointer is open, and a second signal of a kind acts as before.
         full_format: ``"safetensors"`` (default) or ``"dcp"``: full checkpoints that plain
             ``torch.distributed.checkpoint`` calls can load (see :mod:`everystep.storage.dcp`).
+        stagger: at most this many ranks read the checkpoint at once in :meth:`restore` (ranks
+            0..k-1 first, then k..2k-1, …), so that many ranks starting together do not all hit
+            storage at the same instant; ``None``: all at once.
 
     Under ``torch.distributed`` (initialised before the Checkpointer is made, by every rank at the
     same point) every rank opens the same directory: the state that data parallelism replicates is
@@ -93,6 +96,7 @@ class Checkpointer:
         k2: float = 2.0,
         stop_signals: Sequence[int] = (),
         full_format: str = "safetensors",
+        stagger: int | None = None,
         **options: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
@@ -118,6 +122,9 @@ class Checkpointer:
             self.ranks.barrier("control")
         self.stop_reason: str | None = None
         self._watch = StopWatch(deadline, k1=k1, k2=k2, signals=stop_signals)
+        if stagger is not None and stagger < 1:
+            raise ConfigError(f"stagger must be at least 1 rank per wave, got {stagger}")
+        self.stagger = stagger
         if full_format not in ("safetensors", "dcp"):
             raise ConfigError(f"full_format must be 'safetensors' or 'dcp', got {full_format!r}")
         self._ctx = StrategyContext(self.components, store, self.stats)
@@ -150,15 +157,21 @@ class Checkpointer:
         self._restored = True
         if self.store is None:
             return 0
-        t0 = time.perf_counter()
-        custom = getattr(self.strategy, "restore", None)
-        if custom is not None:
-            found = custom()
-        else:
-            found = recover(self.store)
-            if found is not None:
-                self.components.restore(found.tree)
-                self.strategy.load_state_dict(found.tree.get("strategy", {}))
+        found, t0 = None, 0.0
+        per_wave = self.stagger or self.ranks.world
+        waves = -(-self.ranks.world // per_wave)
+        error: BaseException | None = None
+        for wave in range(waves):
+            if self.ranks.rank // per_wave == wave:
+                t0 = time.perf_counter()
+                try:
+                    found = self._load()
+                except BaseException as e:  # after the barriers, so that no rank waits for this one
+                    error = e
+            if waves > 1:
+                self.ranks.barrier("control")
+        if error is not None:
+            raise error
         if found is not None:
             self.step = self.stats.last_durable_step = found.step
             self.recovered = Recovered(
@@ -180,6 +193,16 @@ class Checkpointer:
             self.stop_reason = reason or "another rank asked to stop"
             return True
         return False
+
+    def _load(self) -> Any:
+        custom = getattr(self.strategy, "restore", None)
+        if custom is not None:
+            return custom()
+        found = recover(self.store)
+        if found is not None:
+            self.components.restore(found.tree)
+            self.strategy.load_state_dict(found.tree.get("strategy", {}))
+        return found
 
     def _start(self) -> None:
         """Tell the strategy where training starts; S_step is what the live objects hold now."""

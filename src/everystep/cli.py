@@ -36,7 +36,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     deadline = time.time() + args.deadline if args.deadline is not None else deadline_from_environment()
     cfg = TrainConfig(
-        nproc=args.nproc, deadline=deadline, full_format=args.full_format,
+        nproc=args.nproc, deadline=deadline, full_format=args.full_format, stagger=args.stagger,
         workload=args.workload, strategy=args.strategy, steps=args.steps, directory=args.dir,
         every=args.every, keep=args.keep, seed=args.seed, threads=args.threads,
         optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode, compress=args.compress,
@@ -48,7 +48,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     _write_json(args.json, summary)
     ran = len(summary["losses"])
     loss = f"final loss {summary['losses'][-1]:.4f}, " if ran else ""
-    ranks = f" on {cfg.nproc} ranks" if cfg.nproc > 1 else ""
+    world = int(os.environ.get("WORLD_SIZE", cfg.nproc))
+    ranks = f" on {world} ranks" if world > 1 else ""
     print(
         f"{summary['strategy']} on {summary['workload']}{ranks}: steps {summary['first_step']}..{summary['first_step'] + ran - 1}"
         f" of {summary['steps']}, {loss}{summary['mean_step_seconds'] * 1e3:.1f} ms/step, "
@@ -217,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--full-format", choices=["safetensors", "dcp"], default="safetensors",
                    help="how full checkpoints are stored: everystep's safetensors parts (default) or a "
                    "torch.distributed.checkpoint directory that plain DCP calls load")
+    t.add_argument("--stagger", type=int, metavar="K", help="at most K ranks read a checkpoint at once when they "
+                   "restore (default: all)")
     t.add_argument("--json", metavar="PATH", help="write the run summary here")
     t.set_defaults(func=cmd_train)
 

@@ -189,6 +189,10 @@ class Agent:
             self._finish_persist()
             self._start_persist()
         self._finish_persist()
+        r = self.replica
+        if r is not None and r.servable() and self._due(r.step):  # fell due while the writer was busy
+            self._start_persist()
+            self._finish_persist()
         self._send("synced", step=self.replica.step if self.replica else None, persisted=self._persisted)
 
     def _drop_slots(self) -> None:

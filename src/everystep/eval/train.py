@@ -66,6 +66,8 @@ class TrainConfig:
     """Unix time by which the run must have ended: it stops early with a final checkpoint."""
     full_format: str = "safetensors"
     """How full checkpoints are stored: ``safetensors`` or ``dcp`` (torch.distributed.checkpoint)."""
+    stagger: int | None = None
+    """At most this many ranks read the checkpoint at once when they restore; None: all."""
 
     def __post_init__(self) -> None:
         self.fail_at = tuple(sorted(set(self.fail_at)))
@@ -81,6 +83,8 @@ class TrainConfig:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.stagger is not None and self.stagger < 1:
+            raise ConfigError(f"--stagger must be at least 1, got {self.stagger}")
         if self.full_format not in ("safetensors", "dcp"):
             raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
         if self.fail_mode not in ("software", "hardware"):
@@ -199,6 +203,7 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
     with Checkpointer(
         directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=compression,
         strategy=strategy, every=cfg.every, keep=cfg.keep, store=store, deadline=cfg.deadline, full_format=cfg.full_format,
+        stagger=cfg.stagger,
         stop_signals=(signal.SIGTERM, signal.SIGUSR1), **cfg.options,
     ) as ckpt:
         t0 = time.perf_counter()
