@@ -189,10 +189,13 @@ class Checkpointer:
         """
         self._watch.checkpoint_took(self.stats.max_checkpoint_seconds)
         reason = self._watch.reason()
-        if self.ranks.any("control", reason is not None):
-            self.stop_reason = reason or "another rank asked to stop"
-            return True
-        return False
+        if not self.ranks.any("control", reason is not None):
+            return False
+        reasons = self.ranks.all_gather("control", reason)  # only when stopping: say why on every rank
+        asked = [(r, why) for r, why in enumerate(reasons) if why is not None]
+        rank, why = asked[0]
+        self.stop_reason = why if len(reasons) == 1 else f"rank {rank}: {why}"
+        return True
 
     def _load(self) -> Any:
         custom = getattr(self.strategy, "restore", None)

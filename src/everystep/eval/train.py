@@ -230,14 +230,15 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
             journal.write(event="step", step=step, loss=loss.item(), seconds=time.perf_counter() - t_step, **_counters(ckpt))
             bar.update(1)
             if step < cfg.steps and ckpt.should_stop():
-                journal.write(event="stop", step=step, reason=ckpt.stop_reason)
+                journal.write(event="stop", step=step, reason=ckpt.stop_reason, at=time.time())
                 break
         bar.close()
     inject.finish()
     if plan is None and ckpt.recovered is not None and isinstance(getattr(ckpt.strategy, "replay_seconds", None), float):
         journal.write(event="replay", seconds=ckpt.strategy.replay_seconds)
     final_tree = {"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
-    journal.write(event="end", step=step, final_state_sha256=training_state_hash(final_tree), **_counters(ckpt))
+    journal.write(event="end", step=step, final_state_sha256=training_state_hash(final_tree), at=time.time(),
+                  **_counters(ckpt))
 
 
 def _counters(ckpt: Checkpointer) -> dict[str, Any]:
@@ -284,7 +285,7 @@ def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]
             else:
                 end = r
         elif r["event"] == "stop":
-            stopped = {"step": r["step"], "reason": r["reason"]}
+            stopped = {"step": r["step"], "reason": r["reason"], "at": r.get("at")}
     first = records[0]["resumed_from"] + 1 if records else 1
     last = stopped["step"] if stopped else cfg.steps
     done = [s for s in range(first, last + 1) if s in losses]
@@ -303,6 +304,7 @@ def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]
         "losses": [losses[s] for s in done],
         "final_state_sha256": end["final_state_sha256"],
         "stopped": stopped,
+        "ended_at": end.get("at"),
         "recoveries": recoveries,
         "mean_step_seconds": statistics.fmean(seconds.values()) if seconds else 0.0,
         "bytes_written": int(totals["bytes_written"]),
