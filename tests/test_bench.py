@@ -6,7 +6,7 @@ import json
 
 from everystep.eval.bench import BenchConfig, interleaved_order, markdown_table, run_bench, smallest_interval, summarise
 
-from .conftest import run_cli
+from .conftest import call_cli
 
 
 def test_interleaving_rotates_the_order_every_repeat():
@@ -46,30 +46,31 @@ def test_bench_reports_every_field_for_every_strategy(tmp_path):
     assert table.count("\n") == 2 + len(cfg.strategies) - 1
 
 
-def test_bench_cli_writes_json_with_machine_info_and_a_figure(tmp_path):
+def test_bench_cli_writes_json_with_machine_info_and_a_figure(tmp_path, capsys):
     out, fig = tmp_path / "b.json", tmp_path / "b.png"
-    proc = run_cli("bench", "--workload", "mlp", "--strategies", "full_sync", "--steps", "4", "--warmup", "1",
-                   "--repeats", "1", "--json", str(out), "--plot", str(fig), check=True)
-    assert "| full_sync |" in proc.stdout
+    code, stdout, _ = call_cli(capsys, "bench", "--workload", "mlp", "--strategies", "full_sync", "--steps", "4",
+                               "--warmup", "1", "--repeats", "1", "--json", str(out), "--plot", str(fig))
+    assert code == 0 and "| full_sync |" in stdout
     report = json.loads(out.read_text())
     assert report["machine"]["training_threads"] == 1 and report["machine"]["torch"]
     assert set(report["summary"]) == {"none", "full_sync"}
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sim = tmp_path / "s.json"
-    run_cli("simulate", "--from-bench", str(out), "--gpus", "1,64", "--mtbf-sweep", "600,3600", "--job-steps", "300",
-            "--trials", "5", "--json", str(sim), "--plot", str(tmp_path / "s.png"), check=True)
+    assert call_cli(capsys, "simulate", "--from-bench", str(out), "--gpus", "1,64", "--mtbf-sweep", "600,3600",
+                    "--job-steps", "300", "--trials", "5", "--json", str(sim), "--plot", str(tmp_path / "s.png"))[0] == 0
     data = json.loads(sim.read_text())
     assert {r["gpus"] for r in data["by_gpus"]} == {1, 64} and len(data["by_mtbf"]) == 2
 
 
-def test_max_frequency_cli_measures_intervals_and_reports_each_strategy(tmp_path):
+def test_max_frequency_cli_measures_intervals_and_reports_each_strategy(tmp_path, capsys):
     out = tmp_path / "mf.json"
-    proc = run_cli("bench", "--workload", "mlp", "--strategies", "full_sync", "--steps", "4", "--warmup", "1",
-                   "--repeats", "1", "--max-frequency", "--budget", "100", "--json", str(out), check=True)
+    code, stdout, _ = call_cli(capsys, "bench", "--workload", "mlp", "--strategies", "full_sync", "--steps", "4",
+                               "--warmup", "1", "--repeats", "1", "--max-frequency", "--budget", "100", "--json", str(out))
+    assert code == 0
     found = json.loads(out.read_text())["max_frequency"]
     # a budget of 10000% is met at the first interval tried, after measuring exactly that one
     assert found["full_sync"]["interval"] == 1 and list(found["full_sync"]["overheads"]) == ["1"]
-    assert "| full_sync | 1 |" in proc.stdout
+    assert "| full_sync | 1 |" in stdout
 
 
 def test_bench_refuses_lowdiff_without_compression():
