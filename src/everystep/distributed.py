@@ -3,11 +3,11 @@
 Checkpointing never issues a collective on the group the training uses. Each *channel* — one
 thread of checkpoint work that talks to the other ranks — gets a gloo group of its own:
 
-=========  ====================================================================
-``full``   commit of full checkpoints (the thread that writes them)
-``diff``   commit of differential checkpoints (the differential writer thread)
-``control``  agreement on a stop (the training thread, once per step)
-=========  ====================================================================
+===========  ====================================================================
+``full``     commit of full checkpoints (the thread that writes them)
+``diff``     commit of differential checkpoints (the differential writer thread)
+``control``  start-up barriers and the agreement on a stop (the training thread)
+===========  ====================================================================
 
 Within a group every rank issues the same collectives in the same order, because one thread per
 rank issues them, in step order. Across groups no order is assumed, so a background commit can
