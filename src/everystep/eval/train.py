@@ -355,6 +355,10 @@ class _Job:
     def __init__(self, cfg: TrainConfig, pending: list[int], journals: list[str]) -> None:
         spec = {"config": {**asdict(cfg), "fail_at": []}, "plan": pending}
         port = _free_port()
+        self.interrupted = False
+        self.journals = journals
+        self.started_before = [_starts(j) for j in journals]
+        self.held: int | None = None
         self.procs = []
         for rank, journal in enumerate(journals):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.nproc),
@@ -365,9 +369,37 @@ class _Job:
             self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
 
     def forward(self, signum: int, frame: Any) -> None:
+        """Pass a stop signal on to every rank — once every rank has started (its Checkpointer
+        handles the signal from then on); until then it is held, and passed on by :meth:`wait`."""
+        self.held = signum
+        self._pass_held()
+
+    def _pass_held(self) -> None:
+        if self.held is None or any(_starts(j) <= n for j, n in zip(self.journals, self.started_before)):
+            return
         for p in self.procs:
             if p.poll() is None:
-                p.send_signal(signum)
+                p.send_signal(self.held)
+        self.held = None
+
+    def interrupt(self, signum: int, frame: Any) -> None:
+        """Ctrl-C: the first one stops every rank as a preemption would; a second one kills them."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        print("everystep: stopping after the current step with a final checkpoint (Ctrl-C again to kill)",
+              file=sys.stderr)
+        self.forward(signal.SIGTERM, frame)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            p.wait()
 
     def wait(self) -> list[int]:
         """Exit statuses; when one rank fails the others are killed (their peers are gone)."""
@@ -375,15 +407,20 @@ class _Job:
             codes = [p.poll() for p in self.procs]
             if all(c is not None for c in codes):
                 return codes  # type: ignore[return-value]
+            self._pass_held()
             if any(c is not None and c != 0 for c in codes):
-                for p in self.procs:
-                    if p.poll() is None:
-                        try:
-                            os.killpg(p.pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                return [p.wait() if c is None else c for p, c in zip(self.procs, codes)]
+                self.kill()
+                return [p.returncode if c is None else c for p, c in zip(self.procs, codes)]
             time.sleep(0.02)
+
+
+def _starts(journal: str) -> int:
+    """How many process lifetimes have started in this journal so far."""
+    try:
+        with open(journal) as f:
+            return sum('"event": "start"' in line for line in f)
+    except FileNotFoundError:
+        return 0
 
 
 def run_supervised(cfg: TrainConfig) -> dict[str, Any]:
@@ -394,8 +431,12 @@ def run_supervised(cfg: TrainConfig) -> dict[str, Any]:
         while True:
             job = _Job(cfg, pending, journals)
             previous = {sig: signal.signal(sig, job.forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, job.interrupt)
             try:
                 codes = job.wait()
+            except BaseException:
+                job.kill()  # a second Ctrl-C, or a failure here: leave no rank behind
+                raise
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
