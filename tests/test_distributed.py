@@ -17,13 +17,15 @@ from hypothesis import strategies as st
 
 from everystep.cli import main
 from everystep.distributed import Ranks
-from everystep.errors import StateMismatchError
+from everystep.errors import ConfigError, StateMismatchError
 from everystep.eval.data import SyntheticData
 from everystep.eval.train import TrainConfig, run
 from everystep.inventory import verify_store
 from everystep.recovery import read_full
 from everystep.state import state_hash, unflatten
 from everystep.storage.local import LocalStore
+from everystep.policy import deadline_margin
+from everystep.stopping import StopWatch, deadline_from_environment
 from everystep.storage.sharded import ShardPlan
 
 STEPS = 14
@@ -132,18 +134,33 @@ def test_dcp_checkpoints_load_with_plain_torch_distributed_checkpoint(tmp_path, 
 
 
 def test_a_deadline_ends_the_run_with_a_final_checkpoint_and_the_rerun_matches(tmp_path):
-    cfg = dict(workload="gpt2-tiny", strategy="checkfreq", steps=60, directory=str(tmp_path / "c"), progress=False)
-    stopped = run(TrainConfig(**cfg, deadline=time.time() + 1.5))
-    assert stopped["stopped"] is not None and "deadline" in stopped["stopped"]["reason"]
-    at = stopped["stopped"]["step"]
-    assert 1 <= at < 60 and len(stopped["losses"]) == at
+    cfg = dict(workload="gpt2-tiny", strategy="checkfreq", steps=30, directory=str(tmp_path / "c"), progress=False)
+    # A deadline already past stops the run after its first step, whatever the machine's speed.
+    stopped = run(TrainConfig(**cfg, deadline=time.time() - 1))
+    assert stopped["stopped"]["step"] == 1 and "before the deadline" in stopped["stopped"]["reason"]
+    assert len(stopped["losses"]) == 1
     steps = [r.manifest.step for r in LocalStore.open(tmp_path / "c", create=False).manifests()]
-    assert max(steps) == at
+    assert max(steps) == 1
     rest = run(TrainConfig(**cfg))
     whole = run(TrainConfig(**{**cfg, "directory": str(tmp_path / "whole")}))
-    assert rest["first_step"] == at + 1
+    assert rest["first_step"] == 2
     assert rest["final_state_sha256"] == whole["final_state_sha256"]
     assert stopped["losses"] + rest["losses"] == whole["losses"]
+
+
+def test_the_deadline_margin_is_one_step_one_checkpoint_and_the_buffer(monkeypatch):
+    assert deadline_margin(2.0, 10.0) == 2 + 10 + 10 * 2 + 2 * 10
+    assert deadline_margin(2.0, 10.0, k1=0, k2=0) == 12
+    watch = StopWatch(time.time() + 100)
+    watch.max_step, watch.max_checkpoint = 5.0, 10.0  # needs 85 s
+    assert watch.reason() is None
+    watch.max_step = 8.0  # needs 118 s
+    assert "less than the 118.0 s needed" in watch.reason()
+    monkeypatch.setenv("SLURM_JOB_END_TIME", "1800000000")
+    assert deadline_from_environment() == 1_800_000_000.0
+    monkeypatch.setenv("SLURM_JOB_END_TIME", "tomorrow")
+    with pytest.raises(ConfigError, match="SLURM_JOB_END_TIME must be a Unix time"):
+        deadline_from_environment()
 
 
 def test_sigterm_stops_every_rank_with_a_final_checkpoint_and_the_rerun_matches(tmp_path, reference):
