@@ -4,6 +4,7 @@ Layout of a checkpoint directory::
 
     everystep.json          marker: format, version, strategy, world size
     objects/<name>          immutable objects (safetensors tensors, JSON records)
+    objects/<name>.dcp/     a full checkpoint in the torch.distributed.checkpoint format
     manifests/<name>.json   one per committed checkpoint
 
 Nothing else is ever written there, and nothing is deleted that does not match these names.
