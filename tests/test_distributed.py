@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from everystep.cli import main
 from everystep.distributed import Ranks
-from everystep.errors import ConfigError, StateMismatchError
+from everystep.errors import ConfigError, EverystepError, StateMismatchError
 from everystep.eval.data import SyntheticData
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.train import TrainConfig, _free_port, run
 from everystep.inventory import verify_store
 from everystep.recovery import read_full
 from everystep.state import state_hash, unflatten
@@ -50,14 +50,10 @@ def delayed(tmp_path_factory) -> tuple[Path, dict]:
     all-reduces. Sharing a group, the two would pair wrong collectives and hang; the collective
     timeout turns a hang into a failure."""
     tmp = tmp_path_factory.mktemp("delayed")
-    env = {"EVERYSTEP_DELAY": "store.object.before_rename=1.5@1", "EVERYSTEP_COLLECTIVE_TIMEOUT": "60"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as env:  # the ranks inherit it
+        env.setenv("EVERYSTEP_DELAY", "store.object.before_rename=1.5@1")
+        env.setenv("EVERYSTEP_COLLECTIVE_TIMEOUT", "60")
         summary = _job(tmp, "checkfreq", keep=3)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return tmp / "checkfreq", summary
 
 
@@ -83,6 +79,17 @@ def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference
     assert [r["failed_at"] for r in summary["recoveries"]] == [4, 7]
     assert summary["rank_state_sha256"] == ref["rank_state_sha256"]
     assert summary["losses"] == ref["losses"]
+
+
+def test_a_part_that_fails_on_one_rank_is_raised_on_every_rank_and_nothing_is_committed(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("EVERYSTEP_FAIL", "store.object.mid_write:2@1")  # rank 1's part of step 2: disk full
+    with pytest.raises(EverystepError, match="failed unexpectedly"):
+        _job(tmp_path, "checkfreq")
+    err = capfd.readouterr().err
+    assert "[rank1]" in err and "No space left on device" in err
+    assert "the full checkpoint of step 2 was not committed: rank 1: StoreWriteError" in err  # rank 0 learns why
+    manifests = sorted(p.name for p in (tmp_path / "checkfreq" / "manifests").iterdir())
+    assert manifests == ["full-000000000001.json"]
 
 
 def test_verify_names_a_flipped_byte_and_a_missing_rank_part(delayed, tmp_path, capsys):
@@ -199,11 +206,7 @@ except Exception as e:
 
 
 def _spawn_two(script: str) -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port)}) for r in range(2)]

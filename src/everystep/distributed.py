@@ -25,11 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Ranks", "CHANNELS"]
+__all__ = ["Ranks", "CHANNELS", "COLLECTIVE_TIMEOUT"]
 
 CHANNELS = ("full", "diff", "control")
 
-_DEFAULT_TIMEOUT = float(os.environ.get("EVERYSTEP_COLLECTIVE_TIMEOUT", 600))
+COLLECTIVE_TIMEOUT = float(os.environ.get("EVERYSTEP_COLLECTIVE_TIMEOUT", 600))
+"""Seconds a collective waits for its peers (``EVERYSTEP_COLLECTIVE_TIMEOUT``, default 600)."""
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Ranks:
     groups: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def detect(cls, *, timeout: float = _DEFAULT_TIMEOUT) -> "Ranks":
+    def detect(cls, *, timeout: float = COLLECTIVE_TIMEOUT) -> "Ranks":
         """The job this process is in: a single process unless torch.distributed is initialised.
 
         IMPORTANT: creating the groups is itself collective; every rank must call this at the

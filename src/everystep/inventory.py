@@ -20,21 +20,30 @@ def inspect_store(store: LocalStore) -> list[dict[str, Any]]:
             rows.append({"name": record.name, "kind": "?", "step": -1, "bytes": 0, "valid": False, "reason": record.error})
             continue
         row = {"name": m.name, "kind": m.kind, "step": m.step, "bytes": m.nbytes, "valid": True, "reason": None}
-        reasons = []
-        for info in m.objects.values():  # every object, so that each bad part of a sharded one is named
+        reasons: list[str] = []
+        if m.kind != "full":
+            reasons = _read_each(store, m)
+        else:
             try:
-                store.read_object(info)
+                read_full(store, m)  # reads and checks every object once, and rebuilds the state
             except CorruptCheckpointError as e:
-                reasons.append(str(e))
-        if not reasons and m.kind == "full":
-            try:
-                read_full(store, m)
-            except CorruptCheckpointError as e:
-                reasons.append(str(e))
+                # Name every bad object, not only the first (each rank's part of a sharded checkpoint).
+                reasons = _read_each(store, m) or [str(e)]
         if reasons:
             row.update(valid=False, reason="; ".join(reasons))
         rows.append(row)
     return sorted(rows, key=lambda r: (r["step"], r["name"]))
+
+
+def _read_each(store: LocalStore, manifest: Any) -> list[str]:
+    """Read and check every object of ``manifest``; the reasons of those that fail."""
+    reasons = []
+    for info in manifest.objects.values():
+        try:
+            store.read_object(info)
+        except CorruptCheckpointError as e:
+            reasons.append(str(e))
+    return reasons
 
 
 def verify_store(store: LocalStore) -> list[str]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..checkpointer import Checkpointer
-from ..distributed import Ranks
+from ..distributed import COLLECTIVE_TIMEOUT, Ranks
 from ..errors import ConfigError, EverystepError
 from ..recovery import recover
 from ..storage.local import LocalStore
@@ -185,7 +185,7 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
 def _init_distributed() -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return False
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("EVERYSTEP_COLLECTIVE_TIMEOUT", 600))))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
     return True
 
 

@@ -26,7 +26,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CorruptCheckpointError
-from .base import Manifest, ObjectInfo, checksum
+from .base import CHECKSUM_ALGORITHM, Manifest, ObjectInfo, new_hasher
+from .tensorfile import CHUNK
 
 __all__ = ["write_dcp", "read_dcp", "DCP_SUFFIX"]
 
@@ -39,10 +40,13 @@ def _rank_key(rank: int, key: str) -> str:
 
 def _file_info(path: Path, name: str) -> ObjectInfo:
     """Size and checksum of a written file, under the object name it will have once installed."""
+    hasher, nbytes = new_hasher(), 0
     with open(path, "rb") as f:
-        data = f.read()
+        while chunk := f.read(CHUNK):
+            hasher.update(chunk)
+            nbytes += len(chunk)
         os.fsync(f.fileno())
-    return ObjectInfo(name=name, nbytes=len(data), checksum=checksum(data))
+    return ObjectInfo(name=name, nbytes=nbytes, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
 
 
 def write_dcp(store: Any, channel: str, step: int, tensors: dict[str, torch.Tensor], replicated: set[str],

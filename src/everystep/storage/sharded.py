@@ -21,18 +21,20 @@ where a part's ``meta`` holds what differs per rank (the skeleton of its state t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 
 from ..distributed import Ranks
-from ..errors import BackgroundWriteError, CorruptCheckpointError, StateMismatchError
+from ..errors import BackgroundWriteError, CorruptCheckpointError
 from .base import Manifest, ObjectInfo
 from .dcp import read_dcp
-from .tensorfile import load_tensors
+from ..transport.host import TensorLayout
+from .tensorfile import load_tensors, tensor_chunks
 
-__all__ = ["ShardPlan", "commit_parts", "read_parts"]
+__all__ = ["ShardPlan", "commit_parts", "commit_tensors", "read_parts"]
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,26 @@ def commit_parts(
     return manifest
 
 
-def read_parts(store: Any, manifest: Manifest, *, rank: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def commit_tensors(
+    store: Any,
+    channel: str,
+    *,
+    kind: str,
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    replicated: set[str],
+    meta: dict[str, Any],
+    rank_meta: dict[str, Any],
+    requires: tuple[str, ...] = (),
+) -> Manifest:
+    """:func:`commit_parts` for tensors at hand: plan this rank's share and stream it from them."""
+    plan = ShardPlan.of(tensors, replicated, store.ranks)
+    layout = TensorLayout.of(plan.local)
+    return commit_parts(store, channel, kind=kind, step=step, chunks=tensor_chunks(layout, plan.local), plan=plan,
+                        meta=meta, rank_meta=rank_meta, requires=requires)
+
+
+def read_parts(store: Any, manifest: Manifest) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's tensors of a checkpoint, replicated ones reassembled, and its per-rank meta.
 
     At another world size than the writer's, rank r takes the per-rank state of stored rank
@@ -135,7 +156,7 @@ def read_parts(store: Any, manifest: Manifest, *, rank: int | None = None) -> tu
     """
     what = f"checkpoint {manifest.name}"
     if manifest.meta.get("format") == "dcp":
-        return read_dcp(store, manifest, store.ranks.rank if rank is None else rank)
+        return read_dcp(store, manifest, store.ranks.rank)
     if "parts" not in manifest.meta:
         info = manifest.objects.get("tensors")
         if info is None:
@@ -143,7 +164,7 @@ def read_parts(store: Any, manifest: Manifest, *, rank: int | None = None) -> tu
         return load_tensors(store.read_object(info), what=f"object {info.name}"), manifest.meta
     parts = manifest.meta["parts"]
     world = len(parts)
-    mine = (store.ranks.rank if rank is None else rank) % world
+    mine = store.ranks.rank % world
     tensors: dict[str, torch.Tensor] = {}
     flat: dict[str, torch.Tensor] = {}
     for r, part in enumerate(parts):
@@ -157,10 +178,7 @@ def read_parts(store: Any, manifest: Manifest, *, rank: int | None = None) -> tu
                 raise CorruptCheckpointError(f"{what}: the part of rank {r} lacks elements {start}:{end} of {key!r}")
             whole = flat.get(key)
             if whole is None:
-                numel = 1
-                for d in shape:
-                    numel *= d
-                whole = flat[key] = torch.empty(numel, dtype=piece.dtype)
+                whole = flat[key] = torch.empty(math.prod(shape), dtype=piece.dtype)
                 tensors[key] = whole.view(shape)
             whole[start:end] = piece
         if r == mine:
@@ -170,13 +188,3 @@ def read_parts(store: Any, manifest: Manifest, *, rank: int | None = None) -> tu
     if short:
         raise CorruptCheckpointError(f"{what}: the parts do not cover {short[0]!r}")
     return tensors, parts[mine]["meta"]
-
-
-def check_world(manifest: Manifest, ranks: Ranks, *, replicated_only: bool) -> None:
-    """Refuse to resume at another world size where the per-rank state cannot be carried over."""
-    stored = int(manifest.meta.get("world_size", 1))
-    if stored != ranks.world and not replicated_only:
-        raise StateMismatchError(
-            f"checkpoint {manifest.name} was written by {stored} process(es) and holds state that differs per rank "
-            f"beyond what can be carried over; this job has {ranks.world} — resume with {stored}"
-        )

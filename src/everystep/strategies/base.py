@@ -42,10 +42,13 @@ class StrategyConfig:
     """Full checkpoints to keep; older ones, and what only they need, are deleted."""
 
     def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ConfigError(f"every must be a positive number of steps, got {self.every}")
+        self._check_every()
         if self.keep < 1:
             raise ConfigError(f"keep must be at least 1 so that a checkpoint survives, got {self.keep}")
+
+    def _check_every(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"every must be a positive number of steps, got {self.every}")
 
 
 @dataclass

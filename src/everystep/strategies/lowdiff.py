@@ -31,9 +31,7 @@ from ..policy import LowDiffCosts, lowdiff_integer_optimum
 from ..recovery import Recovered
 from ..replay import Replayer, StepRecord, group_scalars
 from ..storage.base import Manifest
-from ..storage.sharded import ShardPlan, commit_parts
-from ..storage.tensorfile import tensor_chunks
-from ..transport.host import TensorLayout
+from ..storage.sharded import commit_tensors
 from ._diff import apply_end_state, end_state, read_differential, restore_base
 from .base import BackgroundErrors, StrategyConfig, StrategyContext
 from .checkfreq import CheckFreq, CheckFreqConfig
@@ -211,11 +209,10 @@ class LowDiff:
             steps_meta.append({"step": r.step, "skipped": r.skipped, "groups": r.groups, "params": sorted(r.grads)})
         for key, t in end_tensors.items():
             tensors[f"end{key}"] = t
-        plan = ShardPlan.of(tensors, {k for k in tensors if k.startswith("g/")}, self.ctx.ranks)
-        layout = TensorLayout.of(plan.local)
-        commit_parts(
-            self.ctx.store, "diff", kind="diff", step=last, chunks=tensor_chunks(layout, plan.local), plan=plan,
-            requires=(f"full-{base:012d}",), rank_meta={"end": end_skeleton},
+        commit_tensors(
+            self.ctx.store, "diff", kind="diff", step=last, tensors=tensors,
+            replicated={k for k in tensors if k.startswith("g/")}, requires=(f"full-{base:012d}",),
+            rank_meta={"end": end_skeleton},
             meta={"base": base, "first": first, "last": last, "steps": steps_meta, "compression": self.compression.spec,
                   "summed": self.config.sum_linear},
         )

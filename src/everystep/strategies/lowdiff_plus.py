@@ -74,11 +74,12 @@ class LowDiffPlusConfig(StrategyConfig):
     busy: float = 0.25
     """With ``every=None``: the share of time the agent's writer may spend writing."""
 
-    def __post_init__(self) -> None:
+    def _check_every(self) -> None:
         if self.every is not None and self.every < 1:
             raise ConfigError(f"every must be a positive number of steps or None, got {self.every}")
-        if self.keep < 1:
-            raise ConfigError(f"keep must be at least 1 so that a checkpoint survives, got {self.keep}")
+
+    def __post_init__(self) -> None:
+        StrategyConfig.__post_init__(self)
         if self.queue < 1 or self.agent_threads < 1:
             raise ConfigError("queue and agent_threads must be at least 1")
         if self.verify_every < 0 or self.verify_sample < 0:

@@ -24,9 +24,7 @@ import torch
 from ..errors import ConfigError, CorruptCheckpointError
 from ..recovery import Recovered
 from ..state import flatten
-from ..storage.sharded import ShardPlan, commit_parts
-from ..storage.tensorfile import tensor_chunks
-from ..transport.host import TensorLayout
+from ..storage.sharded import commit_tensors
 from ._diff import apply_end_state, end_state, read_differential, restore_base
 from .base import BackgroundErrors, StrategyConfig, StrategyContext
 from .checkfreq import CheckFreq, CheckFreqConfig
@@ -122,10 +120,9 @@ class NaiveDiff:
     def _write(self, base: int, step: int, tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
         try:
             assert self.ctx.store is not None
-            plan = ShardPlan.of(tensors, {k for k in tensors if k.startswith("d/")}, self.ctx.ranks)
-            layout = TensorLayout.of(plan.local)
-            commit_parts(self.ctx.store, "diff", kind="ndiff", step=step, chunks=tensor_chunks(layout, plan.local),
-                         plan=plan, requires=(f"full-{base:012d}",), meta={"base": base}, rank_meta={"end": end_skeleton})
+            commit_tensors(self.ctx.store, "diff", kind="ndiff", step=step, tensors=tensors,
+                           replicated={k for k in tensors if k.startswith("d/")}, requires=(f"full-{base:012d}",),
+                           meta={"base": base}, rank_meta={"end": end_skeleton})
             self.ctx.committed(step)
             self.ctx.store.retain(self.config.keep)
         except BaseException as e:
