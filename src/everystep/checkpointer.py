@@ -52,8 +52,9 @@ class Checkpointer:
         model, optimizer: the live objects being trained.
         scheduler, scaler, data: optional LR scheduler, GradScaler, and a data-position object
             with ``state_dict()``/``load_state_dict()`` (epoch, index, sampler seed).
-        compression: a :class:`~everystep.compress.GradientCompression` in use; its residuals are
-            saved, and differential strategies reuse its compressed gradients.
+        compression: a :class:`~everystep.compress.GradientCompression` (one process) or a DDP
+            communication hook from :func:`~everystep.compress.ddp_compression` in use; its
+            residuals are saved, and differential strategies reuse its compressed gradients.
         strategy: a name from :data:`everystep.strategies.STRATEGIES` or a strategy instance.
         every, keep, **options: the strategy's configuration, when given by name; ``None`` keeps the
             strategy's default (every step for full_sync and checkfreq, 50 for the differential ones).

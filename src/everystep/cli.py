@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     t.add_argument("--fail-at", type=_steps_list, default=(), metavar="STEPS", help="kill the training during these steps, e.g. 7,19")
     t.add_argument("--fail-mode", choices=["software", "hardware"], default="software")
-    t.add_argument("--compress", metavar="SPEC", help="train with gradient compression: topk:0.01 or quant8")
+    t.add_argument("--compress", metavar="SPEC", help="train with gradient compression: topk:0.01, quant8 or powersgd:rank=4 "
+                   "(under --nproc in DDP's communication hook)")
     t.add_argument("--batch", type=int, help="lowdiff: steps per differential write (b)")
     t.add_argument("--option", type=_option, action="append", default=[], metavar="NAME=VALUE",
                    help="a strategy option, e.g. verify_every=1 or grace=5 (repeatable)")

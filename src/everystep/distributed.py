@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Ranks", "CHANNELS", "COLLECTIVE_TIMEOUT"]
+__all__ = ["Ranks", "CHANNELS", "COLLECTIVE_TIMEOUT", "init_process_group"]
 
 CHANNELS = ("full", "diff", "control")
 
@@ -78,6 +78,22 @@ class Ranks:
     def barrier(self, channel: str) -> None:
         if self.distributed:
             dist.barrier(group=self.groups[channel])
+
+
+def init_process_group(*, one_process: bool = False) -> bool:
+    """Join the job's gloo process group (``RANK``/``WORLD_SIZE`` set by ``torchrun`` or the
+    supervisor) or, with ``one_process``, make a group of this process alone (DistributedDataParallel
+    needs one for its communication hooks). True when this call created it, to destroy later."""
+    if dist.is_initialized():
+        return False
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo", timeout=timeout)
+        return True
+    if one_process:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return True
+    return False
 
 
 def sample_digest(tensors: dict[str, torch.Tensor], keys: list[str], sample: int = 64) -> str:

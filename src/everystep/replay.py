@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .compress.base import Compressed, Compressor
+from .compress.base import Compressed, decompress
 from .compress.hook import parameter_names
 
 __all__ = ["StepRecord", "Replayer", "group_scalars"]
@@ -50,7 +50,7 @@ def group_scalars(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 class Replayer:
     """Applies step records to a live model and optimizer, on ``threads`` threads."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, compressor: Compressor, *, threads: int = 1) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, threads: int = 1) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         names = parameter_names(model)
@@ -61,7 +61,6 @@ class Replayer:
             i = loads.index(min(loads))
             shards[i].append(entry)
             loads[i] += entry[2].numel()
-        self.compressor = compressor
         self.shards = [_Shard(optimizer, shard) for shard in shards if shard]
 
     def apply(self, records: Iterable[StepRecord]) -> int:
@@ -69,7 +68,7 @@ class Replayer:
         if len(self.shards) == 1:
             n = 0
             for record in records:
-                self.shards[0].apply(record, self.compressor)
+                self.shards[0].apply(record)
                 n += 1
             return n
         queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=8) for _ in self.shards]
@@ -79,7 +78,7 @@ class Replayer:
             while (record := q.get()) is not None:
                 if not errors:
                     try:
-                        shard.apply(record, self.compressor)
+                        shard.apply(record)
                     except BaseException as e:  # surfaced below
                         errors.append(e)
 
@@ -120,7 +119,7 @@ class _Shard:
             for _, p in ps:
                 self.optimizer.state[p] = optimizer.state[p]  # the same dict: updates land in the original
 
-    def apply(self, record: StepRecord, compressor: Compressor) -> None:
+    def apply(self, record: StepRecord) -> None:
         if record.skipped:
             return
         with torch.no_grad():
@@ -128,7 +127,7 @@ class _Shard:
                 group.update(record.groups[gi])
                 for name, p in ps:
                     compressed = record.grads.get(name)
-                    p.grad = None if compressed is None else compressor.decompress(compressed, p)
+                    p.grad = None if compressed is None else decompress(compressed, p)
         self.optimizer.step()
         for ps in self.params:
             for _, p in ps:

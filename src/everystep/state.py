@@ -32,6 +32,16 @@ _TUPLE = "__tuple__"
 _INTKEYS = "__intkeys__"
 
 
+def bare_module(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` without DistributedDataParallel or ``torch.compile`` wrappers."""
+    while True:
+        inner = getattr(model, "module", None) if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+            else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
 @runtime_checkable
 class Stateful(Protocol):
     """Anything with ``state_dict()`` and ``load_state_dict()``: a data position, a sampler."""
@@ -107,13 +117,7 @@ class TrainingComponents:
     def module(self) -> torch.nn.Module:
         """The model without a DistributedDataParallel (or ``torch.compile``) wrapper, so that its
         state has the same keys in a single process and under data parallelism."""
-        model = self.model
-        while True:
-            inner = getattr(model, "module", None) if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
-                else getattr(model, "_orig_mod", None)
-            if not isinstance(inner, torch.nn.Module):
-                return model
-            model = inner
+        return bare_module(self.model)
 
     def capture(self) -> dict[str, Any]:
         """The heavy, slowly-changing part of the state, referencing live tensors (no copy)."""

@@ -14,32 +14,49 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..state import bare_module
 from .base import Compressed, Compressor
 from .quant import Quant8
 from .topk import TopK
 
-__all__ = ["GradientCompression", "make_compressor", "parameter_names"]
+__all__ = ["GradientCompression", "make_compressor", "parameter_names", "parse_spec"]
+
+SPECS = "topk:RATIO, quant8 or powersgd:rank=R"
 
 
-def make_compressor(spec: str) -> Compressor:
-    """``topk``, ``topk:0.01`` or ``quant8``."""
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``topk[:RATIO]`` (default 0.01), ``quant8``, ``powersgd[:rank=R]`` (default 4) → kind and arguments."""
     kind, _, arg = spec.partition(":")
     if kind == "topk":
         try:
-            ratio = float(arg) if arg else 0.01
+            return kind, {"ratio": float(arg) if arg else 0.01}
         except ValueError:
             raise ConfigError(f"--compress topk takes a ratio like topk:0.01; got {spec!r}") from None
-        return TopK(ratio)
     if kind == "quant8" and not arg:
-        return Quant8()
+        return kind, {}
     if kind == "powersgd":
-        raise ConfigError("--compress powersgd is not available in this version; use topk:RATIO or quant8")
-    raise ConfigError(f"unknown compression {spec!r}; use topk:RATIO or quant8")
+        key, _, value = arg.partition("=")
+        if arg and (key != "rank" or not value.isdigit() or int(value) < 1):
+            raise ConfigError(f"--compress powersgd takes a rank like powersgd:rank=4; got {spec!r}")
+        return kind, {"rank": int(value) if arg else 4}
+    raise ConfigError(f"unknown compression {spec!r}; use {SPECS}")
+
+
+def make_compressor(spec: str) -> Compressor:
+    """The per-parameter compressor of ``topk[:RATIO]`` or ``quant8``."""
+    kind, args = parse_spec(spec)
+    if kind == "topk":
+        return TopK(args["ratio"])
+    if kind == "quant8":
+        return Quant8()
+    raise ConfigError(f"{spec} compresses DistributedDataParallel's gradient communication: it needs a DDP model "
+                      "and everystep.compress.ddp_compression (everystep train sets this up, in one process too)")
 
 
 def parameter_names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
-    """Each parameter's name as ``named_parameters`` first yields it (tied weights: the first name)."""
-    return {p: n for n, p in model.named_parameters()}
+    """Each parameter's name as ``named_parameters`` of the bare model (no DDP or compile wrapper)
+    first yields it (tied weights: the first name), so that names agree in one process and many."""
+    return {p: n for n, p in bare_module(model).named_parameters()}
 
 
 class GradientCompression:

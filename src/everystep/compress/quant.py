@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressed
+from .base import Compressed, dequantize
 
 __all__ = ["Quant8"]
 
@@ -26,7 +26,7 @@ class Quant8:
         return {"codes": codes, "scale": scale.reshape(())}
 
     def decompress(self, compressed: Compressed, like: torch.Tensor) -> torch.Tensor:
-        return (compressed["codes"].float() * compressed["scale"]).to(like.dtype).view_as(like)
+        return dequantize(compressed["codes"], compressed["scale"], like)
 
     def nbytes(self, compressed: Compressed) -> int:
         return sum(t.numel() * t.element_size() for t in compressed.values())

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..errors import ConfigError
-from .base import Compressed
+from .base import Compressed, sparse
 
 __all__ = ["TopK"]
 
@@ -34,9 +34,7 @@ class TopK:
         return {"values": values, "indices": indices.to(index_dtype)}
 
     def decompress(self, compressed: Compressed, like: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
-        out[compressed["indices"].long()] = compressed["values"].to(like.dtype)
-        return out.view_as(like)
+        return sparse(compressed["values"], compressed["indices"], like)
 
     def nbytes(self, compressed: Compressed) -> int:
         return sum(t.numel() * t.element_size() for t in compressed.values())

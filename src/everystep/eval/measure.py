@@ -16,20 +16,17 @@ from typing import Any
 import torch
 
 from ..checkpointer import Checkpointer
-from ..compress import GradientCompression, make_compressor
 from ..state import flatten
 from ..strategies import STRATEGIES
 from ..strategies.naive_diff import state_error
-from .workloads import build
+from ..distributed import init_process_group
+from .workloads import build, needs_ddp
 
 __all__ = ["measure"]
 
 
 def _build(spec: dict[str, Any], seed: int) -> Any:
-    w = build(spec["workload"], seed=seed)
-    w.compression = (GradientCompression(make_compressor(spec["compress"]), w.model, w.optimizer)
-                     if spec.get("compress") else None)
-    return w
+    return build(spec["workload"], seed=seed, compress=spec.get("compress"))
 
 
 def _attach(w: Any, directory: str | None, strategy: str, options: dict[str, Any], **kw: Any) -> Checkpointer:
@@ -54,6 +51,7 @@ def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
+    init_process_group(one_process=needs_ddp(spec.get("compress")))  # PowerSGD runs in DDP's hook
     strategy, steps, warmup = spec["strategy"], spec["steps"], spec["warmup"]
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
     with tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch")) as tmp:

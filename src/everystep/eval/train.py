@@ -8,7 +8,6 @@ the summary takes each step's loss from that step's last execution.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
@@ -27,15 +26,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..checkpointer import Checkpointer
-from ..distributed import COLLECTIVE_TIMEOUT, Ranks
+from ..distributed import Ranks, init_process_group
 from ..errors import ConfigError, EverystepError
 from ..recovery import recover
 from ..storage.local import LocalStore
 from ..state import state_hash
 from ..strategies import STRATEGIES, create
-from ..compress import GradientCompression, make_compressor
+from ..compress import parse_spec
 from .faults import FailurePlan, Injector
-from .workloads import OPTIMIZERS, WORKLOADS, build
+from .workloads import OPTIMIZERS, WORKLOADS, build, needs_ddp
 
 __all__ = ["TrainConfig", "train", "run_supervised", "training_state_hash"]
 
@@ -95,7 +94,7 @@ class TrainConfig:
         if self.strategy != "none" and self.directory is None:
             raise ConfigError(f"strategy {self.strategy!r} needs --dir")
         if self.compress is not None:
-            make_compressor(self.compress)  # validates the spec
+            parse_spec(self.compress)  # validates the spec
         given = {k: v for k, v in (("every", self.every), ("keep", self.keep)) if v is not None}
         create(self.strategy, **given, **self.options)  # validates the options before any process starts
 
@@ -119,9 +118,17 @@ def recover_run(directory: str) -> dict[str, Any]:
                                  "restore it with Checkpointer.restore() in the training script")
         return {"step": found.step, "state_sha256": training_state_hash(found.tree), "source": found.source,
                 "recovery_seconds": found.seconds}
-    w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"])
-    compression = GradientCompression(make_compressor(run["compress"]), w.model, w.optimizer) if run["compress"] else None
-    with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=compression,
+    owns_group = init_process_group(one_process=needs_ddp(run["compress"]))
+    try:
+        return _recover_with(store, run, directory)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _recover_with(store: LocalStore, run: dict[str, Any], directory: str) -> dict[str, Any]:
+    w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"], compress=run["compress"])
+    with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
                       strategy=store.marker["strategy"], every=run["every"], keep=run["keep"], final=False,
                       full_format=run.get("full_format", "safetensors"),
                       store=store, **run["options"]) as ckpt:
@@ -174,7 +181,7 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
     is one rank; the process group is created here when it does not exist yet.
     """
     torch.set_num_threads(cfg.threads)
-    owns_group = _init_distributed()
+    owns_group = init_process_group(one_process=needs_ddp(cfg.compress))
     try:
         _train(cfg, journal, plan)
     finally:
@@ -182,20 +189,13 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
             dist.destroy_process_group()
 
 
-def _init_distributed() -> bool:
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
-        return False
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
-    return True
-
-
 def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    w = build(cfg.workload, seed=cfg.seed, optimizer=cfg.optimizer, rank=rank, world=world)
+    w = build(cfg.workload, seed=cfg.seed, optimizer=cfg.optimizer, rank=rank, world=world, compress=cfg.compress)
     inject = Injector(plan, rank)
     strategy = cfg.strategy
     directory = cfg.directory if STRATEGIES[strategy].needs_store else None
-    compression = GradientCompression(make_compressor(cfg.compress), w.model, w.optimizer) if cfg.compress else None
+    compression = w.compression
     store = None
     if directory:
         store = LocalStore.open(directory, strategy=strategy, extra={"run": run_record(cfg)}, ranks=Ranks.detect(),

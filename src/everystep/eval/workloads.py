@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compress import GradientCompression, ddp_compression, make_compressor, parse_spec
 from ..errors import ConfigError
 from .data import SyntheticData
 
-__all__ = ["Workload", "WORKLOADS", "OPTIMIZERS", "build", "GPT", "GPTConfig"]
+__all__ = ["Workload", "WORKLOADS", "OPTIMIZERS", "build", "needs_ddp", "GPT", "GPTConfig"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class Workload:
     scheduler: Any
     data: SyntheticData
     criterion: Callable[[nn.Module, Any], torch.Tensor]
+    compression: Any = None
+    """The gradient compression training uses (``build(compress=…)``), or None."""
 
     def loss(self, batch: Any) -> torch.Tensor:
         """The loss of ``batch`` through ``model`` (the DistributedDataParallel wrapper, when there is one)."""
@@ -211,11 +214,15 @@ class WarmupCosine:
 
 
 def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | None = None, rank: int = 0,
-          world: int = 1) -> Workload:
+          world: int = 1, compress: str | None = None) -> Workload:
     """Build a workload deterministically from ``seed``: same seed, same bits.
 
     With ``world`` > 1 (torch.distributed initialised), the model is wrapped in
-    DistributedDataParallel and each rank draws its own part of every global batch.
+    DistributedDataParallel and each rank draws its own part of every global batch. ``compress``
+    (``topk:0.01``, ``quant8``, ``powersgd:rank=4``) sets up gradient compression: in one process
+    through the optimizer, under DDP in its communication hook. PowerSGD always runs in DDP's
+    hook, so it wraps the model in a world of one process as well (the group must exist:
+    :func:`everystep.distributed.init_process_group` with ``one_process=True``).
     """
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
@@ -228,6 +235,17 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     data = SyntheticData(make_sample, size=4096, batch_size=batch, seed=seed, rank=rank, world=world)
     opt = OPTIMIZERS[optimizer](model.parameters(), lr if lr is not None else _DEFAULT_LR[optimizer])
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine())
-    if world > 1:
+    compression = None
+    if world > 1 or (compress is not None and needs_ddp(compress)):
         model = nn.parallel.DistributedDataParallel(model)
-    return Workload(name=name, model=model, optimizer=opt, scheduler=scheduler, data=data, criterion=criterion)
+        if compress is not None:
+            compression = ddp_compression(compress, model, opt)
+    elif compress is not None:
+        compression = GradientCompression(make_compressor(compress), model, opt)
+    return Workload(name=name, model=model, optimizer=opt, scheduler=scheduler, data=data, criterion=criterion,
+                    compression=compression)
+
+
+def needs_ddp(compress: str | None) -> bool:
+    """Whether compression ``compress`` runs in a DDP communication hook even in one process."""
+    return compress is not None and parse_spec(compress)[0] == "powersgd"

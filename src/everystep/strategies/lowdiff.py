@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..compress.hook import parameter_names
+from ..compress import decompress, parameter_names
 from ..errors import ConfigError, CorruptCheckpointError
 from ..policy import LowDiffCosts, lowdiff_integer_optimum
 from ..recovery import Recovered
@@ -98,7 +98,8 @@ class LowDiff:
         self.ctx = ctx
         compression = ctx.components.compression
         if compression is None:
-            raise ConfigError("lowdiff reuses compressed gradients: train with compression (--compress topk:0.01 or quant8)")
+            raise ConfigError("lowdiff reuses compressed gradients: train with compression (--compress topk:0.01, quant8 or "
+                              "powersgd:rank=4)")
         self.compression = compression
         if self.config.sum_linear and not _linear_in_gradient(ctx.components.optimizer):
             raise ConfigError(
@@ -228,7 +229,7 @@ class LowDiff:
                 continue
             lr = r.groups[0]["lr"]
             for name, compressed in r.grads.items():
-                g = self.compression.compressor.decompress(compressed, like[name].detach().cpu())
+                g = decompress(compressed, like[name].detach().cpu())
                 total[name] = total.get(name, torch.zeros_like(g)).add_(g, alpha=lr)
         return StepRecord(step=records[-1].step, skipped=False, groups=records[-1].groups,
                           grads={n: {"dense": t} for n, t in total.items()})
@@ -265,7 +266,7 @@ class LowDiff:
         if full is None:
             return None
         batches = self._chain(full)
-        replayer = Replayer(c.model, c.optimizer, self.compression.compressor, threads=self.config.replay_threads)
+        replayer = Replayer(c.model, c.optimizer, threads=self.config.replay_threads)
         step, end = full.step, None
         t_replay = time.perf_counter()
         for manifest, records, end_tree in batches:
