@@ -3,6 +3,8 @@ consumed, through clipping and a GradScaler, and LowDiff replays them bitwise.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -94,3 +96,59 @@ def test_lowdiff_replays_hook_records_bitwise(tmp_path, spec):
                       compression=w2.compression, strategy="lowdiff", every=50, batch=2, final=False) as ckpt:
         assert ckpt.restore() == 7
     assert _hash(w2, s2) == _hash(ref, s_ref)
+
+
+def _two_rank_worker(rank: int, port: int, directory: str, out: str) -> None:
+    """Rank ``rank`` of two: PowerSGD over many small DDP buckets, LowDiff, then a fresh restore."""
+    import datetime
+    import json
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+
+    def make(seed):
+        return build("gpt2-tiny", seed=seed, rank=rank, world=2, compress="powersgd:rank=2", bucket_cap_mb=0.05)
+
+    def attach(w, **kw):
+        return Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                            compression=w.compression, strategy="lowdiff", every=50, batch=2, **kw)
+
+    w, s = make(0), _scaler()
+    with attach(w, scaler=s) as ckpt:
+        ckpt.restore()
+        _loop(w, 6, s)
+        trained = _hash(w, s)
+    w2, s2 = make(5), _scaler()
+    w2.data.seed = 0
+    with attach(w2, scaler=s2, final=False) as ckpt:
+        step = ckpt.restore()
+        restored = _hash(w2, s2)
+        _loop(w2, 2, s2)  # the restored process trains on through DDP's re-bucketing
+    w3, s3 = make(0), _scaler()
+    _loop(w3, 8, s3)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"step": step, "same": trained == restored, "on": _hash(w2, s2) == _hash(w3, s3),
+                   "buckets": len(w.compression._layouts)}, f)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_many_buckets_powersgd_replays_and_trains_on(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from everystep.eval.train import _free_port
+
+    job = mp.start_processes(_two_rank_worker, args=(_free_port(), str(tmp_path / "c"), str(tmp_path / "out")),
+                             nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not job.join(timeout=2):
+        if time.monotonic() > deadline:  # ranks that issue collectives in different orders hang
+            for p in job.processes:
+                p.kill()
+            pytest.fail("the two ranks did not finish within 120 s")
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"out.{rank}").read_text())
+        assert result["buckets"] > 1
+        assert result == {"step": 6, "same": True, "on": True, "buckets": result["buckets"]}

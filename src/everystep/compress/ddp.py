@@ -9,8 +9,8 @@ DDP synchronises gradients — in a communication hook — and it is what LowDif
     rank decompresses all of them and averages them in rank order, so every rank holds the same
     gradient. The residuals differ from rank to rank: each rank's are its own training state.
 ``powersgd:rank=R``
-    PyTorch's own PowerSGD hook (error feedback and warm start on, compression from the second
-    step on), unchanged: its all-reduced factors P and Q are the compressed gradient; tensors it
+    PyTorch's own PowerSGD hook (error feedback and warm start on, compression from the third
+    step on), unchanged, each bucket finished before the next: its all-reduced factors P and Q are the compressed gradient; tensors it
     does not compress (biases, norms) are all-reduced whole.
 
 At the optimizer step — after the user's clipping and a GradScaler's unscaling — each
@@ -227,7 +227,8 @@ class PowerSGDCompression(DDPCompression):
     """PyTorch's PowerSGD hook, its factors kept as the compressed gradient."""
 
     START = 2
-    """The first step PowerSGD compresses (the least PyTorch allows with error feedback)."""
+    """Backward passes all-reduced whole before PowerSGD starts (the least PyTorch allows with error
+    feedback): it compresses from the third step on."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int = 4,
                  spec: str | None = None) -> None:
@@ -294,7 +295,12 @@ class PowerSGDCompression(DDPCompression):
                     }
             return f.value()
 
-        return fut.then(capture)
+        fut = fut.then(capture)
+        # The hook issues its P and Q all-reduces from completion callbacks, on whatever thread
+        # completes the previous one; with several buckets in flight the ranks could then issue
+        # them in different orders. Finishing each bucket before the next keeps one order.
+        fut.wait()
+        return fut
 
     def _canonical(self) -> dict[str, dict[str, torch.Tensor]]:
         """The error and warm-start Q of every parameter, from the buckets they are in now."""

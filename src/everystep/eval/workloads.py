@@ -214,7 +214,7 @@ class WarmupCosine:
 
 
 def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | None = None, rank: int = 0,
-          world: int = 1, compress: str | None = None) -> Workload:
+          world: int = 1, compress: str | None = None, bucket_cap_mb: float | None = None) -> Workload:
     """Build a workload deterministically from ``seed``: same seed, same bits.
 
     With ``world`` > 1 (torch.distributed initialised), the model is wrapped in
@@ -222,7 +222,8 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     (``topk:0.01``, ``quant8``, ``powersgd:rank=4``) sets up gradient compression: in one process
     through the optimizer, under DDP in its communication hook. PowerSGD always runs in DDP's
     hook, so it wraps the model in a world of one process as well (the group must exist:
-    :func:`everystep.distributed.init_process_group` with ``one_process=True``).
+    :func:`everystep.distributed.init_process_group` with ``one_process=True``). ``bucket_cap_mb``
+    sets DDP's gradient bucket size (default PyTorch's).
     """
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
@@ -237,7 +238,7 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine())
     compression = None
     if world > 1 or (compress is not None and needs_ddp(compress)):
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(model, **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}))
         if compress is not None:
             compression = ddp_compression(compress, model, opt)
     elif compress is not None:
