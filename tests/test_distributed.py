@@ -81,7 +81,6 @@ def test_background_commits_never_wait_on_the_training_group(delayed, reference)
     ("full_sync", None, "hardware", {"every": 3, "stagger": 1}),
     ("checkfreq", None, "software", {}),
     ("lowdiff", "topk:0.01", "software", {"every": 5, "options": {"batch": 2}}),
-    ("lowdiff", "powersgd:rank=4", "hardware", {"every": 5, "options": {"batch": 2}}),
 ])
 def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference, strategy, compress, mode, extra):
     # Step 4 kills rank 1 and step 7 rank 0, each in the middle of a checkpoint write (seed 0).
