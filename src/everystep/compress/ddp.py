@@ -30,7 +30,7 @@ resumed process draws what the uninterrupted one drew however the buckets fall.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _powersgd
 
 from ..errors import ConfigError, EverystepError
-from .base import Compressed, decompress, dequantize_mean
-from .hook import make_compressor, parameter_names, parse_spec
+from .base import Compressed, decompress
+from .hook import StepRecords, check_kind, load_residual_state, make_compressor, parse_spec, residual_state
 
 __all__ = ["DDPCompression", "AllGatherCompression", "PowerSGDCompression", "ddp_compression"]
 
@@ -53,27 +53,21 @@ def ddp_compression(spec: str, model: torch.nn.Module, optimizer: torch.optim.Op
     return AllGatherCompression(model, optimizer, make_compressor(spec))
 
 
-class DDPCompression:
+class DDPCompression(StepRecords):
     """Base of the communication hooks: the per-step record of what the optimizer consumed."""
-
-    immutable_tensors = True  # state_dict returns tensors nothing modifies afterwards
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: str) -> None:
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ConfigError(f"{spec} compression in a communication hook needs a DistributedDataParallel model; "
                               f"got {type(model).__name__}")
-        self.spec = spec
+        super().__init__(model, optimizer, spec)
         self.group = model.process_group
         self.world = dist.get_world_size(self.group)
-        self.names = parameter_names(model)
-        self.params = [(self.names[p], p) for group in optimizer.param_groups for p in group["params"]]
         self.dense_records = 0
         """Parameter records stored whole because no compact form reproduced the consumed gradient."""
         self._pending: dict[str, Compressed | None] = {}
-        self._last: dict[str, Compressed] | None = None
         self._mul: torch.Tensor | None = None
         model.register_comm_hook(None, self._hook)
-        self._handle = optimizer.register_step_pre_hook(self._pre_step)
 
     def _hook(self, state, bucket):  # type: ignore[no-untyped-def]
         # (DDP checks the hook's annotations against the real types; string annotations fail it)
@@ -104,14 +98,6 @@ class DDPCompression:
                 synced = self._pending.pop(name, None)
                 record[name] = {"dense": p.grad.detach().clone()} if synced is None else self._record(synced, p.grad)
         self._last = record
-
-    def take(self) -> dict[str, Compressed] | None:
-        """The records of the last update, once; ``None`` if no update happened."""
-        last, self._last = self._last, None
-        return last
-
-    def remove(self) -> None:
-        self._handle.remove()
 
 
 def _multiplier(h: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
@@ -153,7 +139,9 @@ class AllGatherCompression(DDPCompression):
             per_rank = [_unpack(buf, keys, parts) for buf in gathered]
             with torch.no_grad():
                 for i, (name, g) in enumerate(zip(names, grads)):
-                    synced = {k: torch.stack([rank[i][k] for rank in per_rank]) for k in keys}
+                    # rank by rank: top-k values and indices, or 8-bit codes and their scales
+                    synced = {"scales" if k == "scale" else k: torch.stack([rank[i][k] for rank in per_rank])
+                              for k in keys}
                     g.copy_(self._mean(synced, g))
                     self._pending[name] = synced
             return bucket.buffer()
@@ -166,7 +154,7 @@ class AllGatherCompression(DDPCompression):
             for values, indices in zip(synced["values"], synced["indices"]):
                 out.index_add_(0, indices.long(), values.to(like.dtype))
             return out.div_(self.world).view_as(like)
-        return dequantize_mean(synced["codes"], synced["scale"], like)
+        return decompress(synced, like)
 
     def _record(self, synced: Compressed, grad: torch.Tensor) -> Compressed:
         if "indices" in synced:
@@ -176,14 +164,13 @@ class AllGatherCompression(DDPCompression):
             if int(torch.count_nonzero(grad)) != int(torch.count_nonzero(values)):
                 return self._dense(grad)
             return {"values": values, "indices": indices.to(synced["indices"].dtype)}
-        return super()._record({"codes": synced["codes"], "scales": synced["scale"].reshape(-1)}, grad)
+        return super()._record(synced, grad)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.spec, "residuals": dict(self.compressor.residuals)}
+        return residual_state(self.compressor)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_kind(state, self.spec)
-        self.compressor.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        load_residual_state(self.compressor, state)
 
 
 def _unpack(buf: torch.Tensor, keys: list[str], parts: list[Compressed]) -> list[Compressed]:
@@ -196,11 +183,6 @@ def _unpack(buf: torch.Tensor, keys: list[str], parts: list[Compressed]) -> list
             out[i][k] = buf[offset:offset + n].view(like.dtype).view(like.shape)
             offset += n
     return out
-
-
-def _check_kind(state: dict[str, Any], spec: str) -> None:
-    if state.get("kind") != spec:
-        raise ConfigError(f"the checkpoint was trained with {state.get('kind')!r} compression; this run uses {spec!r}")
 
 
 @dataclass(frozen=True)
@@ -255,8 +237,7 @@ class PowerSGDCompression(DDPCompression):
         p_off = q_off = 0
         for indices in by_shape.values():  # the hook groups the tensors it compresses by shape
             for i in indices:
-                e = entries[i]
-                entries[i] = _Entry(e.name, e.offset, e.numel, e.n, e.m, e.rank, p_off, q_off)
+                e = entries[i] = replace(entries[i], p_offset=p_off, q_offset=q_off)
                 p_off, q_off = p_off + e.n * e.rank, q_off + e.m * e.rank
         return tuple(entries)
 
@@ -343,7 +324,7 @@ class PowerSGDCompression(DDPCompression):
         return {"kind": self.spec, "iter": self.state.iter, "residuals": canon["error"], "q": canon["q"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_kind(state, self.spec)
+        check_kind(state, self.spec)
         self.state.iter = int(state["iter"])
         self._clear()
         self._canon = {"error": {k: v.clone() for k, v in state["residuals"].items()},

@@ -59,20 +59,55 @@ def parameter_names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
     return {p: n for n, p in bare_module(model).named_parameters()}
 
 
-class GradientCompression:
-    """Compresses the gradients an optimizer consumes. Use :meth:`remove` to detach it."""
+class StepRecords:
+    """What every gradient compression shares: the optimizer's parameters by name, a step pre-hook
+    (:meth:`_pre_step`) that makes the records of the update about to happen, and :meth:`take`."""
 
-    immutable_tensors = True  # residuals are replaced, never modified in place
+    immutable_tensors = True  # state_dict returns tensors that are replaced, never modified in place
 
-    def __init__(self, compressor: Compressor, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.compressor = compressor
-        self.spec = compressor.name
-        names = parameter_names(model)
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: str) -> None:
+        self.spec = spec
+        self.names = parameter_names(model)
         self.params: list[tuple[str, torch.nn.Parameter]] = [
-            (names[p], p) for group in optimizer.param_groups for p in group["params"]
+            (self.names[p], p) for group in optimizer.param_groups for p in group["params"]
         ]
         self._last: dict[str, Compressed] | None = None
         self._handle = optimizer.register_step_pre_hook(self._pre_step)
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def take(self) -> dict[str, Compressed] | None:
+        """The records of the last update, once; ``None`` if no update happened."""
+        last, self._last = self._last, None
+        return last
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def residual_state(compressor: Any) -> dict[str, Any]:
+    """A per-parameter compressor's training state: its kind and its error-feedback residuals."""
+    return {"kind": compressor.name, "residuals": dict(compressor.residuals)}
+
+
+def load_residual_state(compressor: Any, state: dict[str, Any]) -> None:
+    check_kind(state, compressor.name)
+    compressor.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+
+
+def check_kind(state: dict[str, Any], spec: str) -> None:
+    """Refuse compression state saved by another kind of compression."""
+    if state.get("kind") != spec:
+        raise ConfigError(f"the checkpoint was trained with {state.get('kind')!r} compression; this run uses {spec!r}")
+
+
+class GradientCompression(StepRecords):
+    """Compresses the gradients an optimizer consumes. Use :meth:`remove` to detach it."""
+
+    def __init__(self, compressor: Compressor, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.compressor = compressor
+        super().__init__(model, optimizer, compressor.name)
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         record: dict[str, Compressed] = {}
@@ -85,18 +120,8 @@ class GradientCompression:
                 record[name] = compressed
         self._last = record
 
-    def take(self) -> dict[str, Compressed] | None:
-        """The compressed gradients of the last update, once; ``None`` if no update happened."""
-        last, self._last = self._last, None
-        return last
-
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.compressor.name, "residuals": dict(self.compressor.residuals)}  # type: ignore[attr-defined]
+        return residual_state(self.compressor)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("kind") != self.compressor.name:
-            raise ConfigError(f"the checkpoint was trained with {state.get('kind')!r} compression; this run uses {self.compressor.name!r}")
-        self.compressor.residuals = {k: v.clone() for k, v in state["residuals"].items()}  # type: ignore[attr-defined]
-
-    def remove(self) -> None:
-        self._handle.remove()
+        load_residual_state(self.compressor, state)

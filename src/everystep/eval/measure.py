@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from ..checkpointer import Checkpointer
+from ..distributed import init_process_group
 from ..state import flatten
 from ..strategies import STRATEGIES
 from ..strategies.naive_diff import state_error
-from ..distributed import init_process_group
 from .workloads import build, needs_ddp
 
 __all__ = ["measure"]

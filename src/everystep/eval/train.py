@@ -195,13 +195,12 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
     inject = Injector(plan, rank)
     strategy = cfg.strategy
     directory = cfg.directory if STRATEGIES[strategy].needs_store else None
-    compression = w.compression
     store = None
     if directory:
         store = LocalStore.open(directory, strategy=strategy, extra={"run": run_record(cfg)}, ranks=Ranks.detect(),
                                 other_world=getattr(STRATEGIES[strategy], "other_world_size", False))
     with Checkpointer(
-        directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=compression,
+        directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
         strategy=strategy, every=cfg.every, keep=cfg.keep, store=store, deadline=cfg.deadline, full_format=cfg.full_format,
         stagger=cfg.stagger,
         stop_signals=(signal.SIGTERM, signal.SIGUSR1), **cfg.options,

@@ -237,7 +237,7 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     opt = OPTIMIZERS[optimizer](model.parameters(), lr if lr is not None else _DEFAULT_LR[optimizer])
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine())
     compression = None
-    if world > 1 or (compress is not None and needs_ddp(compress)):
+    if world > 1 or needs_ddp(compress):
         model = nn.parallel.DistributedDataParallel(model, **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}))
         if compress is not None:
             compression = ddp_compression(compress, model, opt)
