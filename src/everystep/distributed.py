@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import BackgroundWriteError
+
 __all__ = ["Ranks", "CHANNELS", "COLLECTIVE_TIMEOUT", "init_process_group"]
 
 CHANNELS = ("full", "diff", "control")
@@ -66,6 +68,18 @@ class Ranks:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.groups[channel])
         return out
+
+    def exchange(self, channel: str, report: dict[str, Any], error: BaseException | None, what: str) -> list[dict[str, Any]]:
+        """Every rank's ``report`` (with its ``error``, if any), in rank order: the step of a commit at
+        which the ranks learn whether every part was written. A failure on any rank is raised on
+        every rank — its own error where it failed, else one naming the ranks that did."""
+        reports = self.all_gather(channel, {**report, "error": f"{type(error).__name__}: {error}" if error else None})
+        failed = [f"rank {r}: {p['error']}" for r, p in enumerate(reports) if p["error"]]
+        if failed:
+            if error is not None:
+                raise error
+            raise BackgroundWriteError(f"{what} was not committed: " + "; ".join(failed))
+        return reports
 
     def any(self, channel: str, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any: one small all-reduce."""

@@ -69,15 +69,13 @@ def write_dcp(store: Any, channel: str, step: int, tensors: dict[str, torch.Tens
         store.count_written_elsewhere(sum(f["nbytes"] for f in files))
     except BaseException as e:  # reported to every rank below
         error = e
-    reports = ranks.all_gather(channel, {"files": files, "skeleton": skeleton,
-                                         "error": f"{type(error).__name__}: {error}" if error else None})
-    failed = [f"rank {r}: {p['error']}" for r, p in enumerate(reports) if p["error"]]
-    if failed:
+    try:
+        reports = ranks.exchange(channel, {"files": files, "skeleton": skeleton}, error,
+                                 f"the DCP checkpoint of step {step}")
+    except BaseException:
         if ranks.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if error is not None:
-            raise error
-        raise CorruptCheckpointError(f"the DCP checkpoint of step {step} was not committed: " + "; ".join(failed))
+        raise
     objects = {f"dcp/{Path(o['name']).name}": ObjectInfo.from_json(o) for p in reports for o in p["files"]}
     manifest = Manifest(kind="full", step=step, objects=objects, meta={
         **(meta or {}), "format": "dcp", "world_size": ranks.world,

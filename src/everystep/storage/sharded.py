@@ -28,7 +28,7 @@ from typing import Any, Iterable
 import torch
 
 from ..distributed import Ranks
-from ..errors import BackgroundWriteError, CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from .base import Manifest, ObjectInfo
 from .dcp import read_dcp
 from ..transport.host import TensorLayout
@@ -111,14 +111,8 @@ def commit_parts(
         manifest = Manifest(kind=kind, step=step, objects={"tensors": info}, meta={**meta, **rank_meta}, requires=requires)
         store.commit(manifest)
         return manifest
-    report = {"info": info.to_json() if info else None, "pieces": plan.pieces, "meta": rank_meta,
-              "error": f"{type(error).__name__}: {error}" if error else None}
-    parts = ranks.all_gather(channel, report)
-    failed = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if p["error"]]
-    if failed:
-        if error is not None:
-            raise error
-        raise BackgroundWriteError(f"the {kind} checkpoint of step {step} was not committed: " + "; ".join(failed))
+    report = {"info": info.to_json() if info else None, "pieces": plan.pieces, "meta": rank_meta}
+    parts = ranks.exchange(channel, report, error, f"the {kind} checkpoint of step {step}")
     manifest = Manifest(
         kind=kind, step=step, requires=requires,
         objects={f"tensors-r{r}": ObjectInfo.from_json(p["info"]) for r, p in enumerate(parts)},
