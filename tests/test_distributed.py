@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ from everystep.storage.local import LocalStore
 from everystep.policy import deadline_margin
 from everystep.stopping import StopWatch, deadline_from_environment
 from everystep.storage.sharded import ShardPlan
+from everystep.strategies.lowdiff_plus import common_step
 
 STEPS = 14
 JOB = dict(workload="gpt2-tiny", steps=STEPS, nproc=2, progress=False)
@@ -81,6 +83,7 @@ def test_background_commits_never_wait_on_the_training_group(delayed, reference)
     ("full_sync", None, "hardware", {"every": 3, "stagger": 1}),
     ("checkfreq", None, "software", {}),
     ("lowdiff", "topk:0.01", "software", {"every": 5, "options": {"batch": 2}}),
+    ("lowdiff_plus", None, "software", {"every": 3}),
 ])
 def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference, strategy, compress, mode, extra):
     # Step 4 kills rank 1 and step 7 rank 0, each in the middle of a checkpoint write (seed 0).
@@ -89,6 +92,57 @@ def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference
     assert [r["failed_at"] for r in summary["recoveries"]] == [4, 7]
     assert summary["rank_state_sha256"] == ref["rank_state_sha256"]
     assert summary["losses"] == ref["losses"]
+    if strategy == "lowdiff_plus":  # the agents outlive their training processes; each rank has its own
+        assert [r["source"] for r in summary["recoveries"]] == ["memory", "memory"]
+        assert all(r["resumed_from"] >= r["failed_at"] - 2 for r in summary["recoveries"])  # at most one done step lost
+        _assert_agents_gone(tmp_path / strategy)
+        store = LocalStore.open(tmp_path / strategy)
+        assert verify_store(store) == []  # the agents' parts committed, or collected at the restart
+        assert max(r.manifest.step for r in store.manifests() if r.manifest) == STEPS
+
+
+def _assert_agents_gone(directory: Path) -> None:
+    """Each agent that announced itself here (an agent killed cannot withdraw its file) has exited."""
+    pids = [json.loads(p.read_text())["pid"] for p in directory.glob("agent*.json")]
+    deadline = time.monotonic() + 30
+    while (alive := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, "a checkpoint agent outlived the job"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_an_agent_lost_on_one_rank_turns_every_rank_to_its_own_full_checkpoints(tmp_path, reference, capfd, monkeypatch):
+    monkeypatch.setenv("EVERYSTEP_CRASH", "agent.step:5@1")  # rank 1's agent dies at its fifth step
+    summary = _job(tmp_path, "lowdiff_plus", every=4)
+    assert summary["rank_state_sha256"] == reference[None]["rank_state_sha256"]
+    assert summary["losses"] == reference[None]["losses"]
+    err = capfd.readouterr().err
+    # Both ranks fall back together, at the first agreement after the loss (step 8), naming rank 1.
+    assert err.count("recovery from memory is off and the training process writes full checkpoints every 4 steps") == 2
+    assert "is lost: rank 1:" in err
+    _assert_agents_gone(tmp_path / "lowdiff_plus")
+    store = LocalStore.open(tmp_path / "lowdiff_plus")
+    steps = sorted(r.manifest.step for r in store.manifests() if r.manifest)
+    assert steps == [12, STEPS]  # the training processes' own checkpoints, every 4 steps from 8, and the final one
+
+
+@pytest.mark.parametrize("reachable, on_disk, expected", [
+    ([[7, 8], [6, 7]], 3, 7),  # one agent a step ahead: the step both can reach
+    ([[7], [7, 8]], 3, 7),
+    ([[8, 9], [8, 9]], 3, 9),
+    ([[7], [8]], 3, None),  # nothing in common
+    ([[7, 8], None], 3, None),  # a rank without its agent
+    ([[7, 8], [7, 8]], 9, None),  # storage holds a newer checkpoint
+    ([[5]], 5, 5),
+])
+def test_ranks_recover_from_memory_only_at_a_step_every_agent_holds(reachable, on_disk, expected):
+    assert common_step(reachable, on_disk) == expected
 
 
 def test_a_part_that_fails_on_one_rank_is_raised_on_every_rank_and_nothing_is_committed(tmp_path, monkeypatch, capfd):

@@ -159,6 +159,9 @@ class Checkpointer:
         if self.store is None:
             return 0
         found, t0 = None, 0.0
+        agree = getattr(self.strategy, "agree_restore", None)
+        if agree is not None:
+            agree()  # collective: before the staggered waves, every rank at once
         per_wave = self.stagger or self.ranks.world
         waves = -(-self.ranks.world // per_wave)
         error: BaseException | None = None
@@ -257,6 +260,15 @@ class Checkpointer:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
             self._failed = True  # the state may be mid-step: no final checkpoint
+            abandon = getattr(self.strategy, "abandon", None)
+            if abandon is not None:
+                # Like a crash: what outlives the process (a checkpoint agent's replica) stays for
+                # a restarted one — under several ranks, this is how a rank ends when a peer died.
+                self._closed = True
+                self._hooks.remove()
+                self._watch.restore_signals()
+                abandon()
+                return
             try:
                 self.close()
             except EverystepError as e:

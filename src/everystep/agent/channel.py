@@ -25,9 +25,15 @@ import xxhash
 
 from ..transport.host import tensor_bytes
 
-__all__ = ["AgentAddress", "listen", "connect", "hang_up", "send_fds", "recv_fds", "digest", "DISCOVERY_FILE"]
+__all__ = ["AgentAddress", "discovery_file", "listen", "connect", "hang_up", "send_fds", "recv_fds", "digest", "DISCOVERY_FILE"]
 
 DISCOVERY_FILE = "agent.json"
+
+
+def discovery_file(rank: int, world: int) -> str:
+    """Where the agent of a training process is recorded: ``agent.json``, or ``agent-r{rank}.json``
+    for each rank of a job of several."""
+    return DISCOVERY_FILE if world == 1 else f"agent-r{rank}.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,25 +48,25 @@ class AgentAddress:
         address = "\0" + name if sys.platform.startswith("linux") else os.path.join(tempfile.gettempdir(), name)
         return cls(address=address, authkey=secrets.token_hex(16))
 
-    def publish(self, directory: Path) -> None:
-        """Write ``agent.json`` atomically, readable by its owner only."""
-        tmp = directory / f".{DISCOVERY_FILE}.{os.getpid()}"
+    def publish(self, directory: Path, name: str = DISCOVERY_FILE) -> None:
+        """Write ``directory/name`` atomically, readable by its owner only."""
+        tmp = directory / f".{name}.{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(asdict(self), f)
-        os.replace(tmp, directory / DISCOVERY_FILE)
+        os.replace(tmp, directory / name)
 
     @classmethod
-    def find(cls, directory: Path) -> "AgentAddress | None":
+    def find(cls, directory: Path, name: str = DISCOVERY_FILE) -> "AgentAddress | None":
         try:
-            return cls(**json.loads((directory / DISCOVERY_FILE).read_text()))
+            return cls(**json.loads((directory / name).read_text()))
         except (OSError, ValueError, TypeError):
             return None
 
-    def withdraw(self, directory: Path) -> None:
-        """Remove ``agent.json`` if it still names this agent."""
-        if AgentAddress.find(directory) == self:
-            (directory / DISCOVERY_FILE).unlink(missing_ok=True)
+    def withdraw(self, directory: Path, name: str = DISCOVERY_FILE) -> None:
+        """Remove ``directory/name`` if it still names this agent."""
+        if AgentAddress.find(directory, name) == self:
+            (directory / name).unlink(missing_ok=True)
 
 
 def listen(address: AgentAddress) -> socket.socket:

@@ -17,12 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EverystepError
-from .channel import AgentAddress, connect, hang_up, message, recv_fds, send_fds
+from .channel import DISCOVERY_FILE, AgentAddress, connect, hang_up, message, recv_fds, send_fds
 from .process import AgentConfig
 
 __all__ = ["AgentLink", "AgentLostError"]
 
 LOG_FILE = "agent.log"
+
+
+def log_file(rank: int, world: int) -> str:
+    """Where an agent's output goes: ``agent.log``, or ``agent-r{rank}.log`` in a job of several ranks."""
+    return LOG_FILE if world == 1 else f"agent-r{rank}.log"
 
 
 class AgentLostError(EverystepError):
@@ -62,9 +67,9 @@ class AgentLink:
     # -- finding or starting an agent ----------------------------------------------------------
 
     @classmethod
-    def find(cls, directory: Path) -> "AgentLink | None":
-        """The live agent that ``directory/agent.json`` names, or None."""
-        address = AgentAddress.find(directory)
+    def find(cls, directory: Path, name: str = DISCOVERY_FILE) -> "AgentLink | None":
+        """The live agent that ``directory/name`` (``agent.json``) names, or None."""
+        address = AgentAddress.find(directory, name)
         if address is None or not _alive(address.pid):
             return None
         try:
@@ -80,7 +85,8 @@ class AgentLink:
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "EVERYSTEP_AGENT": json.dumps(asdict(address)),
                "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-        log = open(Path(config.directory) / LOG_FILE, "ab")
+        log_path = Path(config.directory) / log_file(config.rank, config.world)
+        log = open(log_path, "ab")
         try:
             process = subprocess.Popen([sys.executable, "-m", "everystep.agent", json.dumps(asdict(config))], env=env,
                                        stdin=subprocess.DEVNULL, stdout=log, stderr=log)
@@ -93,7 +99,7 @@ class AgentLink:
             except OSError:
                 if process.poll() is not None:
                     raise AgentLostError(f"the checkpoint agent exited with status {process.returncode} before it "
-                                         f"listened; see {Path(config.directory) / LOG_FILE}") from None
+                                         f"listened; see {log_path}") from None
                 if time.monotonic() > deadline:
                     process.kill()
                     process.wait()

@@ -7,9 +7,23 @@ then waits ``grace`` seconds for a restarted training process to take the replic
 and exits if none comes. A training process that closes cleanly tells the agent to persist what
 it has and exit. So the agent never outlives its job by more than ``grace`` seconds.
 
+In a job of several ranks (``world`` > 1) each rank has an agent of its own, and two things
+change, because the agents' replicas and checkpoints must agree across ranks:
+
+- The agent persists exactly the steps its training process marks (``persist`` in the step
+  message; every rank marks the same steps), and only writes its part of the checkpoint (its
+  share of the replicated tensors and its own per-rank state); the training process commits it
+  with the other ranks' parts. It never persists on its own, so not after its training process
+  is gone either: the newest committed checkpoint stays the newest on storage.
+- It applies step t only once step t+1 arrives (or at ``sync``): a rank sends step t+1 only after
+  its backward pass of t+1, whose gradient all-reduce needed every rank to have sent step t. So
+  after a failure every agent holds the step all ranks completed, applied or pending, and
+  ``fetch`` brings each to the one step the restarted ranks agreed on.
+
 Messages (training → agent): ``hello``, ``fetch``, ``init`` (+ state descriptor), ``slots``
 (+ slot descriptors), ``step``, ``sync``, ``close``. Agent → training: ``hello``, ``replica``
-(+ descriptor), ``done`` (a slot is free), ``persisted``, ``synced``, ``diverged``, ``error``.
+(+ descriptor), ``done`` (a slot is free), ``persisted`` (or, under several ranks, ``part``: this
+rank's part is written), ``synced``, ``diverged``, ``error``.
 """
 
 from __future__ import annotations
@@ -31,12 +45,15 @@ from typing import Any
 
 import torch
 
+from .._faults import crash_point
+from ..distributed import Ranks
 from ..storage.local import LocalStore
-from ..storage.tensorfile import buffer_chunks
+from ..storage.sharded import ShardPlan, write_part
+from ..storage.tensorfile import buffer_chunks, tensor_chunks
 from ..strategies._full import write_full
-from ..transport.host import HostBuffer
+from ..transport.host import HostBuffer, TensorLayout
 from ..transport.shared import SharedRegion
-from .channel import AgentAddress, accept, digest, listen, message, recv_fds, send_fds
+from .channel import AgentAddress, accept, digest, discovery_file, listen, message, recv_fds, send_fds
 from .replica import Replica
 
 __all__ = ["AgentConfig", "Agent", "main"]
@@ -52,6 +69,13 @@ class AgentConfig:
     busy: float = 0.25
     grace: float = 30.0
     threads: int = 1
+    rank: int = 0
+    world: int = 1
+    """The job's ranks: more than one makes the agent write parts and defer each step by one."""
+
+    @property
+    def discovery(self) -> str:
+        return discovery_file(self.rank, self.world)
 
 
 class Agent:
@@ -59,7 +83,9 @@ class Agent:
         self.config = config
         self.address = address
         self.directory = Path(config.directory)
-        self.store = LocalStore.open(self.directory, strategy=config.strategy, create=False)
+        # The training process opened and checked the directory (strategy, world size) before it
+        # started the agent; a rank's agent is not in the job's process groups, so it checks nothing.
+        self.store = LocalStore.open(self.directory, strategy=None, create=False)
         self.replica: Replica | None = None
         self.slots: list[HostBuffer] = []
         self._regions: list[SharedRegion] = []
@@ -71,26 +97,36 @@ class Agent:
         self._persisted = -1  # newest step written or being written
         self._write_seconds: float | None = None
         self._arrivals: list[float] = []
+        self.shared = config.world > 1
+        self._pending: dict[str, Any] | None = None
+        """Under several ranks: the newest step message, applied when the next arrives."""
+        self._replicated: set[str] = set()
 
     # -- serving -------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        listener = listen(self.address)
-        AgentAddress(address=self.address.address, authkey=self.address.authkey, pid=os.getpid()).publish(self.directory)
+        # Published before it listens: the training process connects as soon as it can, and may die
+        # right after; its successor must find this agent.
+        me = AgentAddress(address=self.address.address, authkey=self.address.authkey, pid=os.getpid())
+        me.publish(self.directory, self.config.discovery)
+        listener = None
         try:
+            listener = listen(self.address)
             wait = max(self.config.grace, 60.0)  # the first training process is starting up
             while (conn := accept(listener, self.address.authkey, wait)) is not None:
                 self._conn = conn
                 if self._session(conn) == "close":
                     break
                 self._conn = None
-                self._persist_newest()  # the training process is gone: make the newest step durable
+                if not self.shared:
+                    self._persist_newest()  # the training process is gone: make the newest step durable
                 wait = self.config.grace
         finally:
-            listener.close()
+            if listener is not None:
+                listener.close()
             self._finish_persist()
             self._writer.shutdown(wait=True)
-            AgentAddress(address=self.address.address, authkey=self.address.authkey, pid=os.getpid()).withdraw(self.directory)
+            me.withdraw(self.directory, self.config.discovery)
 
     def _session(self, conn: connection.Connection) -> str:
         try:
@@ -98,7 +134,9 @@ class Agent:
                 msg = conn.recv()
                 kind = msg["kind"]
                 if kind == "close":
-                    self._persist_newest()
+                    self._apply_pending()
+                    if not self.shared:
+                        self._persist_newest()
                     self._finish_persist()
                     self._send("closed", step=self.replica.step if self.replica else None)
                     return "close"
@@ -107,7 +145,8 @@ class Agent:
             return "lost"
         finally:
             conn.close()
-            self._drop_slots()
+            if self._pending is None:  # a pending step's gradients are in a slot
+                self._drop_slots()
 
     def _handle(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         """Serve one request. Anything but a broken connection is fatal: the training process is
@@ -121,6 +160,8 @@ class Agent:
             what = {"step": f"applying step {msg.get('step')} to the replica",
                     "init": f"taking over the training state of step {msg.get('step')}"}.get(kind, f"the agent's {kind!r}")
             self._send("error", fatal=True, what=what, detail="".join(traceback.format_exception_only(e)).strip())
+            print(f"everystep agent: {what} failed", file=sys.stderr)
+            traceback.print_exc()
             raise SystemExit(1) from e
 
     def _send(self, kind: str, *, fds: list[int] | None = None, **fields: Any) -> None:
@@ -139,13 +180,24 @@ class Agent:
     # -- requests ------------------------------------------------------------------------------
 
     def _on_hello(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
+        self._finish_persist()  # a new training process: nothing of the old one is in flight after this
         r = self.replica
         servable = r is not None and r.servable()
-        self._send("hello", pid=os.getpid(), step=r.step if servable and r else None, persisted=self._persisted)
+        pending = self._pending["step"] if servable and self._pending is not None else None
+        self._send("hello", pid=os.getpid(), step=r.step if servable and r else None, pending=pending,
+                   persisted=self._persisted)
 
     def _on_fetch(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         r = self.replica
         assert r is not None
+        target = msg.get("step")
+        if target is not None and self._pending is not None:
+            if self._pending["step"] == target:
+                # Its commit, and its slot, went with the old training process.
+                self._apply(self._pending, persist=False, notify=False)
+            self._pending = None
+        if target is not None and r.step != target:
+            raise ValueError(f"the replica is at step {r.step} and cannot serve step {target}")
         self._send("replica", fds=[r.region.fd], step=r.step, layout=r.layout, skeleton=r.skeleton)
 
     def _on_init(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
@@ -154,6 +206,8 @@ class Agent:
             self.replica.region.close()
         self.replica = Replica(step=msg["step"], region=SharedRegion(msg["layout"].nbytes, fd=fd), layout=msg["layout"],
                                skeleton=msg["skeleton"], index_keys=msg["index_keys"], optimizer_class=msg["optimizer_class"])
+        self._pending = None
+        self._replicated = set(msg.get("replicated", ()))
         if msg["persist"]:
             self._start_persist()
         else:
@@ -166,12 +220,29 @@ class Agent:
         self.slots = [HostBuffer(msg["layout"], data=r.data) for r in self._regions]
 
     def _on_step(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
-        r = self.replica
-        assert r is not None, "a step arrived before the replica was initialised"
+        assert self.replica is not None, "a step arrived before the replica was initialised"
+        crash_point("agent.step")
         self._arrivals = (self._arrivals + [time.perf_counter()])[-21:]
+        if not self.shared:
+            self._apply(msg, persist=None)
+            return
+        self._apply_pending()
+        self._pending = msg
+
+    def _apply_pending(self) -> None:
+        if self._pending is not None:
+            msg, self._pending = self._pending, None
+            self._apply(msg, persist=msg["persist"])
+
+    def _apply(self, msg: dict[str, Any], *, persist: bool | None, notify: bool = True) -> None:
+        """Apply one step, free its slot (``notify``), then persist it if ``persist``, or, with None,
+        if it is due."""
+        r = self.replica
+        assert r is not None
         r.apply(msg["step"], self.slots[msg["slot"]], groups=msg["groups"], skipped=msg["skipped"],
                 has_grad=msg["has_grad"], skeleton=msg["skeleton"])
-        self._send("done", slot=msg["slot"], step=r.step)
+        if notify:
+            self._send("done", slot=msg["slot"], step=r.step)
         check = msg.get("digest")
         if check is not None:
             lacking = [k for k in check["keys"] if k not in r.tensors]
@@ -181,10 +252,15 @@ class Agent:
                 mine = digest(r.tensors, check["keys"], check["sample"])
                 if mine != check["value"]:
                     self._send("diverged", step=r.step, detail=f"digest {mine} of the replica, {check['value']} of the live state")
-        if self._due(r.step):
+        if persist or (persist is None and self._due(r.step)):
             self._start_persist()
 
     def _on_sync(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
+        self._apply_pending()
+        if self.shared:
+            self._finish_persist()
+            self._send("synced", step=self.replica.step if self.replica else None, persisted=self._persisted)
+            return
         if msg.get("persist") and self.replica is not None and self._persisted < self.replica.step:
             self._finish_persist()
             self._start_persist()
@@ -206,7 +282,9 @@ class Agent:
         """P: the configured interval, or the one that keeps the writer busy ``busy`` of the time."""
         if self.config.every is not None:
             return self.config.every
-        if self._write_seconds is None or len(self._arrivals) < 3:
+        if self._write_seconds is None:
+            return 1  # nothing written yet (a start from storage): the next write measures it
+        if len(self._arrivals) < 3:
             return 1 << 30
         step_seconds = statistics.median(b - a for a, b in zip(self._arrivals, self._arrivals[1:]))
         return max(1, math.ceil(self._write_seconds / (self.config.busy * max(step_seconds, 1e-9))))
@@ -235,6 +313,9 @@ class Agent:
         self._persist = self._writer.submit(self._write, r.step, self._persist_buffer, r.skeleton)
 
     def _write(self, step: int, buffer: HostBuffer, skeleton: Any) -> None:
+        if self.shared:
+            self._write_part(step, buffer, skeleton)
+            return
         try:
             t0 = time.perf_counter()
             manifest = write_full(self.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton,
@@ -245,6 +326,21 @@ class Agent:
         except BaseException as e:
             self._send("error", fatal=False, what=f"the agent's write of the checkpoint at step {step}",
                        detail="".join(traceback.format_exception_only(e)).strip())
+
+    def _write_part(self, step: int, buffer: HostBuffer, skeleton: Any) -> None:
+        """This rank's part of the checkpoint of ``step``; its training process commits it with the others."""
+        t0 = time.perf_counter()
+        info, error, pieces = None, None, {}
+        try:
+            plan = ShardPlan.of(buffer.views, self._replicated, Ranks(rank=self.config.rank, world=self.config.world))
+            pieces = plan.pieces
+            info = write_part(self.store, "full", step, tensor_chunks(TensorLayout.of(plan.local), plan.local),
+                              Ranks(rank=self.config.rank, world=self.config.world))
+            self._write_seconds = time.perf_counter() - t0
+        except BaseException as e:
+            error = "".join(traceback.format_exception_only(e)).strip()
+        self._send("part", step=step, info=info.to_json() if info else None, pieces=pieces,
+                   meta={"skeleton": skeleton}, error=error, seconds=time.perf_counter() - t0)
 
     def _finish_persist(self) -> None:
         if self._persist is not None:

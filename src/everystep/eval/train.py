@@ -355,6 +355,7 @@ class _Job:
         spec = {"config": {**asdict(cfg), "fail_at": []}, "plan": pending}
         port = _free_port()
         self.interrupted = False
+        self.software = cfg.fail_mode == "software"
         self.journals = journals
         self.started_before = [_starts(j) for j in journals]
         self.held: int | None = None
@@ -390,25 +391,31 @@ class _Job:
               file=sys.stderr)
         self.forward(signal.SIGTERM, frame)
 
-    def kill(self) -> None:
+    def kill(self, *, groups: bool = True) -> None:
+        """Kill every rank still running: with ``groups``, with everything it started (its agent);
+        without, the training processes alone, as a software failure leaves the machine."""
         for p in self.procs:
             if p.poll() is None:
                 try:
-                    os.killpg(p.pid, signal.SIGKILL)
+                    if groups:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    else:
+                        p.kill()
                 except ProcessLookupError:
                     pass
         for p in self.procs:
             p.wait()
 
     def wait(self) -> list[int]:
-        """Exit statuses; when one rank fails the others are killed (their peers are gone)."""
+        """Exit statuses; when one rank fails the others are killed (their peers are gone). After a
+        planned software failure only the training processes die; their agents live on."""
         while True:
             codes = [p.poll() for p in self.procs]
             if all(c is not None for c in codes):
                 return codes  # type: ignore[return-value]
             self._pass_held()
             if any(c is not None and c != 0 for c in codes):
-                self.kill()
+                self.kill(groups=not (self.software and -signal.SIGKILL in codes))
                 return [p.returncode if c is None else c for p, c in zip(self.procs, codes)]
             time.sleep(0.02)
 

@@ -34,7 +34,7 @@ from .dcp import read_dcp
 from ..transport.host import TensorLayout
 from .tensorfile import load_tensors, tensor_chunks
 
-__all__ = ["ShardPlan", "commit_parts", "commit_tensors", "read_parts"]
+__all__ = ["ShardPlan", "commit_parts", "commit_tensors", "commit_written", "read_parts", "write_part"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,11 @@ def object_name(kind: str, step: int, ranks: Ranks) -> str:
     return f"{kind}-{step:012d}{suffix}.safetensors"
 
 
+def write_part(store: Any, kind: str, step: int, chunks: Iterable[memoryview], ranks: Ranks) -> ObjectInfo:
+    """Write one rank's part of a checkpoint, durable but not yet part of any manifest."""
+    return store.write_object(object_name(kind, step, ranks), chunks)
+
+
 def commit_parts(
     store: Any,
     channel: str,
@@ -96,14 +101,33 @@ def commit_parts(
     ``error`` set when this rank's part could not even be prepared), so that no rank waits alone;
     a failure on any rank is raised on every rank and nothing is committed.
     """
-    ranks: Ranks = store.ranks
     info: ObjectInfo | None = None
     if error is None:
         try:
             assert chunks is not None
-            info = store.write_object(object_name(kind, step, ranks), chunks)
+            info = write_part(store, kind, step, chunks, store.ranks)
         except BaseException as e:  # reported to every rank below
             error = e
+    return commit_written(store, channel, kind=kind, step=step, info=info, pieces=plan.pieces, meta=meta,
+                          rank_meta=rank_meta, requires=requires, error=error)
+
+
+def commit_written(
+    store: Any,
+    channel: str,
+    *,
+    kind: str,
+    step: int,
+    info: ObjectInfo | None,
+    pieces: dict[str, list[Any]],
+    meta: dict[str, Any],
+    rank_meta: dict[str, Any],
+    requires: tuple[str, ...] = (),
+    error: BaseException | None = None,
+) -> Manifest:
+    """The commit half of :func:`commit_parts`, for a part written elsewhere (``info``) or not at
+    all (``error``): the ranks exchange what they wrote, and rank 0 commits if every part is there."""
+    ranks: Ranks = store.ranks
     if not ranks.distributed:
         if error is not None:
             raise error
@@ -111,7 +135,7 @@ def commit_parts(
         manifest = Manifest(kind=kind, step=step, objects={"tensors": info}, meta={**meta, **rank_meta}, requires=requires)
         store.commit(manifest)
         return manifest
-    report = {"info": info.to_json() if info else None, "pieces": plan.pieces, "meta": rank_meta}
+    report = {"info": info.to_json() if info else None, "pieces": pieces, "meta": rank_meta}
     parts = ranks.exchange(channel, report, error, f"the {kind} checkpoint of step {step}")
     manifest = Manifest(
         kind=kind, step=step, requires=requires,

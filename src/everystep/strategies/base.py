@@ -2,7 +2,9 @@
 
 Call order (enforced by :class:`~everystep.Checkpointer`):
 
-1. ``attach(ctx)`` once, before anything else.
+1. ``attach(ctx)`` once, before anything else. Optional, at restore: ``agree_restore()`` on
+   every rank at once (it may use collectives), then ``restore()`` (ranks may be staggered),
+   then ``on_start(step)``.
 2. ``load_state_dict(state)`` when recovery found strategy-owned state.
 3. For each training step t = 1, 2, …:
    a. ``on_step_end(t)`` right after the update of step t;

@@ -20,8 +20,18 @@ storage (``disk``). Every ``verify_every`` steps the agent compares a digest of 
 optimizer state with the live ones and a divergence is reported as a warning, then repaired by
 sending the agent the full state.
 
+Several ranks: each rank has an agent of its own, which holds a whole replica of its rank's
+state (what DDP replicates, and the rank's own RNG, data position and residuals). The ranks mark
+the same steps for persistence — they agree on the interval, and on whether any rank lost its
+agent, in one small all-gather on the ``control`` channel every ``every`` steps (every 8 with the
+measured default) — and each agent writes its rank's part of the checkpoint, which the training
+process commits with the other ranks' parts on its ``full`` channel thread. Agents apply a step
+only when the next one arrives (see :mod:`everystep.agent.process`); at recovery the ranks agree
+on a step every agent can serve, else all load from storage. When any rank's agent is lost, every
+rank falls back at the next agreement. An agent never persists once its training process is gone.
+
 Backpressure: at most ``queue`` steps are in flight (memory: ``queue`` slots of one gradient
-each). Training waits for a free slot, and the wait is measured (``snapshot_wait_seconds``). An
+each, one more under several ranks for the step an agent holds back). Training waits for a free slot, and the wait is measured (``snapshot_wait_seconds``). An
 agent that frees no slot within ``agent_timeout`` seconds, or whose connection breaks, is lost:
 training warns, ends it if it still runs, and goes on with CheckFreq full checkpoints written by
 the training process itself.
@@ -30,7 +40,9 @@ the training process itself.
 from __future__ import annotations
 
 import functools
+import math
 import queue
+import statistics
 import threading
 import time
 import warnings
@@ -39,11 +51,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..agent.channel import digest
+from ..agent.channel import digest, discovery_file
 from ..agent.client import AgentLink, AgentLostError
 from ..agent.process import AgentConfig
 from ..agent.replica import optimizer_class_path, slot_layout
-from ..errors import ConfigError
+from ..errors import BackgroundWriteError, ConfigError
+from ..storage.base import ObjectInfo
+from ..storage.sharded import commit_written
 from ..recovery import Recovered
 from ..replay import group_scalars
 from ..state import _storage_key, unflatten
@@ -53,7 +67,7 @@ from ._diff import restore_base
 from .base import BackgroundErrors, StrategyConfig, StrategyContext
 from .checkfreq import CheckFreq, CheckFreqConfig
 
-__all__ = ["LowDiffPlus", "LowDiffPlusConfig"]
+__all__ = ["LowDiffPlus", "LowDiffPlusConfig", "common_step"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -88,6 +102,15 @@ class LowDiffPlusConfig(StrategyConfig):
             raise ConfigError("grace and agent_timeout must be positive and busy in (0, 1]")
 
 
+def common_step(reachable: list[list[int] | None], on_disk: int) -> int | None:
+    """The newest step that every rank's agent can serve (each lists the steps it can reach; None:
+    no agent), provided storage holds nothing newer; else None (recover from storage)."""
+    if not reachable or any(r is None for r in reachable):
+        return None
+    best = max(set.intersection(*(set(r) for r in reachable if r is not None)), default=None)
+    return best if best is not None and best >= on_disk else None
+
+
 class LowDiffPlus:
     name: ClassVar[str] = "lowdiff_plus"
     needs_store: ClassVar[bool] = True
@@ -116,16 +139,22 @@ class LowDiffPlus:
         self._persisted: list[int] = []
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._abandoned = False
+        # Several ranks: the agreement, and the commits of the agents' parts.
+        self._found: tuple[AgentLink | None, int | None] = (None, None)
+        self._commits: queue.Queue[int | None] = queue.Queue()
+        self._parts: dict[int, dict[str, Any]] = {}
+        self._parts_ready = threading.Condition()
+        self._committer: threading.Thread | None = None
+        self._next_check = 0
+        self._last_persist = 0
+        self._write_seconds = 0.0
+        self._step_marks: list[float] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def attach(self, ctx: StrategyContext) -> None:
-        if ctx.ranks.distributed:
-            raise ConfigError(
-                "lowdiff_plus runs one checkpoint agent for one training process; under several ranks use "
-                "checkfreq, full_sync, lowdiff or naive_diff"
-            )
         self.ctx = ctx
+        self.shared = ctx.ranks.distributed
         self.params = [p for g in ctx.components.optimizer.param_groups for p in g["params"]]
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self.params) if p.requires_grad]
@@ -136,35 +165,54 @@ class LowDiffPlus:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
-    def restore(self) -> Recovered | None:
-        """The agent's replica if one is alive and at least as new as storage, else the newest full checkpoint."""
-        store, c = self.ctx.store, self.ctx.components
+    def agree_restore(self) -> None:
+        """Every rank asks its agent what it holds; together they choose a step every agent can
+        serve and that is no older than storage's newest, or storage. (Collective: every rank calls
+        this at once, before :meth:`restore`.)"""
+        store, ranks = self.ctx.store, self.ctx.ranks
         assert store is not None
-        t0 = time.perf_counter()
-        link = AgentLink.find(store.root)
-        if link is None:
-            store.collect_garbage()  # no agent writes here now
-        else:
+        link = AgentLink.find(store.root, discovery_file(ranks.rank, ranks.world))
+        reachable: list[int] | None = None
+        if link is not None:
             try:
-                hello = link.call("hello", reply="hello", timeout=self.config.agent_timeout)
-                on_disk = max((r.manifest.step for r in store.manifests() if r.manifest and r.manifest.kind == "full"),
-                              default=-1)
-                if hello["step"] is not None and hello["step"] >= on_disk:
-                    step = self._fetch(link)
-                    self.link = link
-                    return Recovered(step=step, tree={}, source="memory", manifest=None, seconds=time.perf_counter() - t0)
-                self.link = link
+                hello = link.call("hello", reply="hello", timeout=self.config.agent_timeout + 600)
+                if hello["step"] is not None:
+                    reachable = [hello["step"]] + ([hello["pending"]] if hello.get("pending") is not None else [])
             except AgentLostError as e:
                 warnings.warn(f"the checkpoint agent (pid {link.pid}) could not serve its replica ({e}); "
                               "recovering from storage", RuntimeWarning, stacklevel=3)
                 link.kill()
+                link = None
+        on_disk = max((r.manifest.step for r in store.manifests() if r.manifest and r.manifest.kind == "full"), default=-1)
+        views = ranks.all_gather("control", {"agent": link is not None, "reachable": reachable, "disk": on_disk})
+        if ranks.rank == 0:
+            store.collect_garbage()  # every agent has finished its writes (before its hello): what is left is garbage
+        ranks.barrier("control")
+        target = common_step([v["reachable"] for v in views], max(v["disk"] for v in views))
+        if target is None and self.shared and reachable is not None:
+            ahead = [f"rank {r}: {v['reachable']}" for r, v in enumerate(views)]
+            warnings.warn(f"the checkpoint agents hold no step in common that is newer than storage's ({', '.join(ahead)}); "
+                          "recovering from storage", RuntimeWarning, stacklevel=3)
+        self._found = (link, target)
+
+    def restore(self) -> Recovered | None:
+        """The agent's replica if :meth:`agree_restore` chose it, else the newest full checkpoint."""
+        store, c = self.ctx.store, self.ctx.components
+        assert store is not None
+        t0 = time.perf_counter()
+        link, target = self._found
+        self._found = (None, None)
+        self.link = link
+        if link is not None and target is not None:
+            step = self._fetch(link, target)
+            return Recovered(step=step, tree={}, source="memory", manifest=None, seconds=time.perf_counter() - t0)
         full = restore_base(store, c)
         if full is None:
             return None
         return Recovered(step=full.step, tree={}, source="disk", manifest=full, seconds=time.perf_counter() - t0)
 
-    def _fetch(self, link: AgentLink) -> int:
-        reply = link.call("fetch", reply="replica", timeout=self.config.agent_timeout)
+    def _fetch(self, link: AgentLink, step: int) -> int:
+        reply = link.call("fetch", reply="replica", timeout=self.config.agent_timeout, step=step)
         (fd,) = link.receive_fds(1)
         region, buffer = SharedRegion.holding(reply["layout"], fd=fd)
         # The model copies into its parameters; anything else (optimizer state above all) may keep
@@ -182,17 +230,31 @@ class LowDiffPlus:
         assert store is not None
         tensors, skeleton = self.ctx.flatten_state(step)
         self._index_keys = self._keys_of_params(tensors)
+        ranks = self.ctx.ranks
         if self.link is None:
             self.link = AgentLink.spawn(AgentConfig(
                 directory=str(store.root), strategy=self.name, keep=self.config.keep, every=self.config.every,
-                busy=self.config.busy, grace=self.config.grace, threads=self.config.agent_threads))
+                busy=self.config.busy, grace=self.config.grace, threads=self.config.agent_threads,
+                rank=ranks.rank, world=ranks.world))
+        if self.shared:
+            self._last_persist = step
+            self._next_check = self._check_after(step)
+            self._committer = threading.Thread(target=self._commit_loop, name="everystep-agent-commit", daemon=True)
+            self._committer.start()
         if not self._fetched:
             self._send_state(step, tensors, skeleton, persist=step == 0)
         self._make_slots(tensors)
         self.link.start_reader(
-            {"done": self._on_done, "persisted": self._on_persisted, "diverged": self._on_diverged, "error": self._on_error},
+            {"done": self._on_done, "persisted": self._on_persisted, "part": self._on_part, "diverged": self._on_diverged,
+             "error": self._on_error},
             self._on_lost,
         )
+
+    def _check_after(self, step: int) -> int:
+        """The next step at which the ranks agree (several ranks): each multiple of ``every``, or
+        every 8 steps with the measured interval."""
+        every = self.config.every
+        return (step // every + 1) * every if every else step + 8
 
     # -- the agent's messages (reader thread) --------------------------------------------------
 
@@ -218,10 +280,19 @@ class LowDiffPlus:
     def _on_lost(self, reason: str) -> None:
         self._lose(reason)
 
+    def _on_part(self, msg: dict[str, Any]) -> None:
+        if msg["error"] is None:
+            self._write_seconds = msg["seconds"]
+        with self._parts_ready:
+            self._parts[msg["step"]] = msg
+            self._parts_ready.notify_all()
+
     def _lose(self, reason: str) -> None:
         if self._lost is None:
             self._lost = reason
         self._free.put(-1)  # wakes a waiting step
+        with self._parts_ready:
+            self._parts_ready.notify_all()  # and a commit waiting for a part
 
     # -- training path -------------------------------------------------------------------------
 
@@ -304,12 +375,19 @@ class LowDiffPlus:
         self._errors.raise_pending()
         if self._abandoned:
             return
-        if self.fallback is None and self._lost is not None:
-            self._fall_back(step)
+        persist = False
+        if self.fallback is None and self.shared:
+            self._step_marks = (self._step_marks + [time.perf_counter()])[-21:]
+            if final or step >= self._next_check:
+                persist = self._agree(step, final=final)
+        elif self.fallback is None and self._lost is not None:
+            self._fall_back(step, self._lost)
             return
         if self.fallback is not None:
             self.fallback.on_state_ready(step, final=final)
             return
+        if self._lost is not None:
+            return  # several ranks: every rank falls back at the next agreement
         assert self.link is not None
         tensors, skeleton = self.ctx.flatten_state(step)
         replayed, volatile = self._split(tensors)
@@ -318,14 +396,35 @@ class LowDiffPlus:
                 warnings.warn(f"the checkpoint agent's replica diverged from the live state ({'; '.join(self._diverged)}); "
                               f"sending it the full state of step {step}", RuntimeWarning, stacklevel=2)
             self._diverged = []
-            self._resync(step, tensors, skeleton)
+            self._resync(step, tensors, skeleton, persist=persist)
         else:
-            self._send_step(step, tensors, skeleton, replayed, volatile)
+            self._send_step(step, tensors, skeleton, replayed, volatile, persist=persist)
         if final:
             self._sync(persist=True)
 
+    def _agree(self, step: int, *, final: bool) -> bool:
+        """Several ranks: whether every rank persists ``step``; falls back on every rank if any
+        rank's agent is lost. One all-gather on the ``control`` channel, on every rank at once."""
+        marks = self._step_marks
+        step_seconds = statistics.median(b - a for a, b in zip(marks, marks[1:])) if len(marks) >= 3 else None
+        views = self.ctx.ranks.all_gather("control", {"lost": self._lost, "write": self._write_seconds, "step": step_seconds})
+        self._next_check = self._check_after(step)
+        lost = [f"rank {r}: {v['lost']}" for r, v in enumerate(views) if v["lost"]]
+        if lost:
+            self._fall_back(step, "; ".join(lost))
+            return False
+        if final or self.config.every:
+            return True
+        writes, steps = [v["write"] for v in views], [v["step"] for v in views]
+        if min(writes) <= 0:
+            return True  # no write measured yet (a start from storage): this one measures it
+        if any(x is None for x in steps):
+            return False
+        interval = max(1, math.ceil(max(writes) / (self.config.busy * max(steps))))
+        return step - self._last_persist >= interval
+
     def _send_step(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replayed: list[str],
-                   volatile: dict[str, torch.Tensor]) -> None:
+                   volatile: dict[str, torch.Tensor], *, persist: bool) -> None:
         assert self.link is not None
         if self._slot is None and not self._acquire():
             return  # lost while waiting; the next step falls back
@@ -338,12 +437,62 @@ class LowDiffPlus:
         if every and step % every == 0:
             check = {"keys": replayed, "sample": self.config.verify_sample,
                      "value": digest(tensors, replayed, self.config.verify_sample)}
+        self._expect_part(step, persist)
         try:
             self.link.send("step", step=step, slot=self._slot, groups=self._groups, skipped=self._skipped,
-                           has_grad=[] if self._skipped else self._has_grad, skeleton=skeleton, digest=check)
+                           has_grad=[] if self._skipped else self._has_grad, skeleton=skeleton, digest=check,
+                           persist=persist)
         except AgentLostError as e:
             self._lose(str(e))
         self._slot = None
+
+    def _expect_part(self, step: int, persist: bool) -> None:
+        """Several ranks: the agent will write its part of ``step``; the commit thread commits it."""
+        if persist:
+            self._last_persist = step
+            self._persisted = (self._persisted + [step])[-2:]
+            self._commits.put(step)
+
+    def _commit_loop(self) -> None:
+        while (step := self._commits.get()) is not None:
+            try:
+                self._commit(step)
+            finally:
+                self._commits.task_done()
+        self._commits.task_done()
+
+    def _commit(self, step: int) -> None:
+        """Commit the checkpoint of ``step`` once this rank's agent has written its part (every rank's
+        commit thread does this for the same steps in the same order)."""
+        store = self.ctx.store
+        assert store is not None
+        wait = self.config.agent_timeout + 600
+        deadline = time.monotonic() + wait
+        with self._parts_ready:
+            while step not in self._parts and self._lost is None and time.monotonic() < deadline:
+                self._parts_ready.wait(deadline - time.monotonic())
+            part = self._parts.pop(step, None)
+        if part is None and self._lost is None:
+            self._lose(f"its part of the checkpoint of step {step} did not come within {wait:.0f} s")
+        error: BaseException | None = None
+        if part is None:
+            error = AgentLostError(f"the checkpoint agent of rank {self.ctx.ranks.rank} is lost: {self._lost}")
+        elif part["error"]:
+            error = BackgroundWriteError(f"the checkpoint agent's write of its part failed: {part['error']}")
+        info = ObjectInfo.from_json(part["info"]) if part is not None and part["info"] else None
+        try:
+            commit_written(store, "full", kind="full", step=step, info=info, pieces=part["pieces"] if part else {},
+                           meta={"writer": "agent"}, rank_meta=part["meta"] if part else {}, error=error)
+        except BaseException as e:
+            if isinstance(e, AgentLostError) or AgentLostError.__name__ in str(e):
+                warnings.warn(f"the checkpoint of step {step} is not committed: {e}", RuntimeWarning, stacklevel=1)
+            else:
+                self._errors.record(f"the commit of the agents' checkpoint of step {step}", e)
+            return
+        assert part is not None and info is not None
+        store.retain(self.config.keep)
+        self.ctx.committed(step, count=False, seconds=part["seconds"])
+        store.count_written_elsewhere(info.nbytes)
 
     def _split(self, tensors: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, torch.Tensor]]:
         """The keys the agent's optimizer updates (parameters and their state), and everything else."""
@@ -370,10 +519,12 @@ class LowDiffPlus:
         event = snapshot_into(buffer, tensors)
         if event is not None:
             event.synchronize()
+        if self.shared:
+            self._expect_part(step, persist)
         try:
             self.link.send("init", fds=[region.fd], step=step, layout=buffer.layout, skeleton=skeleton,
                            index_keys=self._index_keys, optimizer_class=optimizer_class_path(self.ctx.components.optimizer),
-                           persist=persist)
+                           persist=persist, replicated=sorted(self.ctx.replicated_keys(tensors)))
         finally:
             region.close()
 
@@ -381,7 +532,7 @@ class LowDiffPlus:
         assert self.link is not None
         _, volatile = self._split(tensors)
         layout = slot_layout(dict(enumerate(self.params)), volatile)
-        regions = [SharedRegion.holding(layout) for _ in range(self.config.queue)]
+        regions = [SharedRegion.holding(layout) for _ in range(self.config.queue + self.shared)]
         try:
             self.link.send("slots", fds=[r.fd for r, _ in regions], count=len(regions), layout=layout)
         finally:
@@ -393,8 +544,10 @@ class LowDiffPlus:
         for i in range(len(regions)):
             self._free.put(i)
 
-    def _resync(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any) -> None:
+    def _resync(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, *, persist: bool) -> None:
         """Wait for every step in flight, then give the agent S_step whole and new slots."""
+        if self.shared:
+            self._sync(persist=False)  # the step an agent holds back frees its slot
         held = [self._slot] if self._slot is not None else []
         while len(held) < len(self._slots):
             if not self._acquire():
@@ -402,17 +555,24 @@ class LowDiffPlus:
             held.append(self._slot)  # type: ignore[arg-type]
         self._slot = None
         try:
-            self._send_state(step, tensors, skeleton, persist=False)
+            self._send_state(step, tensors, skeleton, persist=persist)
             self._make_slots(tensors)
         except AgentLostError as e:
             self._lose(str(e))
 
-    def _fall_back(self, step: int) -> None:
+    def _fall_back(self, step: int, reason: str) -> None:
+        """Stop using the agent (under several ranks: every rank's, at the same step) and write full
+        checkpoints from the training process, the first of S_step now."""
         assert self.link is not None
         interval = self.config.every or (self._persisted[1] - self._persisted[0] if len(self._persisted) == 2 else 10)
         warnings.warn(
-            f"the checkpoint agent (pid {self.link.pid}) is lost: {self._lost}; recovery from memory is off and the "
+            f"the checkpoint agent (pid {self.link.pid}) is lost: {reason}; recovery from memory is off and the "
             f"training process writes full checkpoints every {interval} steps from now on", RuntimeWarning, stacklevel=3)
+        if self.shared:
+            if self._lost is None:
+                self._sync(persist=False)  # the parts of steps already marked, then their commits
+            self._commits.join()
+            self._lose(reason)
         self.link.kill()
         self.fallback = CheckFreq(CheckFreqConfig(every=max(1, interval), keep=self.config.keep))
         self.fallback.attach(self.ctx)
@@ -431,19 +591,31 @@ class LowDiffPlus:
             self.fallback.wait()
         elif self.link is not None and self._lost is None and self._slots:
             self._sync(persist=False)
+        if self._committer is not None:
+            self._commits.join()
         self._errors.raise_pending()
+
+    def _stop_threads(self, *, wait: bool = True) -> None:
+        self._jobs.put(None)
+        self._copier.join()
+        for h in self._hooks:
+            h.remove()
+        if self._committer is not None:
+            self._commits.put(None)
+            if wait:  # else it may be in a commit whose peers are gone: it ends with its collective's timeout
+                self._committer.join()
 
     def abandon(self) -> None:
         """Leave the agent as a crashed training process would: no goodbye, no final persist.
 
         The agent keeps the replica for a restarted process (this is how the benchmark measures
-        recovery from memory). Only :meth:`close` may follow.
+        recovery from memory, and how a Checkpointer leaves on an exception). Only :meth:`close`
+        may follow.
         """
+        if self._abandoned:
+            return
         self._abandoned = True
-        self._jobs.put(None)
-        self._copier.join()
-        for h in self._hooks:
-            h.remove()
+        self._stop_threads(wait=False)
         if self.link is not None:
             self.link.hang_up()
             self.link = None
@@ -454,10 +626,7 @@ class LowDiffPlus:
         try:
             self.wait()
         finally:
-            self._jobs.put(None)
-            self._copier.join()
-            for h in self._hooks:
-                h.remove()
+            self._stop_threads()
             if self.link is not None:
                 if self._lost is None:
                     self.link.close(timeout=self.config.agent_timeout + 600)
