@@ -180,7 +180,8 @@ class Agent:
     # -- requests ------------------------------------------------------------------------------
 
     def _on_hello(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
-        self._finish_persist()  # a new training process: nothing of the old one is in flight after this
+        if self.shared:  # a new job: no part of the old one is written after this (its restart collects garbage)
+            self._finish_persist()
         r = self.replica
         servable = r is not None and r.servable()
         pending = self._pending["step"] if servable and self._pending is not None else None

@@ -185,8 +185,10 @@ class LowDiffPlus:
                 link = None
         on_disk = max((r.manifest.step for r in store.manifests() if r.manifest and r.manifest.kind == "full"), default=-1)
         views = ranks.all_gather("control", {"agent": link is not None, "reachable": reachable, "disk": on_disk})
-        if ranks.rank == 0:
-            store.collect_garbage()  # every agent has finished its writes (before its hello): what is left is garbage
+        # What a crash left is garbage once no agent writes: in one process, when there is no agent;
+        # under several ranks, always (an agent finishes its writes before it answers hello).
+        if ranks.rank == 0 and (ranks.distributed or not any(v["agent"] for v in views)):
+            store.collect_garbage()
         ranks.barrier("control")
         target = common_step([v["reachable"] for v in views], max(v["disk"] for v in views))
         if target is None and self.shared and reachable is not None:
