@@ -100,7 +100,6 @@ class Agent:
         self.shared = config.world > 1
         self._pending: dict[str, Any] | None = None
         """Under several ranks: the newest step message, applied when the next arrives."""
-        self._replicated: set[str] = set()
 
     # -- serving -------------------------------------------------------------------------------
 
@@ -208,7 +207,6 @@ class Agent:
         self.replica = Replica(step=msg["step"], region=SharedRegion(msg["layout"].nbytes, fd=fd), layout=msg["layout"],
                                skeleton=msg["skeleton"], index_keys=msg["index_keys"], optimizer_class=msg["optimizer_class"])
         self._pending = None
-        self._replicated = set(msg.get("replicated", ()))
         if msg["persist"]:
             self._start_persist()
         else:
@@ -333,7 +331,10 @@ class Agent:
         t0 = time.perf_counter()
         info, error, pieces = None, None, {}
         try:
-            plan = ShardPlan.of(buffer.views, self._replicated, Ranks(rank=self.config.rank, world=self.config.world))
+            assert self.replica is not None
+            # What DDP keeps the same on every rank: what the optimizer updates, as training's own plan.
+            replicated = set(self.replica.index_keys) | {k for k in buffer.views if k.startswith("/optimizer/state/")}
+            plan = ShardPlan.of(buffer.views, replicated, Ranks(rank=self.config.rank, world=self.config.world))
             pieces = plan.pieces
             info = write_part(self.store, "full", step, tensor_chunks(TensorLayout.of(plan.local), plan.local),
                               Ranks(rank=self.config.rank, world=self.config.world))

@@ -526,7 +526,7 @@ class LowDiffPlus:
         try:
             self.link.send("init", fds=[region.fd], step=step, layout=buffer.layout, skeleton=skeleton,
                            index_keys=self._index_keys, optimizer_class=optimizer_class_path(self.ctx.components.optimizer),
-                           persist=persist, replicated=sorted(self.ctx.replicated_keys(tensors)))
+                           persist=persist)
         finally:
             region.close()
 
