@@ -159,9 +159,10 @@ class Checkpointer:
         if self.store is None:
             return 0
         found, t0 = None, 0.0
-        agree = getattr(self.strategy, "agree_restore", None)
+        agree, agreeing = getattr(self.strategy, "agree_restore", None), time.perf_counter()
         if agree is not None:
             agree()  # collective: before the staggered waves, every rank at once
+        agreeing = time.perf_counter() - agreeing
         per_wave = self.stagger or self.ranks.world
         waves = -(-self.ranks.world // per_wave)
         error: BaseException | None = None
@@ -179,7 +180,8 @@ class Checkpointer:
         if found is not None:
             self.step = self.stats.last_durable_step = found.step
             self.recovered = Recovered(
-                step=found.step, tree={}, source=found.source, manifest=found.manifest, seconds=time.perf_counter() - t0
+                step=found.step, tree={}, source=found.source, manifest=found.manifest,
+                seconds=agreeing + time.perf_counter() - t0,
             )
         self._start()
         return self.step

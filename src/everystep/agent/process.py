@@ -334,10 +334,10 @@ class Agent:
             assert self.replica is not None
             # What DDP keeps the same on every rank: what the optimizer updates, as training's own plan.
             replicated = set(self.replica.index_keys) | {k for k in buffer.views if k.startswith("/optimizer/state/")}
-            plan = ShardPlan.of(buffer.views, replicated, Ranks(rank=self.config.rank, world=self.config.world))
+            ranks = Ranks(rank=self.config.rank, world=self.config.world)
+            plan = ShardPlan.of(buffer.views, replicated, ranks)
             pieces = plan.pieces
-            info = write_part(self.store, "full", step, tensor_chunks(TensorLayout.of(plan.local), plan.local),
-                              Ranks(rank=self.config.rank, world=self.config.world))
+            info = write_part(self.store, "full", step, tensor_chunks(TensorLayout.of(plan.local), plan.local), ranks)
             self._write_seconds = time.perf_counter() - t0
         except BaseException as e:
             error = "".join(traceback.format_exception_only(e)).strip()

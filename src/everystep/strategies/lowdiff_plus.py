@@ -31,10 +31,10 @@ on a step every agent can serve, else all load from storage. When any rank's age
 rank falls back at the next agreement. An agent never persists once its training process is gone.
 
 Backpressure: at most ``queue`` steps are in flight (memory: ``queue`` slots of one gradient
-each, one more under several ranks for the step an agent holds back). Training waits for a free slot, and the wait is measured (``snapshot_wait_seconds``). An
-agent that frees no slot within ``agent_timeout`` seconds, or whose connection breaks, is lost:
-training warns, ends it if it still runs, and goes on with CheckFreq full checkpoints written by
-the training process itself.
+each, one more under several ranks for the step an agent holds back). Training waits for a free
+slot, and the wait is measured (``snapshot_wait_seconds``). An agent that frees no slot within
+``agent_timeout`` seconds, or whose connection breaks, is lost: training warns, ends it if it
+still runs, and goes on with CheckFreq full checkpoints written by the training process itself.
 """
 
 from __future__ import annotations
