@@ -5,7 +5,9 @@ final for this backward pass, to a copy thread that moves it into a slot of shar
 on a low-priority side stream, so that compute and gradient synchronisation go first). Right
 before ``optimizer.step()`` every gradient is checked against what was copied — same tensor,
 same version counter — and copied again where clipping, unscaling, compression or another backward
-changed it in place, so the slot holds exactly what the optimizer consumes.
+changed it in place, so the slot holds exactly what the optimizer consumes. Under DDP the hook
+would see the local gradient, which the all-reduce replaces; there every gradient is copied only
+before the step, overlapping the optimizer's update (the step ends when the copies are done).
 
 The agent (:mod:`everystep.agent`), a separate process started from a fresh interpreter, holds S_t
 in shared memory and advances it with the same optimizer class on the CPU: the step's gradients,
@@ -156,8 +158,11 @@ class LowDiffPlus:
         self.ctx = ctx
         self.shared = ctx.ranks.distributed
         self.params = [p for g in ctx.components.optimizer.param_groups for p in g["params"]]
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
-                       for i, p in enumerate(self.params) if p.requires_grad]
+        # Under DDP the gradient a hook sees is the local one, which the bucket's all-reduce then
+        # replaces: copying it would be wasted, so every gradient is copied before the step instead.
+        local = isinstance(ctx.components.model, torch.nn.parallel.DistributedDataParallel)
+        self._hooks = [] if local else [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                                        for i, p in enumerate(self.params) if p.requires_grad]
         self._stream = torch.cuda.Stream(priority=0) if torch.cuda.is_available() else None
         self._copier = threading.Thread(target=self._copy_loop, name="everystep-grad-copy", daemon=True)
         self._copier.start()
