@@ -249,12 +249,16 @@ class Checkpointer:
         self._closed = True
         self._hooks.remove()
         self._watch.restore_signals()
+        failed = getattr(self, "_failed", False)
         try:
-            if self.final and self.step and not getattr(self, "_failed", False):
+            if self.final and self.step and not failed:
                 self._state_ready_pending = False
                 self._timed("_final")()
         finally:
-            self.strategy.close()
+            # After an error, like a crash: what outlives the process (a checkpoint agent's replica)
+            # stays for a restarted one — under several ranks, this is how a rank ends when a peer died.
+            abandon = getattr(self.strategy, "abandon", None) if failed else None
+            (abandon or self.strategy.close)()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -262,15 +266,6 @@ class Checkpointer:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
             self._failed = True  # the state may be mid-step: no final checkpoint
-            abandon = getattr(self.strategy, "abandon", None)
-            if abandon is not None:
-                # Like a crash: what outlives the process (a checkpoint agent's replica) stays for
-                # a restarted one — under several ranks, this is how a rank ends when a peer died.
-                self._closed = True
-                self._hooks.remove()
-                self._watch.restore_signals()
-                abandon()
-                return
             try:
                 self.close()
             except EverystepError as e:

@@ -25,15 +25,16 @@ import xxhash
 
 from ..transport.host import tensor_bytes
 
-__all__ = ["AgentAddress", "discovery_file", "listen", "connect", "hang_up", "send_fds", "recv_fds", "digest", "DISCOVERY_FILE"]
+__all__ = ["AgentAddress", "rank_file", "listen", "connect", "hang_up", "send_fds", "recv_fds", "digest", "DISCOVERY_FILE"]
 
 DISCOVERY_FILE = "agent.json"
 
 
-def discovery_file(rank: int, world: int) -> str:
-    """Where the agent of a training process is recorded: ``agent.json``, or ``agent-r{rank}.json``
-    for each rank of a job of several."""
-    return DISCOVERY_FILE if world == 1 else f"agent-r{rank}.json"
+def rank_file(name: str, rank: int, world: int) -> str:
+    """The file ``name`` (``agent.json``, ``agent.log``) of a training process's agent: as it is in
+    a single process, with the rank added (``agent-r1.json``) for each rank of a job of several."""
+    stem, dot, ext = name.partition(".")
+    return name if world == 1 else f"{stem}-r{rank}{dot}{ext}"
 
 
 @dataclass(frozen=True, kw_only=True)

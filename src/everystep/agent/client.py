@@ -17,17 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EverystepError
-from .channel import DISCOVERY_FILE, AgentAddress, connect, hang_up, message, recv_fds, send_fds
+from .channel import DISCOVERY_FILE, AgentAddress, connect, rank_file, hang_up, message, recv_fds, send_fds
 from .process import AgentConfig
 
 __all__ = ["AgentLink", "AgentLostError"]
 
 LOG_FILE = "agent.log"
-
-
-def log_file(rank: int, world: int) -> str:
-    """Where an agent's output goes: ``agent.log``, or ``agent-r{rank}.log`` in a job of several ranks."""
-    return LOG_FILE if world == 1 else f"agent-r{rank}.log"
 
 
 class AgentLostError(EverystepError):
@@ -85,7 +80,7 @@ class AgentLink:
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "EVERYSTEP_AGENT": json.dumps(asdict(address)),
                "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-        log_path = Path(config.directory) / log_file(config.rank, config.world)
+        log_path = Path(config.directory) / rank_file(LOG_FILE, config.rank, config.world)
         log = open(log_path, "ab")
         try:
             process = subprocess.Popen([sys.executable, "-m", "everystep.agent", json.dumps(asdict(config))], env=env,

@@ -53,8 +53,8 @@ from ..storage.tensorfile import buffer_chunks, tensor_chunks
 from ..strategies._full import write_full
 from ..transport.host import HostBuffer, TensorLayout
 from ..transport.shared import SharedRegion
-from .channel import AgentAddress, accept, digest, discovery_file, listen, message, recv_fds, send_fds
-from .replica import Replica
+from .channel import DISCOVERY_FILE, AgentAddress, accept, digest, listen, message, rank_file, recv_fds, send_fds
+from .replica import Replica, replayed_keys
 
 __all__ = ["AgentConfig", "Agent", "main"]
 
@@ -75,7 +75,7 @@ class AgentConfig:
 
     @property
     def discovery(self) -> str:
-        return discovery_file(self.rank, self.world)
+        return rank_file(DISCOVERY_FILE, self.rank, self.world)
 
 
 class Agent:
@@ -158,7 +158,7 @@ class Agent:
         except BaseException as e:
             what = {"step": f"applying step {msg.get('step')} to the replica",
                     "init": f"taking over the training state of step {msg.get('step')}"}.get(kind, f"the agent's {kind!r}")
-            self._send("error", fatal=True, what=what, detail="".join(traceback.format_exception_only(e)).strip())
+            self._send("error", fatal=True, what=what, detail=_describe(e))
             print(f"everystep agent: {what} failed", file=sys.stderr)
             traceback.print_exc()
             raise SystemExit(1) from e
@@ -324,7 +324,7 @@ class Agent:
             self._send("persisted", step=step, nbytes=manifest.nbytes, seconds=self._write_seconds)
         except BaseException as e:
             self._send("error", fatal=False, what=f"the agent's write of the checkpoint at step {step}",
-                       detail="".join(traceback.format_exception_only(e)).strip())
+                       detail=_describe(e))
 
     def _write_part(self, step: int, buffer: HostBuffer, skeleton: Any) -> None:
         """This rank's part of the checkpoint of ``step``; its training process commits it with the others."""
@@ -332,15 +332,13 @@ class Agent:
         info, error, pieces = None, None, {}
         try:
             assert self.replica is not None
-            # What DDP keeps the same on every rank: what the optimizer updates, as training's own plan.
-            replicated = set(self.replica.index_keys) | {k for k in buffer.views if k.startswith("/optimizer/state/")}
             ranks = Ranks(rank=self.config.rank, world=self.config.world)
-            plan = ShardPlan.of(buffer.views, replicated, ranks)
+            plan = ShardPlan.of(buffer.views, replayed_keys(self.replica.index_keys, buffer.views), ranks)
             pieces = plan.pieces
             info = write_part(self.store, "full", step, tensor_chunks(TensorLayout.of(plan.local), plan.local), ranks)
             self._write_seconds = time.perf_counter() - t0
         except BaseException as e:
-            error = "".join(traceback.format_exception_only(e)).strip()
+            error = _describe(e)
         self._send("part", step=step, info=info.to_json() if info else None, pieces=pieces,
                    meta={"skeleton": skeleton}, error=error, seconds=time.perf_counter() - t0)
 
@@ -348,6 +346,11 @@ class Agent:
         if self._persist is not None:
             self._persist.result()
             self._persist = None
+
+
+def _describe(error: BaseException) -> str:
+    """``Type: message`` of an exception, as the training process is told it."""
+    return "".join(traceback.format_exception_only(error)).strip()
 
 
 def main(argv: list[str]) -> int:

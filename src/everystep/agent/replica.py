@@ -11,6 +11,7 @@ data position, scheduler, buffers, compression residuals) from the same slot, an
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from ..state import unflatten
 from ..transport.host import HostBuffer, TensorLayout
 from ..transport.shared import SharedRegion
 
-__all__ = ["Replica", "optimizer_class_path", "slot_layout"]
+__all__ = ["Replica", "optimizer_class_path", "replayed_keys", "slot_layout"]
 
 _NOT_ON_CPU = ("capturable",)
 
@@ -41,6 +42,12 @@ def _import(path: str) -> type:
             "class defined in an importable module"
         ) from e
     return obj
+
+
+def replayed_keys(index_keys: list[str], keys: Iterable[str]) -> set[str]:
+    """The keys of the state the agent's optimizer updates — the parameters and their optimizer
+    state, what DDP keeps the same on every rank; the rest is taken over from each step's slot."""
+    return set(index_keys) | {k for k in keys if k.startswith("/optimizer/state/")}
 
 
 def slot_layout(grads: dict[int, torch.Tensor], volatile: dict[str, torch.Tensor]) -> TensorLayout:

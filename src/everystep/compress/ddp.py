@@ -10,8 +10,9 @@ DDP synchronises gradients — in a communication hook — and it is what LowDif
     gradient. The residuals differ from rank to rank: each rank's are its own training state.
 ``powersgd:rank=R``
     PyTorch's own PowerSGD hook (error feedback and warm start on, compression from the third
-    step on), unchanged, each bucket finished before the next: its all-reduced factors P and Q are the compressed gradient; tensors it
-    does not compress (biases, norms) are all-reduced whole.
+    step on), unchanged, each bucket finished before the next: its all-reduced factors P and Q
+    are the compressed gradient; tensors it does not compress (biases, norms) are all-reduced
+    whole.
 
 At the optimizer step — after the user's clipping and a GradScaler's unscaling — each
 parameter's record is fixed to what the optimizer really consumes (DESIGN: replay applies

@@ -53,10 +53,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..agent.channel import digest, discovery_file
+from ..agent.channel import DISCOVERY_FILE, digest, rank_file
 from ..agent.client import AgentLink, AgentLostError
 from ..agent.process import AgentConfig
-from ..agent.replica import optimizer_class_path, slot_layout
+from ..agent.replica import optimizer_class_path, replayed_keys, slot_layout
 from ..errors import BackgroundWriteError, ConfigError
 from ..storage.base import ObjectInfo
 from ..storage.sharded import commit_written
@@ -176,7 +176,7 @@ class LowDiffPlus:
         this at once, before :meth:`restore`.)"""
         store, ranks = self.ctx.store, self.ctx.ranks
         assert store is not None
-        link = AgentLink.find(store.root, discovery_file(ranks.rank, ranks.world))
+        link = AgentLink.find(store.root, rank_file(DISCOVERY_FILE, ranks.rank, ranks.world))
         reachable: list[int] | None = None
         if link is not None:
             try:
@@ -503,7 +503,7 @@ class LowDiffPlus:
 
     def _split(self, tensors: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, torch.Tensor]]:
         """The keys the agent's optimizer updates (parameters and their state), and everything else."""
-        replayed = set(self._index_keys) | {k for k in tensors if k.startswith("/optimizer/state/")}
+        replayed = replayed_keys(self._index_keys, tensors)
         return sorted(replayed), {k: t for k, t in tensors.items() if k not in replayed}
 
     def _keys_of_params(self, tensors: dict[str, torch.Tensor]) -> list[str]:
