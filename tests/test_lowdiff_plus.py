@@ -291,3 +291,19 @@ def test_recovery_from_memory_restores_what_a_fresh_process_needs(tmp_path):
         assert ckpt.recovered.source == "memory" and step >= done - 1
         recovered = training_state_hash({"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()})
     assert recovered == _reference(tmp_path, steps=step)["final_state_sha256"]
+
+
+def test_an_exception_in_the_with_block_leaves_the_agent_for_the_restart(tmp_path):
+    """A rank whose peer died leaves its block on an exception: that must not end its agent."""
+    w = build("mlp", seed=0, optimizer="adamw")
+    with pytest.raises(RuntimeError, match="a peer died"):
+        with _attach(w, tmp_path / "c", every=100) as ckpt:
+            ckpt.restore()
+            _train(w, 3)
+            pid = _agent_pid(tmp_path / "c")
+            raise RuntimeError("a peer died")
+    again = build("mlp", seed=0, optimizer="adamw")
+    with _attach(again, tmp_path / "c", final=False) as ckpt:
+        assert ckpt.restore() == 2  # S_3 would have gone to the agent with the next forward
+        assert ckpt.recovered.source == "memory" and _agent_pid(tmp_path / "c") == pid
+    assert _gone_within(pid, 30)
