@@ -27,7 +27,7 @@ def test_max_frequency_search_takes_the_first_interval_within_budget():
 
 
 def test_bench_reports_every_field_for_every_strategy(tmp_path):
-    cfg = BenchConfig(workload="mlp", strategies=("full_sync", "checkfreq"), steps=5, warmup=1, repeats=2, every=1)
+    cfg = BenchConfig(workload="mlp", strategies=("full_sync",), steps=5, warmup=1, repeats=2, every=1)
     assert cfg.strategies[0] == "none"  # the reference is always measured
     runs = run_bench(cfg, progress=False)
     assert [(r["repeat"], r["strategy"]) for r in runs] == interleaved_order(cfg.strategies, 2)
@@ -48,18 +48,22 @@ def test_bench_reports_every_field_for_every_strategy(tmp_path):
 
 def test_bench_cli_writes_json_with_machine_info_and_a_figure(tmp_path, capsys):
     out, fig = tmp_path / "b.json", tmp_path / "b.png"
-    code, stdout, _ = call_cli(capsys, "bench", "--workload", "mlp", "--strategies", "full_sync", "--steps", "4",
-                               "--warmup", "1", "--repeats", "1", "--json", str(out), "--plot", str(fig))
-    assert code == 0 and "| full_sync |" in stdout
+    code, stdout, _ = call_cli(capsys, "bench", "--workload", "mlp", "--strategies", "full_sync,lowdiff", "--steps", "4",
+                               "--warmup", "1", "--repeats", "1", "--compress", "topk:0.01", "--json", str(out),
+                               "--plot", str(fig))
+    assert code == 0 and "| full_sync |" in stdout and "| lowdiff |" in stdout
+    # in one process, LowDiff's step records are exactly the compressed gradients training produced
+    assert "lowdiff writes per step: step records" in stdout and "= 1.00× the compressed gradient" in stdout
     report = json.loads(out.read_text())
     assert report["machine"]["training_threads"] == 1 and report["machine"]["torch"]
-    assert set(report["summary"]) == {"none", "full_sync"}
+    assert set(report["summary"]) == {"none", "full_sync", "lowdiff"}
+    assert report["summary"]["lowdiff"]["end_bytes_per_step"] > 0
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sim = tmp_path / "s.json"
     assert call_cli(capsys, "simulate", "--from-bench", str(out), "--gpus", "1,64", "--mtbf-sweep", "600,3600",
                     "--job-steps", "300", "--trials", "5", "--json", str(sim), "--plot", str(tmp_path / "s.png"))[0] == 0
     data = json.loads(sim.read_text())
-    assert {r["gpus"] for r in data["by_gpus"]} == {1, 64} and len(data["by_mtbf"]) == 2
+    assert {r["gpus"] for r in data["by_gpus"]} == {1, 64} and len(data["by_mtbf"]) == 2 * 2  # strategies × MTBFs
 
 
 def test_max_frequency_cli_measures_intervals_and_reports_each_strategy(tmp_path, capsys):

@@ -280,7 +280,8 @@ except Exception as e:
     print(type(e).__name__, e)
 """
     out = _spawn_two(script)
-    assert out.count("StateMismatchError parameters or optimizer state of rank 1 differ from rank 0's") == 2
+    assert out.count("StateMismatchError parameters or optimizer state of rank 1 differ from rank 0's at step 0 "
+                     "(2 of 2 tensors, first '/model/bias')") == 2, out
 
 
 def _spawn_two(script: str) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .capture import StepHooks
-from .distributed import Ranks, sample_digest
+from .distributed import Ranks, sample_digests
 from .errors import (
     CheckpointDirectoryError,
     ConfigError,
@@ -226,13 +226,16 @@ class Checkpointer:
         """Refuse to start when the state that should be the same on every rank is not."""
         tensors, _ = self._ctx.flatten_state(self.step)
         keys = sorted(self._ctx.replicated_keys(tensors))
-        digests = self.ranks.all_gather("control", sample_digest(tensors, keys))
+        digests = self.ranks.all_gather("control", sample_digests(tensors, keys))
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
         if differ:
+            theirs = digests[differ[0]]
+            keys_differ = sorted(set(theirs) ^ set(digests[0])) or [k for k in theirs if theirs[k] != digests[0][k]]
             raise StateMismatchError(
-                f"parameters or optimizer state of rank {differ[0]} differ from rank 0's at step {self.step}: "
-                "everystep stores what data parallelism replicates once; wrap the model in DistributedDataParallel "
-                "(or make every rank start from the same state)"
+                f"parameters or optimizer state of rank {differ[0]} differ from rank 0's at step {self.step} "
+                f"({len(keys_differ)} of {len(digests[0])} tensors, first {keys_differ[0]!r}): everystep stores what "
+                "data parallelism replicates once; wrap the model in DistributedDataParallel (or make every rank "
+                "start from the same state)"
             )
 
     def wait(self) -> None:

@@ -154,6 +154,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             r = s["replay_seconds"]
             print(f"{name} replay of the differential chain: serial {r['serial']:.3f} s, "
                   f"parallel (2 threads) {r['parallel_2_threads']:.3f} s")
+        if s.get("record_bytes_per_step") and s.get("compressed_bytes_per_step"):
+            rec, sent = s["record_bytes_per_step"], s["compressed_bytes_per_step"]
+            print(f"{name} writes per step: step records {rec / 2**20:.2f} MiB = {rec / sent:.2f}× the compressed "
+                  f"gradient ({sent / 2**20:.2f} MiB), end states (residuals, RNG, …) {s['end_bytes_per_step'] / 2**20:.2f} MiB")
     print(bench.markdown_table(result["summary"]))
     _write_json(args.json, result)
     if args.plot:

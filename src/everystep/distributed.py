@@ -110,13 +110,14 @@ def init_process_group(*, one_process: bool = False) -> bool:
     return False
 
 
-def sample_digest(tensors: dict[str, torch.Tensor], keys: list[str], sample: int = 64) -> str:
-    """A cheap fingerprint of ``keys``: dtype, shape and up to ``sample`` elements from each end."""
-    h = hashlib.sha256()
+def sample_digests(tensors: dict[str, torch.Tensor], keys: list[str], sample: int = 64) -> dict[str, str]:
+    """A cheap fingerprint of each of ``keys``: dtype, shape and up to ``sample`` elements from each end."""
+    out = {}
     for key in sorted(keys):
         t = tensors[key].detach()
         flat = t.reshape(-1)
         picked = torch.cat([flat[:sample], flat[-sample:]]) if flat.numel() > 2 * sample else flat
-        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(picked.cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+        out[key] = h.hexdigest()[:16]
+    return out

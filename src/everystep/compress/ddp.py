@@ -133,6 +133,7 @@ class AllGatherCompression(DDPCompression):
         # widest elements first, so that every piece of the byte payload stays aligned for its dtype
         keys = sorted(parts[0], key=lambda k: (-parts[0][k].element_size(), k))
         payload = torch.cat([c[k].reshape(-1).view(torch.uint8) for k in keys for c in parts])
+        self.compressed_bytes += payload.numel()
         gathered = [torch.empty_like(payload) for _ in range(self.world)]
         work = dist.all_gather(gathered, payload, group=self.group, async_op=True)
 
@@ -263,6 +264,9 @@ class PowerSGDCompression(DDPCompression):
             self._install(b, layout, bucket.buffer())
         for e in layout:
             self._pending[e.name] = None
+        size = bucket.buffer().element_size()
+        self.compressed_bytes += size * sum((e.n + e.m) * e.rank if compressing and e.p_offset >= 0 else e.numel
+                                            for e in layout)
         fut = _powersgd.powerSGD_hook(self.state, bucket)
         if not compressing:
             return fut

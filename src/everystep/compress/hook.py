@@ -72,6 +72,8 @@ class StepRecords:
             (self.names[p], p) for group in optimizer.param_groups for p in group["params"]
         ]
         self._last: dict[str, Compressed] | None = None
+        self.compressed_bytes = 0
+        """Bytes of the compressed gradients this process produced (what it sends), over all steps."""
         self._handle = optimizer.register_step_pre_hook(self._pre_step)
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -118,6 +120,7 @@ class GradientCompression(StepRecords):
                 compressed = self.compressor.compress(name, p.grad)
                 p.grad.copy_(self.compressor.decompress(compressed, p.grad))
                 record[name] = compressed
+                self.compressed_bytes += self.compressor.nbytes(compressed)
         self._last = record
 
     def state_dict(self) -> dict[str, Any]:

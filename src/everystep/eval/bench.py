@@ -96,7 +96,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         mine = [r for r in runs if r["strategy"] == name]
 
         def med(key: str, rows: list[dict[str, Any]] = mine) -> Any:
-            values = [r[key] for r in rows if r[key] is not None]
+            values = [r[key] for r in rows if r.get(key) is not None]
             return statistics.median(values) if values else None
 
         out[name] = {
@@ -115,6 +115,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "lost_steps_hardware": max(r["lost_steps_hardware"] for r in mine),
             "recovery_error": max((r.get("recovery_error") or 0.0) for r in mine) if mine[0].get("recovery_error") is not None else None,
             "replay_seconds": mine[-1].get("replay_seconds"),
+            **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step")
+               if key in mine[0]},
         }
     return out
 

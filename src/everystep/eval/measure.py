@@ -49,6 +49,17 @@ def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[
     return seconds, recovered, fresh, again
 
 
+def _split_bytes(ckpt: Checkpointer) -> dict[str, int]:
+    """What a differential strategy wrote, by kind, and the compressed gradients training produced."""
+    out = {}
+    for key, owner, attr in (("record_bytes_per_step", ckpt.strategy, "record_bytes"),
+                             ("end_bytes_per_step", ckpt.strategy, "end_bytes"),
+                             ("compressed_bytes_per_step", ckpt.components.compression, "compressed_bytes")):
+        if hasattr(owner, attr):
+            out[key] = getattr(owner, attr)
+    return out
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     init_process_group(one_process=needs_ddp(spec.get("compress")))  # PowerSGD runs in DDP's hook
@@ -63,11 +74,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         with _attach(w, directory, strategy, options) as ckpt:
             ckpt.restore()
             stall_at_warmup, checkpoints_at_warmup, bytes_at_warmup = 0.0, 0, 0
+            split_at_warmup = _split_bytes(ckpt)
             for step in range(1, steps + 1):
                 if step == warmup + 1:
                     ckpt.wait()  # what the warm-up started is not charged to the timed steps
                     stall_at_warmup, checkpoints_at_warmup = ckpt.stats.stall_seconds, ckpt.stats.checkpoints
                     bytes_at_warmup = ckpt.bytes_written
+                    split_at_warmup = _split_bytes(ckpt)
                 t0 = time.perf_counter()
                 loss = w.loss(w.data.next())
                 loss.backward()
@@ -86,6 +99,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             ckpt.wait()  # count what the timed steps wrote, not the final checkpoint written at close
             checkpoints_measured = ckpt.stats.checkpoints - checkpoints_at_warmup
             bytes_measured = ckpt.bytes_written - bytes_at_warmup
+            split = {k: (v - split_at_warmup[k]) / (steps - warmup) for k, v in _split_bytes(ckpt).items()}
             live = _model_and_optimizer(w)
             memory = None
             if strategy == "lowdiff_plus":  # a software failure: the agent outlives the training process
@@ -110,6 +124,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "recovery_seconds_memory": None,
             "recovery_error": None,
             "replay_seconds": None,
+            **split,
         }
         if memory is not None:
             seconds, recovered, fresh, again = memory

@@ -31,7 +31,7 @@ from ..policy import LowDiffCosts, lowdiff_integer_optimum
 from ..recovery import Recovered
 from ..replay import Replayer, StepRecord, group_scalars
 from ..storage.base import Manifest
-from ..storage.sharded import commit_tensors
+from ..storage.sharded import ShardPlan, commit_tensors
 from ._diff import apply_end_state, end_state, read_differential, restore_base
 from .base import BackgroundErrors, StrategyConfig, StrategyContext
 from .checkfreq import CheckFreq, CheckFreqConfig
@@ -90,6 +90,9 @@ class LowDiff:
         self._step_started = 0.0
         self._step_seconds: list[float] = []
         self.replay_seconds: float | None = None
+        self.record_bytes = 0
+        """Bytes of step records (compressed gradients) this rank wrote; ``end_bytes``: of end states."""
+        self.end_bytes = 0
         self.last_costs: LowDiffCosts | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -210,14 +213,18 @@ class LowDiff:
             steps_meta.append({"step": r.step, "skipped": r.skipped, "groups": r.groups, "params": sorted(r.grads)})
         for key, t in end_tensors.items():
             tensors[f"end{key}"] = t
+        replicated = {k for k in tensors if k.startswith("g/")}
+        mine = ShardPlan.of(tensors, replicated, self.ctx.ranks).local  # the share this rank writes
         commit_tensors(
             self.ctx.store, "diff", kind="diff", step=last, tensors=tensors,
-            replicated={k for k in tensors if k.startswith("g/")}, requires=(f"full-{base:012d}",),
+            replicated=replicated, requires=(f"full-{base:012d}",),
             rank_meta={"end": end_skeleton},
             meta={"base": base, "first": first, "last": last, "steps": steps_meta, "compression": self.compression.spec,
                   "summed": self.config.sum_linear},
         )
         self.ctx.committed(last)
+        self.record_bytes += sum(t.nbytes for k, t in mine.items() if k in replicated)
+        self.end_bytes += sum(t.nbytes for k, t in mine.items() if k not in replicated)
         self.ctx.store.retain(self.config.keep)  # a batch committed after a newer full checkpoint goes now
 
     def _summed(self, records: list[StepRecord]) -> StepRecord:
