@@ -49,15 +49,16 @@ def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[
     return seconds, recovered, fresh, again
 
 
-def _split_bytes(ckpt: Checkpointer) -> dict[str, int]:
-    """What a differential strategy wrote, by kind, and the compressed gradients training produced."""
-    out = {}
-    for key, owner, attr in (("record_bytes_per_step", ckpt.strategy, "record_bytes"),
-                             ("end_bytes_per_step", ckpt.strategy, "end_bytes"),
-                             ("compressed_bytes_per_step", ckpt.components.compression, "compressed_bytes")):
-        if hasattr(owner, attr):
-            out[key] = getattr(owner, attr)
-    return out
+def _split_bytes(ckpt: Checkpointer, steps: int) -> dict[str, float]:
+    """Per step, over the whole run: what a differential strategy wrote, by kind, and the compressed
+    gradients training produced (sizes, not times: no warm-up to leave out)."""
+    strategy, compression = ckpt.strategy, ckpt.components.compression
+    recorded = getattr(strategy, "recorded_steps", 0)
+    if not recorded or compression is None:
+        return {}
+    return {"record_bytes_per_step": strategy.record_bytes / recorded,
+            "end_bytes_per_step": strategy.end_bytes / recorded,
+            "compressed_bytes_per_step": compression.compressed_bytes / steps}
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -74,13 +75,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         with _attach(w, directory, strategy, options) as ckpt:
             ckpt.restore()
             stall_at_warmup, checkpoints_at_warmup, bytes_at_warmup = 0.0, 0, 0
-            split_at_warmup = _split_bytes(ckpt)
             for step in range(1, steps + 1):
                 if step == warmup + 1:
                     ckpt.wait()  # what the warm-up started is not charged to the timed steps
                     stall_at_warmup, checkpoints_at_warmup = ckpt.stats.stall_seconds, ckpt.stats.checkpoints
                     bytes_at_warmup = ckpt.bytes_written
-                    split_at_warmup = _split_bytes(ckpt)
                 t0 = time.perf_counter()
                 loss = w.loss(w.data.next())
                 loss.backward()
@@ -99,7 +98,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             ckpt.wait()  # count what the timed steps wrote, not the final checkpoint written at close
             checkpoints_measured = ckpt.stats.checkpoints - checkpoints_at_warmup
             bytes_measured = ckpt.bytes_written - bytes_at_warmup
-            split = {k: (v - split_at_warmup[k]) / (steps - warmup) for k, v in _split_bytes(ckpt).items()}
+            split = _split_bytes(ckpt, steps)
             live = _model_and_optimizer(w)
             memory = None
             if strategy == "lowdiff_plus":  # a software failure: the agent outlives the training process

@@ -91,8 +91,10 @@ class LowDiff:
         self._step_seconds: list[float] = []
         self.replay_seconds: float | None = None
         self.record_bytes = 0
-        """Bytes of step records (compressed gradients) this rank wrote; ``end_bytes``: of end states."""
+        """Bytes of step records (compressed gradients) this rank wrote, for ``recorded_steps`` steps;
+        ``end_bytes``: of the batches' end states."""
         self.end_bytes = 0
+        self.recorded_steps = 0
         self.last_costs: LowDiffCosts | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -225,6 +227,7 @@ class LowDiff:
         self.ctx.committed(last)
         self.record_bytes += sum(t.nbytes for k, t in mine.items() if k in replicated)
         self.end_bytes += sum(t.nbytes for k, t in mine.items() if k not in replicated)
+        self.recorded_steps += last - first + 1
         self.ctx.store.retain(self.config.keep)  # a batch committed after a newer full checkpoint goes now
 
     def _summed(self, records: list[StepRecord]) -> StepRecord:
