@@ -158,9 +158,11 @@ def commit_tensors(
     meta: dict[str, Any],
     rank_meta: dict[str, Any],
     requires: tuple[str, ...] = (),
+    plan: ShardPlan | None = None,
 ) -> Manifest:
-    """:func:`commit_parts` for tensors at hand: plan this rank's share and stream it from them."""
-    plan = ShardPlan.of(tensors, replicated, store.ranks)
+    """:func:`commit_parts` for tensors at hand: plan this rank's share (unless the caller has
+    ``plan``, made by :meth:`ShardPlan.of` from the same arguments) and stream it from them."""
+    plan = plan or ShardPlan.of(tensors, replicated, store.ranks)
     layout = TensorLayout.of(plan.local)
     return commit_parts(store, channel, kind=kind, step=step, chunks=tensor_chunks(layout, plan.local), plan=plan,
                         meta=meta, rank_meta=rank_meta, requires=requires)

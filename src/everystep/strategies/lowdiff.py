@@ -216,17 +216,17 @@ class LowDiff:
         for key, t in end_tensors.items():
             tensors[f"end{key}"] = t
         replicated = {k for k in tensors if k.startswith("g/")}
-        mine = ShardPlan.of(tensors, replicated, self.ctx.ranks).local  # the share this rank writes
+        plan = ShardPlan.of(tensors, replicated, self.ctx.store.ranks)  # the share this rank writes
         commit_tensors(
-            self.ctx.store, "diff", kind="diff", step=last, tensors=tensors,
+            self.ctx.store, "diff", kind="diff", step=last, tensors=tensors, plan=plan,
             replicated=replicated, requires=(f"full-{base:012d}",),
             rank_meta={"end": end_skeleton},
             meta={"base": base, "first": first, "last": last, "steps": steps_meta, "compression": self.compression.spec,
                   "summed": self.config.sum_linear},
         )
         self.ctx.committed(last)
-        self.record_bytes += sum(t.nbytes for k, t in mine.items() if k in replicated)
-        self.end_bytes += sum(t.nbytes for k, t in mine.items() if k not in replicated)
+        self.record_bytes += sum(t.nbytes for k, t in plan.local.items() if k in replicated)
+        self.end_bytes += sum(t.nbytes for k, t in plan.local.items() if k not in replicated)
         self.recorded_steps += last - first + 1
         self.ctx.store.retain(self.config.keep)  # a batch committed after a newer full checkpoint goes now
 
