@@ -4,10 +4,12 @@ consumed, through clipping and a GradScaler, and LowDiff replays them bitwise.""
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from everystep import Checkpointer
@@ -96,6 +98,43 @@ def test_lowdiff_replays_hook_records_bitwise(tmp_path, spec):
                       compression=w2.compression, strategy="lowdiff", every=50, batch=2, final=False) as ckpt:
         assert ckpt.restore() == 7
     assert _hash(w2, s2) == _hash(ref, s_ref)
+
+
+def _train_unclipped(w, n):
+    for _ in range(n):
+        w.loss(w.data.next()).backward()
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+        w.scheduler.step()
+
+
+@pytest.mark.parametrize("hook", [None, "topk:0.05", "powersgd:rank=2", "foreign"])
+def test_lowdiff_plus_copies_reduced_buckets_from_the_communication_hook(tmp_path, hook):
+    # Each gradient is copied from its bucket's reduced result during backward and never again at the
+    # step; with a hook everystep does not own, at the step. Training is unchanged (I6) and the
+    # replica equals the live state every step (a divergence warns).
+    def make():
+        w = build("gpt2-tiny", seed=0)
+        w.model = DDP(w.model, bucket_cap_mb=0.05)
+        if hook == "foreign":
+            w.model.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif hook is not None:
+            w.compression = ddp_compression(hook, w.model, w.optimizer)
+        return w
+
+    ref = make()
+    _train_unclipped(ref, 4)
+    w = make()  # built after the reference trained: build() seeds the random state both draw from
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                          compression=w.compression, strategy="lowdiff_plus", every=50, verify_every=1,
+                          verify_sample=0) as ckpt:
+            ckpt.restore()
+            _train_unclipped(w, 4)
+    s, n = ckpt.strategy, len(list(w.model.parameters()))
+    assert (s.early_copies, s.recopies) == ((0, 0) if hook == "foreign" else (4 * n, 0))
+    assert _hash(w, None) == _hash(ref, None)
 
 
 def _two_rank_worker(rank: int, port: int, directory: str, out: str) -> None:

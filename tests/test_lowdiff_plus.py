@@ -99,6 +99,21 @@ def test_the_replica_equals_the_live_state_bitwise_after_every_step(tmp_path):
     _assert_stored(tmp_path / "c", w, 9)
 
 
+@pytest.mark.parametrize("clip", [False, True])
+def test_gradients_are_copied_during_backward_until_clipping_changes_them_every_step(tmp_path, clip):
+    # Clipping multiplies every gradient in place: the copies made during backward are made again at
+    # the step, and after two such steps only the copies at the step remain. The replica stays exact.
+    w = build("mlp", seed=0, optimizer="adam")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a divergence would be a RuntimeWarning
+        with _attach(w, tmp_path / "c", every=100, verify_every=1, verify_sample=0) as ckpt:
+            ckpt.restore()
+            _train(w, 5, clip=clip)
+    s, n = ckpt.strategy, len(list(w.model.parameters()))
+    assert (s.early_copies, s.recopies, s.layerwise) == ((2 * n, 2 * n, False) if clip else (5 * n, 0, True))
+    _assert_stored(tmp_path / "c", w, 5)
+
+
 def test_a_divergence_is_reported_and_repaired(tmp_path):
     w = build("mlp", seed=0, optimizer="adam")
     with _attach(w, tmp_path / "c", every=100, verify_every=1, verify_sample=16) as ckpt:

@@ -1,6 +1,6 @@
-"""Step-boundary detection from the hooks PyTorch already offers, so the training loop is unchanged.
+"""Hooks PyTorch already offers, so that the training loop stays unchanged.
 
-Three events, in this order for each step t:
+Step boundaries (:class:`StepHooks`). Three events, in this order for each step t:
 
 - ``step_end``: the update of step t is done — after ``optimizer.step()``, or, when a GradScaler is
   attached, after ``scaler.update()`` (which also runs when the scaler skipped the update).
@@ -8,16 +8,28 @@ Three events, in this order for each step t:
   the optimizer's next step, whichever comes first. Until then the user's ``scheduler.step()`` and
   the like complete S_t.
 - ``before_update``: ``optimizer.step()`` of step t+1 is about to modify parameters.
+
+Reduced gradients under DistributedDataParallel (:func:`reduction_tap`). DDP takes one
+communication hook per model. everystep's own hooks (the compressions of
+:mod:`everystep.compress.ddp`, and :class:`AllReduceHook`, DDP's built-in reduction as a hook) are
+:class:`ReductionTap` s: an observer sees each bucket when its reduction starts and may ask to see
+the reduced bucket the moment its future completes, before DDP copies it into the gradients.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["StepHooks"]
+__all__ = ["StepHooks", "ReductionTap", "AllReduceHook", "reduction_tap", "after_backward"]
+
+Observer = Callable[[Any], Callable[[torch.Tensor], None] | None]
+"""Called with a ``GradBucket`` as its reduction starts (on the thread running backward); returns
+what to call with the reduced bucket (on the thread that completes the reduction), or None."""
 
 
 class StepHooks:
@@ -61,3 +73,76 @@ class StepHooks:
         if self._scaler is not None and "update" in vars(self._scaler):
             del self._scaler.update
         self._scaler = None
+
+
+class ReductionTap:
+    """A communication hook whose reductions :attr:`observers` can watch."""
+
+    def __init__(self) -> None:
+        self.observers: list[Observer] = []
+
+    def _observed(self, bucket: Any, fut: torch.futures.Future[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+        """``fut`` (the bucket's reduction), passing its result to every observer that asked."""
+        calls = [c for observe in list(self.observers) if (c := observe(bucket)) is not None]
+        if not calls:
+            return fut
+
+        def notify(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            result = f.value()
+            for call in calls:
+                call(result)
+            return result
+
+        return fut.then(notify)
+
+
+class AllReduceHook(ReductionTap):
+    """DDP's built-in reduction as a hook: every gradient times 1/world, then summed across ranks —
+    the same arithmetic, so the same bits, as DDP without a hook."""
+
+    def __init__(self, model: torch.nn.parallel.DistributedDataParallel) -> None:
+        super().__init__()
+        self.group = model.process_group
+        self.scale = 1.0 / dist.get_world_size(self.group)
+        model.register_comm_hook(None, self._hook)
+
+    def _hook(self, state, bucket):  # type: ignore[no-untyped-def]
+        # (DDP checks a hook's annotations against the real types; string annotations fail it)
+        buffer = bucket.buffer()
+        buffer.mul_(self.scale)
+        fut = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
+        return self._observed(bucket, fut.then(lambda f: f.value()[0]))
+
+
+_TAPS: "weakref.WeakKeyDictionary[torch.nn.Module, ReductionTap]" = weakref.WeakKeyDictionary()
+
+
+def reduction_tap(model: torch.nn.parallel.DistributedDataParallel, compression: Any) -> ReductionTap | None:
+    """The tap on ``model``'s reductions: its everystep compression hook, or an :class:`AllReduceHook`
+    registered now (once per model); None when a hook of another kind is registered."""
+    if isinstance(compression, ReductionTap):
+        return compression
+    tap = _TAPS.get(model)
+    if tap is None:
+        try:
+            tap = AllReduceHook(model)
+        except RuntimeError:  # DDP takes one hook, and the model has one of its own
+            return None
+        _TAPS[model] = tap
+    return tap
+
+
+def after_backward(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` once the current backward pass is complete, after DDP's own end of backward
+    (which copies the reduced buckets into the gradients). Call from inside the backward pass (a
+    hook); False when there is none to wait for.
+
+    The engine runs end-of-backward callbacks in the order they were queued, those queued by a
+    callback after all others: DDP queues its own once every bucket is launched, so a callback
+    queued from the first bucket's hook queues ``callback`` again and lands behind it."""
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    try:
+        engine.queue_callback(lambda: engine.queue_callback(callback))
+    except RuntimeError:
+        return False
+    return True

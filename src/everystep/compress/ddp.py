@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _powersgd
 
+from ..capture.hooks import ReductionTap
 from ..errors import ConfigError, EverystepError
 from .base import Compressed, decompress
 from .hook import StepRecords, check_kind, load_residual_state, make_compressor, parse_spec, residual_state
@@ -54,14 +55,16 @@ def ddp_compression(spec: str, model: torch.nn.Module, optimizer: torch.optim.Op
     return AllGatherCompression(model, optimizer, make_compressor(spec))
 
 
-class DDPCompression(StepRecords):
-    """Base of the communication hooks: the per-step record of what the optimizer consumed."""
+class DDPCompression(StepRecords, ReductionTap):
+    """Base of the communication hooks: the per-step record of what the optimizer consumed. Each
+    bucket's synchronised gradient is offered to the tap's observers (``lowdiff_plus`` copies it)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: str) -> None:
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ConfigError(f"{spec} compression in a communication hook needs a DistributedDataParallel model; "
                               f"got {type(model).__name__}")
         super().__init__(model, optimizer, spec)
+        ReductionTap.__init__(self)
         self.group = model.process_group
         self.world = dist.get_world_size(self.group)
         self.dense_records = 0
@@ -148,7 +151,7 @@ class AllGatherCompression(DDPCompression):
                     self._pending[name] = synced
             return bucket.buffer()
 
-        return work.get_future().then(finish)
+        return self._observed(bucket, work.get_future().then(finish))
 
     def _mean(self, synced: Compressed, like: torch.Tensor) -> torch.Tensor:
         if "indices" in synced:
@@ -269,7 +272,7 @@ class PowerSGDCompression(DDPCompression):
                                             for e in layout)
         fut = _powersgd.powerSGD_hook(self.state, bucket)
         if not compressing:
-            return fut
+            return self._observed(bucket, fut)
 
         def capture(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             p_mem, q_mem = self.state.p_memory_dict[b], self.state.q_memory_dict[b]
@@ -281,7 +284,7 @@ class PowerSGDCompression(DDPCompression):
                     }
             return f.value()
 
-        fut = fut.then(capture)
+        fut = self._observed(bucket, fut.then(capture))
         # The hook issues its P and Q all-reduces from completion callbacks, on whatever thread
         # completes the previous one; with several buckets in flight the ranks could then issue
         # them in different orders. Finishing each bucket before the next keeps one order.

@@ -1,13 +1,22 @@
 """``lowdiff_plus``: LowDiff+ — every step's gradients update a CPU replica in a checkpoint agent.
 
-Layer-wise capture: a post-accumulate-grad hook hands each parameter's gradient, the moment it is
-final for this backward pass, to a copy thread that moves it into a slot of shared memory (on CUDA,
-on a low-priority side stream, so that compute and gradient synchronisation go first). Right
-before ``optimizer.step()`` every gradient is checked against what was copied — same tensor,
-same version counter — and copied again where clipping, unscaling, compression or another backward
-changed it in place, so the slot holds exactly what the optimizer consumes. Under DDP the hook
-would see the local gradient, which the all-reduce replaces; there every gradient is copied only
-before the step, overlapping the optimizer's update (the step ends when the copies are done).
+Layer-wise capture: each parameter's gradient is handed, the moment it is final for this backward
+pass, to a copy thread that moves it into a slot of shared memory (on CUDA, on a low-priority side
+stream, so that compute and gradient synchronisation go first). In one process a
+post-accumulate-grad hook hands it over. Under DDP the local gradient is not final — its bucket's
+reduction replaces it — so the reduced bucket is taken from the communication hook's future as it
+completes (:func:`~everystep.capture.hooks.reduction_tap`: everystep's compression hooks, or, when
+the model has no hook, DDP's own all-reduce registered as one); with a hook of another kind,
+every gradient is copied before the step instead.
+
+Right before ``optimizer.step()`` every gradient is checked against what was copied — same
+tensor, same version counter as when it became final — and copied again where clipping,
+unscaling or another backward changed it in place, so the slot holds exactly what the optimizer
+consumes; those copies overlap the optimizer's update (the step ends when they are done). Clipping
+multiplies every gradient in place, every step, even by 1: then every copy made during backward
+is wasted memory bandwidth. With ``layerwise=None`` (the default) capture during backward stops
+after two steps in a row in which most of its copies had to be made again, and the gradients
+are copied once, at the step (``True``: always during backward; ``False``: never).
 
 The agent (:mod:`everystep.agent`), a separate process started from a fresh interpreter, holds S_t
 in shared memory and advances it with the same optimizer class on the CPU: the step's gradients,
@@ -57,6 +66,7 @@ from ..agent.channel import DISCOVERY_FILE, digest, rank_file
 from ..agent.client import AgentLink, AgentLostError
 from ..agent.process import AgentConfig
 from ..agent.replica import optimizer_class_path, replayed_keys, slot_layout
+from ..capture.hooks import ReductionTap, after_backward, reduction_tap
 from ..errors import BackgroundWriteError, ConfigError
 from ..storage.base import ObjectInfo
 from ..storage.sharded import commit_written
@@ -87,6 +97,9 @@ class LowDiffPlusConfig(StrategyConfig):
     agent_timeout: float = 60.0
     """Seconds without a free slot or an answer after which the agent counts as lost."""
     agent_threads: int = 1
+    layerwise: bool | None = None
+    """Copy gradients while backward produces them: True always, False never (at the optimizer
+    step), None until most of those copies turn out changed before the step two steps in a row."""
     busy: float = 0.25
     """With ``every=None``: the share of time the agent's writer may spend writing."""
 
@@ -151,6 +164,16 @@ class LowDiffPlus:
         self._last_persist = 0
         self._write_seconds = 0.0
         self._step_marks: list[float] = []
+        # Layer-wise capture: whether it is on, and how its copies fared.
+        self.layerwise = self.config.layerwise is not False
+        self.early_copies = 0
+        """Gradients copied while backward produced them."""
+        self.recopies = 0
+        """Of those, the ones copied again at the step because they changed in place (clipping)."""
+        self._stale_streak = 0
+        self._tap: ReductionTap | None = None
+        self._reduced: list[int] = []
+        self._awaiting_end = False
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -158,11 +181,18 @@ class LowDiffPlus:
         self.ctx = ctx
         self.shared = ctx.ranks.distributed
         self.params = [p for g in ctx.components.optimizer.param_groups for p in g["params"]]
-        # Under DDP the gradient a hook sees is the local one, which the bucket's all-reduce then
-        # replaces: copying it would be wasted, so every gradient is copied before the step instead.
-        local = isinstance(ctx.components.model, torch.nn.parallel.DistributedDataParallel)
-        self._hooks = [] if local else [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
-                                        for i, p in enumerate(self.params) if p.requires_grad]
+        model = ctx.components.model
+        self._hooks = []
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # A post-accumulate-grad hook would see the local gradient, which the bucket's reduction
+            # replaces: the reduced bucket is taken from the communication hook instead.
+            self._index_of = {p.data_ptr(): i for i, p in enumerate(self.params)}
+            self._tap = reduction_tap(model, ctx.components.compression) if self.layerwise else None
+            if self._tap is not None:
+                self._tap.observers.append(self._on_bucket)
+        elif self.layerwise:
+            self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                           for i, p in enumerate(self.params) if p.requires_grad]
         self._stream = torch.cuda.Stream(priority=0) if torch.cuda.is_available() else None
         self._copier = threading.Thread(target=self._copy_loop, name="everystep-grad-copy", daemon=True)
         self._copier.start()
@@ -307,8 +337,46 @@ class LowDiffPlus:
         return self.link is not None and self.fallback is None and self._lost is None and bool(self._slots)
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
-        if self._active():
+        if self.layerwise and self._active():
             self._copy(index, param.grad)
+
+    def _on_bucket(self, bucket: Any) -> Any:
+        """A DDP bucket's reduction starts (training thread): where its gradients lie in it, and what
+        copies them out of the reduced bucket when its future completes."""
+        if not (self.layerwise and self._active()) or (self._slot is None and not self._acquire()):
+            return None
+        buffer, base = self._slots[self._slot], bucket.buffer()  # type: ignore[index]
+        size, start = base.element_size(), base.data_ptr()
+        where = [(i, (g.data_ptr() - start) // size, g.numel())
+                 for p, g in zip(bucket.parameters(), bucket.gradients())
+                 if (i := self._index_of.get(p.data_ptr())) is not None]
+        if not self._awaiting_end:
+            self._awaiting_end = after_backward(self._on_backward_end)
+
+        def reduced(result: torch.Tensor) -> None:  # the thread that completed the reduction
+            try:
+                flat = result.detach().reshape(-1)
+                event = None
+                if flat.is_cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                for i, offset, n in where:
+                    self._jobs.put((buffer, i, flat[offset:offset + n].view(self.params[i].shape), event))
+                    self._reduced.append(i)
+            except BaseException as e:
+                self._errors.record("taking the reduced gradients for the agent", e)
+
+        return reduced
+
+    def _on_backward_end(self) -> None:
+        """After DDP copied the reduced buckets into the gradients: what the copies hold is what the
+        gradients hold now, until something changes them in place."""
+        self._awaiting_end = False
+        for i in self._reduced:
+            g = self.params[i].grad
+            if g is not None:
+                self._copied[i] = (g, g._version)
+        self._reduced = []
 
     def _copy(self, index: int, grad: torch.Tensor | None) -> None:
         if grad is None or (self._slot is None and not self._acquire()):
@@ -358,12 +426,27 @@ class LowDiffPlus:
         if not self._active():
             return
         self._updated = True
+        self._awaiting_end = False
+        early, stale = len(self._copied), 0
         for i, p in enumerate(self.params):
             g = p.grad
             seen = self._copied.get(i)
             if g is not None and (seen is None or seen[0] is not g or seen[1] != g._version):
-                self._copy(i, g)  # changed since the hook copied it: clipped, unscaled, compressed
+                stale += seen is not None
+                self._copy(i, g)  # not copied yet, or changed since: clipped, unscaled, compressed
         self._has_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+        self._judge_layerwise(early, stale)
+
+    def _judge_layerwise(self, early: int, stale: int) -> None:
+        """Count this step's copies during backward and those made again; with ``layerwise=None``,
+        stop copying during backward after two steps in a row that made most of them again."""
+        self.early_copies += early
+        self.recopies += stale
+        if not early:
+            return
+        self._stale_streak = self._stale_streak + 1 if 2 * stale > early else 0
+        if self.config.layerwise is None and self._stale_streak >= 2:
+            self.layerwise = False
 
     def on_step_end(self, step: int) -> None:
         self._errors.raise_pending()
@@ -607,6 +690,9 @@ class LowDiffPlus:
         self._copier.join()
         for h in self._hooks:
             h.remove()
+        if self._tap is not None:
+            self._tap.observers.remove(self._on_bucket)
+            self._tap = None
         if self._committer is not None:
             self._commits.put(None)
             if wait:  # else it may be in a commit whose peers are gone: it ends with its collective's timeout
