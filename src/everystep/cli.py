@@ -128,10 +128,22 @@ def _option(text: str) -> tuple[str, Any]:
         return name, value
 
 
+def _strategy_option(text: str) -> tuple[tuple[str, str], Any]:
+    target, dot, rest = text.partition(".")
+    if not dot or not target.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected STRATEGY.NAME=VALUE; got {text!r}")
+    name, value = _option(rest)
+    return (target, name), value
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .eval import bench
 
-    options = {"lowdiff": {"batch": args.batch}} if args.batch else {}
+    options: dict[str, dict[str, Any]] = {"lowdiff": {"batch": args.batch}} if args.batch else {}
+    for (strategy, name), value in args.option:
+        if strategy not in args.strategies:
+            raise EverystepError(f"--option {strategy}.{name}: {strategy!r} is not among --strategies")
+        options.setdefault(strategy, {})[name] = value
     cfg = bench.BenchConfig(workload=args.workload, strategies=args.strategies, steps=args.steps, warmup=args.warmup,
                             every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
                             compress=args.compress, options=options)
@@ -250,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--every", type=int, help="checkpoint interval for every strategy (default: each strategy's own)")
     b.add_argument("--compress", metavar="SPEC", help="gradient compression for every strategy, none included")
     b.add_argument("--batch", type=int, help="lowdiff: steps per differential write")
+    b.add_argument("--option", type=_strategy_option, action="append", default=[], metavar="STRATEGY.NAME=VALUE",
+                   help="an option of one strategy, repeatable (e.g. lowdiff_plus.layerwise=true)")
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--threads", type=int, default=1)
     b.add_argument("--seed", type=int, default=0)
