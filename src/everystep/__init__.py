@@ -8,6 +8,7 @@ from .errors import (
     CorruptCheckpointError,
     EverystepError,
     NoValidCheckpointError,
+    PeerFailedError,
     StateMismatchError,
     UnclosedCheckpointerWarning,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "NoValidCheckpointError",
+    "PeerFailedError",
     "StateMismatchError",
     "UnclosedCheckpointerWarning",
 ]

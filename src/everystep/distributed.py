@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import BackgroundWriteError
+from .errors import PeerFailedError
 
 __all__ = ["Ranks", "CHANNELS", "COLLECTIVE_TIMEOUT", "init_process_group"]
 
@@ -72,13 +72,16 @@ class Ranks:
     def exchange(self, channel: str, report: dict[str, Any], error: BaseException | None, what: str) -> list[dict[str, Any]]:
         """Every rank's ``report`` (with its ``error``, if any), in rank order: the step of a commit at
         which the ranks learn whether every part was written. A failure on any rank is raised on
-        every rank — its own error where it failed, else one naming the ranks that did."""
-        reports = self.all_gather(channel, {**report, "error": f"{type(error).__name__}: {error}" if error else None})
-        failed = [f"rank {r}: {p['error']}" for r, p in enumerate(reports) if p["error"]]
+        every rank — its own error where it failed, else a :class:`PeerFailedError` naming the ranks
+        that did and their errors' classes."""
+        reports = self.all_gather(channel, {**report, "error": f"{type(error).__name__}: {error}" if error else None,
+                                            "error_type": type(error).__name__ if error else None})
+        failed = {r: p["error_type"] for r, p in enumerate(reports) if p["error"]}
         if failed:
             if error is not None:
                 raise error
-            raise BackgroundWriteError(f"{what} was not committed: " + "; ".join(failed))
+            raise PeerFailedError(f"{what} was not committed: " + "; ".join(f"rank {r}: {reports[r]['error']}" for r in failed),
+                                  failed)
         return reports
 
     def any(self, channel: str, flag: bool) -> bool:

@@ -9,6 +9,7 @@ __all__ = [
     "StateMismatchError",
     "NoValidCheckpointError",
     "BackgroundWriteError",
+    "PeerFailedError",
     "UnclosedCheckpointerWarning",
     "ConfigError",
 ]
@@ -40,6 +41,15 @@ class NoValidCheckpointError(EverystepError):
 
 class BackgroundWriteError(EverystepError):
     """Checkpoint work running in the background failed; raised in the training thread."""
+
+
+class PeerFailedError(BackgroundWriteError):
+    """Another rank's part of a collective step failed; ``failed`` maps each rank that failed to the
+    name of its error's class."""
+
+    def __init__(self, message: str, failed: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 class UnclosedCheckpointerWarning(ResourceWarning):

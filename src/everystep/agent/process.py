@@ -22,7 +22,8 @@ change, because the agents' replicas and checkpoints must agree across ranks:
 
 Messages (training → agent): ``hello``, ``fetch``, ``init`` (+ state descriptor), ``slots``
 (+ slot descriptors), ``step``, ``sync``, ``close``. Agent → training: ``hello``, ``replica``
-(+ descriptor), ``done`` (a slot is free), ``persisted`` (or, under several ranks, ``part``: this
+(+ descriptor; the region then belongs to the training process), ``released`` (the replica has
+moved out of it), ``done`` (a slot is free), ``persisted`` (or, under several ranks, ``part``: this
 rank's part is written), ``synced``, ``diverged``, ``error``.
 """
 
@@ -199,6 +200,11 @@ class Agent:
         if target is not None and r.step != target:
             raise ValueError(f"the replica is at step {r.step} and cannot serve step {target}")
         self._send("replica", fds=[r.region.fd], step=r.step, layout=r.layout, skeleton=r.skeleton)
+        # The training process keeps the optimizer state where it is, in that region, without a copy:
+        # the replica moves out (while the training process loads the rest and runs its first
+        # forward and backward), and says so; the training process writes no state before that.
+        r.rehome()
+        self._send("released", step=r.step)
 
     def _on_init(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         (fd,) = recv_fds(conn, 1)

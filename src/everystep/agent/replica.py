@@ -114,9 +114,12 @@ class Replica:
                     home.copy_(value)
                     state[name] = home
         if moved:
-            self._relayout()
+            self.rehome()
 
-    def _relayout(self) -> None:
+    def rehome(self) -> None:
+        """Move the replica into a region of its own, a copy: the one it leaves now belongs to
+        whoever else maps it (the training process the replica was handed to), and is never read
+        or written here again. Also lays optimizer state that ``step()`` created or reshaped out."""
         tensors = dict(self.tensors)
         for i, p in enumerate(self.params):
             for name, value in self.optimizer.state.get(p, {}).items():

@@ -67,7 +67,7 @@ from ..agent.client import AgentLink, AgentLostError
 from ..agent.process import AgentConfig
 from ..agent.replica import optimizer_class_path, replayed_keys, slot_layout
 from ..capture.hooks import ReductionTap, after_backward, reduction_tap
-from ..errors import BackgroundWriteError, ConfigError
+from ..errors import BackgroundWriteError, ConfigError, PeerFailedError
 from ..storage.base import ObjectInfo
 from ..storage.sharded import commit_written
 from ..recovery import Recovered
@@ -172,6 +172,9 @@ class LowDiffPlus:
         """Of those, the ones copied again at the step because they changed in place (clipping)."""
         self._stale_streak = 0
         self._tap: ReductionTap | None = None
+        self._handover: threading.Event | None = None
+        """Set when the agent has moved its replica out of the region recovery took over."""
+        self._released = False
         self._reduced: list[int] = []
         self._awaiting_end = False
 
@@ -252,9 +255,11 @@ class LowDiffPlus:
         reply = link.call("fetch", reply="replica", timeout=self.config.agent_timeout, step=step)
         (fd,) = link.receive_fds(1)
         region, buffer = SharedRegion.holding(reply["layout"], fd=fd)
-        # The model copies into its parameters; anything else (optimizer state above all) may keep
-        # the tensors it is given, which must then not be the agent's memory: those are cloned.
-        tensors = {k: v if k.startswith("/model/") else v.clone() for k, v in buffer.views.items()}
+        # The model copies into its parameters. The optimizer keeps the tensors it is given: its
+        # state stays in the region, which the agent hands over (it moves its replica out and says
+        # ``released``; the first update waits for that). Anything else is cloned.
+        self._handover = threading.Event()
+        tensors = {k: v if k.startswith(("/model/", "/optimizer/state/")) else v.clone() for k, v in buffer.views.items()}
         try:
             self.ctx.components.restore(unflatten(reply["skeleton"], tensors))
         finally:
@@ -283,7 +288,7 @@ class LowDiffPlus:
         self._make_slots(tensors)
         self.link.start_reader(
             {"done": self._on_done, "persisted": self._on_persisted, "part": self._on_part, "diverged": self._on_diverged,
-             "error": self._on_error},
+             "error": self._on_error, "released": self._on_released},
             self._on_lost,
         )
 
@@ -304,6 +309,11 @@ class LowDiffPlus:
         self.ctx.committed(msg["step"], count=False)
         if self.ctx.store is not None:
             self.ctx.store.count_written_elsewhere(msg["nbytes"])
+
+    def _on_released(self, msg: dict[str, Any]) -> None:
+        self._released = True
+        if self._handover is not None:
+            self._handover.set()
 
     def _on_diverged(self, msg: dict[str, Any]) -> None:
         self._diverged.append(f"step {msg['step']}: {msg['detail']}")
@@ -327,6 +337,8 @@ class LowDiffPlus:
     def _lose(self, reason: str) -> None:
         if self._lost is None:
             self._lost = reason
+        if self._handover is not None:
+            self._handover.set()
         self._free.put(-1)  # wakes a waiting step
         with self._parts_ready:
             self._parts_ready.notify_all()  # and a commit waiting for a part
@@ -420,7 +432,21 @@ class LowDiffPlus:
             finally:
                 self._jobs.task_done()
 
+    def _take_over(self) -> None:
+        """Before the first update after recovery from memory: the optimizer state lives in the
+        region the agent handed over, and the agent must be out of it before it changes."""
+        handover, self._handover = self._handover, None
+        assert handover is not None and self.link is not None
+        t0 = time.perf_counter()
+        if not handover.wait(self.config.agent_timeout):
+            self._lose(f"it did not release the recovered state within {self.config.agent_timeout:.0f} s")
+        self.ctx.stats.snapshot_wait_seconds += time.perf_counter() - t0
+        if not self._released:
+            self.link.kill()  # lost before it was out of the region: it must not touch it again
+
     def before_update(self, step: int) -> None:
+        if self._handover is not None:
+            self._take_over()
         if self.fallback is not None:
             self.fallback.before_update(step)
         if not self._active():
@@ -574,7 +600,8 @@ class LowDiffPlus:
             commit_written(store, "full", kind="full", step=step, info=info, pieces=part["pieces"] if part else {},
                            meta={"writer": "agent"}, rank_meta=part["meta"] if part else {}, error=error)
         except BaseException as e:
-            if isinstance(e, AgentLostError) or AgentLostError.__name__ in str(e):
+            if isinstance(e, AgentLostError) or (isinstance(e, PeerFailedError)
+                                                 and set(e.failed.values()) == {AgentLostError.__name__}):
                 warnings.warn(f"the checkpoint of step {step} is not committed: {e}", RuntimeWarning, stacklevel=1)
             else:
                 self._errors.record(f"the commit of the agents' checkpoint of step {step}", e)
