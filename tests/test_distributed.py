@@ -166,6 +166,7 @@ def test_a_part_that_fails_on_one_rank_is_raised_on_every_rank_and_nothing_is_co
     err = capfd.readouterr().err
     assert "[rank1]" in err and "No space left on device" in err
     assert "the full checkpoint of step 2 was not committed: rank 1: StoreWriteError" in err  # rank 0 learns why
+    assert "PeerFailedError: the full checkpoint of step 2" in err
     manifests = sorted(p.name for p in (tmp_path / "checkfreq" / "manifests").iterdir())
     assert manifests == ["full-000000000001.json"]
 
