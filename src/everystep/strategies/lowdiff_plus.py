@@ -401,6 +401,8 @@ class LowDiffPlus:
         self._jobs.put((self._slots[self._slot], index, grad, event))
 
     def _acquire(self) -> bool:
+        if self._lost is not None:
+            return False  # (the one wake-up _lose gives may have gone to an earlier wait)
         t0 = time.perf_counter()
         try:
             slot = self._free.get(timeout=self.config.agent_timeout)
