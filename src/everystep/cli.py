@@ -41,6 +41,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         every=args.every, keep=args.keep, seed=args.seed, threads=args.threads,
         optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode, compress=args.compress,
         options={**({"batch": args.batch} if args.batch is not None else {}), **dict(args.option)},
+        device=args.device,
     )
     summary = run(cfg)
     if os.environ.get("RANK", "0") != "0":
@@ -146,7 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options.setdefault(strategy, {})[name] = value
     cfg = bench.BenchConfig(workload=args.workload, strategies=args.strategies, steps=args.steps, warmup=args.warmup,
                             every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
-                            compress=args.compress, options=options)
+                            compress=args.compress, options=options, device=args.device)
     if args.max_frequency:
         found = bench.max_frequency(cfg, args.budget)
         print(f"smallest checkpoint interval within {args.budget:.1%} overhead on {cfg.workload}:")
@@ -158,7 +159,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     runs = bench.run_bench(cfg)
     result = bench.report(cfg, runs)
-    print(f"{cfg.workload}, {cfg.steps} steps ({cfg.warmup} warm-up), checkpoint every "
+    print(f"{cfg.workload} on {cfg.device}, {cfg.steps} steps ({cfg.warmup} warm-up), checkpoint every "
           f"{cfg.every or 'default'} step(s), compression {cfg.compress or 'off'}, "
           f"{cfg.repeats} interleaved repeats, {cfg.threads} training thread(s)")
     for name, s in result["summary"].items():
@@ -237,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "torch.distributed.checkpoint directory that plain DCP calls load")
     t.add_argument("--stagger", type=int, metavar="K", help="at most K ranks read a checkpoint at once when they "
                    "restore (default: all)")
+    t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="train on the CPU (default) or on CUDA, a GPU per rank, with deterministic kernels")
     t.add_argument("--json", metavar="PATH", help="write the run summary here")
     t.set_defaults(func=cmd_train)
 
@@ -269,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-frequency", action="store_true", help="find each strategy's smallest interval within --budget")
     b.add_argument("--budget", type=float, default=0.035, help="overhead budget for --max-frequency (default 0.035)")
+    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every run trains (default cpu)")
     b.add_argument("--json", metavar="PATH")
     b.add_argument("--plot", metavar="PATH", help="write a PNG figure")
     b.set_defaults(func=cmd_bench)

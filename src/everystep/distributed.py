@@ -97,18 +97,21 @@ class Ranks:
             dist.barrier(group=self.groups[channel])
 
 
-def init_process_group(*, one_process: bool = False) -> bool:
-    """Join the job's gloo process group (``RANK``/``WORLD_SIZE`` set by ``torchrun`` or the
-    supervisor) or, with ``one_process``, make a group of this process alone (DistributedDataParallel
-    needs one for its communication hooks). True when this call created it, to destroy later."""
+def init_process_group(*, one_process: bool = False, device: str = "cpu") -> bool:
+    """Join the job's process group (``RANK``/``WORLD_SIZE`` set by ``torchrun`` or the supervisor)
+    or, with ``one_process``, make a group of this process alone (DistributedDataParallel needs one
+    for its communication hooks): gloo for training on the CPU, NCCL for ``device`` ``cuda``.
+    everystep's own channels are gloo groups either way. True when this call created it, to destroy
+    later."""
     if dist.is_initialized():
         return False
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT)
+    backend = "nccl" if device == "cuda" else "gloo"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
         return True
     if one_process:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return True
     return False
 

@@ -213,9 +213,9 @@ class Agent:
         self.replica = Replica(step=msg["step"], region=SharedRegion(msg["layout"].nbytes, fd=fd), layout=msg["layout"],
                                skeleton=msg["skeleton"], index_keys=msg["index_keys"], optimizer_class=msg["optimizer_class"])
         self._pending = None
-        if msg["persist"]:
+        if msg["persist"] or (msg["persist"] is None and self._due(msg["step"])):
             self._start_persist()
-        else:
+        elif msg["persist"] is False:  # the state came from storage
             self._persisted = max(self._persisted, msg["step"])
 
     def _on_slots(self, conn: connection.Connection, msg: dict[str, Any]) -> None:

@@ -66,7 +66,12 @@ def decompress(record: Compressed, like: torch.Tensor) -> torch.Tensor:
     ``p``, ``q``                  PowerSGD's factors: P·Qᵀ
     ``mul`` (with any of these)   one scalar the result was multiplied by (gradient clipping)
     ============================  ==========================================================
+
+    A record read from storage lives on the CPU; it is moved to ``like``'s device first, so that
+    the arithmetic is the device's, as in training.
     """
+    if any(t.device != like.device for t in record.values()):
+        record = {k: t.to(like.device) for k, t in record.items()}
     if "dense" in record:
         out = record["dense"].to(like.dtype).view_as(like)
     elif "indices" in record:
@@ -80,5 +85,5 @@ def decompress(record: Compressed, like: torch.Tensor) -> torch.Tensor:
     else:
         raise KeyError(f"not a gradient record: it holds {sorted(record)}")
     if "mul" in record:
-        out = out * record["mul"].to(like.device)
+        out = out * record["mul"]
     return out

@@ -175,7 +175,7 @@ class AllGatherCompression(DDPCompression):
         return residual_state(self.compressor)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_residual_state(self.compressor, state)
+        load_residual_state(self.compressor, state, self.devices())
 
 
 def _unpack(buf: torch.Tensor, keys: list[str], parts: list[Compressed]) -> list[Compressed]:

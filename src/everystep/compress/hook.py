@@ -79,6 +79,10 @@ class StepRecords:
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         raise NotImplementedError
 
+    def devices(self) -> dict[str, torch.device]:
+        """Each parameter's device, by name."""
+        return {name: p.device for name, p in self.params}
+
     def take(self) -> dict[str, Compressed] | None:
         """The records of the last update, once; ``None`` if no update happened."""
         last, self._last = self._last, None
@@ -93,9 +97,11 @@ def residual_state(compressor: Any) -> dict[str, Any]:
     return {"kind": compressor.name, "residuals": dict(compressor.residuals)}
 
 
-def load_residual_state(compressor: Any, state: dict[str, Any]) -> None:
+def load_residual_state(compressor: Any, state: dict[str, Any], devices: dict[str, torch.device]) -> None:
+    """Take the residuals of ``state``, each onto its parameter's device (``devices`` by name):
+    they are stored on the CPU, and the gradients they are added to may live on a GPU."""
     check_kind(state, compressor.name)
-    compressor.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+    compressor.residuals = {k: v.to(devices.get(k, v.device), copy=True) for k, v in state["residuals"].items()}
 
 
 def check_kind(state: dict[str, Any], spec: str) -> None:
@@ -127,4 +133,4 @@ class GradientCompression(StepRecords):
         return residual_state(self.compressor)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_residual_state(self.compressor, state)
+        load_residual_state(self.compressor, state, self.devices())

@@ -42,8 +42,14 @@ class BenchConfig:
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     compress: str | None = None
     """Gradient compression for every strategy, the ``none`` reference included."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``: where every run trains."""
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda needs a GPU, and torch sees none here")
         if self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -70,7 +76,7 @@ def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
     spec = {
         "workload": cfg.workload, "strategy": strategy, "steps": cfg.steps, "warmup": cfg.warmup,
         "every": every, "threads": cfg.threads, "seed": cfg.seed, "repeat": repeat,
-        "options": cfg.options.get(strategy, {}), "compress": cfg.compress,
+        "options": cfg.options.get(strategy, {}), "compress": cfg.compress, "device": cfg.device,
     }
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
     proc = subprocess.run([sys.executable, "-m", "everystep.eval.measure", json.dumps(spec)],

@@ -26,7 +26,7 @@ __all__ = ["measure"]
 
 
 def _build(spec: dict[str, Any], seed: int) -> Any:
-    return build(spec["workload"], seed=seed, compress=spec.get("compress"))
+    return build(spec["workload"], seed=seed, compress=spec.get("compress"), device=spec.get("device", "cpu"))
 
 
 def _attach(w: Any, directory: str | None, strategy: str, options: dict[str, Any], **kw: Any) -> Checkpointer:
@@ -63,7 +63,7 @@ def _split_bytes(ckpt: Checkpointer, steps: int) -> dict[str, float]:
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
-    init_process_group(one_process=needs_ddp(spec.get("compress")))  # PowerSGD runs in DDP's hook
+    init_process_group(one_process=needs_ddp(spec.get("compress")), device=spec.get("device", "cpu"))  # PowerSGD: DDP's hook
     strategy, steps, warmup = spec["strategy"], spec["steps"], spec["warmup"]
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
     with tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch")) as tmp:

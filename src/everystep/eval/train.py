@@ -67,6 +67,8 @@ class TrainConfig:
     """How full checkpoints are stored: ``safetensors`` or ``dcp`` (torch.distributed.checkpoint)."""
     stagger: int | None = None
     """At most this many ranks read the checkpoint at once when they restore; None: all."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda`` (each rank on a GPU of its own, NCCL between them, deterministic kernels)."""
 
     def __post_init__(self) -> None:
         self.fail_at = tuple(sorted(set(self.fail_at)))
@@ -86,6 +88,13 @@ class TrainConfig:
             raise ConfigError(f"--stagger must be at least 1, got {self.stagger}")
         if self.full_format not in ("safetensors", "dcp"):
             raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda needs a GPU, and torch sees none here")
+        if self.device == "cuda" and torch.cuda.device_count() < self.nproc:
+            raise ConfigError(f"--device cuda gives each rank a GPU of its own: --nproc {self.nproc} needs "
+                              f"{self.nproc} GPUs, torch sees {torch.cuda.device_count()}")
         if self.fail_mode not in ("software", "hardware"):
             raise ConfigError(f"--fail-mode must be software or hardware, got {self.fail_mode!r}")
         bad = [s for s in self.fail_at if not 1 <= s <= self.steps]
@@ -102,7 +111,8 @@ class TrainConfig:
 def run_record(cfg: TrainConfig) -> dict[str, Any]:
     """What ``everystep recover`` needs to rebuild the live objects a differential chain replays into."""
     return {"workload": cfg.workload, "optimizer": cfg.optimizer, "seed": cfg.seed, "compress": cfg.compress,
-            "every": cfg.every, "keep": cfg.keep, "options": cfg.options, "full_format": cfg.full_format}
+            "every": cfg.every, "keep": cfg.keep, "options": cfg.options, "full_format": cfg.full_format,
+            "device": cfg.device}
 
 
 def recover_run(directory: str) -> dict[str, Any]:
@@ -118,16 +128,17 @@ def recover_run(directory: str) -> dict[str, Any]:
                                  "restore it with Checkpointer.restore() in the training script")
         return {"step": found.step, "state_sha256": training_state_hash(found.tree), "source": found.source,
                 "recovery_seconds": found.seconds}
-    owns_group = init_process_group(one_process=needs_ddp(run["compress"]))
+    device = run.get("device", "cpu") if torch.cuda.is_available() else "cpu"  # the state is the same on either
+    owns_group = init_process_group(one_process=needs_ddp(run["compress"]), device=device)
     try:
-        return _recover_with(store, run, directory)
+        return _recover_with(store, run, directory, device)
     finally:
         if owns_group:
             dist.destroy_process_group()
 
 
-def _recover_with(store: LocalStore, run: dict[str, Any], directory: str) -> dict[str, Any]:
-    w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"], compress=run["compress"])
+def _recover_with(store: LocalStore, run: dict[str, Any], directory: str, device: str) -> dict[str, Any]:
+    w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"], compress=run["compress"], device=device)
     with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
                       strategy=store.marker["strategy"], every=run["every"], keep=run["keep"], final=False,
                       full_format=run.get("full_format", "safetensors"),
@@ -181,7 +192,7 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
     is one rank; the process group is created here when it does not exist yet.
     """
     torch.set_num_threads(cfg.threads)
-    owns_group = init_process_group(one_process=needs_ddp(cfg.compress))
+    owns_group = init_process_group(one_process=needs_ddp(cfg.compress), device=cfg.device)
     try:
         _train(cfg, journal, plan)
     finally:
@@ -191,7 +202,8 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
 
 def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    w = build(cfg.workload, seed=cfg.seed, optimizer=cfg.optimizer, rank=rank, world=world, compress=cfg.compress)
+    w = build(cfg.workload, seed=cfg.seed, optimizer=cfg.optimizer, rank=rank, world=world, compress=cfg.compress,
+              device=cfg.device)
     inject = Injector(plan, rank)
     strategy = cfg.strategy
     directory = cfg.directory if STRATEGIES[strategy].needs_store else None
@@ -310,6 +322,7 @@ def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]
         "stall_seconds": totals["stall_seconds"],
         "checkpoints": int(totals["checkpoints"]),
         "compress": cfg.compress,
+        "device": cfg.device,
         "snapshot_wait_seconds": totals["snapshot_wait_seconds"],
     }
 

@@ -16,6 +16,7 @@ parameters and the random generator's state are exercised by every checkpoint.
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from ..compress import GradientCompression, ddp_compression, make_compressor, pa
 from ..errors import ConfigError
 from .data import SyntheticData
 
-__all__ = ["Workload", "WORKLOADS", "OPTIMIZERS", "build", "needs_ddp", "GPT", "GPTConfig"]
+__all__ = ["Workload", "WORKLOADS", "OPTIMIZERS", "build", "needs_ddp", "resolve_device", "GPT", "GPTConfig"]
 
 
 @dataclass(frozen=True)
@@ -128,9 +129,14 @@ class Workload:
     criterion: Callable[[nn.Module, Any], torch.Tensor]
     compression: Any = None
     """The gradient compression training uses (``build(compress=…)``), or None."""
+    device: torch.device = torch.device("cpu")
+    """Where the model, its optimizer state and each batch live."""
 
     def loss(self, batch: Any) -> torch.Tensor:
-        """The loss of ``batch`` through ``model`` (the DistributedDataParallel wrapper, when there is one)."""
+        """The loss of ``batch`` (made on the CPU, moved to :attr:`device`) through ``model`` (the
+        DistributedDataParallel wrapper, when there is one)."""
+        if self.device.type != "cpu":
+            batch = tuple(t.to(self.device) for t in batch) if isinstance(batch, tuple) else batch.to(self.device)
         return self.criterion(self.model, batch)
 
 
@@ -213,8 +219,33 @@ class WarmupCosine:
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
+def resolve_device(name: str, *, rank: int = 0, world: int = 1) -> torch.device:
+    """The device ``name`` (``cpu`` or ``cuda``) names for ``rank``: under ``cuda`` each rank has a
+    GPU of its own (``cuda:<LOCAL_RANK>``). A clear error where the machine has no such device.
+
+    On CUDA, training is made deterministic (``torch.use_deterministic_algorithms``), as bit-exact
+    recovery needs: a run and its recovered continuation must compute the same bits.
+    """
+    if name == "cpu":
+        return torch.device("cpu")
+    if name != "cuda":
+        raise ConfigError(f"unknown device {name!r}; choose cpu or cuda")
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda needs a GPU, and torch sees none here")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if world > torch.cuda.device_count() or local >= torch.cuda.device_count():
+        raise ConfigError(f"--device cuda gives each rank a GPU of its own: {world} ranks need {world} GPUs, "
+                          f"this machine has {torch.cuda.device_count()}")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
 def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | None = None, rank: int = 0,
-          world: int = 1, compress: str | None = None, bucket_cap_mb: float | None = None) -> Workload:
+          world: int = 1, compress: str | None = None, bucket_cap_mb: float | None = None,
+          device: str = "cpu") -> Workload:
     """Build a workload deterministically from ``seed``: same seed, same bits.
 
     With ``world`` > 1 (torch.distributed initialised), the model is wrapped in
@@ -223,28 +254,34 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     through the optimizer, under DDP in its communication hook. PowerSGD always runs in DDP's
     hook, so it wraps the model in a world of one process as well (the group must exist:
     :func:`everystep.distributed.init_process_group` with ``one_process=True``). ``bucket_cap_mb``
-    sets DDP's gradient bucket size (default PyTorch's).
+    sets DDP's gradient bucket size (default PyTorch's). ``device`` (``cpu`` or ``cuda``, see
+    :func:`resolve_device`) holds the model and its optimizer state; data is made on the CPU.
     """
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    where = resolve_device(device, rank=rank, world=world)
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
     model, make_sample, batch, criterion = WORKLOADS[name](seed)
+    model.to(where)
     data = SyntheticData(make_sample, size=4096, batch_size=batch, seed=seed, rank=rank, world=world)
     opt = OPTIMIZERS[optimizer](model.parameters(), lr if lr is not None else _DEFAULT_LR[optimizer])
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine())
     compression = None
     if world > 1 or needs_ddp(compress):
-        model = nn.parallel.DistributedDataParallel(model, **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}))
+        kw: dict[str, Any] = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}
+        if where.type == "cuda":
+            kw["device_ids"] = [where.index]
+        model = nn.parallel.DistributedDataParallel(model, **kw)
         if compress is not None:
             compression = ddp_compression(compress, model, opt)
     elif compress is not None:
         compression = GradientCompression(make_compressor(compress), model, opt)
     return Workload(name=name, model=model, optimizer=opt, scheduler=scheduler, data=data, criterion=criterion,
-                    compression=compression)
+                    compression=compression, device=where)
 
 
 def needs_ddp(compress: str | None) -> bool:

@@ -197,6 +197,9 @@ class LowDiffPlus:
             self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                            for i, p in enumerate(self.params) if p.requires_grad]
         self._stream = torch.cuda.Stream(priority=0) if torch.cuda.is_available() else None
+        self.rebases = 0
+        """Times the replica was replaced by the live state because the arithmetic differs (GPU)."""
+        self._rebase = any(p.device.type != "cpu" for p in self.params)
         self._copier = threading.Thread(target=self._copy_loop, name="everystep-grad-copy", daemon=True)
         self._copier.start()
 
@@ -509,12 +512,15 @@ class LowDiffPlus:
         assert self.link is not None
         tensors, skeleton = self.ctx.flatten_state(step)
         replayed, volatile = self._split(tensors)
-        if self._diverged or TensorLayout.of(volatile) != self._volatile:
+        every = self.config.verify_every
+        rebase = self._rebase and (final or bool(every and step % every == 0))
+        if self._diverged or rebase or TensorLayout.of(volatile) != self._volatile:
             if self._diverged:
                 warnings.warn(f"the checkpoint agent's replica diverged from the live state ({'; '.join(self._diverged)}); "
                               f"sending it the full state of step {step}", RuntimeWarning, stacklevel=2)
             self._diverged = []
-            self._resync(step, tensors, skeleton, persist=persist)
+            self.rebases += rebase
+            self._resync(step, tensors, skeleton, persist=persist if self.shared else None)
         else:
             self._send_step(step, tensors, skeleton, replayed, volatile, persist=persist)
         if final:
@@ -552,7 +558,7 @@ class LowDiffPlus:
             event.synchronize()
         check = None
         every = self.config.verify_every
-        if every and step % every == 0:
+        if every and step % every == 0 and not self._rebase:
             check = {"keys": replayed, "sample": self.config.verify_sample,
                      "value": digest(tensors, replayed, self.config.verify_sample)}
         self._expect_part(step, persist)
@@ -631,8 +637,9 @@ class LowDiffPlus:
 
     # -- the agent's state ---------------------------------------------------------------------
 
-    def _send_state(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, *, persist: bool) -> None:
-        """Give the agent S_step whole, in a region it adopts as its replica."""
+    def _send_state(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, *, persist: bool | None) -> None:
+        """Give the agent S_step whole, in a region it adopts as its replica; it persists it if
+        ``persist``, or with None if a write is due (one process only)."""
         assert self.link is not None
         region, buffer = SharedRegion.holding(TensorLayout.of(tensors))
         event = snapshot_into(buffer, tensors)
@@ -663,7 +670,7 @@ class LowDiffPlus:
         for i in range(len(regions)):
             self._free.put(i)
 
-    def _resync(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, *, persist: bool) -> None:
+    def _resync(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, *, persist: bool | None) -> None:
         """Wait for every step in flight, then give the agent S_step whole and new slots."""
         if self.shared:
             self._sync(persist=False)  # the step an agent holds back frees its slot
@@ -678,6 +685,8 @@ class LowDiffPlus:
             self._make_slots(tensors)
         except AgentLostError as e:
             self._lose(str(e))
+            return
+        self.ctx.in_memory(step)  # the agent's replica is S_step
 
     def _fall_back(self, step: int, reason: str) -> None:
         """Stop using the agent (under several ranks: every rank's, at the same step) and write full
