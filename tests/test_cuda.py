@@ -20,6 +20,8 @@ from everystep.state import state_hash
 from everystep.storage import LocalStore
 from everystep.transport.host import HostBuffer, HostBufferPool, TensorLayout, snapshot_into
 
+from .test_checkpointer import loop
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 pytestmark = pytest.mark.timeout(600)
 
@@ -108,14 +110,7 @@ def test_the_replica_of_a_gpu_trained_model_is_rebased_and_its_final_checkpoint_
         warnings.simplefilter("error")  # no divergence warning: on a GPU the check is a re-base
         with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
                           strategy="lowdiff_plus", every=100, verify_every=2) as ckpt:
-            ckpt.restore()
-            for _ in range(7):
-                loss = w.loss(w.data.next())
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(w.model.parameters(), 1.0)
-                w.optimizer.step()
-                w.optimizer.zero_grad()
-                w.scheduler.step()
+            loop(w, ckpt, ckpt.restore(), 7)
     assert ckpt.stats.last_memory_step == 7
     assert ckpt.strategy.rebases == 4  # steps 2, 4 and 6, and the final step 7
     manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
