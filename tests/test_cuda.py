@@ -13,6 +13,7 @@ import torch
 
 from everystep import Checkpointer
 from everystep.errors import ConfigError
+from everystep.eval.bench import BenchConfig
 from everystep.eval.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
@@ -30,6 +31,10 @@ pytestmark = pytest.mark.timeout(600)
 def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="--device cuda needs a GPU, and torch sees none here"):
         TrainConfig(workload="mlp", strategy="checkfreq", directory=str(tmp_path / "c"), device="cuda")
+    with pytest.raises(ConfigError, match="--device cuda needs a GPU, and torch sees none here"):
+        BenchConfig(workload="mlp", device="cuda")
+    with pytest.raises(ConfigError, match="--device must be cpu or cuda, got 'tpu'"):
+        TrainConfig(workload="mlp", strategy="none", device="tpu")
 
 
 @gpu

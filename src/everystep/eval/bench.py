@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from ..errors import ConfigError, EverystepError
 from ..strategies import STRATEGIES
-from .workloads import WORKLOADS
+from .workloads import WORKLOADS, check_device
 
 __all__ = ["BenchConfig", "run_bench", "summarise", "markdown_table", "smallest_interval", "interleaved_order"]
 
@@ -46,10 +46,7 @@ class BenchConfig:
     """``cpu`` or ``cuda``: where every run trains."""
 
     def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda needs a GPU, and torch sees none here")
+        check_device(self.device)
         if self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
         unknown = [s for s in self.strategies if s not in STRATEGIES]

@@ -34,7 +34,7 @@ from ..state import state_hash
 from ..strategies import STRATEGIES, create
 from ..compress import parse_spec
 from .faults import FailurePlan, Injector
-from .workloads import OPTIMIZERS, WORKLOADS, build, needs_ddp
+from .workloads import OPTIMIZERS, WORKLOADS, build, check_device, needs_ddp
 
 __all__ = ["TrainConfig", "train", "run_supervised", "training_state_hash"]
 
@@ -88,13 +88,7 @@ class TrainConfig:
             raise ConfigError(f"--stagger must be at least 1, got {self.stagger}")
         if self.full_format not in ("safetensors", "dcp"):
             raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda needs a GPU, and torch sees none here")
-        if self.device == "cuda" and torch.cuda.device_count() < self.nproc:
-            raise ConfigError(f"--device cuda gives each rank a GPU of its own: --nproc {self.nproc} needs "
-                              f"{self.nproc} GPUs, torch sees {torch.cuda.device_count()}")
+        check_device(self.device, self.nproc)
         if self.fail_mode not in ("software", "hardware"):
             raise ConfigError(f"--fail-mode must be software or hardware, got {self.fail_mode!r}")
         bad = [s for s in self.fail_at if not 1 <= s <= self.steps]

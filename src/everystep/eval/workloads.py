@@ -31,7 +31,8 @@ from ..compress import GradientCompression, ddp_compression, make_compressor, pa
 from ..errors import ConfigError
 from .data import SyntheticData
 
-__all__ = ["Workload", "WORKLOADS", "OPTIMIZERS", "build", "needs_ddp", "resolve_device", "GPT", "GPTConfig"]
+__all__ = ["Workload", "WORKLOADS", "OPTIMIZERS", "build", "needs_ddp", "check_device", "resolve_device", "GPT",
+           "GPTConfig"]
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,17 @@ class WarmupCosine:
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
+def check_device(name: str, ranks: int = 1) -> None:
+    """A clear error where ``name`` is not a device this machine can train ``ranks`` ranks on."""
+    if name not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda needs a GPU, and torch sees none here")
+    if name == "cuda" and torch.cuda.device_count() < ranks:
+        raise ConfigError(f"--device cuda gives each rank a GPU of its own: {ranks} ranks need {ranks} GPUs, "
+                          f"torch sees {torch.cuda.device_count()}")
+
+
 def resolve_device(name: str, *, rank: int = 0, world: int = 1) -> torch.device:
     """The device ``name`` (``cpu`` or ``cuda``) names for ``rank``: under ``cuda`` each rank has a
     GPU of its own (``cuda:<LOCAL_RANK>``). A clear error where the machine has no such device.
@@ -226,16 +238,10 @@ def resolve_device(name: str, *, rank: int = 0, world: int = 1) -> torch.device:
     On CUDA, training is made deterministic (``torch.use_deterministic_algorithms``), as bit-exact
     recovery needs: a run and its recovered continuation must compute the same bits.
     """
+    check_device(name, world)
     if name == "cpu":
         return torch.device("cpu")
-    if name != "cuda":
-        raise ConfigError(f"unknown device {name!r}; choose cpu or cuda")
-    if not torch.cuda.is_available():
-        raise ConfigError("--device cuda needs a GPU, and torch sees none here")
     local = int(os.environ.get("LOCAL_RANK", rank))
-    if world > torch.cuda.device_count() or local >= torch.cuda.device_count():
-        raise ConfigError(f"--device cuda gives each rank a GPU of its own: {world} ranks need {world} GPUs, "
-                          f"this machine has {torch.cuda.device_count()}")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
