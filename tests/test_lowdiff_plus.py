@@ -332,3 +332,21 @@ def test_an_exception_in_the_with_block_leaves_the_agent_for_the_restart(tmp_pat
     _train(ref, 5)
     assert _live_hash(again, 5) == _live_hash(ref, 5)
     _assert_stored(tmp_path / "c", again, 5)
+
+
+def test_a_release_that_arrives_while_the_first_update_waits_ends_the_wait():
+    # After recovery from memory, the first optimizer.step() waits for the agent's 'released'; the
+    # reader thread that delivers it may come at any moment of that wait.
+    import threading
+    import types
+
+    from everystep.strategies.base import CheckpointStats
+    from everystep.strategies.lowdiff_plus import LowDiffPlus, LowDiffPlusConfig
+
+    s = LowDiffPlus(LowDiffPlusConfig(agent_timeout=5.0))
+    s.ctx = types.SimpleNamespace(stats=CheckpointStats())
+    s.link, s._handover = object(), threading.Event()
+    threading.Timer(0.2, s._on_released, args=({"kind": "released", "step": 2},)).start()
+    t0 = time.monotonic()
+    s._take_over()
+    assert time.monotonic() - t0 < 4 and s._lost is None and s._handover is None

@@ -440,11 +440,12 @@ class LowDiffPlus:
     def _take_over(self) -> None:
         """Before the first update after recovery from memory: the optimizer state lives in the
         region the agent handed over, and the agent must be out of it before it changes."""
-        handover, self._handover = self._handover, None
+        handover = self._handover
         assert handover is not None and self.link is not None
         t0 = time.perf_counter()
-        if not handover.wait(self.config.agent_timeout):
+        if not handover.wait(self.config.agent_timeout):  # set by 'released' or by the agent's loss
             self._lose(f"it did not release the recovered state within {self.config.agent_timeout:.0f} s")
+        self._handover = None  # only now: a 'released' arriving during the wait must find the event
         self.ctx.stats.snapshot_wait_seconds += time.perf_counter() - t0
         if not self._released:
             self.link.kill()  # lost before it was out of the region: it must not touch it again
