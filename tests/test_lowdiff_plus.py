@@ -334,6 +334,34 @@ def test_an_exception_in_the_with_block_leaves_the_agent_for_the_restart(tmp_pat
     _assert_stored(tmp_path / "c", again, 5)
 
 
+def test_hanging_up_closes_the_descriptor_only_after_the_reader_has_ended():
+    # A descriptor closed while the reader thread may still read it can be given to the next
+    # connection this process opens (a restarted Checkpointer's), whose messages the old reader
+    # would then take — the agent's 'released' among them, which the restart waits for.
+    import multiprocessing
+    import threading
+
+    from everystep.agent.channel import message
+    from everystep.agent.client import AgentLink
+
+    ours, agents = multiprocessing.Pipe()  # a connected pair of Unix sockets
+    inside, leave = threading.Event(), threading.Event()
+
+    def busy(msg):  # the reader is between two reads when the link hangs up
+        inside.set()
+        leave.wait(10)
+
+    link = AgentLink(ours, os.getpid(), None)
+    link.start_reader({"busy": busy}, lambda reason: None)
+    agents.send(message("busy"))
+    assert inside.wait(10)
+    threading.Timer(0.3, leave.set).start()
+    link.hang_up()
+    assert not link._reader.is_alive() and ours.closed
+    with pytest.raises(EOFError):
+        agents.recv()  # and the agent saw the hang-up
+
+
 def test_a_release_that_arrives_while_the_first_update_waits_ends_the_wait():
     # After recovery from memory, the first optimizer.step() waits for the agent's 'released'; the
     # reader thread that delivers it may come at any moment of that wait.

@@ -25,7 +25,7 @@ import xxhash
 
 from ..transport.host import tensor_bytes
 
-__all__ = ["AgentAddress", "rank_file", "listen", "connect", "hang_up", "send_fds", "recv_fds", "digest", "DISCOVERY_FILE"]
+__all__ = ["AgentAddress", "rank_file", "listen", "connect", "shut_down", "send_fds", "recv_fds", "digest", "DISCOVERY_FILE"]
 
 DISCOVERY_FILE = "agent.json"
 
@@ -117,9 +117,10 @@ def connect(address: AgentAddress, *, timeout: float = 30.0) -> connection.Conne
     return conn
 
 
-def hang_up(conn: connection.Connection) -> None:
-    """Close the connection so that the other end sees it at once, even while a thread of this
-    process is blocked reading it (a plain close would wait for that read)."""
+def shut_down(conn: connection.Connection) -> None:
+    """End the connection in both directions, so that the other end sees it at once and a thread of
+    this process reading it gets end-of-file (a plain close would wait for that read). The
+    descriptor stays open: close it once no thread can read it any more."""
     if conn.closed:
         return
     try:
@@ -127,7 +128,6 @@ def hang_up(conn: connection.Connection) -> None:
             s.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
-    conn.close()
 
 
 def send_fds(conn: connection.Connection, fds: list[int]) -> None:

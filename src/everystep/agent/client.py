@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EverystepError
-from .channel import DISCOVERY_FILE, AgentAddress, connect, rank_file, hang_up, message, recv_fds, send_fds
+from .channel import DISCOVERY_FILE, AgentAddress, connect, rank_file, message, recv_fds, send_fds, shut_down
 from .process import AgentConfig
 
 __all__ = ["AgentLink", "AgentLostError"]
@@ -170,8 +170,17 @@ class AgentLink:
     # -- ending --------------------------------------------------------------------------------
 
     def hang_up(self) -> None:
-        """Leave without a word, as a crashed training process would."""
-        hang_up(self.conn)
+        """Leave without a word, as a crashed training process would.
+
+        The reader thread, woken by the shutdown, ends before the descriptor is closed: closed
+        under it, the descriptor's number could go to the next connection this process opens (a
+        restarted Checkpointer's), and a read already under way would take that connection's
+        messages.
+        """
+        shut_down(self.conn)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=10.0)
+        self.conn.close()
 
     def close(self, *, timeout: float) -> None:
         """Ask the agent to persist what it holds and exit; wait for it to be gone."""
@@ -180,7 +189,7 @@ class AgentLink:
                 self.call("close", reply="closed", timeout=timeout)
             except AgentLostError:
                 pass
-        hang_up(self.conn)
+        self.hang_up()
         self._wait_gone(timeout)
 
     def kill(self) -> None:
@@ -189,7 +198,7 @@ class AgentLink:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        hang_up(self.conn)
+        self.hang_up()
         self._wait_gone(10.0)
 
     def _wait_gone(self, timeout: float) -> None:

@@ -117,7 +117,6 @@ class Agent:
                 self._conn = conn
                 if self._session(conn) == "close":
                     break
-                self._conn = None
                 if not self.shared:
                     self._persist_newest()  # the training process is gone: make the newest step durable
                 wait = self.config.grace
@@ -144,7 +143,9 @@ class Agent:
         except (EOFError, OSError):
             return "lost"
         finally:
-            conn.close()
+            with self._send_lock:  # no other thread is sending on the descriptor closed here
+                self._conn = None
+                conn.close()
             if self._pending is None:  # a pending step's gradients are in a slot
                 self._drop_slots()
 
@@ -166,11 +167,11 @@ class Agent:
 
     def _send(self, kind: str, *, fds: list[int] | None = None, **fields: Any) -> None:
         """Send a message (and descriptors right after it: nothing may come between)."""
-        conn = self._conn
-        if conn is None:
-            return
         try:
             with self._send_lock:
+                conn = self._conn
+                if conn is None:
+                    return
                 conn.send(message(kind, **fields))
                 if fds:
                     send_fds(conn, fds)
