@@ -515,13 +515,14 @@ class LowDiffPlus:
         replayed, volatile = self._split(tensors)
         every = self.config.verify_every
         rebase = self._rebase and (final or bool(every and step % every == 0))
-        if self._diverged or rebase or TensorLayout.of(volatile) != self._volatile:
+        fits = TensorLayout.of(volatile) == self._volatile
+        if self._diverged or rebase or not fits:
             if self._diverged:
                 warnings.warn(f"the checkpoint agent's replica diverged from the live state ({'; '.join(self._diverged)}); "
                               f"sending it the full state of step {step}", RuntimeWarning, stacklevel=2)
             self._diverged = []
             self.rebases += rebase
-            self._resync(step, tensors, skeleton, persist=persist if self.shared else None)
+            self._resync(step, tensors, skeleton, persist=persist if self.shared else None, new_slots=not fits)
         else:
             self._send_step(step, tensors, skeleton, replayed, volatile, persist=persist)
         if final:
@@ -671,8 +672,10 @@ class LowDiffPlus:
         for i in range(len(regions)):
             self._free.put(i)
 
-    def _resync(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, *, persist: bool | None) -> None:
-        """Wait for every step in flight, then give the agent S_step whole and new slots."""
+    def _resync(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, *, persist: bool | None,
+                new_slots: bool) -> None:
+        """Wait for every step in flight, then give the agent S_step whole, and new slots if the
+        step's volatile state no longer fits the old ones (the agent keeps its slots across a new state)."""
         if self.shared:
             self._sync(persist=False)  # the step an agent holds back frees its slot
         held = [self._slot] if self._slot is not None else []
@@ -683,7 +686,11 @@ class LowDiffPlus:
         self._slot = None
         try:
             self._send_state(step, tensors, skeleton, persist=persist)
-            self._make_slots(tensors)
+            if new_slots:
+                self._make_slots(tensors)
+            else:
+                for slot in held:
+                    self._free.put(slot)
         except AgentLostError as e:
             self._lose(str(e))
             return
