@@ -262,6 +262,19 @@ def test_a_failed_write_in_the_agent_surfaces_in_the_training_process(tmp_path, 
     _assert_stored(tmp_path / "c", w, 3)  # the final write succeeded
 
 
+def test_a_slow_write_delays_the_next_one_and_skips_none(tmp_path, monkeypatch):
+    """With ``every``, each multiple of P is written even when the write before it is still running
+    (the agent's third write, step 6, takes 1.5 s; the ten steps take far less)."""
+    monkeypatch.setenv("EVERYSTEP_DELAY", "store.object.before_rename:3=1.5")
+    w = build("mlp", seed=0, optimizer="adamw")
+    with _attach(w, tmp_path / "c", every=3, keep=10) as ckpt:
+        ckpt.restore()
+        _train(w, 10)
+    steps = sorted(r.manifest.step for r in LocalStore.open(tmp_path / "c").manifests())
+    assert steps == [0, 3, 6, 9, 10]
+    assert ckpt.stats.stall_seconds > 1.0  # the wait for the write shows in the measured stall
+
+
 def test_an_optimizer_the_agent_cannot_import_is_named_and_training_goes_on(tmp_path):
     w = build("mlp", seed=0, optimizer="adamw")
     local = type("Adam", (torch.optim.Adam,), {"__qualname__": "f.<locals>.Adam", "__module__": __name__})

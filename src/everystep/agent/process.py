@@ -296,11 +296,15 @@ class Agent:
         return max(1, math.ceil(self._write_seconds / (self.config.busy * max(step_seconds, 1e-9))))
 
     def _due(self, step: int) -> bool:
-        if self._persist is not None and not self._persist.done():
-            return False  # one write at a time; a due write happens at the first step after it
+        """With ``every``: the first step at or after each multiple of P, whatever the writer is
+        doing (the write waits for the one before it; the slots fill, and training waits, as it
+        would for CheckFreq). Measured: the step P after the newest write, once no write runs (a
+        due write happens at the first step after the writer is free)."""
         P = self.interval()
-        if self.config.every is not None:  # the first step at or after each multiple of P
+        if self.config.every is not None:
             return step // P > max(self._persisted, 0) // P
+        if self._persist is not None and not self._persist.done():
+            return False
         return step - self._persisted >= P
 
     def _persist_newest(self) -> None:

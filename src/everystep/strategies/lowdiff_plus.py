@@ -46,6 +46,10 @@ each, one more under several ranks for the step an agent holds back). Training w
 slot, and the wait is measured (``snapshot_wait_seconds``). An agent that frees no slot within
 ``agent_timeout`` seconds, or whose connection breaks, is lost: training warns, ends it if it
 still runs, and goes on with CheckFreq full checkpoints written by the training process itself.
+The agent writes one checkpoint at a time: with ``every`` set, each multiple of P is written, a
+write waiting for the one before it (the agent applies no later step meanwhile, so slow storage slows
+training, as with CheckFreq); with the measured default, a write due while the writer is busy
+moves to the first step after it is free.
 """
 
 from __future__ import annotations
