@@ -272,7 +272,8 @@ class Checkpointer:
             try:
                 self.close()
             except EverystepError as e:
-                warnings.warn(f"while closing after an error: {e}", stacklevel=2)
+                cause = e.__cause__ if e.__cause__ is not None else e
+                warnings.warn(f"while closing after an error: {e} ({type(cause).__name__})", stacklevel=2)
             return
         self.close()
 

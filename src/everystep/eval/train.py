@@ -355,6 +355,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+FAILURE_GRACE = 10.0
+"""Seconds the other ranks have to end on their own after one ended with an error."""
+
+
 class _Job:
     """One lifetime of the job's ranks; a stop signal to the supervisor is passed on to each rank."""
 
@@ -414,16 +418,23 @@ class _Job:
             p.wait()
 
     def wait(self) -> list[int]:
-        """Exit statuses; when one rank fails the others are killed (their peers are gone). After a
-        planned software failure only the training processes die; their agents live on."""
+        """Exit statuses; when one rank fails the others are killed (their peers are gone). A rank
+        that was killed takes the others at once (after a planned software failure only the training
+        processes die; their agents live on). A rank that ended with an error leaves the others up to
+        ``FAILURE_GRACE`` seconds to end on their own — their collectives with it fail — so that each
+        reports what it saw (a peer's failed checkpoint, say) before it is killed."""
+        failed_at: float | None = None
         while True:
             codes = [p.poll() for p in self.procs]
             if all(c is not None for c in codes):
                 return codes  # type: ignore[return-value]
             self._pass_held()
             if any(c is not None and c != 0 for c in codes):
-                self.kill(groups=not (self.software and -signal.SIGKILL in codes))
-                return [p.returncode if c is None else c for p, c in zip(self.procs, codes)]
+                failed_at = failed_at or time.monotonic()
+                killed = -signal.SIGKILL in codes
+                if killed or time.monotonic() - failed_at > FAILURE_GRACE:
+                    self.kill(groups=not (self.software and killed))
+                    return [p.returncode if c is None else c for p, c in zip(self.procs, codes)]
             time.sleep(0.02)
 
 
