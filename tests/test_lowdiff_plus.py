@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -17,13 +20,16 @@ import pytest
 import torch
 
 from everystep import Checkpointer
-from everystep.agent.channel import AgentAddress
+from everystep.agent.channel import AgentAddress, message
+from everystep.agent.client import AgentLink
 from everystep.errors import BackgroundWriteError
 from everystep.eval.train import Journal, TrainConfig, run, summarise, training_state_hash
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
 from everystep.state import state_hash
 from everystep.storage import LocalStore
+from everystep.strategies.base import CheckpointStats
+from everystep.strategies.lowdiff_plus import LowDiffPlus, LowDiffPlusConfig
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -351,12 +357,6 @@ def test_hanging_up_closes_the_descriptor_only_after_the_reader_has_ended():
     # A descriptor closed while the reader thread may still read it can be given to the next
     # connection this process opens (a restarted Checkpointer's), whose messages the old reader
     # would then take — the agent's 'released' among them, which the restart waits for.
-    import multiprocessing
-    import threading
-
-    from everystep.agent.channel import message
-    from everystep.agent.client import AgentLink
-
     ours, agents = multiprocessing.Pipe()  # a connected pair of Unix sockets
     inside, leave = threading.Event(), threading.Event()
 
@@ -378,12 +378,6 @@ def test_hanging_up_closes_the_descriptor_only_after_the_reader_has_ended():
 def test_a_release_that_arrives_while_the_first_update_waits_ends_the_wait():
     # After recovery from memory, the first optimizer.step() waits for the agent's 'released'; the
     # reader thread that delivers it may come at any moment of that wait.
-    import threading
-    import types
-
-    from everystep.strategies.base import CheckpointStats
-    from everystep.strategies.lowdiff_plus import LowDiffPlus, LowDiffPlusConfig
-
     s = LowDiffPlus(LowDiffPlusConfig(agent_timeout=5.0))
     s.ctx = types.SimpleNamespace(stats=CheckpointStats())
     s.link, s._handover = object(), threading.Event()
