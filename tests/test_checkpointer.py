@@ -177,6 +177,7 @@ def test_pickle_in_place_of_a_tensor_file_is_refused_without_running_it(tmp_path
     forged = Manifest(kind="full", step=1, objects={"tensors": ObjectInfo(info.name, len(payload), checksum(payload))},
                       meta=record.manifest.meta)
     store.commit(forged)
+    store.close()
     w2 = build("mlp", seed=0)
     with pytest.warns(UserWarning, match="not a valid safetensors file"), pytest.raises(NoValidCheckpointError):
         with attach(w2, tmp_path / "c", "full_sync", final=False) as ckpt:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from everystep import Checkpointer
-from everystep.agent.channel import AgentAddress, message
+from everystep.agent.channel import AgentAddress, message, send
 from everystep.agent.client import AgentLink
 from everystep.errors import BackgroundWriteError
 from everystep.eval.train import Journal, TrainConfig, run, summarise, training_state_hash
@@ -366,7 +366,7 @@ def test_hanging_up_closes_the_descriptor_only_after_the_reader_has_ended():
 
     link = AgentLink(ours, os.getpid(), None)
     link.start_reader({"busy": busy}, lambda reason: None)
-    agents.send(message("busy"))
+    send(agents, message("busy"))
     assert inside.wait(10)
     threading.Timer(0.3, leave.set).start()
     link.hang_up()

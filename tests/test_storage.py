@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from everystep.errors import CheckpointDirectoryError, CorruptCheckpointError
 from everystep.storage import LocalStore, Manifest, plan_retention
+from everystep.storage.local import marker_bytes
 from everystep.storage.tensorfile import load_tensors, tensor_chunks
 from everystep.transport import HostBuffer, TensorLayout, snapshot_into
 from everystep.storage.tensorfile import buffer_chunks
@@ -89,6 +90,7 @@ def test_crash_mid_write_leaves_previous_checkpoint_and_no_visible_garbage(tmp_p
     root = tmp_path / "ckpt"
     store = LocalStore.open(root, strategy="test")
     _commit(store, 1, b"first" * 1000)
+    store.close()
     points = ("store.object.mid_write", "store.object.before_rename", "store.commit.before_manifest",
               "store.manifest.mid_write", "store.manifest.before_rename")
     for point in points:
@@ -105,6 +107,7 @@ def test_crash_mid_write_leaves_previous_checkpoint_and_no_visible_garbage(tmp_p
         assert bytes(reopened.read_object(reopened.manifests()[0].manifest.objects["data"])) == b"first" * 1000
         reopened.collect_garbage()
         assert sorted(p.name for p in reopened.objects_dir.iterdir()) == ["full-000000000001.bin"]
+        reopened.close()
 
 
 def test_write_error_removes_the_temporary_and_names_the_file(tmp_path):
@@ -138,7 +141,7 @@ def test_directory_of_another_strategy_or_world_size_is_refused(tmp_path):
     with pytest.raises(CheckpointDirectoryError, match="written by strategy 'checkfreq'; this run uses 'full_sync'"):
         LocalStore.open(tmp_path / "c", strategy="full_sync")
     marker = tmp_path / "c" / "everystep.json"
-    marker.write_text(json.dumps({**json.loads(marker.read_text()), "world_size": 2}))
+    marker.write_bytes(marker_bytes({**json.loads(marker.read_text()), "world_size": 2}))
     with pytest.raises(CheckpointDirectoryError, match="written by 2 process.*this run has 1"):
         LocalStore.open(tmp_path / "c", strategy="checkfreq")
     assert LocalStore.open(tmp_path / "c", strategy="checkfreq", other_world=True).marker["world_size"] == 1

@@ -67,6 +67,8 @@ class Checkpointer:
             while the Checkpointer is open, and a second signal of a kind acts as before.
         full_format: ``"safetensors"`` (default) or ``"dcp"``: full checkpoints that plain
             ``torch.distributed.checkpoint`` calls can load (see :mod:`everystep.storage.dcp`).
+        store: an open store to use instead of ``directory`` (the Checkpointer closes it); one opened
+            with ``access="read"`` makes a reader, which restores and changes nothing.
         stagger: at most this many ranks read the checkpoint at once in :meth:`restore` (ranks
             0..k-1 first, then k..2k-1, …), so that many ranks starting together do not all hit
             storage at the same instant; ``None``: all at once.
@@ -111,23 +113,35 @@ class Checkpointer:
         self.final = final
         self.stats = CheckpointStats()
         self.ranks = store.ranks if store is not None else Ranks.detect()
+        if full_format not in ("safetensors", "dcp"):
+            raise ConfigError(f"full_format must be 'safetensors' or 'dcp', got {full_format!r}")
+        if stagger is not None and stagger < 1:
+            raise ConfigError(f"stagger must be at least 1 rank per wave, got {stagger}")
         if store is None and self.strategy.needs_store:
             if directory is None:
                 raise CheckpointDirectoryError(f"strategy {self.strategy.name!r} needs a checkpoint directory")
             store = LocalStore.open(directory, strategy=self.strategy.name, ranks=self.ranks,
-                                    other_world=getattr(self.strategy, "other_world_size", False))
+                                    other_world=getattr(self.strategy, "other_world_size", False),
+                                    extra={"full_format": full_format})
         self.store = store
-        if store is not None and not getattr(self.strategy, "shares_store", False):
+        try:
+            self._attach(full_format, deadline, k1, k2, stop_signals, stagger)
+        except BaseException:
+            if store is not None:
+                store.undo_create()  # a directory this failed constructor made stays as it was
+                store.close()
+            raise
+        self._closed = False
+
+    def _attach(self, full_format: str, deadline: float | None, k1: float, k2: float, stop_signals: Sequence[int],
+                stagger: int | None) -> None:
+        store, model, optimizer, scaler = self.store, self.components.model, self.components.optimizer, self.components.scaler
+        if store is not None and store.access == "write" and not getattr(self.strategy, "shares_store", False):
             if self.ranks.rank == 0:
                 store.collect_garbage()  # nothing else writes here: what a crash left is garbage
             self.ranks.barrier("control")
         self.stop_reason: str | None = None
-        self._watch = StopWatch(deadline, k1=k1, k2=k2, signals=stop_signals)
-        if stagger is not None and stagger < 1:
-            raise ConfigError(f"stagger must be at least 1 rank per wave, got {stagger}")
         self.stagger = stagger
-        if full_format not in ("safetensors", "dcp"):
-            raise ConfigError(f"full_format must be 'safetensors' or 'dcp', got {full_format!r}")
         self._ctx = StrategyContext(self.components, store, self.stats)
         self._ctx.full_format = full_format
         self.strategy.attach(self._ctx)
@@ -143,7 +157,7 @@ class Checkpointer:
             activity=self._timed("_activity"),
             before_update=self._timed("_before_update"),
         )
-        self._closed = False
+        self._watch = StopWatch(deadline, k1=k1, k2=k2, signals=stop_signals)
 
     # -- public ------------------------------------------------------------------------------
 
@@ -151,7 +165,9 @@ class Checkpointer:
         """Load the newest recoverable state into the live objects; return its step (0 if none).
 
         Call once, before the first training step. Loading never executes code from the
-        checkpoint, and a checkpoint that does not fit the model raises without changing it.
+        checkpoint, and a checkpoint that does not fit the model raises without changing it. With
+        a store opened for reading (``LocalStore.open(..., access="read")``) this only loads:
+        nothing is written, and the Checkpointer cannot checkpoint training.
         """
         if self.step or self._restored:
             raise EverystepError("restore() must be called once, before the first training step")
@@ -183,7 +199,8 @@ class Checkpointer:
                 step=found.step, tree={}, source=found.source, manifest=found.manifest,
                 seconds=agreeing + time.perf_counter() - t0,
             )
-        self._start()
+        if self.store.access != "read":
+            self._start()
         return self.step
 
     def should_stop(self) -> bool:
@@ -254,14 +271,18 @@ class Checkpointer:
         self._watch.restore_signals()
         failed = getattr(self, "_failed", False)
         try:
-            if self.final and self.step and not failed:
+            if self.final and self.step and not failed and not self._reading:
                 self._state_ready_pending = False
                 self._timed("_final")()
         finally:
             # After an error, like a crash: what outlives the process (a checkpoint agent's replica)
             # stays for a restarted one — under several ranks, this is how a rank ends when a peer died.
             abandon = getattr(self.strategy, "abandon", None) if failed else None
-            (abandon or self.strategy.close)()
+            try:
+                (abandon or self.strategy.close)()
+            finally:
+                if self.store is not None:
+                    self.store.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -316,7 +337,14 @@ class Checkpointer:
     def _final(self) -> None:
         self.strategy.on_state_ready(self.step, final=True)
 
+    @property
+    def _reading(self) -> bool:
+        return self.store is not None and self.store.access == "read"
+
     def _step_end(self) -> None:
+        if self._reading:
+            raise EverystepError(f"{self.store.root} was opened for reading: this Checkpointer restores, "
+                                 "it cannot checkpoint training")
         if self.step == 0 and not self._restored and self.store is not None:
             self._refuse_unrestored_directory()
             if hasattr(self.strategy, "on_start"):

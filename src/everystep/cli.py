@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .errors import EverystepError
+from .errors import ConfigError, EverystepError
 
 __all__ = ["main"]
 
@@ -34,6 +34,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .eval.train import TrainConfig, run
     from .stopping import deadline_from_environment
 
+    if args.deadline is not None and not args.deadline > 0:
+        raise ConfigError(f"--deadline must be a positive number of seconds from now (the time left to the job), "
+                          f"got {args.deadline:g}")
     deadline = time.time() + args.deadline if args.deadline is not None else deadline_from_environment()
     cfg = TrainConfig(
         nproc=args.nproc, deadline=deadline, full_format=args.full_format, stagger=args.stagger,
@@ -41,7 +44,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         every=args.every, keep=args.keep, seed=args.seed, threads=args.threads,
         optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode, compress=args.compress,
         options={**({"batch": args.batch} if args.batch is not None else {}), **dict(args.option)},
-        device=args.device,
+        device=args.device, max_nproc=args.max_nproc,
     )
     summary = run(cfg)
     if os.environ.get("RANK", "0") != "0":
@@ -73,8 +76,9 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     result = recover_run(args.dir)
     _write_json(args.json, result)
-    print(f"step {result['step']}" + (f", state sha256 {result['state_sha256']}" if result["state_sha256"] else " (empty)")
-          + (f", from {result['source']}" if result["step"] else ""))
+    found = result["state_sha256"] is not None
+    print(f"step {result['step']}" + (f", state sha256 {result['state_sha256']}, from {result['source']}" if found
+                                      else " (no checkpoint)"))
     return 0
 
 
@@ -82,7 +86,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .storage.local import LocalStore
     from .inventory import inspect_store
 
-    store = LocalStore.open(args.dir, create=False)
+    store = LocalStore.open(args.dir, create=False, access="read")
     rows = inspect_store(store)
     print(f"{store.root}: strategy {store.marker.get('strategy')}, world size {store.marker.get('world_size')}")
     if not rows:
@@ -98,7 +102,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .inventory import verify_store
     from .storage.local import LocalStore
 
-    store = LocalStore.open(args.dir, create=False)
+    store = LocalStore.open(args.dir, create=False, access="read")
     problems = verify_store(store)
     _write_json(args.json, {"directory": str(store.root), "problems": problems})
     for problem in problems:
@@ -230,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a strategy option, e.g. verify_every=1 or grace=5 (repeatable)")
     t.add_argument("--nproc", type=int, default=1, help="training processes (ranks) on this machine, each a "
                    "DistributedDataParallel replica over gloo (default 1; under torchrun its own ranks are used)")
+    t.add_argument("--max-nproc", type=int, metavar="N", help="the most ranks --nproc may start (default: the "
+                   "cores this process may run on)")
     t.add_argument("--deadline", type=float, metavar="SECONDS", help="stop with a final checkpoint before this many "
                    "seconds from now have passed (default: SLURM_JOB_END_TIME when set); SIGTERM and SIGUSR1 stop "
                    "the same way at any time")

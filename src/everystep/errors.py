@@ -5,6 +5,8 @@ from __future__ import annotations
 __all__ = [
     "EverystepError",
     "CheckpointDirectoryError",
+    "DirectoryInUseError",
+    "ReadOnlyStoreError",
     "CorruptCheckpointError",
     "StateMismatchError",
     "NoValidCheckpointError",
@@ -25,6 +27,18 @@ class ConfigError(EverystepError, ValueError):
 
 class CheckpointDirectoryError(EverystepError):
     """The checkpoint directory is missing, foreign, or was written by another configuration."""
+
+
+class DirectoryInUseError(CheckpointDirectoryError):
+    """Another process owns the checkpoint directory for writing; ``pid`` is its process id (0: unknown)."""
+
+    def __init__(self, message: str, pid: int | None) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
+class ReadOnlyStoreError(EverystepError):
+    """A store opened for reading was asked to write or delete."""
 
 
 class CorruptCheckpointError(EverystepError):

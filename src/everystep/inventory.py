@@ -29,6 +29,8 @@ def inspect_store(store: LocalStore) -> list[dict[str, Any]]:
             except CorruptCheckpointError as e:
                 # Name every bad object, not only the first (each rank's part of a sharded checkpoint).
                 reasons = _read_each(store, m) or [str(e)]
+        if reasons and not store.committed(m.name):
+            continue  # discarded by the directory's writer while it was read
         if reasons:
             row.update(valid=False, reason="; ".join(reasons))
         rows.append(row)

@@ -47,18 +47,35 @@ def latest_full(store: LocalStore) -> tuple[Manifest, dict[str, Any]] | None:
     Each checkpoint that fails verification is skipped with a warning naming why; if every one
     fails, :class:`NoValidCheckpointError` lists the reasons.
     """
+    for _ in range(_RELISTS):
+        found = _latest_listed(store)
+        if found is not _DISCARDED:
+            return found  # type: ignore[return-value]
+    raise NoValidCheckpointError(f"no checkpoint in {store.root} stayed committed long enough to be read: the "
+                                 f"process writing there discarded each one that was being read, {_RELISTS} times")
+
+
+_RELISTS = 16
+_DISCARDED = object()
+
+
+def _latest_listed(store: LocalStore) -> tuple[Manifest, dict[str, Any]] | None | object:
+    """:func:`latest_full` over one listing of the manifests; ``_DISCARDED`` when a checkpoint was
+    discarded by the directory's writer while it was read (list again: a newer one is there)."""
     records = store.manifests()
     reasons = []
     for r in records:
         if r.error:
-            warnings.warn(f"skipping {r.name}: {r.error}", stacklevel=3)
+            warnings.warn(f"skipping {r.name}: {r.error}", stacklevel=4)
             reasons.append(r.error)
     fulls = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == "full"), key=lambda m: -m.step)
     for manifest in fulls:
         try:
             return manifest, read_full(store, manifest)
         except CorruptCheckpointError as e:
-            warnings.warn(f"skipping the checkpoint at step {manifest.step}: {e}", stacklevel=3)
+            if not store.committed(manifest.name):
+                return _DISCARDED
+            warnings.warn(f"skipping the checkpoint at step {manifest.step}: {e}", stacklevel=4)
             reasons.append(f"step {manifest.step}: {e}")
     if reasons:
         raise NoValidCheckpointError(f"no valid checkpoint in {store.root}: " + "; ".join(reasons))

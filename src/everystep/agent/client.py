@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from multiprocessing import connection
@@ -17,7 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EverystepError
-from .channel import DISCOVERY_FILE, AgentAddress, connect, rank_file, message, recv_fds, send_fds, shut_down
+from .channel import (
+    DISCOVERY_FILE,
+    AgentAddress,
+    AgentIdentityError,
+    connect,
+    message,
+    rank_file,
+    recv,
+    recv_fds,
+    send,
+    send_fds,
+    shut_down,
+)
 from .process import AgentConfig
 
 __all__ = ["AgentLink", "AgentLostError"]
@@ -63,13 +76,20 @@ class AgentLink:
 
     @classmethod
     def find(cls, directory: Path, name: str = DISCOVERY_FILE) -> "AgentLink | None":
-        """The live agent that ``directory/name`` (``agent.json``) names, or None."""
-        address = AgentAddress.find(directory, name)
-        if address is None or not _alive(address.pid):
-            return None
+        """The live agent that ``directory/name`` (``agent.json``) names, or None (with a warning
+        that says why, when a file names one that cannot be used: not this user's, or silent)."""
         try:
-            conn = connect(address)
-        except OSError:
+            address = AgentAddress.find(directory, name)
+            if address is None or not _alive(address.pid):
+                return None
+            conn = connect(address, pid=address.pid)
+        except AgentIdentityError as e:
+            warnings.warn(f"not using the checkpoint agent that {directory / name} names: {e}; recovering from "
+                          "storage", RuntimeWarning, stacklevel=3)
+            return None
+        except OSError as e:
+            warnings.warn(f"the checkpoint agent (pid {address.pid}) that {directory / name} names did not answer "
+                          f"({e}); recovering from storage", RuntimeWarning, stacklevel=3)
             return None
         return cls(conn, address.pid, None)
 
@@ -81,7 +101,8 @@ class AgentLink:
         env = {**os.environ, "EVERYSTEP_AGENT": json.dumps(asdict(address)),
                "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         log_path = Path(config.directory) / rank_file(LOG_FILE, config.rank, config.world)
-        log = open(log_path, "ab")
+        log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                        "ab")
         try:
             process = subprocess.Popen([sys.executable, "-m", "everystep.agent", json.dumps(asdict(config))], env=env,
                                        stdin=subprocess.DEVNULL, stdout=log, stderr=log)
@@ -90,7 +111,11 @@ class AgentLink:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return cls(connect(address), process.pid, process)
+                return cls(connect(address, pid=process.pid), process.pid, process)
+            except AgentIdentityError:
+                process.kill()
+                process.wait()
+                raise
             except OSError:
                 if process.poll() is not None:
                     raise AgentLostError(f"the checkpoint agent exited with status {process.returncode} before it "
@@ -106,7 +131,7 @@ class AgentLink:
     def send(self, kind: str, *, fds: list[int] | None = None, **fields: Any) -> None:
         try:
             with self._send_lock:
-                self.conn.send(message(kind, **fields))
+                send(self.conn, message(kind, **fields))
                 if fds:
                     send_fds(self.conn, fds)
         except OSError as e:
@@ -121,9 +146,9 @@ class AgentLink:
                 if not self.conn.poll(timeout):
                     raise AgentLostError(f"no answer to {kind!r} within {timeout:.0f} s")
                 try:
-                    msg = self.conn.recv()
-                except (EOFError, OSError) as e:
-                    self._mark_lost("its connection closed")
+                    msg = recv(self.conn)
+                except (EOFError, OSError, ValueError) as e:
+                    self._mark_lost(f"its connection closed ({e})" if isinstance(e, ValueError) else "its connection closed")
                     raise AgentLostError(self.lost) from e
                 if msg["kind"] == reply:
                     return msg
@@ -148,9 +173,10 @@ class AgentLink:
         def read() -> None:
             while True:
                 try:
-                    msg = self.conn.recv()
-                except (EOFError, OSError):
-                    self._mark_lost("its connection closed")
+                    msg = recv(self.conn)
+                except (EOFError, OSError, ValueError) as e:
+                    self._mark_lost(f"it sent something that is not a message ({e})" if isinstance(e, ValueError)
+                                    else "its connection closed")
                     self._replies.put(None)
                     on_lost(self.lost or "")
                     return

@@ -54,10 +54,25 @@ from ..storage.tensorfile import buffer_chunks, tensor_chunks
 from ..strategies._full import write_full
 from ..transport.host import HostBuffer, TensorLayout
 from ..transport.shared import SharedRegion
-from .channel import DISCOVERY_FILE, AgentAddress, accept, digest, listen, message, rank_file, recv_fds, send_fds
+from .channel import (
+    DISCOVERY_FILE,
+    HANDSHAKE_SECONDS,
+    AgentAddress,
+    accept,
+    digest,
+    listen,
+    message,
+    rank_file,
+    recv,
+    recv_fds,
+    send,
+    send_fds,
+)
 from .replica import Replica, replayed_keys
 
 __all__ = ["AgentConfig", "Agent", "main"]
+
+_REQUESTS = frozenset({"hello", "fetch", "init", "slots", "step", "sync"})
 
 
 @dataclass(kw_only=True)
@@ -70,6 +85,8 @@ class AgentConfig:
     busy: float = 0.25
     grace: float = 30.0
     threads: int = 1
+    handshake: float = HANDSHAKE_SECONDS
+    """Seconds a connecting process has to authenticate before it is dropped."""
     rank: int = 0
     world: int = 1
     """The job's ranks: more than one makes the agent write parts and defer each step by one."""
@@ -84,9 +101,10 @@ class Agent:
         self.config = config
         self.address = address
         self.directory = Path(config.directory)
-        # The training process opened and checked the directory (strategy, world size) before it
-        # started the agent; a rank's agent is not in the job's process groups, so it checks nothing.
-        self.store = LocalStore.open(self.directory, strategy=None, create=False)
+        # The training process opened and checked the directory (strategy, world size), and owns it,
+        # before it started the agent, which writes on its behalf; a rank's agent is not in the
+        # job's process groups, so it checks nothing.
+        self.store = LocalStore.open(self.directory, strategy=None, create=False, access="shared")
         self.replica: Replica | None = None
         self.slots: list[HostBuffer] = []
         self._regions: list[SharedRegion] = []
@@ -113,7 +131,8 @@ class Agent:
         try:
             listener = listen(self.address)
             wait = max(self.config.grace, 60.0)  # the first training process is starting up
-            while (conn := accept(listener, self.address.authkey, wait)) is not None:
+            while (conn := accept(listener, self.address.authkey, wait, handshake=self.config.handshake,
+                                  log=sys.stderr)) is not None:
                 self._conn = conn
                 if self._session(conn) == "close":
                     break
@@ -130,7 +149,7 @@ class Agent:
     def _session(self, conn: connection.Connection) -> str:
         try:
             while True:
-                msg = conn.recv()
+                msg = recv(conn)
                 kind = msg["kind"]
                 if kind == "close":
                     self._apply_pending()
@@ -140,7 +159,7 @@ class Agent:
                     self._send("closed", step=self.replica.step if self.replica else None)
                     return "close"
                 self._handle(conn, msg)
-        except (EOFError, OSError):
+        except (EOFError, OSError, ValueError):
             return "lost"
         finally:
             with self._send_lock:  # no other thread is sending on the descriptor closed here
@@ -154,6 +173,8 @@ class Agent:
         told what failed, and falls back to its own checkpoints, before the agent exits."""
         kind = msg["kind"]
         try:
+            if kind not in _REQUESTS:
+                raise ValueError(f"unknown request {kind!r}")
             getattr(self, f"_on_{kind}")(conn, msg)
         except (EOFError, OSError):
             raise
@@ -172,7 +193,7 @@ class Agent:
                 conn = self._conn
                 if conn is None:
                     return
-                conn.send(message(kind, **fields))
+                send(conn, message(kind, **fields))
                 if fds:
                     send_fds(conn, fds)
         except OSError:

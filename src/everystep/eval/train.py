@@ -27,9 +27,9 @@ from tqdm import tqdm
 
 from ..checkpointer import Checkpointer
 from ..distributed import Ranks, init_process_group
-from ..errors import ConfigError, EverystepError
+from ..errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError, EverystepError
 from ..recovery import recover
-from ..storage.local import LocalStore
+from ..storage.local import MARKER, LocalStore
 from ..state import state_hash
 from ..strategies import STRATEGIES, create
 from ..compress import parse_spec
@@ -69,6 +69,8 @@ class TrainConfig:
     """At most this many ranks read the checkpoint at once when they restore; None: all."""
     device: str = "cpu"
     """``cpu`` or ``cuda`` (each rank on a GPU of its own, NCCL between them, deterministic kernels)."""
+    max_nproc: int | None = None
+    """The most ranks ``nproc`` may ask for; None: the cores this process may run on."""
 
     def __post_init__(self) -> None:
         self.fail_at = tuple(sorted(set(self.fail_at)))
@@ -98,8 +100,23 @@ class TrainConfig:
             raise ConfigError(f"strategy {self.strategy!r} needs --dir")
         if self.compress is not None:
             parse_spec(self.compress)  # validates the spec
+        elif self.strategy == "lowdiff":
+            raise ConfigError("--strategy lowdiff reuses compressed gradients: add --compress topk:0.01, quant8 or "
+                              "powersgd:rank=4")
+        limit = self.max_nproc if self.max_nproc is not None else usable_cores()
+        if self.nproc > limit:
+            raise ConfigError(f"--nproc {self.nproc} is more ranks than this machine runs at once ({limit}, its usable "
+                              "cores); raise the limit with --max-nproc if you mean it")
         given = {k: v for k, v in (("every", self.every), ("keep", self.keep)) if v is not None}
         create(self.strategy, **given, **self.options)  # validates the options before any process starts
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def run_record(cfg: TrainConfig) -> dict[str, Any]:
@@ -111,7 +128,14 @@ def run_record(cfg: TrainConfig) -> dict[str, Any]:
 
 def recover_run(directory: str) -> dict[str, Any]:
     """Recover a directory written by ``everystep train``; returns step, hash and source."""
-    store = LocalStore.open(directory, create=False)
+    store = LocalStore.open(directory, create=False, access="read")
+    try:
+        return _recover_read(store, directory)
+    finally:
+        store.close()
+
+
+def _recover_read(store: LocalStore, directory: str) -> dict[str, Any]:
     run = store.marker.get("run")
     if run is None:
         found = recover(store)
@@ -131,6 +155,35 @@ def recover_run(directory: str) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
+def preflight(cfg: TrainConfig, world: int) -> None:
+    """Refuse, before any process starts or anything is written, a directory this run cannot go
+    on with: another process writes there, another strategy or world size wrote it, or it is
+    already past ``cfg.steps``."""
+    if cfg.directory is None or not STRATEGIES[cfg.strategy].needs_store or not (Path(cfg.directory) / MARKER).exists():
+        return
+    pid = LocalStore.owner(cfg.directory)
+    if pid is not None:
+        who = f"process {pid}" if pid else "another process"
+        raise DirectoryInUseError(f"{cfg.directory} is in use: {who} is writing checkpoints there; wait for it to end "
+                                  "or choose another --dir", pid)
+    store = LocalStore.open(cfg.directory, create=False, access="read")
+    try:
+        written, strategy = store.marker.get("world_size", 1), store.marker.get("strategy")
+        if strategy not in (None, cfg.strategy):
+            raise CheckpointDirectoryError(f"{cfg.directory} was written by --strategy {strategy}; this run asks for "
+                                           f"{cfg.strategy} — use --strategy {strategy} or another --dir")
+        if written != world and not getattr(STRATEGIES[cfg.strategy], "other_world_size", False):
+            raise CheckpointDirectoryError(
+                f"{cfg.directory} was written by {written} rank(s); this run has {world} — strategy {cfg.strategy} "
+                f"keeps state per rank: use --nproc {written} or another --dir")
+        newest = max((r.manifest.step for r in store.manifests() if r.manifest), default=0)
+        if newest > cfg.steps:
+            raise ConfigError(f"{cfg.directory} holds checkpoints up to step {newest}, past --steps {cfg.steps}: ask for "
+                              f"--steps {newest + 1} or more to train on, or choose another --dir (nothing was changed)")
+    finally:
+        store.close()
+
+
 def _recover_with(store: LocalStore, run: dict[str, Any], directory: str, device: str) -> dict[str, Any]:
     w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"], compress=run["compress"], device=device)
     with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
@@ -139,11 +192,9 @@ def _recover_with(store: LocalStore, run: dict[str, Any], directory: str, device
                       store=store, **run["options"]) as ckpt:
         step = ckpt.restore()
         tree = {"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
-        result = {"step": step, "state_sha256": training_state_hash(tree) if step else None,
-                  "source": ckpt.recovered.source if ckpt.recovered else "none",
-                  "recovery_seconds": ckpt.recovered.seconds if ckpt.recovered else 0.0}
-        ckpt._restored = True
-    return result
+        found = ckpt.recovered
+        return {"step": step, "state_sha256": training_state_hash(tree) if found else None,
+                "source": found.source if found else "none", "recovery_seconds": found.seconds if found else 0.0}
 
 
 def training_state_hash(tree: dict[str, Any]) -> str:
@@ -203,7 +254,8 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
     directory = cfg.directory if STRATEGIES[strategy].needs_store else None
     store = None
     if directory:
-        store = LocalStore.open(directory, strategy=strategy, extra={"run": run_record(cfg)}, ranks=Ranks.detect(),
+        store = LocalStore.open(directory, strategy=strategy, ranks=Ranks.detect(),
+                                extra={"run": run_record(cfg), "full_format": cfg.full_format},
                                 other_world=getattr(STRATEGIES[strategy], "other_world_size", False))
     with Checkpointer(
         directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
@@ -334,7 +386,9 @@ def merge_ranks(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Run ``cfg`` to the end (or to an early stop); supervised in child processes when it has
     several ranks or planned failures. Under ``torchrun`` this process is one rank of the job."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    preflight(cfg, int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc)
+    if torchrun:
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         pending = cfg.fail_at[restarts:]
         world = int(os.environ["WORLD_SIZE"])
@@ -376,6 +430,7 @@ class _Job:
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             if cfg.nproc == 1:
                 env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+            env["EVERYSTEP_SUPERVISOR"] = str(os.getpid())
             cmd = [sys.executable, "-m", "everystep.eval.worker", json.dumps(spec), journal]
             self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
 
@@ -447,6 +502,13 @@ def _starts(journal: str) -> int:
         return 0
 
 
+def _ranks_with(codes: list[int], code: int) -> str:
+    ranks = [r for r, c in enumerate(codes) if c == code]
+    if len(codes) == 1:
+        return "the training process"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 def run_supervised(cfg: TrainConfig) -> dict[str, Any]:
     """Run the job's ranks as child processes; after a planned kill, start them all again."""
     with tempfile.TemporaryDirectory(prefix="everystep-run-") as tmp:
@@ -466,12 +528,29 @@ def run_supervised(cfg: TrainConfig) -> dict[str, Any]:
                     signal.signal(sig, handler)
             if all(c == 0 for c in codes):
                 return merge_ranks([summarise(cfg, Journal.read(j)) for j in journals])
+            if 2 in codes and -signal.SIGKILL not in codes:
+                raise EverystepError(f"training stopped: {_ranks_with(codes, 2)} reported the error above")
             if -signal.SIGKILL not in codes or not pending:
                 raise EverystepError(f"the training process failed unexpectedly (exit statuses {codes})")
             pending.pop(0)
 
 
+def _die_with_supervisor() -> None:
+    """Have the kernel kill this worker when its supervisor dies (Linux: ``PR_SET_PDEATHSIG``), so
+    that a killed supervisor leaves no rank training on its own; a supervisor already gone ends it now."""
+    supervisor = int(os.environ.pop("EVERYSTEP_SUPERVISOR", "0"))
+    if not supervisor or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != supervisor:
+        os._exit(1)
+
+
 def worker_main(argv: list[str]) -> int:
+    _die_with_supervisor()
     spec, journal_path = json.loads(argv[0]), argv[1]
     conf = spec["config"]
     conf["fail_at"] = tuple(conf["fail_at"])
@@ -481,6 +560,10 @@ def worker_main(argv: list[str]) -> int:
     journal = Journal(journal_path)
     try:
         train(cfg, journal, plan)
+    except EverystepError as e:
+        rank = os.environ.get("RANK")
+        print(f"everystep: error{f' on rank {rank}' if rank else ''}: {e}", file=sys.stderr)
+        return 2
     finally:
         journal.close()
     return 0

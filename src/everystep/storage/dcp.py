@@ -9,14 +9,20 @@ over the ranks, never merges two ranks' own state.
 Commit follows the store's rules: DCP writes into ``objects/.tmp-full-<step>.dcp/``; each rank
 checksums the files it wrote; rank 0 renames the directory into place and commits a manifest
 naming every file with its checksum. Loading verifies every file against the manifest before DCP
-reads any of them. DCP keeps its own metadata file (``.metadata``) in pickle form, which loading
-unpickles: that file's checksum is checked first, but choose the default format where loading
-must never unpickle anything.
+reads any of them.
+
+DCP keeps its own metadata file (``.metadata``) in pickle form. A checksum proves nothing against
+someone who can write the directory (they can recompute it), so everystep never unpickles that
+file with :mod:`pickle`'s default loader: :func:`load_metadata` admits only DCP's metadata
+classes, torch's dtypes, layouts and sizes, and a path; anything else — a payload that would
+import a callable — is refused before it can run.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -24,14 +30,66 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..errors import CorruptCheckpointError
 from .base import CHECKSUM_ALGORITHM, Manifest, ObjectInfo, new_hasher
 from .tensorfile import CHUNK
 
-__all__ = ["write_dcp", "read_dcp", "DCP_SUFFIX"]
+__all__ = ["write_dcp", "read_dcp", "load_metadata", "DCP_SUFFIX"]
 
 DCP_SUFFIX = ".dcp"
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata and nothing else: every global the stream names must be one of
+    DCP's metadata classes or a torch dtype; any other (``os.system``, ``builtins.eval``) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+
+
+def load_metadata(path: Path) -> Metadata:
+    """Read a DCP ``.metadata`` file without running code from it; raises CorruptCheckpointError
+    when it names anything but DCP's metadata types."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
+            KeyError) as e:
+        raise CorruptCheckpointError(f"DCP metadata {path} was refused: {e}") from None
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"DCP metadata {path} holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader, with the metadata read by :func:`load_metadata`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._metadata = load_metadata(path / ".metadata")
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if getattr(self._metadata, "storage_meta", None) is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return self._metadata
 
 
 def _rank_key(rank: int, key: str) -> str:
@@ -97,7 +155,7 @@ def read_dcp(store: Any, manifest: Manifest, rank: int) -> tuple[dict[str, torch
     for info in manifest.objects.values():
         store.read_object(info)  # size and checksum, before DCP reads anything
     directory = store.objects_dir / names.pop()
-    reader = dcp.FileSystemReader(directory)
+    reader = _Reader(directory)
     own = _rank_key(mine, "")
     template: dict[str, torch.Tensor] = {}
     for key, md in reader.read_metadata().state_dict_metadata.items():

@@ -176,6 +176,11 @@ def read_parts(store: Any, manifest: Manifest) -> tuple[dict[str, torch.Tensor],
     """
     what = f"checkpoint {manifest.name}"
     if manifest.meta.get("format") == "dcp":
+        if store.full_format != "dcp":
+            # IMPORTANT: the marker, not the manifest, says which loader may run on this directory.
+            raise CorruptCheckpointError(
+                f"{what} is in format 'dcp', but {store.root} holds full checkpoints in format {store.full_format!r} "
+                "(its everystep.json): it was not written there, and is not loaded")
         return read_dcp(store, manifest, store.ranks.rank)
     if "parts" not in manifest.meta:
         info = manifest.objects.get("tensors")

@@ -103,8 +103,8 @@ class LowDiff:
         self.ctx = ctx
         compression = ctx.components.compression
         if compression is None:
-            raise ConfigError("lowdiff reuses compressed gradients: train with compression (--compress topk:0.01, quant8 or "
-                              "powersgd:rank=4)")
+            raise ConfigError("lowdiff reuses compressed gradients: pass compression= to the Checkpointer (a "
+                              "GradientCompression, or the hook from ddp_compression() that the DDP model uses)")
         self.compression = compression
         if self.config.sum_linear and not _linear_in_gradient(ctx.components.optimizer):
             raise ConfigError(

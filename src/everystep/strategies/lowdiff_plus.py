@@ -216,6 +216,8 @@ class LowDiffPlus:
         this at once, before :meth:`restore`.)"""
         store, ranks = self.ctx.store, self.ctx.ranks
         assert store is not None
+        if store.access == "read":  # a reader takes nothing from a live agent: storage alone
+            return
         link = AgentLink.find(store.root, rank_file(DISCOVERY_FILE, ranks.rank, ranks.world))
         reachable: list[int] | None = None
         if link is not None:
@@ -531,6 +533,9 @@ class LowDiffPlus:
             self._send_step(step, tensors, skeleton, replayed, volatile, persist=persist)
         if final:
             self._sync(persist=True)
+            if self._lost is not None and not self.shared:
+                # IMPORTANT: a final checkpoint the agent did not make durable is written here, never dropped.
+                self._fall_back(step, self._lost)
 
     def _agree(self, step: int, *, final: bool) -> bool:
         """Several ranks: whether every rank persists ``step``; falls back on every rank if any
