@@ -85,11 +85,12 @@ def test_readers_work_beside_a_live_writer_and_change_nothing(tmp_path, capsys):
 
 
 def test_recover_beside_a_training_run_does_not_break_it(tmp_path):
-    """The report: ``recover`` while ``train`` writes used to collect the run's temporaries."""
+    """The report: ``recover`` while ``train`` writes used to collect the run's temporaries. (Each
+    commit is slowed, so that on any machine the run outlasts several recoveries.)"""
     directory = tmp_path / "d"
     proc = subprocess.Popen([sys.executable, "-m", "everystep", "train", "--workload", "gpt2-tiny", "--steps", "60",
                              "--dir", str(directory)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT)
+                            cwd=ROOT, env={**os.environ, "EVERYSTEP_DELAY": "store.manifest.before_rename=0.05"})
     deadline = time.monotonic() + 120
     while not any((directory / "manifests").glob("full-*.json")) and proc.poll() is None:
         assert time.monotonic() < deadline, "the run committed nothing"
