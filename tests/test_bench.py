@@ -84,3 +84,20 @@ def test_bench_refuses_lowdiff_without_compression():
 
     with pytest.raises(ConfigError, match="lowdiff reuses compressed gradients: give --compress"):
         BenchConfig(strategies=("lowdiff",))
+
+
+def test_peers_run_in_the_same_comparison_and_the_table_says_what_their_recovery_restores():
+    """torch.save, DCP and DCP's async save beside everystep's strategies (lowdiff_plus's agent
+    included): each recovers the step it saved, but only everystep's state resumes training bitwise
+    (the peers keep no RNG and no data position)."""
+    cfg = BenchConfig(workload="mlp", strategies=("torch_save", "dcp", "dcp_async", "checkfreq", "lowdiff_plus"),
+                      steps=5, warmup=1, repeats=1, every=1)
+    summary = summarise(run_bench(cfg, progress=False))
+    for peer in ("torch_save", "dcp", "dcp_async"):
+        s = summary[peer]
+        assert s["bytes_per_step"] > 0 and s["recovery_seconds_disk"] > 0 and s["recovery_error"] == 0
+        assert s["resumes_bitwise"] is False
+    assert summary["checkfreq"]["resumes_bitwise"] is True and summary["lowdiff_plus"]["resumes_bitwise"] is True
+    assert summary["none"]["resumes_bitwise"] is None
+    table = markdown_table(summary)
+    assert "| torch_save |" in table and table.splitlines()[0].endswith("| resumes bitwise |")

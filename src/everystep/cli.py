@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure every strategy side by side on one workload, interleaved")
     b.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-tiny")
-    b.add_argument("--strategies", type=_csv, default=("none", "full_sync", "checkfreq"), help="comma-separated")
+    b.add_argument("--strategies", type=_csv, default=("none", "full_sync", "checkfreq"), help="comma-separated: "
+                   "everystep strategies and the peers torch_save, dcp, dcp_async")
     b.add_argument("--steps", type=int, default=20)
     b.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (default 3)")
     b.add_argument("--every", type=int, help="checkpoint interval for every strategy (default: each strategy's own)")

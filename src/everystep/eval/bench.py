@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from ..errors import ConfigError, EverystepError
 from ..strategies import STRATEGIES
+from .peers import PEERS
 from .workloads import WORKLOADS, check_device
 
 __all__ = ["BenchConfig", "run_bench", "summarise", "markdown_table", "smallest_interval", "interleaved_order"]
@@ -49,9 +50,10 @@ class BenchConfig:
         check_device(self.device)
         if self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
-        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        unknown = [s for s in self.strategies if s not in STRATEGIES and s not in PEERS]
         if unknown:
-            raise ConfigError(f"unknown strategies {', '.join(unknown)}; choose from {', '.join(sorted(STRATEGIES))}")
+            raise ConfigError(f"unknown strategies {', '.join(unknown)}; choose from {', '.join(sorted(STRATEGIES))} "
+                              f"or the peers {', '.join(PEERS)}")
         if "none" not in self.strategies:
             self.strategies = ("none", *self.strategies)
         if self.steps <= self.warmup:
@@ -118,6 +120,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "lost_steps_hardware": max(r["lost_steps_hardware"] for r in mine),
             "recovery_error": max((r.get("recovery_error") or 0.0) for r in mine) if mine[0].get("recovery_error") is not None else None,
             "replay_seconds": mine[-1].get("replay_seconds"),
+            "resumes_bitwise": None if any(r.get("resumes_bitwise") is None for r in mine)
+            else all(r["resumes_bitwise"] for r in mine),
             **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step")
                if key in mine[0]},
         }
@@ -128,17 +132,21 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 2, suffix: str = "") -> s
     return "–" if value is None else f"{value * scale:.{digits}f}{suffix}"
 
 
+_RESUMES = {None: "–", True: "yes", False: "no"}
+
+
 def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
     head = ("| strategy | overhead | stall/ckpt (ms) | MiB/step | peak host MiB | recovery disk (s) "
-            "| recovery mem (s) | lost steps sw/hw | recovery error |")
-    rows = [head, "|" + "---|" * 9]
+            "| recovery mem (s) | lost steps sw/hw | recovery error | resumes bitwise |")
+    rows = [head, "|" + "---|" * 10]
     for name, s in summary.items():
         rows.append(
             f"| {name} | {_fmt(s['overhead'], 100, 1, '%')} | {_fmt(s['stall_per_checkpoint_seconds'], 1e3, 1)} "
             f"| {_fmt(s['bytes_per_step'], 2**-20, 2)} | {_fmt(s['peak_host_bytes'], 2**-20, 0)} "
             f"| {_fmt(s['recovery_seconds_disk'], 1, 3)} | {_fmt(s['recovery_seconds_memory'], 1, 3)} "
             f"| {s['lost_steps_software']}/{s['lost_steps_hardware']} "
-            f"| {'–' if s.get('recovery_error') is None else format(s['recovery_error'], '.2e')} |"
+            f"| {'–' if s.get('recovery_error') is None else format(s['recovery_error'], '.2e')} "
+            f"| {_RESUMES[s.get('resumes_bitwise')]} |"
         )
     return "\n".join(rows)
 

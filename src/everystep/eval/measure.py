@@ -11,6 +11,7 @@ import resource
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,9 +21,13 @@ from ..distributed import init_process_group
 from ..state import flatten
 from ..strategies import STRATEGIES
 from ..strategies.naive_diff import state_error
+from .peers import PEERS, Peer
 from .workloads import build, needs_ddp
 
-__all__ = ["measure"]
+__all__ = ["measure", "RESUME_STEPS"]
+
+RESUME_STEPS = 2
+"""Steps trained on after recovery, and on the uninterrupted run, whose losses must match bitwise."""
 
 
 def _build(spec: dict[str, Any], seed: int) -> Any:
@@ -40,13 +45,31 @@ def _model_and_optimizer(w: Any) -> dict[str, torch.Tensor]:
 
 
 def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[str, Any]) -> tuple[float, int, Any, Checkpointer]:
-    fresh = _build(spec, spec["seed"] + 1)
-    fresh.data.seed = spec["seed"]
+    fresh = _build(spec, spec["seed"])  # the same workload (its data, its targets) at S_0: recovery must bring S_steps
     t0 = time.perf_counter()
     with _attach(fresh, directory, strategy, options, final=False) as again:
         recovered = again.restore()
         seconds = again.recovered.seconds if again.recovered else time.perf_counter() - t0
     return seconds, recovered, fresh, again
+
+
+def _step(w: Any, before_update: Any = None) -> torch.Tensor:
+    """One step of the bench's training loop; ``before_update`` runs right before ``optimizer.step()``."""
+    loss = w.loss(w.data.next())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(w.model.parameters(), 1.0)
+    if before_update is not None:
+        before_update()
+    w.optimizer.step()
+    w.optimizer.zero_grad(set_to_none=True)
+    w.scheduler.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return loss
+
+
+def _train_on(w: Any) -> list[float]:
+    return [_step(w).item() for _ in range(RESUME_STEPS)]
 
 
 def _split_bytes(ckpt: Checkpointer, steps: int) -> dict[str, float]:
@@ -64,6 +87,8 @@ def _split_bytes(ckpt: Checkpointer, steps: int) -> dict[str, float]:
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     init_process_group(one_process=needs_ddp(spec.get("compress")), device=spec.get("device", "cpu"))  # PowerSGD: DDP's hook
+    if spec["strategy"] in PEERS:
+        return measure_peer(spec)
     strategy, steps, warmup = spec["strategy"], spec["steps"], spec["warmup"]
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
     with tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch")) as tmp:
@@ -81,14 +106,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                     stall_at_warmup, checkpoints_at_warmup = ckpt.stats.stall_seconds, ckpt.stats.checkpoints
                     bytes_at_warmup = ckpt.bytes_written
                 t0 = time.perf_counter()
-                loss = w.loss(w.data.next())
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(w.model.parameters(), 1.0)
-                w.optimizer.step()
-                w.optimizer.zero_grad(set_to_none=True)
-                w.scheduler.step()
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+                _step(w)
                 if step > warmup:
                     times.append(time.perf_counter() - t0)
                 stats = ckpt.stats
@@ -105,7 +123,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 ckpt._activity()  # S_steps is complete; hand it over as the next forward would
                 ckpt.wait()
                 ckpt.strategy.abandon()
+                ckpt.store.close()  # the directory is free, as a dead process leaves it
                 memory = _recover(spec, directory, strategy, options)
+        after = _train_on(w)  # the uninterrupted run's next steps (the Checkpointer is closed)
         result: dict[str, Any] = {
             "strategy": strategy,
             "repeat": spec["repeat"],
@@ -123,6 +143,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "recovery_seconds_memory": None,
             "recovery_error": None,
             "replay_seconds": None,
+            "resumes_bitwise": None,
             **split,
         }
         if memory is not None:
@@ -136,6 +157,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             if recovered != steps:
                 raise RuntimeError(f"recovered step {recovered}, expected {steps}")
             result["recovery_error"] = state_error(_model_and_optimizer(fresh), live)
+            result["resumes_bitwise"] = _train_on(fresh) == after
             if strategy == "lowdiff":
                 replay = {}
                 for threads in (1, 2):
@@ -143,6 +165,51 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                     replay[threads] = r.strategy.replay_seconds
                 result["replay_seconds"] = {"serial": replay[1], "parallel_2_threads": replay[2]}
     return result
+
+
+def measure_peer(spec: dict[str, Any]) -> dict[str, Any]:
+    """:func:`measure` for a peer (:mod:`everystep.eval.peers`): the same loop, counters and checks."""
+    steps, warmup = spec["steps"], spec["warmup"]
+    with tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch")) as tmp:
+        w = _build(spec, spec["seed"])
+        peer: Peer = PEERS[spec["strategy"]](Path(tmp) / "ckpt", w, spec.get("every") or 1)
+        times, lost = [], []
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            for step in range(1, steps + 1):
+                if step == warmup + 1:
+                    peer.wait()
+                    at_warmup = (peer.stall_seconds, peer.checkpoints, peer.bytes_written)
+                t0 = time.perf_counter()
+                _step(w, peer.before_update)
+                peer.after_step(step)
+                if step > warmup:
+                    times.append(time.perf_counter() - t0)
+                lost.append(step - peer.last_durable_step)
+            peer.wait()
+        finally:
+            peer.close()
+        live = _model_and_optimizer(w)
+        after = _train_on(w)
+        fresh = _build(spec, spec["seed"])
+        t0 = time.perf_counter()
+        recovered = peer.load(fresh)
+        seconds = time.perf_counter() - t0
+        if recovered != steps:
+            raise RuntimeError(f"{spec['strategy']} recovered step {recovered}, expected {steps}")
+        return {
+            "strategy": spec["strategy"], "repeat": spec["repeat"], "every": spec["every"], "step_seconds": times,
+            "mean_step_seconds": sum(times) / len(times), "stall_seconds": peer.stall_seconds - at_warmup[0],
+            "checkpoints": peer.checkpoints - at_warmup[1],
+            "bytes_per_step": (peer.bytes_written - at_warmup[2]) / (steps - warmup),
+            "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_device_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+            "lost_steps_software": max(lost), "lost_steps_hardware": max(lost),
+            "recovery_seconds_disk": seconds, "recovery_seconds_memory": None,
+            "recovery_error": state_error(_model_and_optimizer(fresh), live), "replay_seconds": None,
+            "resumes_bitwise": _train_on(fresh) == after,
+        }
 
 
 if __name__ == "__main__":

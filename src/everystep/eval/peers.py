@@ -1,0 +1,200 @@
+"""What a PyTorch user would run instead of everystep, each the way its documentation shows it, so
+that ``everystep bench`` measures them beside everystep's strategies with the same loop.
+
+- ``torch_save``: ``torch.save`` of the model's, optimizer's and scheduler's state dicts to a
+  temporary file, fsynced, renamed over the previous checkpoint; ``torch.load(weights_only=True)``
+  to recover.
+- ``dcp``: ``torch.distributed.checkpoint.save`` of an application state (a ``Stateful`` holding
+  ``get_state_dict(model, optimizer)`` and the scheduler), one directory per checkpoint; ``dcp.load``.
+- ``dcp_async``: ``dcp.async_save`` with a ``DefaultStager`` (pinned memory and its own stream on
+  CUDA; on a CPU-only machine its CUDA options are off, as they must be there), the next save
+  waiting for the previous upload and the next ``optimizer.step()`` for the staging, as TorchTitan
+  does it.
+
+Like a user's, none of them saves the RNG or the data position: the bench's resume check shows
+whether training goes on bitwise after their recovery. Their checkpoints live in the bench's own
+temporary directory; DCP stores the scheduler's plain values in pickle form, which its loader
+unpickles, so load a peer's checkpoint only from a directory you trust.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+__all__ = ["PEERS", "Peer", "TorchSave", "DcpSave", "DcpAsyncSave"]
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class Peer:
+    """A peer's checkpointing, driven by the bench's training loop.
+
+    Call order: :meth:`before_update` before each ``optimizer.step()``; :meth:`after_step` after
+    each step; :meth:`wait`, then :meth:`close` at the end; :meth:`load` into a fresh workload.
+    The counters match :class:`~everystep.strategies.CheckpointStats`'s names.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, directory: Path, workload: Any, every: int) -> None:
+        self.directory, self.w, self.every = directory, workload, every
+        directory.mkdir(parents=True, exist_ok=True)
+        self.stall_seconds = 0.0
+        self.checkpoints = 0
+        self.bytes_written = 0
+        self.last_durable_step = 0
+
+    def after_step(self, step: int) -> None:
+        if step % self.every == 0:
+            t0 = time.perf_counter()
+            self._save(step)
+            self.stall_seconds += time.perf_counter() - t0
+            self.checkpoints += 1
+
+    def before_update(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.wait()
+
+    def _save(self, step: int) -> None:
+        raise NotImplementedError
+
+    def load(self, workload: Any) -> int:
+        """Restore the newest checkpoint into ``workload``'s model, optimizer and scheduler; its step."""
+        raise NotImplementedError
+
+
+class TorchSave(Peer):
+    name = "torch_save"
+
+    @property
+    def _path(self) -> Path:
+        return self.directory / "checkpoint.pt"
+
+    def _save(self, step: int) -> None:
+        w = self.w
+        tmp = self.directory / "checkpoint.pt.tmp"
+        with open(tmp, "wb") as f:
+            torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
+                        "scheduler": w.scheduler.state_dict(), "step": step}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._path)
+        self.bytes_written += _size(self._path)
+        self.last_durable_step = step
+
+    def load(self, workload: Any) -> int:
+        state = torch.load(self._path, map_location="cpu", weights_only=True)
+        workload.model.load_state_dict(state["model"])
+        workload.optimizer.load_state_dict(state["optimizer"])
+        workload.scheduler.load_state_dict(state["scheduler"])
+        return int(state["step"])
+
+
+class _AppState(Stateful):
+    """DCP's documented pattern: the application's state as one ``Stateful``."""
+
+    def __init__(self, workload: Any, step: int = 0) -> None:
+        self.w, self.step = workload, step
+
+    def state_dict(self) -> dict[str, Any]:
+        model, optimizer = get_state_dict(self.w.model, self.w.optimizer)
+        return {"model": model, "optimizer": optimizer, "scheduler": self.w.scheduler.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.w.model, self.w.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.w.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+
+
+class DcpSave(Peer):
+    name = "dcp"
+    keep = 2
+
+    def _checkpoint(self, step: int) -> Path:
+        return self.directory / f"step-{step:012d}"
+
+    def _committed(self, step: int) -> None:
+        self.bytes_written += _size(self._checkpoint(step))
+        self.last_durable_step = step
+        old = sorted(self.directory.glob("step-*"))[:-self.keep]
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _save(self, step: int) -> None:
+        dcp.save({"app": _AppState(self.w, step)}, checkpoint_id=self._checkpoint(step), no_dist=True)
+        self._committed(step)
+
+    def load(self, workload: Any) -> int:
+        newest = sorted(self.directory.glob("step-*"))[-1]
+        state = _AppState(workload)
+        dcp.load({"app": state}, checkpoint_id=newest, no_dist=True)
+        return state.step
+
+
+class DcpAsyncSave(DcpSave):
+    name = "dcp_async"
+
+    def __init__(self, directory: Path, workload: Any, every: int) -> None:
+        super().__init__(directory, workload, every)
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        on_gpu = torch.cuda.is_available() and any(p.is_cuda for p in workload.model.parameters())
+        self._stager = DefaultStager(StagingOptions(on_gpu, on_gpu, on_gpu, on_gpu))
+        self._staging: Any = None
+        self._upload: Any = None
+        self._uploading = 0
+
+    def _save(self, step: int) -> None:
+        self._finish_upload()  # one upload at a time
+        response = dcp.async_save({"app": _AppState(self.w, step)}, checkpoint_id=self._checkpoint(step),
+                                  async_stager=self._stager, no_dist=True)
+        # An AsyncSaveResponse when staging runs in the background (CUDA); else staging is done, and
+        # the response is the upload's future.
+        self._staging = getattr(response, "staging_completion", None)
+        self._upload = getattr(response, "upload_completion", response)
+        self._uploading = step
+
+    def before_update(self) -> None:
+        if self._staging is not None:  # the parameters may change only once staging has copied them
+            t0 = time.perf_counter()
+            self._staging.result()
+            self._staging = None
+            self.stall_seconds += time.perf_counter() - t0
+
+    def _finish_upload(self) -> None:
+        if self._upload is not None:
+            self._upload.result()
+            self._upload = None
+            self._committed(self._uploading)
+
+    def wait(self) -> None:
+        self.before_update()
+        self._finish_upload()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._stager.close()
+
+
+PEERS: dict[str, type[Peer]] = {cls.name: cls for cls in (TorchSave, DcpSave, DcpAsyncSave)}
