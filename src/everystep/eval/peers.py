@@ -165,7 +165,8 @@ class DcpAsyncSave(DcpSave):
 
     def _save(self, step: int) -> None:
         self._finish_upload()  # one upload at a time
-        response = dcp.async_save({"app": _AppState(self.w, step)}, checkpoint_id=self._checkpoint(step),
+        # The stager deep-copies what it is given: the state dicts, not the Stateful holding the workload.
+        response = dcp.async_save({"app": _AppState(self.w, step).state_dict()}, checkpoint_id=self._checkpoint(step),
                                   async_stager=self._stager, no_dist=True)
         # An AsyncSaveResponse when staging runs in the background (CUDA); else staging is done, and
         # the response is the upload's future.
