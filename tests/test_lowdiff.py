@@ -242,3 +242,52 @@ def test_naive_diff_is_lossy_and_its_error_is_measurable(tmp_path):
     error = state_error(got, truth)
     assert 0 < error < 0.05  # not exact, by design, but not far off either
     assert w2.data.state_dict() == w.data.state_dict()  # what a difference cannot carry is exact
+
+
+def test_the_two_trades_of_lowdiffs_bytes_exact_without_error_feedback_lossy_when_residuals_drop(tmp_path):
+    """By default each batch also stores the dense error-feedback residuals (exact recovery). Without
+    error feedback (``topk:RATIO,ef=off``) the step records alone recover bitwise, and writes shrink
+    to them; with ``residual="drop"`` the records alone are stored, and recovery takes the base full
+    checkpoint's residuals: the model and optimizer are exact, training then drifts, and the
+    recovery says it is lossy."""
+    end_bytes, record_bytes = {}, {}
+    for label, compress, residual in (("keep", "topk:0.05", "keep"), ("ef_off", "topk:0.05,ef=off", "keep"),
+                                      ("drop", "topk:0.05", "drop")):
+        w = _make(compress=compress)
+        with _attach(w, tmp_path / label, every=50, batch=1, residual=residual) as ckpt:
+            ckpt.restore()
+            _loop(w, 6)
+            ckpt.wait()
+            end_bytes[label], record_bytes[label] = ckpt.strategy.end_bytes, ckpt.strategy.record_bytes
+        params = _model_and_optimizer(w)
+        _loop(w, 3)
+        after = _hash(w)
+        again = _make(compress=compress)  # at S_0: recovery must bring S_6
+        with _attach(again, tmp_path / label, every=50, batch=1, residual=residual, final=False) as ckpt:
+            assert ckpt.restore() == 6
+            source = ckpt.recovered.source
+        assert state_error(_model_and_optimizer(again), params) == 0  # replayed from the records: exact
+        _loop(again, 3)
+        if label == "drop":
+            assert source == "disk (lossy: residuals of step 0)" and _hash(again) != after
+        else:
+            assert source == "disk" and _hash(again) == after
+    assert end_bytes["ef_off"] < end_bytes["keep"] / 4 and end_bytes["drop"] < end_bytes["keep"] / 4
+    assert record_bytes["ef_off"] == pytest.approx(record_bytes["keep"], rel=0.01)
+
+
+def _model_and_optimizer(w):
+    tensors, _ = flatten({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()["state"]})
+    return {k: t.detach().clone() for k, t in tensors.items()}
+
+
+@pytest.mark.parametrize("spec, message", [("topk:0.01,ef=maybe", "ef=on or ef=off"),
+                                           ("powersgd:rank=2,ef=off", "PowerSGD keeps its own error feedback")])
+def test_compression_options_are_checked(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        make_compressor(spec)
+
+
+def test_a_residual_option_other_than_keep_or_drop_is_refused():
+    with pytest.raises(ConfigError, match="residual must be 'keep' or 'drop'"):
+        LowDiff(LowDiff.Config(residual="zero"))

@@ -21,12 +21,26 @@ from .topk import TopK
 
 __all__ = ["GradientCompression", "make_compressor", "parameter_names", "parse_spec"]
 
-SPECS = "topk:RATIO, quant8 or powersgd:rank=R"
+SPECS = "topk:RATIO, quant8 or powersgd:rank=R (topk and quant8 may add ,ef=off)"
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``topk[:RATIO]`` (default 0.01), ``quant8``, ``powersgd[:rank=R]`` (default 4) → kind and arguments."""
-    kind, _, arg = spec.partition(":")
+    """``topk[:RATIO]`` (default 0.01), ``quant8``, ``powersgd[:rank=R]`` (default 4), each optionally
+    followed by ``,ef=off`` (topk and quant8: no error feedback; ``error_feedback`` in the arguments
+    only when given) → kind and arguments."""
+    head, *extra = spec.split(",")
+    kind, args = _parse_kind(head, spec)
+    for option in extra:
+        if option not in ("ef=on", "ef=off"):
+            raise ConfigError(f"compression option {option!r} in {spec!r} is unknown; the one option is ef=on or ef=off")
+        args["error_feedback"] = option == "ef=on"
+    if kind == "powersgd" and not args.get("error_feedback", True):
+        raise ConfigError(f"{spec!r}: PowerSGD keeps its own error feedback; ef=off applies to topk and quant8")
+    return kind, args
+
+
+def _parse_kind(head: str, spec: str) -> tuple[str, dict[str, Any]]:
+    kind, _, arg = head.partition(":")
     if kind == "topk":
         try:
             return kind, {"ratio": float(arg) if arg else 0.01}
@@ -43,12 +57,12 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def make_compressor(spec: str) -> Compressor:
-    """The per-parameter compressor of ``topk[:RATIO]`` or ``quant8``."""
+    """The per-parameter compressor of ``topk[:RATIO]`` or ``quant8`` (``,ef=off``: no error feedback)."""
     kind, args = parse_spec(spec)
     if kind == "topk":
-        return TopK(args["ratio"])
+        return TopK(args["ratio"], error_feedback=args.get("error_feedback", True))
     if kind == "quant8":
-        return Quant8()
+        return Quant8(error_feedback=args.get("error_feedback", True))
     raise ConfigError(f"{spec} compresses DistributedDataParallel's gradient communication: it needs a DDP model "
                       "and everystep.compress.ddp_compression (everystep train sets this up, in one process too)")
 
@@ -101,6 +115,9 @@ def load_residual_state(compressor: Any, state: dict[str, Any], devices: dict[st
     """Take the residuals of ``state``, each onto its parameter's device (``devices`` by name):
     they are stored on the CPU, and the gradients they are added to may live on a GPU."""
     check_kind(state, compressor.name)
+    if state["residuals"] and not getattr(compressor, "error_feedback", True):
+        raise ConfigError(f"the checkpoint was trained with {compressor.name} error feedback (it holds residuals); this "
+                          "run compresses without it (ef=off): use the same compression as the run that wrote it")
     compressor.residuals = {k: v.to(devices.get(k, v.device), copy=True) for k, v in state["residuals"].items()}
 
 

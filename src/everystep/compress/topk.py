@@ -15,10 +15,12 @@ __all__ = ["TopK"]
 class TopK:
     name = "topk"
 
-    def __init__(self, ratio: float = 0.01) -> None:
+    def __init__(self, ratio: float = 0.01, *, error_feedback: bool = True) -> None:
         if not 0 < ratio <= 1:
             raise ConfigError(f"top-k ratio must lie in (0, 1], got {ratio}")
         self.ratio = ratio
+        self.error_feedback = error_feedback
+        """Keep what was not sent and add it to the next gradient; off: drop it (no residual state)."""
         self.residuals: dict[str, torch.Tensor] = {}
 
     def compress(self, name: str, grad: torch.Tensor) -> Compressed:
@@ -28,8 +30,9 @@ class TopK:
         k = max(1, math.ceil(self.ratio * acc.numel()))
         indices = acc.abs().topk(k, sorted=False).indices.sort().values
         values = acc[indices]
-        acc[indices] = 0
-        self.residuals[name] = acc
+        if self.error_feedback:
+            acc[indices] = 0
+            self.residuals[name] = acc
         index_dtype = torch.int32 if acc.numel() < 2**31 else torch.int64
         return {"values": values, "indices": indices.to(index_dtype)}
 

@@ -122,6 +122,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "replay_seconds": mine[-1].get("replay_seconds"),
             "resumes_bitwise": None if any(r.get("resumes_bitwise") is None for r in mine)
             else all(r["resumes_bitwise"] for r in mine),
+            "resume_error": med("resume_error"),
             **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step")
                if key in mine[0]},
         }
@@ -132,7 +133,11 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 2, suffix: str = "") -> s
     return "–" if value is None else f"{value * scale:.{digits}f}{suffix}"
 
 
-_RESUMES = {None: "–", True: "yes", False: "no"}
+def _resumes(s: dict[str, Any]) -> str:
+    if s.get("resumes_bitwise") is None:
+        return "–"
+    error = s.get("resume_error")
+    return "yes" if s["resumes_bitwise"] else f"no ({error:.1e})" if error is not None else "no"
 
 
 def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
@@ -146,7 +151,7 @@ def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
             f"| {_fmt(s['recovery_seconds_disk'], 1, 3)} | {_fmt(s['recovery_seconds_memory'], 1, 3)} "
             f"| {s['lost_steps_software']}/{s['lost_steps_hardware']} "
             f"| {'–' if s.get('recovery_error') is None else format(s['recovery_error'], '.2e')} "
-            f"| {_RESUMES[s.get('resumes_bitwise')]} |"
+            f"| {_resumes(s)} |"
         )
     return "\n".join(rows)
 

@@ -74,9 +74,13 @@ def _train_on(w: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, _model_and_optimizer(w)
 
 
-def _same_run(a: tuple[list[float], dict[str, torch.Tensor]], b: tuple[list[float], dict[str, torch.Tensor]]) -> bool:
-    """Whether two continuations are bitwise the same: equal losses, equal state."""
-    return a[0] == b[0] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+def _resume_check(fresh: Any, after: tuple[list[float], dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Train the recovered workload on as the uninterrupted one did: ``resumes_bitwise`` when the
+    losses and the state then are bitwise the same, and ``resume_error``, how far the state is."""
+    losses, state = _train_on(fresh)
+    bitwise = (losses == after[0] and state.keys() == after[1].keys()
+               and all(torch.equal(state[k], after[1][k]) for k in state))
+    return {"resumes_bitwise": bitwise, "resume_error": state_error(state, after[1])}
 
 
 def _split_bytes(ckpt: Checkpointer, steps: int) -> dict[str, float]:
@@ -151,6 +155,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "recovery_error": None,
             "replay_seconds": None,
             "resumes_bitwise": None,
+            "resume_error": None,
             **split,
         }
         if memory is not None:
@@ -164,7 +169,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             if recovered != steps:
                 raise RuntimeError(f"recovered step {recovered}, expected {steps}")
             result["recovery_error"] = state_error(_model_and_optimizer(fresh), live)
-            result["resumes_bitwise"] = _same_run(_train_on(fresh), after)
+            result.update(_resume_check(fresh, after))
             if strategy == "lowdiff":
                 replay = {}
                 for threads in (1, 2):
@@ -215,7 +220,7 @@ def measure_peer(spec: dict[str, Any]) -> dict[str, Any]:
             "lost_steps_software": max(lost), "lost_steps_hardware": max(lost),
             "recovery_seconds_disk": seconds, "recovery_seconds_memory": None,
             "recovery_error": state_error(_model_and_optimizer(fresh), live), "replay_seconds": None,
-            "resumes_bitwise": _same_run(_train_on(fresh), after),
+            **_resume_check(fresh, after),
         }
 
 

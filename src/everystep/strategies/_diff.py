@@ -16,9 +16,11 @@ from ..storage.sharded import read_parts
 __all__ = ["end_state", "apply_end_state", "restore_base", "read_differential"]
 
 
-def end_state(components: TrainingComponents, boundary: dict[str, Any], step: int) -> tuple[dict[str, torch.Tensor], Any]:
+def end_state(components: TrainingComponents, boundary: dict[str, Any], step: int, *,
+              residuals: bool = True) -> tuple[dict[str, torch.Tensor], Any]:
     """Model buffers (BatchNorm statistics), param-group settings as the scheduler left them,
-    scheduler, scaler, compression residuals, RNG and data position, as of the end of ``step``."""
+    scheduler, scaler, compression residuals (unless ``residuals`` is False), RNG and data
+    position, as of the end of ``step``."""
     c = components
     buffers = {n for n, _ in c.module.named_buffers()}
     tree: dict[str, Any] = {
@@ -29,7 +31,7 @@ def end_state(components: TrainingComponents, boundary: dict[str, Any], step: in
     }
     for name in ("scheduler", "scaler", "compression"):
         component = getattr(c, name)
-        if component is not None:
+        if component is not None and (residuals or name != "compression"):
             tree[name] = component.state_dict()
     return flatten(tree)
 

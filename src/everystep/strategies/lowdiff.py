@@ -53,9 +53,15 @@ class LowDiffConfig(StrategyConfig):
     adapt: bool = False
     mtbf: float | None = None
     """Mean time between failures in seconds, for ``adapt``."""
+    residual: str = "keep"
+    """``keep``: each batch also stores the compression's error-feedback residuals (dense), so that
+    recovery is bitwise. ``drop``: step records only; recovery takes the residuals of the base full
+    checkpoint, and training goes on correctly but not bitwise (``source`` says ``lossy``)."""
 
     def __post_init__(self) -> None:
         StrategyConfig.__post_init__(self)
+        if self.residual not in ("keep", "drop"):
+            raise ConfigError(f"residual must be 'keep' or 'drop', got {self.residual!r}")
         if self.batch < 1:
             raise ConfigError(f"batch must be at least 1 step, got {self.batch}")
         if self.queue < 1 or self.replay_threads < 1:
@@ -151,7 +157,8 @@ class LowDiff:
         self._errors.raise_pending()
         full_now = step % self.interval == 0
         if self._pending and (final or full_now or self._pending >= self.batch):
-            self._queue.put((_FLUSH, self._base, end_state(self.ctx.components, self.ctx.boundary, step)))
+            end = end_state(self.ctx.components, self.ctx.boundary, step, residuals=self.config.residual == "keep")
+            self._queue.put((_FLUSH, self._base, end))
             self._pending = 0
         if full_now and not final:
             self.full.on_state_ready(step)
@@ -289,7 +296,9 @@ class LowDiff:
         if end is not None:
             apply_end_state(self.ctx.components, end)
         self._base, self._pending = full.step, 0
-        return Recovered(step=step, tree={}, source="disk", manifest=full, seconds=time.perf_counter() - t0)
+        lossy = batches and self.config.residual == "drop" and self.ctx.components.compression is not None
+        source = f"disk (lossy: residuals of step {full.step})" if lossy else "disk"
+        return Recovered(step=step, tree={}, source=source, manifest=full, seconds=time.perf_counter() - t0)
 
     def _chain(self, full: Manifest) -> list[tuple[Manifest, list[StepRecord], dict[str, Any]]]:
         store = self.ctx.store
