@@ -18,7 +18,7 @@ from everystep.state import TrainingComponents, flatten, state_hash
 from everystep.storage import LocalStore
 from everystep.storage.tensorfile import load_tensors
 from everystep.strategies.lowdiff import LowDiff
-from everystep.strategies.naive_diff import state_error
+from everystep.state import state_error
 
 STEPS = 12
 

@@ -33,7 +33,7 @@ from everystep.agent.channel import (
     send,
 )
 from everystep.agent.client import AgentLink
-from everystep.agent.process import AgentConfig
+from everystep.agent.config import AgentConfig
 from everystep.errors import CorruptCheckpointError
 from everystep.eval.workloads import build
 from everystep.storage import LocalStore

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -25,6 +26,8 @@ __all__ = [
     "flatten",
     "unflatten",
     "state_hash",
+    "state_error",
+    "storage_key",
 ]
 
 _TENSOR = "__tensor__"
@@ -222,7 +225,8 @@ def _names(keys: list[str], limit: int = 3) -> str:
     return shown + more
 
 
-def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same view of the same memory (tied weights)."""
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), _shape(t), t.stride(), t.dtype)
 
 
@@ -240,12 +244,12 @@ def flatten(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
         if isinstance(node, torch.Tensor):
             if node.layout != torch.strided:
                 raise TypeError(f"state entry {path!r} is a {node.layout} tensor; only dense tensors are supported")
-            key = seen.get(_storage_key(node)) if node.numel() else None
+            key = seen.get(storage_key(node)) if node.numel() else None
             if key is None:
                 key = path
                 tensors[key] = node
                 if node.numel():
-                    seen[_storage_key(node)] = key
+                    seen[storage_key(node)] = key
             return {_TENSOR: key}
         if isinstance(node, dict):
             if all(isinstance(k, str) for k in node):
@@ -314,3 +318,13 @@ def state_hash(tree: Any) -> str:
 
     walk(tree, "")
     return h.hexdigest()
+
+
+def state_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Relative L2 distance ‖a − b‖ / ‖b‖ over the floating-point tensors both have."""
+    num = den = 0.0
+    for k, t in b.items():
+        if k in a and t.is_floating_point():
+            num += float((a[k].double() - t.double()).square().sum())
+            den += float(t.double().square().sum())
+    return math.sqrt(num / den) if den else 0.0

@@ -31,7 +31,7 @@ from .channel import (
     send_fds,
     shut_down,
 )
-from .process import AgentConfig
+from .config import AgentConfig
 
 __all__ = ["AgentLink", "AgentLostError"]
 

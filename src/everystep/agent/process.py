@@ -39,7 +39,6 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
@@ -48,52 +47,29 @@ import torch
 
 from .._faults import crash_point
 from ..distributed import Ranks
+from ..storage.full import write_full
 from ..storage.local import LocalStore
 from ..storage.sharded import ShardPlan, write_part
 from ..storage.tensorfile import buffer_chunks, tensor_chunks
-from ..strategies._full import write_full
 from ..transport.host import HostBuffer, TensorLayout
 from ..transport.shared import SharedRegion
 from .channel import (
-    DISCOVERY_FILE,
-    HANDSHAKE_SECONDS,
     AgentAddress,
     accept,
     digest,
     listen,
     message,
-    rank_file,
     recv,
     recv_fds,
     send,
     send_fds,
 )
+from .config import AgentConfig
 from .replica import Replica, replayed_keys
 
 __all__ = ["AgentConfig", "Agent", "main"]
 
 _REQUESTS = frozenset({"hello", "fetch", "init", "slots", "step", "sync"})
-
-
-@dataclass(kw_only=True)
-class AgentConfig:
-    directory: str
-    strategy: str
-    keep: int = 2
-    every: int | None = None
-    """Persist every this many steps; None: as often as keeps the writer busy ``busy`` of the time."""
-    busy: float = 0.25
-    grace: float = 30.0
-    threads: int = 1
-    handshake: float = HANDSHAKE_SECONDS
-    """Seconds a connecting process has to authenticate before it is dropped."""
-    rank: int = 0
-    world: int = 1
-    """The job's ranks: more than one makes the agent write parts and defer each step by one."""
-
-    @property
-    def discovery(self) -> str:
-        return rank_file(DISCOVERY_FILE, self.rank, self.world)
 
 
 class Agent:

@@ -18,9 +18,8 @@ import torch
 
 from ..checkpointer import Checkpointer
 from ..distributed import init_process_group
-from ..state import flatten
+from ..state import flatten, state_error
 from ..strategies import STRATEGIES
-from ..strategies.naive_diff import state_error
 from .peers import PEERS, Peer
 from .workloads import build, needs_ddp
 

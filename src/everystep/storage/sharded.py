@@ -31,7 +31,7 @@ from ..distributed import Ranks
 from ..errors import CorruptCheckpointError
 from .base import Manifest, ObjectInfo
 from .dcp import read_dcp
-from ..transport.host import TensorLayout
+from ..layout import TensorLayout
 from .tensorfile import load_tensors, tensor_chunks
 
 __all__ = ["ShardPlan", "commit_parts", "commit_tensors", "commit_written", "read_parts", "write_part"]

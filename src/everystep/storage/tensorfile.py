@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as _st_load
 
 from ..errors import CorruptCheckpointError
-from ..transport.host import TensorLayout, tensor_bytes
+from ..layout import TensorLayout, tensor_bytes
 
 __all__ = ["header_bytes", "tensor_chunks", "buffer_chunks", "load_tensors", "CHUNK"]
 

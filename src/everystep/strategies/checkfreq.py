@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import buffer_chunks
 from ..transport.host import HostBuffer, HostBufferPool, TensorLayout, snapshot_into
-from ._full import write_full
+from ..storage.full import write_full
 from .base import BackgroundErrors, StrategyConfig, StrategyContext
 
 __all__ = ["CheckFreq"]

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from ..storage.tensorfile import tensor_chunks
 from ..transport.host import TensorLayout
-from ._full import write_full
+from ..storage.full import write_full
 from .base import StrategyConfig, StrategyContext
 
 __all__ = ["FullSync"]

@@ -68,7 +68,7 @@ import torch
 
 from ..agent.channel import DISCOVERY_FILE, digest, rank_file
 from ..agent.client import AgentLink, AgentLostError
-from ..agent.process import AgentConfig
+from ..agent.config import AgentConfig
 from ..agent.replica import optimizer_class_path, replayed_keys, slot_layout
 from ..capture.hooks import ReductionTap, after_backward, reduction_tap
 from ..errors import BackgroundWriteError, ConfigError, PeerFailedError
@@ -76,7 +76,7 @@ from ..storage.base import ObjectInfo
 from ..storage.sharded import commit_written
 from ..recovery import Recovered
 from ..replay import group_scalars
-from ..state import _storage_key, unflatten
+from ..state import storage_key, unflatten
 from ..transport.host import HostBuffer, TensorLayout, snapshot_into
 from ..transport.shared import SharedRegion
 from ._diff import restore_base
@@ -636,10 +636,10 @@ class LowDiffPlus:
         return sorted(replayed), {k: t for k, t in tensors.items() if k not in replayed}
 
     def _keys_of_params(self, tensors: dict[str, torch.Tensor]) -> list[str]:
-        where = {_storage_key(t): k for k, t in tensors.items() if t.numel()}
+        where = {storage_key(t): k for k, t in tensors.items() if t.numel()}
         keys = []
         for i, p in enumerate(self.params):
-            key = where.get(_storage_key(p.detach()))
+            key = where.get(storage_key(p.detach()))
             if key is None:
                 raise ConfigError(f"optimizer parameter {i} is not in the model's state_dict; lowdiff_plus replicates "
                                   "the parameters the model holds")

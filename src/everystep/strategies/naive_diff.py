@@ -7,7 +7,7 @@ background thread. A full checkpoint every ``every`` steps resets the chain.
 
 It is lossy by nature: recovery yields the full checkpoint plus the kept part of each
 difference, not S_t. Everything a difference cannot carry (buffers, scheduler, RNG, data
-position) is stored exactly with each step. Use :func:`state_error` to measure how far off it is.
+position) is stored exactly with each step. Use :func:`everystep.state.state_error` to measure how far off it is.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ConfigError, CorruptCheckpointError
 from ..recovery import Recovered
-from ..state import flatten
+from ..state import flatten, state_error
 from ..storage.sharded import commit_tensors
 from ._diff import apply_end_state, end_state, read_differential, restore_base
 from .base import BackgroundErrors, StrategyConfig, StrategyContext
@@ -42,16 +42,6 @@ class NaiveDiffConfig(StrategyConfig):
         StrategyConfig.__post_init__(self)
         if not 0 < self.ratio <= 1:
             raise ConfigError(f"ratio must lie in (0, 1], got {self.ratio}")
-
-
-def state_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Relative L2 distance ‖a − b‖ / ‖b‖ over the floating-point tensors both have."""
-    num = den = 0.0
-    for k, t in b.items():
-        if k in a and t.is_floating_point():
-            num += float((a[k].double() - t.double()).square().sum())
-            den += float(t.double().square().sum())
-    return math.sqrt(num / den) if den else 0.0
 
 
 class NaiveDiff:

@@ -1,4 +1,4 @@
-"""Writing full checkpoints, shared by every strategy that makes them."""
+"""Writing full checkpoints, shared by every strategy that makes them and by the checkpoint agent."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from ..storage.base import Manifest
-from ..storage.dcp import write_dcp
-from ..storage.local import LocalStore
-from ..storage.sharded import ShardPlan, commit_parts
+from .base import Manifest
+from .dcp import write_dcp
+from .local import LocalStore
+from .sharded import ShardPlan, commit_parts
 
 __all__ = ["write_full"]
 

@@ -1,0 +1,30 @@
+"""The checkpoint agent's configuration: what the training process tells the agent it starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .channel import DISCOVERY_FILE, HANDSHAKE_SECONDS, rank_file
+
+__all__ = ["AgentConfig"]
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    directory: str
+    strategy: str
+    keep: int = 2
+    every: int | None = None
+    """Persist every this many steps; None: as often as keeps the writer busy ``busy`` of the time."""
+    busy: float = 0.25
+    grace: float = 30.0
+    threads: int = 1
+    handshake: float = HANDSHAKE_SECONDS
+    """Seconds a connecting process has to authenticate before it is dropped."""
+    rank: int = 0
+    world: int = 1
+    """The job's ranks: more than one makes the agent write parts and defer each step by one."""
+
+    @property
+    def discovery(self) -> str:
+        return rank_file(DISCOVERY_FILE, self.rank, self.world)

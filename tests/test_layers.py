@@ -1,0 +1,70 @@
+"""Imports run one way: a lower floor never imports a higher one, and no module reaches into
+another package's private names. Read from the source, so a new import that breaks a rule fails here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .conftest import ROOT
+
+PACKAGE = ROOT / "src" / "everystep"
+
+FORBIDDEN = {
+    "storage": {"transport", "strategies", "agent", "eval", "checkpointer", "recovery", "cli", "inventory"},
+    "layout": {"transport", "storage", "strategies", "agent", "eval", "checkpointer"},
+    "transport": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery"},
+    "agent": {"strategies", "eval", "checkpointer", "cli"},
+    "compress": {"strategies", "agent", "eval", "checkpointer", "storage"},
+    "policy": {"storage", "transport", "strategies", "agent", "eval", "checkpointer"},
+    "strategies": {"eval", "checkpointer", "cli"},
+}
+"""Top-level part of the package (a sub-package or a module) → parts it must not import."""
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(absolute module imported, names imported from it) for each import in ``path``."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module.removesuffix(".__init__")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((target, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found.extend((a.name, []) for a in node.names)
+    return found
+
+
+def _part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "everystep" and len(parts) > 1 else None
+
+
+def test_no_lower_floor_imports_a_higher_one_and_no_private_name_crosses_a_package():
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        own = _part(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        own_package = ".".join(path.relative_to(PACKAGE.parent).parent.parts)
+        for target, names in _imports(path):
+            part = _part(target)
+            if part is not None and part in FORBIDDEN.get(own or "", set()):
+                broken.append(f"{path.relative_to(ROOT)} imports {target} ({own} must not import {part})")
+            home = target.rsplit(".", 1)[0] if target.split(".")[-1].startswith("_") else target
+            private = [n for n in names if n.startswith("_") and n != "__future__"]
+            if target.startswith("everystep") and private and not own_package.startswith(home):
+                broken.append(f"{path.relative_to(ROOT)} imports private {', '.join(private)} from {target}")
+            if target.startswith("everystep.") and target.split(".")[-1].startswith("_") and \
+                    not own_package.startswith(target.rsplit(".", 1)[0]):
+                broken.append(f"{path.relative_to(ROOT)} imports the private module {target}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_rules_are_read_from_real_imports():
+    """The reader sees relative imports as absolute ones (else the rules above could pass vacuously)."""
+    found = dict(_imports(PACKAGE / "agent" / "process.py"))
+    assert "everystep.storage.full" in found and "everystep.agent.channel" in found
