@@ -33,7 +33,13 @@ from typing import Any, Literal
 
 from .._faults import crash_point
 from ..distributed import Ranks
-from ..errors import CheckpointDirectoryError, CorruptCheckpointError, DirectoryInUseError, EverystepError, ReadOnlyStoreError
+from ..errors import (
+    CheckpointDirectoryError,
+    CorruptCheckpointError,
+    DirectoryInUseError,
+    EverystepError,
+    ReadOnlyStoreError,
+)
 from .base import CHECKSUM_ALGORITHM, Manifest, ManifestRecord, ObjectInfo, checksum, new_hasher
 from .retention import plan_retention
 
@@ -114,7 +120,6 @@ class _Lock:
         if self.fd >= 0:
             os.close(self.fd)  # closing the only descriptor releases the flock
             self.fd = -1
-
 
     def __del__(self) -> None:
         self.release()  # a store dropped without close() gives the directory up, as a dead process does
