@@ -155,13 +155,14 @@ def _recover_read(store: LocalStore, directory: str) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def preflight(cfg: TrainConfig, world: int) -> None:
+def preflight(cfg: TrainConfig, world: int, *, owner: bool = True) -> None:
     """Refuse, before any process starts or anything is written, a directory this run cannot go
-    on with: another process writes there, another strategy or world size wrote it, or it is
-    already past ``cfg.steps``."""
+    on with: another process writes there (with ``owner``; under torchrun the job's own rank 0 may
+    already hold it, and its open refuses another), another strategy or world size wrote it, or it
+    is already past ``cfg.steps``."""
     if cfg.directory is None or not STRATEGIES[cfg.strategy].needs_store or not (Path(cfg.directory) / MARKER).exists():
         return
-    pid = LocalStore.owner(cfg.directory)
+    pid = LocalStore.owner(cfg.directory) if owner else None
     if pid is not None:
         who = f"process {pid}" if pid else "another process"
         raise DirectoryInUseError(f"{cfg.directory} is in use: {who} is writing checkpoints there; wait for it to end "
@@ -387,7 +388,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     """Run ``cfg`` to the end (or to an early stop); supervised in child processes when it has
     several ranks or planned failures. Under ``torchrun`` this process is one rank of the job."""
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    preflight(cfg, int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc)
+    preflight(cfg, int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc, owner=not torchrun)
     if torchrun:
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         pending = cfg.fail_at[restarts:]
