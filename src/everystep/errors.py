@@ -36,6 +36,12 @@ class DirectoryInUseError(CheckpointDirectoryError):
         super().__init__(message)
         self.pid = pid
 
+    @classmethod
+    def of(cls, directory: object, pid: int | None, fix: str) -> "DirectoryInUseError":
+        """The error for ``directory`` held by process ``pid`` (0 or None: unknown), ending with ``fix``."""
+        who = f"process {pid}" if pid else "another process"
+        return cls(f"{directory} is in use: {who} is writing checkpoints there; {fix}", pid)
+
 
 class ReadOnlyStoreError(EverystepError):
     """A store opened for reading was asked to write or delete."""

@@ -48,9 +48,15 @@ def latest_full(store: LocalStore) -> tuple[Manifest, dict[str, Any]] | None:
     fails, :class:`NoValidCheckpointError` lists the reasons.
     """
     for _ in range(_RELISTS):
-        found = _latest_listed(store)
-        if found is not _DISCARDED:
-            return found  # type: ignore[return-value]
+        skipped: list[tuple[str, str]] = []
+        found = _latest_listed(store, skipped)
+        if found is _DISCARDED:
+            continue  # warn only about the listing that is answered
+        for warning, _ in skipped:
+            warnings.warn(warning, stacklevel=3)
+        if found is None and skipped:
+            raise NoValidCheckpointError(f"no valid checkpoint in {store.root}: " + "; ".join(r for _, r in skipped))
+        return found  # type: ignore[return-value]
     raise NoValidCheckpointError(f"no checkpoint in {store.root} stayed committed long enough to be read: the "
                                  f"process writing there discarded each one that was being read, {_RELISTS} times")
 
@@ -59,15 +65,12 @@ _RELISTS = 16
 _DISCARDED = object()
 
 
-def _latest_listed(store: LocalStore) -> tuple[Manifest, dict[str, Any]] | None | object:
-    """:func:`latest_full` over one listing of the manifests; ``_DISCARDED`` when a checkpoint was
-    discarded by the directory's writer while it was read (list again: a newer one is there)."""
+def _latest_listed(store: LocalStore, skipped: list[tuple[str, str]]) -> tuple[Manifest, dict[str, Any]] | None | object:
+    """:func:`latest_full` over one listing of the manifests, each skipped one added to ``skipped``
+    (its warning, its reason); ``_DISCARDED`` when a checkpoint was discarded by the directory's
+    writer while it was read (list again: a newer one is there)."""
     records = store.manifests()
-    reasons = []
-    for r in records:
-        if r.error:
-            warnings.warn(f"skipping {r.name}: {r.error}", stacklevel=4)
-            reasons.append(r.error)
+    skipped.extend((f"skipping {r.name}: {r.error}", r.error) for r in records if r.error)
     fulls = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == "full"), key=lambda m: -m.step)
     for manifest in fulls:
         try:
@@ -75,10 +78,7 @@ def _latest_listed(store: LocalStore) -> tuple[Manifest, dict[str, Any]] | None 
         except CorruptCheckpointError as e:
             if not store.committed(manifest.name):
                 return _DISCARDED
-            warnings.warn(f"skipping the checkpoint at step {manifest.step}: {e}", stacklevel=4)
-            reasons.append(f"step {manifest.step}: {e}")
-    if reasons:
-        raise NoValidCheckpointError(f"no valid checkpoint in {store.root}: " + "; ".join(reasons))
+            skipped.append((f"skipping the checkpoint at step {manifest.step}: {e}", f"step {manifest.step}: {e}"))
     return None
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ..transport.host import LayoutEntry, TensorLayout, tensor_bytes
+from ..layout import LayoutEntry, TensorLayout, tensor_bytes
 
 __all__ = ["AgentAddress", "AgentIdentityError", "rank_file", "listen", "accept", "connect", "shut_down", "send_fds",
            "recv_fds", "send", "recv", "digest", "DISCOVERY_FILE", "HANDSHAKE_SECONDS"]

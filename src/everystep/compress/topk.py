@@ -26,7 +26,7 @@ class TopK:
     def compress(self, name: str, grad: torch.Tensor) -> Compressed:
         flat = grad.detach().reshape(-1)
         residual = self.residuals.get(name)
-        acc = flat + residual if residual is not None else flat.clone()
+        acc = flat + residual if residual is not None else flat.clone() if self.error_feedback else flat
         k = max(1, math.ceil(self.ratio * acc.numel()))
         indices = acc.abs().topk(k, sorted=False).indices.sort().values
         values = acc[indices]

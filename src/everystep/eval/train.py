@@ -164,9 +164,7 @@ def preflight(cfg: TrainConfig, world: int, *, owner: bool = True) -> None:
         return
     pid = LocalStore.owner(cfg.directory) if owner else None
     if pid is not None:
-        who = f"process {pid}" if pid else "another process"
-        raise DirectoryInUseError(f"{cfg.directory} is in use: {who} is writing checkpoints there; wait for it to end "
-                                  "or choose another --dir", pid)
+        raise DirectoryInUseError.of(cfg.directory, pid, "wait for it to end or choose another --dir")
     store = LocalStore.open(cfg.directory, create=False, access="read")
     try:
         written, strategy = store.marker.get("world_size", 1), store.marker.get("strategy")

@@ -106,10 +106,8 @@ class _Lock:
             pid = _owner_pid(self.fd)
             os.close(self.fd)
             self.fd = -1
-            who = f"process {pid}" if pid else "another process"
-            raise DirectoryInUseError(
-                f"{root} is in use: {who} is writing checkpoints there (it holds {LOCK}); wait for it to end, "
-                "or read it with recover, inspect or verify, or choose another directory", pid) from None
+            raise DirectoryInUseError.of(root, pid, f"it holds {LOCK}: wait for it to end, or read it with recover, "
+                                         "inspect or verify, or choose another directory") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, json.dumps({"pid": os.getpid()}).encode(), 0)
 
