@@ -22,14 +22,15 @@ import torch
 from everystep import Checkpointer
 from everystep.agent.channel import AgentAddress, message, send
 from everystep.agent.client import AgentLink
+from everystep.agent.session import AgentSession
+from everystep.background import BackgroundErrors
+from everystep.distributed import Ranks
 from everystep.errors import BackgroundWriteError
 from everystep.eval.train import Journal, TrainConfig, run, summarise, training_state_hash
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
 from everystep.state import state_hash
 from everystep.storage import LocalStore
-from everystep.strategies.base import CheckpointStats
-from everystep.strategies.lowdiff_plus import LowDiffPlus, LowDiffPlusConfig
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -378,10 +379,12 @@ def test_hanging_up_closes_the_descriptor_only_after_the_reader_has_ended():
 def test_a_release_that_arrives_while_the_first_update_waits_ends_the_wait():
     # After recovery from memory, the first optimizer.step() waits for the agent's 'released'; the
     # reader thread that delivers it may come at any moment of that wait.
-    s = LowDiffPlus(LowDiffPlusConfig(agent_timeout=5.0))
-    s.ctx = types.SimpleNamespace(stats=CheckpointStats())
-    s.link, s._handover = object(), threading.Event()
+    waits: list[float] = []
+    components = types.SimpleNamespace(optimizer=types.SimpleNamespace(param_groups=[]))
+    s = AgentSession(None, Ranks(), components, types.SimpleNamespace(waited=waits.append),  # type: ignore[arg-type]
+                     BackgroundErrors(), timeout=5.0, slots=2, keep=2, verify_every=0, verify_sample=0)
+    s.link, s._handover = object(), threading.Event()  # type: ignore[assignment]
     threading.Timer(0.2, s._on_released, args=({"kind": "released", "step": 2},)).start()
     t0 = time.monotonic()
-    s._take_over()
-    assert time.monotonic() - t0 < 4 and s._lost is None and s._handover is None
+    s.take_over()
+    assert time.monotonic() - t0 < 4 and s.lost is None and s._handover is None and len(waits) == 1

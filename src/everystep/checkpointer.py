@@ -35,7 +35,7 @@ from .errors import (
     StateMismatchError,
     UnclosedCheckpointerWarning,
 )
-from .recovery import Recovered, recover
+from .recovery import Recovered
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
 from .storage.local import LocalStore
@@ -106,6 +106,8 @@ class Checkpointer:
         if data is not None and not isinstance(data, Stateful):
             raise TypeError(f"data must have state_dict() and load_state_dict(); got {type(data).__name__}")
         given = {k: v for k, v in (("every", every), ("keep", keep)) if v is not None}
+        if not isinstance(strategy, (str, Strategy)):
+            raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}")
         self.strategy: Strategy = create(strategy, **given, **options) if isinstance(strategy, str) else strategy
         self.components = TrainingComponents(
             model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data, compression=compression
@@ -121,7 +123,7 @@ class Checkpointer:
             if directory is None:
                 raise CheckpointDirectoryError(f"strategy {self.strategy.name!r} needs a checkpoint directory")
             store = LocalStore.open(directory, strategy=self.strategy.name, ranks=self.ranks,
-                                    other_world=getattr(self.strategy, "other_world_size", False),
+                                    other_world=self.strategy.other_world_size,
                                     extra={"full_format": full_format})
         self.store = store
         try:
@@ -136,7 +138,7 @@ class Checkpointer:
     def _attach(self, full_format: str, deadline: float | None, k1: float, k2: float, stop_signals: Sequence[int],
                 stagger: int | None) -> None:
         store, model, optimizer, scaler = self.store, self.components.model, self.components.optimizer, self.components.scaler
-        if store is not None and store.access == "write" and not getattr(self.strategy, "shares_store", False):
+        if store is not None and store.access == "write" and not self.strategy.shares_store:
             if self.ranks.rank == 0:
                 store.collect_garbage()  # nothing else writes here: what a crash left is garbage
             self.ranks.barrier("control")
@@ -173,11 +175,11 @@ class Checkpointer:
             raise EverystepError("restore() must be called once, before the first training step")
         self._restored = True
         if self.store is None:
+            self.strategy.on_start(0)
             return 0
         found, t0 = None, 0.0
-        agree, agreeing = getattr(self.strategy, "agree_restore", None), time.perf_counter()
-        if agree is not None:
-            agree()  # collective: before the staggered waves, every rank at once
+        agreeing = time.perf_counter()
+        self.strategy.agree_restore()  # collective: before the staggered waves, every rank at once
         agreeing = time.perf_counter() - agreeing
         per_wave = self.stagger or self.ranks.world
         waves = -(-self.ranks.world // per_wave)
@@ -186,7 +188,7 @@ class Checkpointer:
             if self.ranks.rank // per_wave == wave:
                 t0 = time.perf_counter()
                 try:
-                    found = self._load()
+                    found = self.strategy.restore()
                 except BaseException as e:  # after the barriers, so that no rank waits for this one
                     error = e
             if waves > 1:
@@ -220,24 +222,12 @@ class Checkpointer:
         self.stop_reason = why if len(reasons) == 1 else f"rank {rank}: {why}"
         return True
 
-    def _load(self) -> Any:
-        custom = getattr(self.strategy, "restore", None)
-        if custom is not None:
-            return custom()
-        found = recover(self.store)
-        if found is not None:
-            self.components.restore(found.tree)
-            self.strategy.load_state_dict(found.tree.get("strategy", {}))
-        return found
-
     def _start(self) -> None:
         """Tell the strategy where training starts; S_step is what the live objects hold now."""
         if self.ranks.distributed:
             self._check_replicated()
         self._ctx.boundary = copy.deepcopy(self.components.capture_boundary())
-        start = getattr(self.strategy, "on_start", None)
-        if start is not None:
-            start(self.step)
+        self.strategy.on_start(self.step)
 
     def _check_replicated(self) -> None:
         """Refuse to start when the state that should be the same on every rank is not."""
@@ -277,9 +267,8 @@ class Checkpointer:
         finally:
             # After an error, like a crash: what outlives the process (a checkpoint agent's replica)
             # stays for a restarted one — under several ranks, this is how a rank ends when a peer died.
-            abandon = getattr(self.strategy, "abandon", None) if failed else None
             try:
-                (abandon or self.strategy.close)()
+                (self.strategy.abandon if failed else self.strategy.close)()
             finally:
                 if self.store is not None:
                     self.store.close()
@@ -342,17 +331,9 @@ class Checkpointer:
         return self.store is not None and self.store.access == "read"
 
     def _step_end(self) -> None:
-        if self._reading:
-            raise EverystepError(f"{self.store.root} was opened for reading: this Checkpointer restores, "
-                                 "it cannot checkpoint training")
-        if self.step == 0 and not self._restored and self.store is not None:
-            self._refuse_unrestored_directory()
-            if hasattr(self.strategy, "on_start"):
-                self._restored = True
-                raise EverystepError(
-                    f"strategy {self.strategy.name!r} needs restore() to be called before the first step "
-                    "(it records the starting state)"
-                )
+        self._refuse_reading()
+        if not self._restored:
+            self._start_unrestored()
         self.step += 1
         self.stats.steps += 1
         self._watch.step_ended()
@@ -365,14 +346,34 @@ class Checkpointer:
             self._state_ready_pending = False
             self.strategy.on_state_ready(self.step)
 
+    def _refuse_reading(self) -> None:
+        if self._reading:
+            raise EverystepError(f"{self.store.root} was opened for reading: this Checkpointer restores, "
+                                 "it cannot checkpoint training")
+
     def _before_update(self) -> None:
+        self._refuse_reading()
+        if not self._restored:
+            self._start_unrestored()
         self.strategy.before_update(self.step + 1)
+
+    def _start_unrestored(self) -> None:
+        """The first step comes without restore(): allowed into an empty directory, for a strategy
+        that does not record its starting state."""
+        self._restored = True  # raise once
+        if self.store is not None:
+            self._refuse_unrestored_directory()
+        if self.strategy.needs_restore:
+            raise EverystepError(
+                f"strategy {self.strategy.name!r} needs restore() to be called before the first step "
+                "(it records the starting state)"
+            )
+        self.strategy.on_start(0)
 
     def _refuse_unrestored_directory(self) -> None:
         assert self.store is not None
         steps = [r.manifest.step for r in self.store.manifests() if r.manifest]
         if steps:
-            self._restored = True  # raise once
             raise CheckpointDirectoryError(
                 f"{self.store.root} holds checkpoints up to step {max(steps)}, but training started without "
                 "restore(); call restore() first or use an empty directory (nothing was deleted)"

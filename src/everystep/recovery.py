@@ -1,19 +1,31 @@
-"""Finding and loading the newest recoverable point."""
+"""The newest recoverable point, for every strategy.
+
+A point is one of: a replica in memory (a checkpoint agent's; its strategy asks for it), or the
+newest full checkpoint that verifies, plus the gap-free chain of verified differentials that starts
+at its step. A differential manifest names its ``base`` (the full checkpoint's step) and the steps
+it covers (``first``..``last``, or its own step); its tensors hold what the strategy replays and,
+under ``end/``, the state gradients cannot rebuild (see
+:meth:`~everystep.state.TrainingComponents.end_state`). A differential that fails to verify ends
+the chain there, with a warning; what comes after it is not used.
+"""
 
 from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from .errors import CorruptCheckpointError, NoValidCheckpointError
 from .storage.base import Manifest
 from .storage.local import LocalStore
-from .state import unflatten
+from .state import TrainingComponents, unflatten
 from .storage.sharded import read_parts
 
-__all__ = ["Recovered", "read_full", "latest_full", "recover"]
+__all__ = ["Recovered", "Link", "read_full", "latest_full", "recover", "read_differential", "chain", "recover_chain"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,3 +102,70 @@ def recover(store: LocalStore) -> Recovered | None:
         return None
     manifest, tree = found
     return Recovered(step=manifest.step, tree=tree, source="disk", manifest=manifest, seconds=time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One verified differential of a chain: its manifest, its tensors, and its end state as a tree."""
+
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+    end: dict[str, Any]
+
+    @property
+    def first(self) -> int:
+        return int(self.manifest.meta.get("first", self.manifest.step))
+
+
+def read_differential(store: LocalStore, manifest: Manifest) -> Link:
+    """Read and verify a differential; raises CorruptCheckpointError if it fails to verify."""
+    tensors, meta = read_parts(store, manifest)
+    try:
+        end = unflatten(meta["end"], {k[len("end"):]: v for k, v in tensors.items() if k.startswith("end/")})
+    except KeyError as e:
+        raise CorruptCheckpointError(f"differential {manifest.name}: {e.args[0]}") from None
+    return Link(manifest, tensors, end)
+
+
+def chain(store: LocalStore, full: Manifest, kind: str) -> Iterator[Link]:
+    """The differentials of ``kind`` whose base is ``full``, in order from the step after it, each
+    read and verified as it is reached; ends at a gap or, with a warning, at one that fails."""
+    links = {}
+    for r in store.manifests():
+        m = r.manifest
+        if m is not None and m.kind == kind and m.meta.get("base") == full.step:
+            links[int(m.meta.get("first", m.step))] = m
+    step = full.step
+    while (m := links.get(step + 1)) is not None:
+        try:
+            link = read_differential(store, m)
+        except CorruptCheckpointError as e:
+            warnings.warn(f"the differential chain from step {full.step} ends at step {step}: {e}", stacklevel=3)
+            return
+        yield link
+        step = m.step
+
+
+def recover_chain(store: LocalStore, components: TrainingComponents, kind: str,
+                  apply: Callable[[Iterator[Link]], None]) -> tuple[Manifest, int] | None:
+    """Load the newest verified full checkpoint into ``components``, then have ``apply`` replay
+    the chain of ``kind`` after it (it consumes the links it is given, in order), then load the
+    end state of the last link applied. Returns the full checkpoint and the step reached, or
+    ``None`` for an empty store."""
+    found = latest_full(store)
+    if found is None:
+        return None
+    full, tree = found
+    components.restore(tree)
+    applied: list[Link] = []
+
+    def tracked() -> Iterator[Link]:
+        for link in chain(store, full, kind):
+            yield link
+            applied.append(link)  # reached only once ``apply`` asks for the next link, or at the end
+
+    apply(tracked())
+    if not applied:
+        return full, full.step
+    components.apply_end_state(applied[-1].end)
+    return full, applied[-1].manifest.step

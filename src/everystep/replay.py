@@ -24,8 +24,9 @@ import torch
 
 from .compress.base import Compressed, decompress
 from .compress.hook import parameter_names
+from .state import group_scalars
 
-__all__ = ["StepRecord", "Replayer", "group_scalars"]
+__all__ = ["StepRecord", "Replayer", "replay_step", "group_scalars"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,15 +37,22 @@ class StepRecord:
     grads: dict[str, Compressed] = field(default_factory=dict)
 
 
-def _scalar(v: Any) -> bool:
-    if isinstance(v, (list, tuple)):
-        return all(_scalar(x) for x in v)
-    return v is None or isinstance(v, (bool, int, float, str))
-
-
-def group_scalars(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Every param group's hyperparameters that are plain values (lr, betas, weight decay, …)."""
-    return [{k: v for k, v in g.items() if k != "params" and _scalar(v)} for g in optimizer.param_groups]
+def replay_step(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
+                grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], *, ignore: Iterable[str] = ()) -> None:
+    """One update, again: each param group takes its settings from ``groups`` (except the keys in
+    ``ignore``), each parameter its gradient from ``grads`` (parameter, gradient or None), then
+    ``optimizer.step()``; the gradients are cleared after. The same call with the same inputs gives
+    bitwise the same result as the update of training, on the same device."""
+    skip = frozenset(ignore)
+    with torch.no_grad():
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k not in skip} if skip else saved)
+        for p, g in grads:
+            p.grad = g
+    optimizer.step()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
 
 
 class Replayer:
@@ -122,13 +130,7 @@ class _Shard:
     def apply(self, record: StepRecord) -> None:
         if record.skipped:
             return
-        with torch.no_grad():
-            for gi, group, ps in zip(self.group_index, self.optimizer.param_groups, self.params):
-                group.update(record.groups[gi])
-                for name, p in ps:
-                    compressed = record.grads.get(name)
-                    p.grad = None if compressed is None else decompress(compressed, p)
-        self.optimizer.step()
-        for ps in self.params:
-            for _, p in ps:
-                p.grad = None
+        groups = [record.groups[gi] for gi in self.group_index]
+        grads = ((p, None if (c := record.grads.get(name)) is None else decompress(c, p))
+                 for ps in self.params for name, p in ps)
+        replay_step(self.optimizer, groups, grads)

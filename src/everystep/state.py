@@ -28,6 +28,7 @@ __all__ = [
     "state_hash",
     "state_error",
     "storage_key",
+    "group_scalars",
 ]
 
 _TENSOR = "__tensor__"
@@ -102,6 +103,17 @@ def restore_rng(state: dict[str, Any]) -> None:
         np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
 
 
+def _scalar(v: Any) -> bool:
+    if isinstance(v, (list, tuple)):
+        return all(_scalar(x) for x in v)
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def group_scalars(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every param group's hyperparameters that are plain values (lr, betas, weight decay, …)."""
+    return [{k: v for k, v in g.items() if k != "params" and _scalar(v)} for g in optimizer.param_groups]
+
+
 @dataclass(kw_only=True)
 class TrainingComponents:
     """The live objects whose state makes up S_t. Only model and optimizer are required."""
@@ -167,6 +179,36 @@ class TrainingComponents:
         if self.compression is not None:
             self.compression.load_state_dict(tree["compression"])
         restore_rng(tree["rng"])
+
+    def end_state(self, boundary: dict[str, Any], step: int, *,
+                  residuals: bool = True) -> tuple[dict[str, torch.Tensor], Any]:
+        """What gradients cannot rebuild, as of the end of ``step``, flattened: model buffers
+        (BatchNorm statistics), param-group settings as the scheduler left them, scheduler, scaler,
+        compression residuals (unless ``residuals`` is False), and ``boundary`` (RNG, data position).
+        A differential checkpoint stores it next to its gradients or deltas."""
+        buffers = {n for n, _ in self.module.named_buffers()}
+        tree: dict[str, Any] = {
+            "step": step,
+            "buffers": {k: v.detach().clone() for k, v in self.module.state_dict().items() if k in buffers},
+            "groups": group_scalars(self.optimizer),
+            **boundary,
+        }
+        for name in ("scheduler", "scaler", "compression"):
+            component = getattr(self, name)
+            if component is not None and (residuals or name != "compression"):
+                tree[name] = component.state_dict()
+        return flatten(tree)
+
+    def apply_end_state(self, end: dict[str, Any]) -> None:
+        """Load an :meth:`end_state` (as a tree) into the live objects."""
+        self.module.load_state_dict(end["buffers"], strict=False)
+        for group, saved in zip(self.optimizer.param_groups, end["groups"]):
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+        for name in ("scheduler", "scaler", "data", "compression"):
+            component = getattr(self, name)
+            if component is not None and name in end:
+                component.load_state_dict(end[name])
+        restore_rng(end["rng"])
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:

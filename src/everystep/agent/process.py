@@ -30,10 +30,8 @@ rank's part is written), ``synced``, ``diverged``, ``error``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -47,6 +45,7 @@ import torch
 
 from .._faults import crash_point
 from ..distributed import Ranks
+from ..policy.interval import busy_interval, median_gap, persist_due
 from ..storage.full import write_full
 from ..storage.local import LocalStore
 from ..storage.sharded import ShardPlan, write_part
@@ -287,22 +286,14 @@ class Agent:
             return self.config.every
         if self._write_seconds is None:
             return 1  # nothing written yet (a start from storage): the next write measures it
-        if len(self._arrivals) < 3:
+        step_seconds = median_gap(self._arrivals)
+        if step_seconds is None:
             return 1 << 30
-        step_seconds = statistics.median(b - a for a, b in zip(self._arrivals, self._arrivals[1:]))
-        return max(1, math.ceil(self._write_seconds / (self.config.busy * max(step_seconds, 1e-9))))
+        return busy_interval(self._write_seconds, step_seconds, self.config.busy)
 
     def _due(self, step: int) -> bool:
-        """With ``every``: the first step at or after each multiple of P, whatever the writer is
-        doing (the write waits for the one before it; the slots fill, and training waits, as it
-        would for CheckFreq). Measured: the step P after the newest write, once no write runs (a
-        due write happens at the first step after the writer is free)."""
-        P = self.interval()
-        if self.config.every is not None:
-            return step // P > max(self._persisted, 0) // P
-        if self._persist is not None and not self._persist.done():
-            return False
-        return step - self._persisted >= P
+        writing = self._persist is not None and not self._persist.done()
+        return persist_due(step, self._persisted, self.interval(), fixed=self.config.every is not None, writing=writing)
 
     def _persist_newest(self) -> None:
         if self.replica is not None and self._persisted < self.replica.step and self.replica.servable():

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..replay import replay_step
 from ..state import unflatten
 from ..transport.host import HostBuffer, TensorLayout
 from ..transport.shared import SharedRegion
@@ -84,14 +85,8 @@ class Replica:
         if step != self.step + 1:
             raise ValueError(f"the replica is at step {self.step} and cannot apply step {step}")
         if not skipped:
-            with torch.no_grad():
-                for group, saved in zip(self.optimizer.param_groups, groups):
-                    group.update({k: v for k, v in saved.items() if k not in _NOT_ON_CPU})
-                for i in has_grad:
-                    self.params[i].grad = slot.views[f"g/{i}"]
-                self.optimizer.step()
-                for p in self.params:
-                    p.grad = None
+            grads = [(self.params[i], slot.views[f"g/{i}"]) for i in has_grad]
+            replay_step(self.optimizer, groups, grads, ignore=_NOT_ON_CPU)
         for key in slot.views:
             if key.startswith("v/"):
                 self.tensors[key[1:]].copy_(slot.views[key])

@@ -132,6 +132,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             if strategy == "lowdiff_plus":  # a software failure: the agent outlives the training process
                 ckpt._activity()  # S_steps is complete; hand it over as the next forward would
                 ckpt.wait()
+                ckpt.final = False  # a crashed process writes no final checkpoint
                 ckpt.strategy.abandon()
                 ckpt.store.close()  # the directory is free, as a dead process leaves it
                 memory = _recover(spec, directory, strategy, options)

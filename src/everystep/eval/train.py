@@ -171,7 +171,7 @@ def preflight(cfg: TrainConfig, world: int, *, owner: bool = True) -> None:
         if strategy not in (None, cfg.strategy):
             raise CheckpointDirectoryError(f"{cfg.directory} was written by --strategy {strategy}; this run asks for "
                                            f"{cfg.strategy} — use --strategy {strategy} or another --dir")
-        if written != world and not getattr(STRATEGIES[cfg.strategy], "other_world_size", False):
+        if written != world and not STRATEGIES[cfg.strategy].other_world_size:
             raise CheckpointDirectoryError(
                 f"{cfg.directory} was written by {written} rank(s); this run has {world} — strategy {cfg.strategy} "
                 f"keeps state per rank: use --nproc {written} or another --dir")
@@ -255,7 +255,7 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
     if directory:
         store = LocalStore.open(directory, strategy=strategy, ranks=Ranks.detect(),
                                 extra={"run": run_record(cfg), "full_format": cfg.full_format},
-                                other_world=getattr(STRATEGIES[strategy], "other_world_size", False))
+                                other_world=STRATEGIES[strategy].other_world_size)
     with Checkpointer(
         directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
         strategy=strategy, every=cfg.every, keep=cfg.keep, store=store, deadline=cfg.deadline, full_format=cfg.full_format,

@@ -1,30 +1,43 @@
-"""The Strategy protocol, its configuration and the context a strategy works in.
+"""The Strategy base class, its configuration and the context a strategy works in.
 
-Call order (enforced by :class:`~everystep.Checkpointer`):
+A strategy is a :class:`Strategy` subclass: its public lifecycle methods check the call order and
+raise failures of background work, then call ``_``-hooks that do nothing unless overridden. What a
+strategy can do is declared on its class (``needs_store``, ``needs_restore``, ``other_world_size``,
+``shares_store``), never probed. Call order (the :class:`~everystep.Checkpointer` keeps it):
 
-1. ``attach(ctx)`` once, before anything else. Optional, at restore: ``agree_restore()`` on
-   every rank at once (it may use collectives), then ``restore()`` (ranks may be staggered),
-   then ``on_start(step)``.
-2. ``load_state_dict(state)`` when recovery found strategy-owned state.
+1. ``attach(ctx)`` once, before anything else.
+2. At restore (``needs_restore``: required before the first step): ``agree_restore()`` —
+   a **collective**: every rank calls it at once — then ``restore()`` (ranks may be staggered),
+   then ``on_start(step)`` with the step restored (0: none). Without restore, ``on_start(0)``
+   comes at the first step.
 3. For each training step t = 1, 2, …:
    a. ``on_step_end(t)`` right after the update of step t;
    b. ``on_state_ready(t)`` once S_t is complete and before step t+1 changes it;
    c. ``before_update(t + 1)`` right before the update of step t+1.
+   Under several ranks ``on_state_ready`` may be a collective (every rank calls it for the
+   same steps); the others never are.
 4. ``wait()`` whenever the user asks: block until work in flight is done, raise any failure.
 5. ``on_state_ready(t, final=True)`` at a clean close, where t is the last step.
-6. ``close()`` once: ``wait()``, then release threads and buffers.
+6. ``close()`` once: ``wait()``, then release threads and buffers. After an error in training,
+   ``abandon()`` instead: like ``close()``, except that what outlives the training process (a
+   checkpoint agent's replica) is left as a crash would leave it.
+
+Background work uses :mod:`everystep.background`: workers whose failures go to ``self.errors``,
+raised once by the next lifecycle call.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..background import BackgroundErrors
 from ..distributed import Ranks
-from ..errors import BackgroundWriteError, ConfigError
+from ..errors import ConfigError, EverystepError
+from ..recovery import Recovered, recover
 from ..state import TrainingComponents, flatten
 from ..storage.sharded import ShardPlan
 
@@ -90,14 +103,10 @@ class StrategyContext:
         self.full_format = "safetensors"
         """How full checkpoints are stored: ``safetensors`` (everystep's own) or ``dcp``."""
         self._lock = threading.Lock()
-        self.strategy_state: dict[str, Any] | None = None
 
     def state_tree(self, step: int) -> dict[str, Any]:
         """S_step as a tree referencing live tensors (valid until the next update)."""
-        tree = {"step": step, **self.components.capture(), **self.boundary}
-        if self.strategy_state is not None:
-            tree["strategy"] = self.strategy_state
-        return tree
+        return {"step": step, **self.components.capture(), **self.boundary}
 
     def flatten_state(self, step: int) -> tuple[dict[str, torch.Tensor], Any]:
         return flatten(self.state_tree(step))
@@ -149,6 +158,11 @@ class StrategyContext:
             self.stats.checkpoints += count
             self.stats.last_durable_step = max(self.stats.last_durable_step, step)
 
+    def waited(self, seconds: float) -> None:
+        """Record that the training thread waited ``seconds`` for checkpointing to free memory."""
+        with self._lock:
+            self.stats.snapshot_wait_seconds += seconds
+
     def in_memory(self, step: int) -> None:
         """Record a checkpoint of ``step`` held in memory that outlives the training process."""
         with self._lock:
@@ -156,50 +170,145 @@ class StrategyContext:
             self.stats.last_memory_step = max(self.stats.last_memory_step, step)
 
 
-class BackgroundErrors:
-    """Keeps every failure of background work and raises them, once, in the training thread.
-
-    The first failure is raised as the cause; any others that happened before the raise are
-    named in the same message, so no failure is ever dropped.
-    """
-
-    def __init__(self) -> None:
-        self._errors: list[tuple[str, BaseException]] = []
-        self._lock = threading.Lock()
-
-    def record(self, what: str, error: BaseException) -> None:
-        with self._lock:
-            self._errors.append((what, error))
-
-    def raise_pending(self) -> None:
-        with self._lock:
-            errors, self._errors = self._errors, []
-        if not errors:
-            return
-        (what, first), rest = errors[0], errors[1:]
-        message = f"{what} failed: {first}"
-        if rest:
-            message += f" (and {len(rest)} more failed since: " + "; ".join(w for w, _ in rest) + ")"
-        raise BackgroundWriteError(message) from first
-
-
-class Strategy(Protocol):
-    """A checkpointing strategy; see the module docstring for the call order."""
+class Strategy:
+    """A checkpointing strategy; see the module docstring for the call order and the hooks."""
 
     name: ClassVar[str]
-    needs_store: ClassVar[bool]
+    Config: ClassVar[type[StrategyConfig]] = StrategyConfig
+    needs_store: ClassVar[bool] = True
+    """It writes checkpoints: the Checkpointer opens a directory for it."""
+    needs_restore: ClassVar[bool] = False
+    """It records the state training starts from: ``restore()`` must come before the first step."""
+    other_world_size: ClassVar[bool] = False
+    """What it stores is the full state alone: a job of another size can resume from it."""
+    shares_store: ClassVar[bool] = False
+    """Another process (a checkpoint agent) writes to its store: only the strategy may collect
+    the directory's garbage, when it knows that process writes nothing."""
 
-    def attach(self, ctx: StrategyContext) -> None: ...
+    def __init__(self, config: StrategyConfig | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+        if not isinstance(self.config, self.Config):
+            raise ConfigError(f"strategy {self.name!r} takes a {self.Config.__name__}, got {type(self.config).__name__}")
+        self.errors = BackgroundErrors()
+        self._phase = "new"
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    # -- lifecycle (public: checks, then the hook) -----------------------------------------------
 
-    def on_step_end(self, step: int) -> None: ...
+    def attach(self, ctx: StrategyContext) -> None:
+        if self._phase != "new":
+            raise EverystepError(f"strategy {self.name!r} is already attached: use one instance per Checkpointer")
+        self.ctx = ctx
+        self._phase = "attached"
+        self._attach()
 
-    def on_state_ready(self, step: int, *, final: bool = False) -> None: ...
+    def agree_restore(self) -> None:
+        """Collective: every rank calls it at once, before :meth:`restore`."""
+        self._expect("attached", "agree_restore()")
+        self._agree_restore()
 
-    def before_update(self, step: int) -> None: ...
+    def restore(self) -> Recovered | None:
+        """Load the newest recoverable state into the live objects; ``None`` when there is none."""
+        self._expect("attached", "restore()")
+        if self.ctx.store is None:
+            return None
+        return self._restore()
 
-    def wait(self) -> None: ...
+    def on_start(self, step: int) -> None:
+        """Training starts after ``step``: the live objects hold S_step."""
+        self._expect("attached", "on_start()")
+        self._phase = "started"
+        self._on_start(step)
 
-    def close(self) -> None: ...
+    def on_step_end(self, step: int) -> None:
+        self._expect("started", "on_step_end()")
+        self.errors.raise_pending()
+        self._on_step_end(step)
 
+    def on_state_ready(self, step: int, *, final: bool = False) -> None:
+        self._expect("started", "on_state_ready()")
+        self.errors.raise_pending()
+        self._on_state_ready(step, final)
+
+    def before_update(self, step: int) -> None:
+        self._expect("started", "before_update()")
+        self._before_update(step)
+
+    def wait(self) -> None:
+        """Block until work in flight is done; raise what failed in the background, once."""
+        if self._phase in ("attached", "started"):
+            self._wait()
+        self.errors.raise_pending()
+
+    def close(self) -> None:
+        """:meth:`wait`, then release threads and buffers. Once; later calls do nothing."""
+        if self._phase in ("new", "closed"):
+            self._phase = "closed"
+            return
+        self._phase = "closed"
+        try:
+            self._wait()
+            self.errors.raise_pending()
+        finally:
+            self._close()
+
+    def abandon(self) -> None:
+        """After an error in training: end as :meth:`close` does, but leave what outlives the
+        training process (a checkpoint agent's replica) as a crash would leave it."""
+        if self._phase in ("new", "closed"):
+            self._phase = "closed"
+            return
+        self._phase = "closed"
+        self._abandon()
+
+    def _expect(self, phase: str, call: str) -> None:
+        if self._phase == phase:
+            return
+        if self._phase == "closed":
+            raise EverystepError(f"strategy {self.name!r} is closed: {call} cannot follow close()")
+        if self._phase == "new":
+            raise EverystepError(f"strategy {self.name!r}: attach() must come before {call}")
+        if phase == "started":
+            raise EverystepError(f"strategy {self.name!r}: on_start() must come before {call}")
+        raise EverystepError(f"strategy {self.name!r}: {call} must come before on_start()")
+
+    # -- hooks (override what the strategy needs) ------------------------------------------------
+
+    def _attach(self) -> None:
+        """Check the components, start threads, allocate what does not depend on the step."""
+
+    def _agree_restore(self) -> None:
+        """Collective: agree with the other ranks on what :meth:`_restore` loads."""
+
+    def _restore(self) -> Recovered | None:
+        """Default: the newest full checkpoint that verifies (see :mod:`everystep.recovery`)."""
+        assert self.ctx.store is not None
+        found = recover(self.ctx.store)
+        if found is not None:
+            self.ctx.components.restore(found.tree)
+        return found
+
+    def _on_start(self, step: int) -> None:
+        """Record the starting state S_step."""
+
+    def _on_step_end(self, step: int) -> None:
+        """Right after the update of ``step``: what it consumed (gradients) is still there."""
+
+    def _on_state_ready(self, step: int, final: bool) -> None:
+        """S_step is complete; it stays as it is until :meth:`before_update` of the next step."""
+
+    def _before_update(self, step: int) -> None:
+        """Right before the update of ``step``: whatever still reads the state must be done."""
+
+    def _wait(self) -> None:
+        """Block until work in flight is done (failures go to ``self.errors``)."""
+
+    def _close(self) -> None:
+        """Release threads and buffers (after :meth:`_wait`, even if it failed)."""
+
+    def _abandon(self) -> None:
+        """Default: as :meth:`close`."""
+        try:
+            self._wait()
+            self.errors.raise_pending()
+        finally:
+            self._close()

@@ -11,20 +11,23 @@ previous one is still being persisted; with both busy, the next snapshot waits f
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from ..background import SaveResponse, Worker, settled
 from ..errors import ConfigError
+from ..layout import TensorLayout
+from ..policy.interval import due
+from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import buffer_chunks
-from ..transport.host import HostBuffer, HostBufferPool, TensorLayout, snapshot_into
-from ..storage.full import write_full
-from .base import BackgroundErrors, StrategyConfig, StrategyContext
+from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
+from .base import Strategy, StrategyConfig
 
-__all__ = ["CheckFreq"]
+__all__ = ["CheckFreq", "CheckFreqConfig"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,51 +41,41 @@ class CheckFreqConfig(StrategyConfig):
             raise ConfigError(f"buffers must be at least 1, got {self.buffers}")
 
 
-class CheckFreq:
+class CheckFreq(Strategy):
     name: ClassVar[str] = "checkfreq"
-    needs_store: ClassVar[bool] = True
     other_world_size: ClassVar[bool] = True
-    """Only the full state is stored: a job of another size can resume from it."""
     Config = CheckFreqConfig
+    config: CheckFreqConfig
 
     def __init__(self, config: CheckFreqConfig | None = None) -> None:
-        self.config = config or CheckFreqConfig()
-        self._last = -1
-        self._snapshot: Future[Any] | None = None
-        self._persists: list[Future[Any]] = []
-        self._errors = BackgroundErrors()
+        super().__init__(config)
         self.write_bandwidth: float | None = None
         """Bytes per second of the last full checkpoint's write, as measured."""
+        self.saving: SaveResponse | None = None
+        """The newest checkpoint started: its staging and upload futures."""
 
-    def attach(self, ctx: StrategyContext) -> None:
-        self.ctx = ctx
+    def _attach(self) -> None:
+        self._last = -1
+        self._staging: Future[Any] | None = None
         self._pool = HostBufferPool(self.config.buffers)
-        self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="everystep-snapshot")
-        self._persister = ThreadPoolExecutor(1, thread_name_prefix="everystep-persist")
+        self._snapshotter = Worker("everystep-snapshot", self.errors)
+        self._persister = Worker("everystep-persist", self.errors)
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    def on_step_end(self, step: int) -> None:
-        self._errors.raise_pending()
-
-    def on_state_ready(self, step: int, *, final: bool = False) -> None:
-        self._errors.raise_pending()
-        if step == self._last or (step % self.config.every and not final):
+    def _on_state_ready(self, step: int, final: bool) -> None:
+        if step == self._last or not due(step, self.config.every, final=final):
             return
         self._wait_snapshot()
         plan, skeleton = self.ctx.full_plan(step)
         tensors = plan.local
-        layout = TensorLayout.of(tensors)
-        buffer = self._pool.acquire(layout)
+        buffer = self._pool.acquire(TensorLayout.of(tensors))
         stable = self.ctx.stable_keys(tensors)
         volatile = snapshot_into(buffer, tensors, [k for k in tensors if k not in stable])
         stable_keys = [k for k in tensors if k in stable]
-        self._snapshot = self._snapshotter.submit(self._take_snapshot, buffer, tensors, stable_keys, volatile)
-        self._persists = [f for f in self._persists if not f.done()]
-        self._persists.append(self._persister.submit(self._persist, step, self._snapshot, buffer, skeleton, plan))
-        self._last = step
+        staging = self._snapshotter.submit("snapshot", self._take_snapshot, buffer, tensors, stable_keys, volatile)
+        upload = self._persister.submit(f"background write of the checkpoint at step {step}", self._persist, step,
+                                        staging, buffer, skeleton, plan)
+        self._staging, self.saving, self._last = staging, SaveResponse(step, staging, upload), step
         if final:
             self._wait_snapshot()
 
@@ -94,13 +87,12 @@ class CheckFreq:
             if e is not None:
                 e.synchronize()
 
-    def _persist(self, step: int, snapshot: Future[Any], buffer: HostBuffer, skeleton: Any, plan: ShardPlan) -> None:
+    def _persist(self, step: int, staging: Future[Any], buffer: HostBuffer, skeleton: Any, plan: ShardPlan) -> None:
         try:
             assert self.ctx.store is not None
-            try:
-                snapshot.result()
-            except BaseException as e:
-                write_full(self.ctx.store, step, None, skeleton, plan=plan, error=e)  # raises, on every rank
+            settled(staging)
+            if staging.exception() is not None:
+                write_full(self.ctx.store, step, None, skeleton, plan=plan, error=staging.exception())  # raises, on every rank
             t0 = time.perf_counter()
             manifest = write_full(self.ctx.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton,
                                   plan=plan, tensors=buffer.views, format=self.ctx.full_format)
@@ -108,39 +100,26 @@ class CheckFreq:
             self.write_bandwidth = manifest.nbytes / max(seconds, 1e-9)
             self.ctx.committed(step, seconds=seconds)
             self.ctx.store.retain(self.config.keep)
-        except BaseException as e:
-            self._errors.record(f"background write of the checkpoint at step {step}", e)
         finally:
             self._pool.release(buffer)
 
     def _wait_snapshot(self) -> None:
-        if self._snapshot is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            self._snapshot.result()
-        except BaseException as e:
-            self._errors.record("snapshot", e)
-        finally:
-            self._snapshot = None
+        """Wait for the snapshot in flight (charged to ``snapshot_wait_seconds``); raise failures."""
+        if self._staging is not None:
+            t0 = time.perf_counter()
+            settled(self._staging)
+            self._staging = None
             self.ctx.stats.snapshot_wait_seconds += time.perf_counter() - t0
-        self._errors.raise_pending()
+        self.errors.raise_pending()
 
-    def before_update(self, step: int) -> None:
+    def _before_update(self, step: int) -> None:
         self._wait_snapshot()
 
-    def wait(self) -> None:
-        try:
-            self._wait_snapshot()
-        finally:
-            for f in self._persists:
-                f.result()  # _persist records its own failures
-            self._persists.clear()
-        self._errors.raise_pending()
+    def _wait(self) -> None:
+        settled(self._staging)
+        self._staging = None
+        self._persister.drain()
 
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._snapshotter.shutdown(wait=True)
-            self._persister.shutdown(wait=True)
+    def _close(self) -> None:
+        self._snapshotter.close()
+        self._persister.close()

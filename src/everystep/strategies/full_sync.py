@@ -6,38 +6,26 @@ Training waits while the whole state is serialised straight from the live tensor
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from ..storage.tensorfile import tensor_chunks
-from ..transport.host import TensorLayout
+from ..layout import TensorLayout
+from ..policy.interval import due
 from ..storage.full import write_full
-from .base import StrategyConfig, StrategyContext
+from ..storage.tensorfile import tensor_chunks
+from .base import Strategy
 
 __all__ = ["FullSync"]
 
 
-class FullSync:
+class FullSync(Strategy):
     name: ClassVar[str] = "full_sync"
-    needs_store: ClassVar[bool] = True
     other_world_size: ClassVar[bool] = True
-    """Only the full state is stored: a job of another size can resume from it."""
-    Config = StrategyConfig
 
-    def __init__(self, config: StrategyConfig | None = None) -> None:
-        self.config = config or StrategyConfig()
+    def _attach(self) -> None:
         self._last = -1
 
-    def attach(self, ctx: StrategyContext) -> None:
-        self.ctx = ctx
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    def on_step_end(self, step: int) -> None:
-        pass
-
-    def on_state_ready(self, step: int, *, final: bool = False) -> None:
-        if step == self._last or (step % self.config.every and not final):
+    def _on_state_ready(self, step: int, final: bool) -> None:
+        if step == self._last or not due(step, self.config.every, final=final):
             return
         assert self.ctx.store is not None
         t0 = time.perf_counter()
@@ -48,12 +36,3 @@ class FullSync:
         self._last = step
         self.ctx.committed(step, seconds=time.perf_counter() - t0)
         self.ctx.store.retain(self.config.keep)
-
-    def before_update(self, step: int) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

@@ -16,24 +16,24 @@ optimum computed from the measured step time, write bandwidth and replay time.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from ..background import Worker
 from ..compress import decompress, parameter_names
-from ..errors import ConfigError, CorruptCheckpointError
+from ..errors import ConfigError
 from ..policy import LowDiffCosts, lowdiff_integer_optimum
-from ..recovery import Recovered
-from ..replay import Replayer, StepRecord, group_scalars
-from ..storage.base import Manifest
+from ..policy.interval import due
+from ..recovery import Link, Recovered, recover_chain
+from ..replay import Replayer, StepRecord
+from ..state import group_scalars
 from ..storage.sharded import ShardPlan, commit_tensors
-from ._diff import apply_end_state, end_state, read_differential, restore_base
-from .base import BackgroundErrors, StrategyConfig, StrategyContext
+from .base import Strategy, StrategyConfig
 from .checkfreq import CheckFreq, CheckFreqConfig
 
 __all__ = ["LowDiff", "LowDiffConfig"]
@@ -79,20 +79,21 @@ def _linear_in_gradient(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-_FLUSH = object()
+_TAKING = "moving a step's gradients to host memory for the differential batch"
 
 
-class LowDiff:
+class LowDiff(Strategy):
     name: ClassVar[str] = "lowdiff"
-    needs_store: ClassVar[bool] = True
+    needs_restore: ClassVar[bool] = True
     Config = LowDiffConfig
+    config: LowDiffConfig
 
     def __init__(self, config: LowDiffConfig | None = None) -> None:
-        self.config = config or LowDiffConfig()
+        super().__init__(config)
         self.interval, self.batch = self.config.every, self.config.batch
-        self._errors = BackgroundErrors()
         self._base = 0
         self._pending = 0  # steps recorded since the last flush
+        self._records: list[StepRecord] = []  # the writer's batch in the making (writer thread only)
         self._step_started = 0.0
         self._step_seconds: list[float] = []
         self.replay_seconds: float | None = None
@@ -105,8 +106,8 @@ class LowDiff:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def attach(self, ctx: StrategyContext) -> None:
-        self.ctx = ctx
+    def _attach(self) -> None:
+        ctx = self.ctx
         compression = ctx.components.compression
         if compression is None:
             raise ConfigError("lowdiff reuses compressed gradients: pass compression= to the Checkpointer (a "
@@ -123,24 +124,20 @@ class LowDiff:
                               "every and batch (everystep plan computes them)")
         self.full = CheckFreq(CheckFreqConfig(every=self.interval, keep=self.config.keep))
         self.full.attach(ctx)
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=self.config.queue)
-        self._writer = threading.Thread(target=self._write_loop, name="everystep-lowdiff-writer", daemon=True)
-        self._writer.start()
+        # The reusing queue: the writer is at most `queue` steps behind, else training waits.
+        self._writer = Worker("everystep-lowdiff-writer", self.errors, bound=self.config.queue)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    def on_start(self, step: int) -> None:
+    def _on_start(self, step: int) -> None:
         """A fresh run writes S_0 as the first full checkpoint, so that a chain can start at 0."""
+        self.full.on_start(step)
         if step == 0:
             self.full.on_state_ready(0, final=True)
             self.full.wait()
-        self._base = self._base if step else 0
+            self._base = 0
 
     # -- training path -------------------------------------------------------------------------
 
-    def on_step_end(self, step: int) -> None:
-        self._errors.raise_pending()
+    def _on_step_end(self, step: int) -> None:
         now = time.perf_counter()
         if self._step_started:
             self._step_seconds = (self._step_seconds + [now - self._step_started])[-20:]
@@ -149,16 +146,15 @@ class LowDiff:
         record = StepRecord(step=step, skipped=grads is None, groups=group_scalars(self.ctx.components.optimizer),
                             grads=grads or {})
         t0 = time.perf_counter()
-        self._queue.put(record)  # blocks while the writer is `queue` steps behind
+        self._writer.post(_TAKING, self._take, record)  # blocks while the writer is `queue` steps behind
         self.ctx.stats.snapshot_wait_seconds += time.perf_counter() - t0
         self._pending += 1
 
-    def on_state_ready(self, step: int, *, final: bool = False) -> None:
-        self._errors.raise_pending()
-        full_now = step % self.interval == 0
+    def _on_state_ready(self, step: int, final: bool) -> None:
+        full_now = due(step, self.interval)
         if self._pending and (final or full_now or self._pending >= self.batch):
-            end = end_state(self.ctx.components, self.ctx.boundary, step, residuals=self.config.residual == "keep")
-            self._queue.put((_FLUSH, self._base, end))
+            end = self.ctx.components.end_state(self.ctx.boundary, step, residuals=self.config.residual == "keep")
+            self._writer.post(f"writing the differential batch ending at step {step}", self._flush, self._base, *end)
             self._pending = 0
         if full_now and not final:
             self.full.on_state_ready(step)
@@ -166,40 +162,32 @@ class LowDiff:
             if self.config.adapt:
                 self._adapt()
 
-    def before_update(self, step: int) -> None:
+    def _before_update(self, step: int) -> None:
         self.full.before_update(step)
 
-    def wait(self) -> None:
-        self._queue.join()
+    def _wait(self) -> None:
+        self._writer.drain()
         self.full.wait()
-        self._errors.raise_pending()
 
-    def close(self) -> None:
+    def _close(self) -> None:
         try:
-            self.wait()
+            self._writer.close()
         finally:
-            self._queue.put(None)
-            self._writer.join()
             self.full.close()
 
     # -- the writer ----------------------------------------------------------------------------
 
-    def _write_loop(self) -> None:
-        records: list[StepRecord] = []
-        while (item := self._queue.get()) is not None:
-            try:
-                if isinstance(item, StepRecord):
-                    records.append(self._to_host(item))
-                else:
-                    _, base, (end_tensors, end_skeleton) = item
-                    if records:
-                        self._write_batch(base, records, end_tensors, end_skeleton)
-                    records = []
-            except BaseException as e:
-                self._errors.record(f"writing the differential batch ending at step {records[-1].step if records else '?'}", e)
-                records = []
-            finally:
-                self._queue.task_done()
+    def _take(self, record: StepRecord) -> None:
+        try:
+            self._records.append(self._to_host(record))
+        except BaseException:
+            self._records = []  # a batch without this step must not be written: the chain ends before it
+            raise
+
+    def _flush(self, base: int, end_tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
+        records, self._records = self._records, []
+        if records:
+            self._write_batch(base, records, end_tensors, end_skeleton)
 
     @staticmethod
     def _to_host(record: StepRecord) -> StepRecord:
@@ -274,53 +262,38 @@ class LowDiff:
 
     # -- recovery ------------------------------------------------------------------------------
 
-    def restore(self) -> Recovered | None:
+    def _restore(self) -> Recovered | None:
         """Newest verified full checkpoint, then the gap-free chain of verified batches, replayed."""
         store, c = self.ctx.store, self.ctx.components
         assert store is not None
         t0 = time.perf_counter()
-        full = restore_base(store, c)
-        if full is None:
+        replayed = [0]
+
+        def apply(links: Iterator[Link]) -> None:
+            replayer = Replayer(c.model, c.optimizer, threads=self.config.replay_threads)
+            t_replay = time.perf_counter()
+            for link in links:
+                try:
+                    records = _records(link)
+                except KeyError as e:
+                    warnings.warn(f"the differential chain from step {link.manifest.meta['base']} ends at step "
+                                  f"{link.first - 1}: {e}", stacklevel=5)
+                    break
+                if link.manifest.meta.get("summed"):
+                    self._apply_sum(records)
+                else:
+                    replayer.apply(records)
+                replayed[0] += 1
+            self.replay_seconds = time.perf_counter() - t_replay
+
+        found = recover_chain(store, c, "diff", apply)
+        if found is None:
             return None
-        batches = self._chain(full)
-        replayer = Replayer(c.model, c.optimizer, threads=self.config.replay_threads)
-        step, end = full.step, None
-        t_replay = time.perf_counter()
-        for manifest, records, end_tree in batches:
-            if manifest.meta.get("summed"):
-                self._apply_sum(records)
-            else:
-                replayer.apply(records)
-            step, end = manifest.step, end_tree
-        self.replay_seconds = time.perf_counter() - t_replay
-        if end is not None:
-            apply_end_state(self.ctx.components, end)
+        full, step = found
         self._base, self._pending = full.step, 0
-        lossy = batches and self.config.residual == "drop" and self.ctx.components.compression is not None
+        lossy = replayed[0] and self.config.residual == "drop" and c.compression is not None
         source = f"disk (lossy: residuals of step {full.step})" if lossy else "disk"
         return Recovered(step=step, tree={}, source=source, manifest=full, seconds=time.perf_counter() - t0)
-
-    def _chain(self, full: Manifest) -> list[tuple[Manifest, list[StepRecord], dict[str, Any]]]:
-        store = self.ctx.store
-        assert store is not None
-        diffs = {r.manifest.meta["first"]: r.manifest for r in store.manifests()
-                 if r.manifest and r.manifest.kind == "diff" and r.manifest.meta.get("base") == full.step}
-        chain, next_step = [], full.step + 1
-        while next_step in diffs:
-            m = diffs[next_step]
-            try:
-                tensors, end = read_differential(store, m)
-                records = [
-                    StepRecord(step=s["step"], skipped=s["skipped"], groups=s["groups"],
-                               grads={n: _compressed(tensors, s["step"], n) for n in s["params"]})
-                    for s in m.meta["steps"]
-                ]
-            except (CorruptCheckpointError, KeyError) as e:
-                warnings.warn(f"the differential chain from step {full.step} ends at step {next_step - 1}: {e}", stacklevel=4)
-                break
-            chain.append((m, records, end))
-            next_step = m.meta["last"] + 1
-        return chain
 
     def _apply_sum(self, records: list[StepRecord]) -> None:
         names = parameter_names(self.ctx.components.model)
@@ -329,6 +302,13 @@ class LowDiff:
                 for r in records:
                     if name in r.grads:
                         p.sub_(r.grads[name]["dense"].to(p.device).view_as(p))
+
+
+def _records(link: Link) -> list[StepRecord]:
+    """The step records of a LowDiff batch; KeyError if one lacks a parameter it names."""
+    return [StepRecord(step=s["step"], skipped=s["skipped"], groups=s["groups"],
+                       grads={n: _compressed(link.tensors, s["step"], n) for n in s["params"]})
+            for s in link.manifest.meta["steps"]]
 
 
 def _compressed(tensors: dict[str, torch.Tensor], step: int, name: str) -> dict[str, torch.Tensor]:

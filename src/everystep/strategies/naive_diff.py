@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from ..errors import ConfigError, CorruptCheckpointError
-from ..recovery import Recovered
+from ..background import Worker
+from ..errors import ConfigError
+from ..policy.interval import due
+from ..recovery import Link, Recovered, recover_chain
 from ..state import flatten, state_error
 from ..storage.sharded import commit_tensors
-from ._diff import apply_end_state, end_state, read_differential, restore_base
-from .base import BackgroundErrors, StrategyConfig, StrategyContext
+from .base import Strategy, StrategyConfig
 from .checkfreq import CheckFreq, CheckFreqConfig
 
 __all__ = ["NaiveDiff", "NaiveDiffConfig", "state_error"]
@@ -44,26 +44,18 @@ class NaiveDiffConfig(StrategyConfig):
             raise ConfigError(f"ratio must lie in (0, 1], got {self.ratio}")
 
 
-class NaiveDiff:
+class NaiveDiff(Strategy):
     name: ClassVar[str] = "naive_diff"
-    needs_store: ClassVar[bool] = True
+    needs_restore: ClassVar[bool] = True
     Config = NaiveDiffConfig
+    config: NaiveDiffConfig
 
-    def __init__(self, config: NaiveDiffConfig | None = None) -> None:
-        self.config = config or NaiveDiffConfig()
-        self._errors = BackgroundErrors()
+    def _attach(self) -> None:
         self._shadow: dict[str, torch.Tensor] = {}
         self._base = 0
-        self._writes: list[Future[Any]] = []
-
-    def attach(self, ctx: StrategyContext) -> None:
-        self.ctx = ctx
         self.full = CheckFreq(CheckFreqConfig(every=self.config.every, keep=self.config.keep))
-        self.full.attach(ctx)
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="everystep-naive-writer")
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        self.full.attach(self.ctx)
+        self._writer = Worker("everystep-naive-writer", self.errors)
 
     def _live(self) -> dict[str, torch.Tensor]:
         c = self.ctx.components
@@ -74,18 +66,15 @@ class NaiveDiff:
     def _reset_shadow(self) -> None:
         self._shadow = {k: t.detach().clone() for k, t in self._live().items()}
 
-    def on_start(self, step: int) -> None:
+    def _on_start(self, step: int) -> None:
+        self.full.on_start(step)
         if step == 0:
             self.full.on_state_ready(0, final=True)
             self.full.wait()
             self._base = 0
         self._reset_shadow()
 
-    def on_step_end(self, step: int) -> None:
-        self._errors.raise_pending()
-
-    def on_state_ready(self, step: int, *, final: bool = False) -> None:
-        self._errors.raise_pending()
+    def _on_state_ready(self, step: int, final: bool) -> None:
         deltas: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for key, t in self._live().items():
@@ -98,70 +87,55 @@ class NaiveDiff:
                     shadow = self._shadow[key] = torch.zeros_like(t.detach())
                 shadow.view(-1)[idx] += values
                 deltas[f"d{key}/values"], deltas[f"d{key}/indices"] = values, idx.to(torch.int32)
-        end_tensors, end_skeleton = end_state(self.ctx.components, self.ctx.boundary, step)
+        end_tensors, end_skeleton = self.ctx.components.end_state(self.ctx.boundary, step)
         deltas.update({f"end{k}": v for k, v in end_tensors.items()})
-        self._writes = [f for f in self._writes if not f.done()]
-        self._writes.append(self._writer.submit(self._write, self._base, step, deltas, end_skeleton))
-        if step % self.config.every == 0 and not final:
+        self._writer.post(f"writing the difference at step {step}", self._write, self._base, step, deltas, end_skeleton)
+        if due(step, self.config.every) and not final:
             self.full.on_state_ready(step)
             self._base = step
             self._reset_shadow()
 
     def _write(self, base: int, step: int, tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
-        try:
-            assert self.ctx.store is not None
-            commit_tensors(self.ctx.store, "diff", kind="ndiff", step=step, tensors=tensors,
-                           replicated={k for k in tensors if k.startswith("d/")}, requires=(f"full-{base:012d}",),
-                           meta={"base": base}, rank_meta={"end": end_skeleton})
-            self.ctx.committed(step)
-            self.ctx.store.retain(self.config.keep)
-        except BaseException as e:
-            self._errors.record(f"writing the difference at step {step}", e)
+        assert self.ctx.store is not None
+        commit_tensors(self.ctx.store, "diff", kind="ndiff", step=step, tensors=tensors,
+                       replicated={k for k in tensors if k.startswith("d/")}, requires=(f"full-{base:012d}",),
+                       meta={"base": base}, rank_meta={"end": end_skeleton})
+        self.ctx.committed(step)
+        self.ctx.store.retain(self.config.keep)
 
-    def before_update(self, step: int) -> None:
+    def _before_update(self, step: int) -> None:
         self.full.before_update(step)
 
-    def wait(self) -> None:
-        for f in self._writes:
-            f.result()
-        self._writes.clear()
+    def _wait(self) -> None:
+        self._writer.drain()
         self.full.wait()
-        self._errors.raise_pending()
 
-    def close(self) -> None:
+    def _close(self) -> None:
         try:
-            self.wait()
+            self._writer.close()
         finally:
-            self._writer.shutdown(wait=True)
             self.full.close()
 
-    def restore(self) -> Recovered | None:
+    def _restore(self) -> Recovered | None:
         """The newest full checkpoint plus every verified difference after it: an approximation."""
         store, c = self.ctx.store, self.ctx.components
         assert store is not None
         t0 = time.perf_counter()
-        full = restore_base(store, c)
-        if full is None:
-            return None
-        diffs = {r.manifest.step: r.manifest for r in store.manifests()
-                 if r.manifest and r.manifest.kind == "ndiff" and r.manifest.meta.get("base") == full.step}
-        step, end = full.step, None
-        live = self._live()
-        while step + 1 in diffs:
-            m = diffs[step + 1]
-            try:
-                tensors, end = read_differential(store, m)
-            except CorruptCheckpointError as e:
-                warnings.warn(f"the chain of differences from step {full.step} ends at step {step}: {e}", stacklevel=3)
-                break
+
+        def apply(links: Iterator[Link]) -> None:
+            live = self._live()
             with torch.no_grad():
-                for name in {k[1:].rsplit("/", 1)[0] for k in tensors if k.startswith("d/")}:
-                    target = live.get("/" + name)
-                    if target is None:  # optimizer state that did not exist yet at the full checkpoint
-                        continue
-                    target.view(-1)[tensors[f"d/{name}/indices"].long()] += tensors[f"d/{name}/values"]
-            step = m.step
-        if end is not None:
-            apply_end_state(c, end)
+                for link in links:
+                    tensors = link.tensors
+                    for name in {k[1:].rsplit("/", 1)[0] for k in tensors if k.startswith("d/")}:
+                        target = live.get("/" + name)
+                        if target is None:  # optimizer state that did not exist yet at the full checkpoint
+                            continue
+                        target.view(-1)[tensors[f"d/{name}/indices"].long()] += tensors[f"d/{name}/values"]
+
+        found = recover_chain(store, c, "ndiff", apply)
+        if found is None:
+            return None
+        full, step = found
         self._base = full.step
         return Recovered(step=step, tree={}, source="disk (lossy)", manifest=full, seconds=time.perf_counter() - t0)

@@ -1,0 +1,378 @@
+"""The training process's session with its checkpoint agent: what is sent, what comes back.
+
+The agent (:mod:`everystep.agent.process`) holds S_t in shared memory and advances it with the
+same optimizer class on the CPU. The session gives it the state whole (``init``: at the start,
+and again whenever the replica must be replaced), then one step at a time through a pool of slots
+(:class:`~everystep.transport.slots.SlotPool`): the step's gradients, written there by the
+gradient capture, and what gradients cannot rebuild (RNG, data position, scheduler, buffers,
+residuals), written here. The agent frees each slot when it has applied the step (``done``).
+
+The agent's messages arrive on the link's reader thread and update the session: a slot freed,
+a checkpoint persisted (one process) or a part written (several ranks: handed to
+:class:`~everystep.agent.commits.PartCommits`), a divergence found by verification, an error.
+A broken connection, or a slot not freed within ``timeout`` seconds, makes the agent *lost*: the
+session stops sending, and its strategy falls back to checkpoints written by the training process.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from typing import Any, Protocol
+
+import torch
+
+from ..background import BackgroundErrors
+from ..distributed import Ranks
+from ..errors import ConfigError
+from ..layout import TensorLayout
+from ..state import TrainingComponents, storage_key, unflatten
+from ..storage.local import LocalStore
+from ..transport.host import HostBuffer, snapshot_into
+from ..transport.shared import SharedRegion
+from ..transport.slots import SlotPool
+from .channel import DISCOVERY_FILE, digest, rank_file
+from .client import AgentLink, AgentLostError
+from .commits import PartCommits
+from .config import AgentConfig
+from .replica import optimizer_class_path, replayed_keys, slot_layout
+
+__all__ = ["AgentSession", "Progress"]
+
+
+class Progress(Protocol):
+    """Where the session reports what became recoverable."""
+
+    def committed(self, step: int, *, count: bool = True, seconds: float = 0.0) -> None: ...
+
+    def in_memory(self, step: int) -> None: ...
+
+    def waited(self, seconds: float) -> None: ...
+
+
+class AgentSession:
+    """One training process's link to its agent, the slots they share and what the agent reported.
+
+    ``timeout``: seconds without a free slot or an answer after which the agent counts as lost;
+    ``slots``: steps in flight before training waits (one more under several ranks, for the step
+    an agent holds back); ``verify_every``/``verify_sample``: how often, and on how many elements
+    per tensor, the agent compares its replica with the live state.
+    """
+
+    def __init__(self, store: LocalStore, ranks: Ranks, components: TrainingComponents, progress: Progress,
+                 errors: BackgroundErrors, *, timeout: float, slots: int, keep: int, verify_every: int,
+                 verify_sample: int) -> None:
+        self.store, self.ranks, self.components, self.progress = store, ranks, components, progress
+        self.errors = errors
+        self.timeout, self.slots, self.keep = timeout, slots, keep
+        self.verify_every, self.verify_sample = verify_every, verify_sample
+        self.shared = ranks.distributed
+        self.params = [p for g in components.optimizer.param_groups for p in g["params"]]
+        self.link: AgentLink | None = None
+        self.lost: str | None = None
+        self.pool = SlotPool()
+        self.persisted: list[int] = []
+        """The two newest steps persisted (or marked for persistence, several ranks)."""
+        self.last_persist = 0
+        self.write_seconds = 0.0
+        """How long the agent's newest write of its part took (several ranks)."""
+        self.commits: PartCommits | None = None
+        self._diverged: list[str] = []
+        self._fetched = False
+        self._handover: threading.Event | None = None
+        """Set when the agent has moved its replica out of the region recovery took over."""
+        self._released = False
+        self._index_keys: list[str] = []
+        self._volatile: TensorLayout | None = None
+
+    # -- finding the agent, recovery from its memory ---------------------------------------------
+
+    def hello(self) -> list[int] | None:
+        """Find this rank's agent; the steps its replica can serve, or None (no agent, or it failed)."""
+        link = AgentLink.find(self.store.root, rank_file(DISCOVERY_FILE, self.ranks.rank, self.ranks.world))
+        if link is None:
+            return None
+        try:
+            hello = link.call("hello", reply="hello", timeout=self.timeout + 600)
+        except AgentLostError as e:
+            warnings.warn(f"the checkpoint agent (pid {link.pid}) could not serve its replica ({e}); "
+                          "recovering from storage", RuntimeWarning, stacklevel=4)
+            link.kill()
+            return None
+        self.link = link
+        if hello["step"] is None:
+            return None
+        return [hello["step"]] + ([hello["pending"]] if hello.get("pending") is not None else [])
+
+    def fetch(self, step: int) -> int:
+        """Take the agent's replica of ``step`` into the live objects."""
+        assert self.link is not None
+        reply = self.link.call("fetch", reply="replica", timeout=self.timeout, step=step)
+        (fd,) = self.link.receive_fds(1)
+        region, buffer = SharedRegion.holding(reply["layout"], fd=fd)
+        # The model copies into its parameters. The optimizer keeps the tensors it is given: its
+        # state stays in the region, which the agent hands over (it moves its replica out and says
+        # ``released``; the first update waits for that, :meth:`take_over`). Anything else is cloned.
+        self._handover = threading.Event()
+        tensors = {k: v if k.startswith(("/model/", "/optimizer/state/")) else v.clone() for k, v in buffer.views.items()}
+        try:
+            self.components.restore(unflatten(reply["skeleton"], tensors))
+        finally:
+            region.close()
+        self._fetched = True
+        return int(reply["step"])
+
+    def take_over(self) -> None:
+        """Before the first update after recovery from memory: the optimizer state lives in the
+        region the agent handed over, and the agent must be out of it before it changes."""
+        handover = self._handover
+        if handover is None:
+            return
+        assert self.link is not None
+        t0 = time.perf_counter()
+        if not handover.wait(self.timeout):  # set by 'released' or by the agent's loss
+            self.lose(f"it did not release the recovered state within {self.timeout:.0f} s")
+        self._handover = None  # only now: a 'released' arriving during the wait must find the event
+        self.progress.waited(time.perf_counter() - t0)
+        if not self._released:
+            self.link.kill()  # lost before it was out of the region: it must not touch it again
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def start(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, config: AgentConfig) -> None:
+        """Spawn the agent unless one was found, give it S_step (unless it holds it) and the slots,
+        and start reading its messages."""
+        self._index_keys = self._keys_of_params(tensors)
+        if self.link is None:
+            self.link = AgentLink.spawn(config)
+        if self.shared:
+            self.last_persist = step
+            self.commits = PartCommits(self.store, rank=self.ranks.rank, keep=self.keep, timeout=self.timeout + 600,
+                                       errors=self.errors, lost=lambda: self.lost, lose=self.lose,
+                                       committed=lambda s, seconds: self.progress.committed(s, count=False, seconds=seconds))
+        if not self._fetched:
+            self.send_state(step, tensors, skeleton, persist=step == 0)
+        self._make_slots(tensors)
+        self.link.start_reader(
+            {"done": self._on_done, "persisted": self._on_persisted, "part": self._on_part, "diverged": self._on_diverged,
+             "error": self._on_error, "released": self._on_released},
+            self.lose,
+        )
+
+    def _keys_of_params(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        where = {storage_key(t): k for k, t in tensors.items() if t.numel()}
+        keys = []
+        for i, p in enumerate(self.params):
+            key = where.get(storage_key(p.detach()))
+            if key is None:
+                raise ConfigError(f"optimizer parameter {i} is not in the model's state_dict; lowdiff_plus replicates "
+                                  "the parameters the model holds")
+            keys.append(key)
+        return keys
+
+    # -- the agent's messages (reader thread) --------------------------------------------------
+
+    def _on_done(self, msg: dict[str, Any]) -> None:
+        self.progress.in_memory(msg["step"])
+        self.pool.give_back(msg["slot"])
+
+    def _on_persisted(self, msg: dict[str, Any]) -> None:
+        self.persisted = (self.persisted + [msg["step"]])[-2:]
+        self.progress.committed(msg["step"], count=False)
+        self.store.count_written_elsewhere(msg["nbytes"])
+
+    def _on_released(self, msg: dict[str, Any]) -> None:
+        self._released = True
+        if self._handover is not None:
+            self._handover.set()
+
+    def _on_diverged(self, msg: dict[str, Any]) -> None:
+        self._diverged.append(f"step {msg['step']}: {msg['detail']}")
+
+    def _on_error(self, msg: dict[str, Any]) -> None:
+        if msg["fatal"]:
+            self.lose(f"{msg['what']} failed: {msg['detail']}")
+        else:
+            self.errors.record(msg["what"], RuntimeError(msg["detail"]))
+
+    def _on_part(self, msg: dict[str, Any]) -> None:
+        if msg["error"] is None:
+            self.write_seconds = msg["seconds"]
+        assert self.commits is not None
+        self.commits.deliver(msg)
+
+    def lose(self, reason: str) -> None:
+        """The agent is lost (any thread): stop waiting for it anywhere."""
+        if self.lost is None:
+            self.lost = reason
+        if self._handover is not None:
+            self._handover.set()
+        self.pool.wake()  # wakes a waiting step
+        if self.commits is not None:
+            self.commits.wake()  # and a commit waiting for a part
+
+    # -- the training path ---------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """The agent takes steps: found or started, given its slots, not lost."""
+        return self.link is not None and self.lost is None and bool(self.pool)
+
+    def slot(self) -> HostBuffer | None:
+        """The slot this step fills, taking a free one if needed (the wait is reported to
+        ``progress``); None when the agent is not active."""
+        if not self.active:
+            return None
+        if self.pool.current is None and not self._take():
+            return None
+        return self.pool.buffer()
+
+    def _take(self) -> bool:
+        if self.lost is not None:
+            return False  # (the one wake-up lose() gives may have gone to an earlier wait)
+        t0 = time.perf_counter()
+        try:
+            return self.pool.take(self.timeout)
+        except queue.Empty:
+            self.lose(f"it freed no slot within {self.timeout:.0f} s")
+            return False
+        finally:
+            self.progress.waited(time.perf_counter() - t0)
+
+    def split(self, tensors: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """The keys the agent's optimizer updates (parameters and their state), and everything else."""
+        replayed = replayed_keys(self._index_keys, tensors)
+        return sorted(replayed), {k: t for k, t in tensors.items() if k not in replayed}
+
+    def fits(self, volatile: dict[str, torch.Tensor]) -> bool:
+        """Whether the slots have room for exactly these volatile tensors."""
+        return TensorLayout.of(volatile) == self._volatile
+
+    def diverged(self) -> list[str]:
+        """What verification found since the last call (and forget it)."""
+        found, self._diverged = self._diverged, []
+        return found
+
+    def send_step(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replayed: list[str],
+                  volatile: dict[str, torch.Tensor], *, groups: list[dict[str, Any]], skipped: bool,
+                  has_grad: list[int], persist: bool, verify: bool) -> None:
+        """The step's slot, finished with its volatile state, goes to the agent (``verify``: with a
+        digest of the live parameters and optimizer state to compare its replica with)."""
+        assert self.link is not None
+        if self.slot() is None:
+            return  # lost while waiting; the strategy falls back at its next step
+        event = snapshot_into(self.pool.buffer(), {f"v{k}": t for k, t in volatile.items()})
+        if event is not None:
+            event.synchronize()
+        check = None
+        if verify:
+            check = {"keys": replayed, "sample": self.verify_sample,
+                     "value": digest(tensors, replayed, self.verify_sample)}
+        self.expect_part(step, persist)
+        try:
+            self.link.send("step", step=step, slot=self.pool.current, groups=groups, skipped=skipped,
+                           has_grad=[] if skipped else has_grad, skeleton=skeleton, digest=check, persist=persist)
+        except AgentLostError as e:
+            self.lose(str(e))
+        self.pool.hand_over()
+
+    def expect_part(self, step: int, persist: bool) -> None:
+        """Several ranks: the agent will write its part of ``step``; the committer commits it."""
+        if persist:
+            self.last_persist = step
+            self.persisted = (self.persisted + [step])[-2:]
+            assert self.commits is not None
+            self.commits.expect(step)
+
+    # -- the whole state -----------------------------------------------------------------------
+
+    def send_state(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, *, persist: bool | None) -> None:
+        """Give the agent S_step whole, in a region it adopts as its replica; it persists it if
+        ``persist``, or with None if a write is due (one process only)."""
+        assert self.link is not None
+        region, buffer = SharedRegion.holding(TensorLayout.of(tensors))
+        event = snapshot_into(buffer, tensors)
+        if event is not None:
+            event.synchronize()
+        if self.shared:
+            self.expect_part(step, bool(persist))
+        try:
+            self.link.send("init", fds=[region.fd], step=step, layout=buffer.layout, skeleton=skeleton,
+                           index_keys=self._index_keys, optimizer_class=optimizer_class_path(self.components.optimizer),
+                           persist=persist)
+        finally:
+            region.close()
+
+    def _make_slots(self, tensors: dict[str, torch.Tensor]) -> None:
+        assert self.link is not None
+        _, volatile = self.split(tensors)
+        layout = slot_layout(dict(enumerate(self.params)), volatile)
+        count = self.slots + self.shared
+        regions = self.pool.make(layout, count)
+        try:
+            self.link.send("slots", fds=[r.fd for r in regions], count=count, layout=layout)
+        finally:
+            for r in regions:
+                r.close()
+        self._volatile = TensorLayout.of(volatile)
+
+    def resync(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, *, persist: bool | None) -> bool:
+        """Wait for every step in flight, then give the agent S_step whole, and new slots if the
+        step's volatile state no longer fits the old ones (the agent keeps its slots across a new
+        state). False if the agent was lost on the way."""
+        if self.shared:
+            self.sync(persist=False)  # the step an agent holds back frees its slot
+        held = [self.pool.current] if self.pool.current is not None else []
+        while len(held) < len(self.pool):
+            if not self._take():
+                return False
+            held.append(self.pool.hand_over())
+        self.pool.current = None
+        try:
+            self.send_state(step, tensors, skeleton, persist=persist)
+            if not self.fits(self.split(tensors)[1]):
+                self._make_slots(tensors)
+            else:
+                for slot in held:
+                    self.pool.give_back(slot)
+        except AgentLostError as e:
+            self.lose(str(e))
+            return False
+        return True
+
+    def sync(self, *, persist: bool) -> None:
+        """Wait until the agent has applied every step sent (``persist``: and persisted the newest)."""
+        assert self.link is not None
+        try:
+            self.link.call("sync", reply="synced", timeout=self.timeout + 600, persist=persist)
+        except AgentLostError as e:
+            self.lose(str(e))
+
+    # -- ending --------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Wait for the commits of the steps marked so far (several ranks)."""
+        if self.commits is not None:
+            self.commits.drain()
+
+    def close(self, *, clean: bool) -> None:
+        """``clean``: the agent persists what it holds and exits; else, as after a crash, the link
+        is dropped without a word and the agent keeps its replica for a restarted process."""
+        if self.commits is not None:
+            self.commits.close(wait=clean)
+        link, self.link = self.link, None
+        if link is None:
+            return
+        if not clean:
+            link.hang_up()
+        elif self.lost is None:
+            link.close(timeout=self.timeout + 600)
+        else:
+            link.kill()
+
+    def kill(self) -> None:
+        """End the agent now (it is lost, or the training process gives up on it)."""
+        if self.link is not None:
+            self.link.kill()

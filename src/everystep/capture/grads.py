@@ -1,0 +1,184 @@
+"""Layer-wise gradient capture: each gradient the optimizer consumes, copied into a host slot.
+
+Each parameter's gradient is handed, the moment it is final for this backward pass, to a copy
+worker that moves it into the slot (on CUDA, on a low-priority side stream, so that compute and
+gradient synchronisation go first). In one process a post-accumulate-grad hook hands it over.
+Under DDP the local gradient is not final — its bucket's reduction replaces it — so the reduced
+bucket is taken from the communication hook's future as it completes
+(:func:`~everystep.capture.hooks.reduction_tap`: everystep's compression hooks, or, when the model
+has no hook, DDP's own all-reduce registered as one); with a hook of another kind, every gradient
+is copied before the step instead.
+
+Right before ``optimizer.step()`` (:meth:`GradientCapture.at_update`) every gradient is checked
+against what was copied — same tensor, same version counter as when it became final — and copied
+again where clipping, unscaling or another backward changed it in place, so the slot holds exactly
+what the optimizer consumes; those copies overlap the optimizer's update (:meth:`settle`, after
+it, waits for them). Clipping multiplies every gradient in place, every step, even by 1: then
+every copy made during backward is wasted memory bandwidth. With ``layerwise=None`` capture
+during backward stops after two steps in a row in which most of its copies had to be made again,
+and the gradients are copied once, at the step (``True``: always during backward; ``False``: never).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..background import BackgroundErrors, Worker
+from ..transport.host import HostBuffer
+from .hooks import ReductionTap, after_backward, reduction_tap
+
+__all__ = ["GradientCapture"]
+
+
+class GradientCapture:
+    """Copies the gradients of ``params`` into the buffer ``target()`` gives (``None``: copy nothing
+    now — no slot, or nobody to send it to). A slot's gradient of parameter ``i`` is ``g/{i}``."""
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], compression: Any, *,
+                 layerwise: bool | None, errors: BackgroundErrors,
+                 target: Callable[[], HostBuffer | None]) -> None:
+        self.params = params
+        self.mode = layerwise
+        self.layerwise = layerwise is not False
+        self.early_copies = 0
+        """Gradients copied while backward produced them."""
+        self.recopies = 0
+        """Of those, the ones copied again at the step because they changed in place (clipping)."""
+        self._target = target
+        self._errors = errors
+        self._copied: dict[int, tuple[torch.Tensor, int]] = {}
+        self._reduced: list[int] = []
+        self._awaiting_end = False
+        self._stale_streak = 0
+        self._what = [f"copying the gradient of parameter {i} for the agent" for i in range(len(params))]
+        self._hooks: list[Any] = []
+        self._tap: ReductionTap | None = None
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # A post-accumulate-grad hook would see the local gradient, which the bucket's reduction
+            # replaces: the reduced bucket is taken from the communication hook instead.
+            self._index_of = {p.data_ptr(): i for i, p in enumerate(params)}
+            self._tap = reduction_tap(model, compression) if self.layerwise else None
+            if self._tap is not None:
+                self._tap.observers.append(self._on_bucket)
+        elif self.layerwise:
+            self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                           for i, p in enumerate(params) if p.requires_grad]
+        self._stream = torch.cuda.Stream(priority=0) if torch.cuda.is_available() else None
+        self._copier = Worker("everystep-grad-copy", errors)
+
+    # -- during backward -----------------------------------------------------------------------
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        if self.layerwise:
+            self._copy(index, param.grad)
+
+    def _on_bucket(self, bucket: Any) -> Any:
+        """A DDP bucket's reduction starts (training thread): where its gradients lie in it, and what
+        copies them out of the reduced bucket when its future completes."""
+        buffer = self._target() if self.layerwise else None
+        if buffer is None:
+            return None
+        base = bucket.buffer()
+        size, start = base.element_size(), base.data_ptr()
+        where = [(i, (g.data_ptr() - start) // size, g.numel())
+                 for p, g in zip(bucket.parameters(), bucket.gradients())
+                 if (i := self._index_of.get(p.data_ptr())) is not None]
+        if not self._awaiting_end:
+            self._awaiting_end = after_backward(self._on_backward_end)
+
+        def reduced(result: torch.Tensor) -> None:  # the thread that completed the reduction
+            try:
+                flat = result.detach().reshape(-1)
+                event = _event(flat)
+                for i, offset, n in where:
+                    self._copier.post(self._what[i], self._copy_into, buffer, i,
+                                      flat[offset:offset + n].view(self.params[i].shape), event)
+                    self._reduced.append(i)
+            except BaseException as e:
+                self._errors.record("taking the reduced gradients for the agent", e)
+
+        return reduced
+
+    def _on_backward_end(self) -> None:
+        """After DDP copied the reduced buckets into the gradients: what the copies hold is what the
+        gradients hold now, until something changes them in place."""
+        self._awaiting_end = False
+        for i in self._reduced:
+            g = self.params[i].grad
+            if g is not None:
+                self._copied[i] = (g, g._version)
+        self._reduced = []
+
+    def _copy(self, index: int, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            return
+        buffer = self._target()
+        if buffer is None:
+            return
+        self._copied[index] = (grad, grad._version)
+        self._copier.post(self._what[index], self._copy_into, buffer, index, grad, _event(grad))
+
+    def _copy_into(self, buffer: HostBuffer, index: int, grad: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        target = buffer.views[f"g/{index}"]
+        if event is None:
+            target.copy_(grad)
+            return
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(event)
+            target.copy_(grad)
+            grad.record_stream(self._stream)
+        self._stream.synchronize()
+
+    # -- at the step ---------------------------------------------------------------------------
+
+    def at_update(self) -> list[int]:
+        """Right before ``optimizer.step()``: copy what was not copied yet or changed since (clipped,
+        unscaled, compressed); return the indices of the parameters that have a gradient."""
+        self._awaiting_end = False
+        early, stale = len(self._copied), 0
+        for i, p in enumerate(self.params):
+            g = p.grad
+            seen = self._copied.get(i)
+            if g is not None and (seen is None or seen[0] is not g or seen[1] != g._version):
+                stale += seen is not None
+                self._copy(i, g)
+        self._judge(early, stale)
+        return [i for i, p in enumerate(self.params) if p.grad is not None]
+
+    def _judge(self, early: int, stale: int) -> None:
+        """Count this step's copies during backward and those made again; with ``layerwise=None``,
+        stop copying during backward after two steps in a row that made most of them again."""
+        self.early_copies += early
+        self.recopies += stale
+        if not early:
+            return
+        self._stale_streak = self._stale_streak + 1 if 2 * stale > early else 0
+        if self.mode is None and self._stale_streak >= 2:
+            self.layerwise = False
+
+    def settle(self) -> None:
+        """After the update: wait until the slot holds every copy (its gradients may change next)."""
+        self._copier.drain()
+        self._copied.clear()
+
+    def close(self) -> None:
+        self._copier.close()
+        for h in self._hooks:
+            h.remove()
+        if self._tap is not None:
+            self._tap.observers.remove(self._on_bucket)
+            self._tap = None
+
+
+def _event(t: torch.Tensor) -> torch.cuda.Event | None:
+    """An event recorded on the current stream after what produced ``t`` (CUDA tensors only)."""
+    if not t.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
