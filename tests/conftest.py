@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,3 +46,26 @@ def call_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
 def files_of(directory: Path) -> dict[str, bytes]:
     """Every file below ``directory`` with its content, to prove nothing was touched."""
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+class FullDisk:
+    """Makes every object write of ``directory``'s store fail with ENOSPC once ``full`` is set, and
+    records the names of the objects whose writes failed (through the store's write seam)."""
+
+    def __init__(self, directory: Any) -> None:
+        self.full = False
+        self.failed: list[str] = []
+        store = directory.store
+        write_object, os_write = store.write_object, store._os_write
+
+        def recording(name: str, chunks: Any) -> Any:
+            if self.full:
+                self.failed.append(name)
+            return write_object(name, chunks)
+
+        def failing(fd: int, view: memoryview) -> int:
+            if self.full:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return os_write(fd, view)
+
+        store.write_object, store._os_write = recording, failing

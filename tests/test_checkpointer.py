@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import gc
 import pickle
 import re
@@ -22,14 +21,15 @@ from everystep.errors import ConfigError
 from everystep.eval.train import training_state_hash
 from everystep.compress import GradientCompression, make_compressor
 from everystep.eval.workloads import build
-from everystep.storage import LocalStore
+from everystep.storage import CheckpointDirectory
 from everystep.storage.base import Manifest, ObjectInfo, checksum
 from everystep.strategies import STRATEGIES, create
 
-from .conftest import files_of
+from .conftest import FullDisk, files_of
 
 DISK = sorted(name for name, cls in STRATEGIES.items() if cls.needs_store)
 LOSSY = {"naive_diff"}
+DIFFERENTIAL = {"lowdiff", "naive_diff"}
 EXACT = [name for name in DISK if name not in LOSSY]
 COMPRESS = {"lowdiff": "topk:0.05"}
 """Strategies that reuse compressed gradients train with compression; their reference does too."""
@@ -105,16 +105,28 @@ def test_checkpointing_does_not_change_training(tmp_path, strategy):
 
 @pytest.mark.parametrize("strategy", DISK)
 def test_every_and_keep_and_final_checkpoint(tmp_path, strategy):
-    if strategy in ("lowdiff", "naive_diff"):
-        pytest.skip("differential strategies write between full checkpoints: see test_lowdiff.py")
-    w = build("mlp", seed=0)
+    w = make("mlp", 0, strategy)
     with attach(w, tmp_path / "c", strategy, every=3, keep=2) as ckpt:
         ckpt.restore()
         loop(w, ckpt, 0, 10)
-    steps = sorted(r.manifest.step for r in LocalStore.open(tmp_path / "c").manifests())
-    assert steps == [9, 10]  # 3, 6, 9 by interval, 10 at close; the newest two kept
-    # lowdiff_plus also checkpoints every step in the agent's memory
-    assert ckpt.stats.checkpoints == (10 if strategy == "lowdiff_plus" else 4)
+    manifests = [r.manifest for r in CheckpointDirectory.open(tmp_path / "c").manifests()]
+    fulls = sorted(m.step for m in manifests if m.kind == "full")
+    differentials = sorted((m.meta["base"], m.step) for m in manifests if m.kind != "full")
+    if strategy in DIFFERENTIAL:
+        # full checkpoints at 0, 3, 6, 9 (F = every), a differential every step; the last step's is
+        # the final one. Kept: the newest two fulls and the differentials newer than the newest.
+        assert fulls == [6, 9]
+        assert differentials == [(9, 10)]
+        assert ckpt.stats.checkpoints == 4 + 10
+    else:
+        assert fulls == [9, 10] and differentials == []  # 3, 6, 9 by interval, 10 at close; the newest two kept
+        # lowdiff_plus also checkpoints every step in the agent's memory
+        assert ckpt.stats.checkpoints == (10 if strategy == "lowdiff_plus" else 4)
+    w2 = make("mlp", 0, strategy)
+    with attach(w2, tmp_path / "c", strategy, final=False) as again:
+        assert again.restore() == 10
+    if strategy not in LOSSY:
+        assert live_hash(w2, 10) == live_hash(w, 10)
 
 
 def test_empty_directory_restores_step_zero_and_none_needs_no_directory(tmp_path):
@@ -167,13 +179,13 @@ def test_pickle_in_place_of_a_tensor_file_is_refused_without_running_it(tmp_path
     with attach(w, tmp_path / "c", "full_sync") as ckpt:
         ckpt.restore()
         loop(w, ckpt, 0, 1)
-    store = LocalStore.open(tmp_path / "c")
+    store = CheckpointDirectory.open(tmp_path / "c")
     [record] = store.manifests()
     exploit = _Exploit()
     exploit.marker = str(tmp_path / "pwned")
     payload = pickle.dumps(exploit)
     info = record.manifest.objects["tensors"]
-    (store.objects_dir / info.name).write_bytes(payload)
+    (store.root / "objects" / info.name).write_bytes(payload)
     forged = Manifest(kind="full", step=1, objects={"tensors": ObjectInfo(info.name, len(payload), checksum(payload))},
                       meta=record.manifest.meta)
     store.commit(forged)
@@ -243,35 +255,20 @@ def test_training_without_restore_into_a_used_directory_is_refused(tmp_path):
     assert files_of(tmp_path / "c") == before
 
 
-class FullDisk(LocalStore):
-    """Fails every object write with ENOSPC once ``full`` is set, recording which."""
-
-    full = False
-
-    def write_object(self, name, chunks):
-        if self.full:
-            self.failed.append(name)
-        return super().write_object(name, chunks)
-
-    def _os_write(self, fd, view):
-        if self.full:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return super()._os_write(fd, view)
-
-
 @pytest.mark.parametrize("strategy", DISK)
-def test_full_disk_surfaces_in_the_training_process_and_keeps_the_previous_checkpoint(tmp_path, strategy):
+def test_full_disk_surfaces_in_the_training_process_and_keeps_the_previous_checkpoint(tmp_path, strategy, monkeypatch):
     """Every failed write is reported once, in the training thread, naming the cause."""
-    if strategy == "lowdiff_plus":
-        pytest.skip("the agent process writes through its own store: see test_lowdiff_plus.py")
     w = make("mlp", 0, strategy)
-    store = FullDisk.open(tmp_path / "c", strategy=strategy)
-    store.failed = []
-    ckpt = attach(w, None, strategy, store=store)
+    store = CheckpointDirectory.open(tmp_path / "c", strategy=strategy)
+    disk = FullDisk(store)
+    agent = STRATEGIES[strategy].shares_store  # its checkpoint agent writes, in a process of its own
+    if agent:  # the agent inherits the environment: its writes fail from its third on (S_0, S_1 written)
+        monkeypatch.setenv("EVERYSTEP_FAIL", "store.object.mid_write:3+")
+    ckpt = attach(w, None, strategy, store=store, **({"every": 1} if agent else {}))
     ckpt.restore()
     loop(w, ckpt, 0, 2)
     ckpt.wait()  # step 1 is durable; step 2's checkpoint starts with the next step
-    store.full = True
+    disk.full = True
     expected = OSError if strategy == "full_sync" else BackgroundWriteError  # full_sync writes in the foreground
     messages = []
     with pytest.raises(expected, match="No space left on device") as raised:
@@ -283,10 +280,15 @@ def test_full_disk_surfaces_in_the_training_process_and_keeps_the_previous_check
         messages.append(str(e))
     ckpt.close()  # closed: quiet
     # each failure is named once across messages (a message may name its step twice: step and file)
-    reported = sorted(s for m in messages for s in {int(a or b) for a, b in re.findall(r"at step (\d+)|full-(\d+)\.safetensors", m)})
-    failed = sorted(int(n.split("-")[1].split(".")[0]) for n in store.failed)
-    assert failed and reported == failed
-    assert max(r.manifest.step for r in LocalStore.open(tmp_path / "c").manifests()) == 1
+    found = [{int(a or b) for a, b in re.findall(r"at step (\d+)|full-(\d+)\.safetensors", m)} for m in messages]
+    reported = sorted(s for steps in found for s in steps)
+    if agent:  # the agent's attempts are seen only through its reports: steps 2, 3, … each once
+        assert reported == list(range(2, 2 + len(reported))) and reported
+    else:
+        failed = sorted(int(n.split("-")[1].split(".")[0]) for n in disk.failed)
+        assert failed and reported == failed
+    assert max(r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c").manifests()) == 1
+    monkeypatch.delenv("EVERYSTEP_FAIL", raising=False)
     w2 = make("mlp", 0, strategy)
     with attach(w2, tmp_path / "c", strategy, final=False) as again:
         assert again.restore() == 1

@@ -18,7 +18,7 @@ from everystep.eval.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
 from everystep.state import state_hash
-from everystep.storage import LocalStore
+from everystep.storage import CheckpointDirectory
 from everystep.transport.host import HostBuffer, HostBufferPool, TensorLayout, snapshot_into
 
 from .test_checkpointer import loop
@@ -118,7 +118,7 @@ def test_the_replica_of_a_gpu_trained_model_is_rebased_and_its_final_checkpoint_
             loop(w, ckpt, ckpt.restore(), 7)
     assert ckpt.stats.last_memory_step == 7
     assert ckpt.strategy.rebases == 4  # steps 2, 4 and 6, and the final step 7
-    manifest, tree = latest_full(LocalStore.open(tmp_path / "c"))
+    manifest, tree = latest_full(CheckpointDirectory.open(tmp_path / "c"))
     live = {"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(), "step": 7}
     assert manifest.step == 7
     assert state_hash({k: tree[k] for k in live}) == state_hash(live)

@@ -25,7 +25,7 @@ from everystep.eval.train import TrainConfig, _free_port, run
 from everystep.inventory import verify_store
 from everystep.recovery import read_full
 from everystep.state import state_hash, unflatten
-from everystep.storage.local import LocalStore
+from everystep.storage.directory import CheckpointDirectory
 from everystep.policy import deadline_margin
 from everystep.stopping import StopWatch, deadline_from_environment
 from everystep.storage.sharded import ShardPlan
@@ -97,7 +97,7 @@ def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference
         assert [r["source"] for r in summary["recoveries"]] == ["memory", "memory"]
         assert all(r["resumed_from"] >= r["failed_at"] - 2 for r in summary["recoveries"])  # at most one done step lost
         _assert_agents_gone(tmp_path / strategy)
-        store = LocalStore.open(tmp_path / strategy)
+        store = CheckpointDirectory.open(tmp_path / strategy)
         assert verify_store(store) == []  # the agents' parts committed, or collected at the restart
         final = max((r.manifest for r in store.manifests() if r.manifest), key=lambda m: m.step)
         assert final.step == STEPS
@@ -142,7 +142,7 @@ def test_an_agent_lost_on_one_rank_turns_every_rank_to_its_own_full_checkpoints(
     assert err.count("recovery from memory is off and the training process writes full checkpoints every 4 steps") == 2
     assert "is lost: rank 1:" in err
     _assert_agents_gone(tmp_path / "lowdiff_plus")
-    store = LocalStore.open(tmp_path / "lowdiff_plus")
+    store = CheckpointDirectory.open(tmp_path / "lowdiff_plus")
     steps = sorted(r.manifest.step for r in store.manifests() if r.manifest)
     assert steps == [12, STEPS]  # the training processes' own checkpoints, every 4 steps from 8, and the final one
 
@@ -173,7 +173,7 @@ def test_a_part_that_fails_on_one_rank_is_raised_on_every_rank_and_its_step_is_n
                      r"step 2 was not committed: rank 1: StoreWriteError.*\(PeerFailedError\)", err)
     # The writes already queued behind it (steps 3 and 4, on a slow machine, before a rank's next
     # checkpoint call raises) still commit whole; step 2 never does.
-    store = LocalStore.open(tmp_path / "checkfreq", create=False)
+    store = CheckpointDirectory.open(tmp_path / "checkfreq", create=False)
     steps = sorted(r.manifest.step for r in store.manifests())
     assert steps and 2 not in steps
     # What rank 0 wrote of step 2 (and of a later step whose commit the failure cut off) is left
@@ -188,7 +188,7 @@ def test_a_part_that_fails_on_one_rank_is_raised_on_every_rank_and_its_step_is_n
 def test_verify_names_a_flipped_byte_and_a_missing_rank_part(delayed, tmp_path, capsys):
     copy = tmp_path / "c"
     shutil.copytree(delayed[0], copy)
-    store = LocalStore.open(copy, create=False)
+    store = CheckpointDirectory.open(copy, create=False)
     assert verify_store(store) == []
     first, second = sorted((r.manifest for r in store.manifests()), key=lambda m: m.step)[-2:]
     flipped = copy / "objects" / first.objects["tensors-r0"].name
@@ -208,14 +208,14 @@ def test_a_single_process_resumes_from_a_two_rank_checkpoint(delayed, tmp_path):
     shutil.copytree(delayed[0], copy)
     one = run(TrainConfig(workload="gpt2-tiny", strategy="checkfreq", steps=STEPS + 2, directory=str(copy), progress=False))
     assert one["first_step"] == STEPS + 1 and len(one["losses"]) == 2
-    assert LocalStore.open(copy, create=False).marker["world_size"] == 1
+    assert CheckpointDirectory.open(copy, create=False).marker["world_size"] == 1
     # Strategies with per-rank differential state refuse instead: see test_storage.
 
 
 def test_dcp_checkpoints_load_with_plain_torch_distributed_checkpoint(tmp_path, reference):
     summary = _job(tmp_path, "checkfreq", full_format="dcp")
     assert summary["rank_state_sha256"] == reference[None]["rank_state_sha256"]
-    store = LocalStore.open(tmp_path / "checkfreq", create=False)
+    store = CheckpointDirectory.open(tmp_path / "checkfreq", create=False)
     newest = max((r.manifest for r in store.manifests()), key=lambda m: m.step)
     tree = read_full(store, newest)  # everystep's own reading, as rank 0
     outside = tmp_path / "plain.pt"
@@ -224,7 +224,7 @@ def test_dcp_checkpoints_load_with_plain_torch_distributed_checkpoint(tmp_path, 
         "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
         "dcp_to_torch_save(sys.argv[1], sys.argv[2])\n"
     )
-    folder = store.objects_dir / next(iter(newest.objects.values())).name.split("/")[0]
+    folder = store.root / "objects" / next(iter(newest.objects.values())).name.split("/")[0]
     subprocess.run([sys.executable, "-c", script, str(folder), str(outside)], check=True, capture_output=True)
     plain = torch.load(outside, weights_only=True)
     rank0 = {k[len("rank0"):] if k.startswith("rank0/") else k: v for k, v in plain.items() if not k.startswith("rank1/")}
@@ -239,7 +239,7 @@ def test_a_deadline_ends_the_run_with_a_final_checkpoint_and_the_rerun_matches(t
     stopped = run(TrainConfig(**cfg, deadline=time.time() - 1))
     assert stopped["stopped"]["step"] == 1 and "before the deadline" in stopped["stopped"]["reason"]
     assert len(stopped["losses"]) == 1
-    steps = [r.manifest.step for r in LocalStore.open(tmp_path / "c", create=False).manifests()]
+    steps = [r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c", create=False).manifests()]
     assert max(steps) == 1
     rest = run(TrainConfig(**cfg))
     whole = run(TrainConfig(**{**cfg, "directory": str(tmp_path / "whole")}))

@@ -18,6 +18,10 @@ FORBIDDEN = {
     "compress": {"strategies", "agent", "eval", "checkpointer", "storage"},
     "policy": {"storage", "transport", "strategies", "agent", "eval", "checkpointer"},
     "strategies": {"eval", "checkpointer", "cli"},
+    "capture": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery"},
+    "background": {"transport", "storage", "strategies", "agent", "eval", "checkpointer", "recovery", "capture"},
+    "replay": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery"},
+    "recovery": {"strategies", "agent", "eval", "checkpointer", "cli"},
 }
 """Top-level part of the package (a sub-package or a module) → parts it must not import."""
 

@@ -15,7 +15,7 @@ from everystep.eval.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.policy import lowdiff_integer_optimum
 from everystep.state import TrainingComponents, flatten, state_hash
-from everystep.storage import LocalStore
+from everystep.storage import CheckpointDirectory
 from everystep.storage.tensorfile import load_tensors
 from everystep.strategies.lowdiff import LowDiff
 from everystep.state import state_error
@@ -124,7 +124,7 @@ def test_batches_are_concatenations_and_bytes_stay_near_the_compressed_size(tmp_
         ckpt.wait()
         written = ckpt.bytes_written - full_bytes
     sent = w.compression.compressed_bytes  # the compressor's own output (values and indices), 3 steps
-    store = LocalStore.open(tmp_path / "c")
+    store = CheckpointDirectory.open(tmp_path / "c")
     manifests = [r.manifest for r in store.manifests() if r.manifest.kind == "diff"]
     assert sorted(m.step for m in manifests) == [1, 2, 3]
     # Error-feedback residuals depend on the uncompressed gradients, so replay cannot rebuild them:
@@ -197,7 +197,7 @@ def test_differentials_older_than_a_durable_full_checkpoint_are_deleted(tmp_path
     with _attach(w, tmp_path / "c", every=4, batch=1, keep=1) as ckpt:
         ckpt.restore()
         _loop(w, 6)
-    kinds = sorted((r.manifest.kind, r.manifest.step) for r in LocalStore.open(tmp_path / "c").manifests())
+    kinds = sorted((r.manifest.kind, r.manifest.step) for r in CheckpointDirectory.open(tmp_path / "c").manifests())
     assert ("full", 4) in kinds and all(step > 4 for kind, step in kinds if kind == "diff")
 
 

@@ -30,7 +30,7 @@ from everystep.eval.train import Journal, TrainConfig, run, summarise, training_
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
 from everystep.state import state_hash
-from everystep.storage import LocalStore
+from everystep.storage import CheckpointDirectory
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -88,7 +88,7 @@ def _attach(w, directory: Path, **options) -> Checkpointer:
 
 def _assert_stored(directory: Path, w, step: int) -> None:
     """The newest full checkpoint is S_step of the live objects, bitwise."""
-    manifest, tree = latest_full(LocalStore.open(directory))
+    manifest, tree = latest_full(CheckpointDirectory.open(directory))
     assert manifest.step == step and _stored_hash(tree) == _live_hash(w, step)
 
 
@@ -235,7 +235,7 @@ def test_an_orphaned_agent_persists_its_newest_step_and_exits_after_the_grace_pe
     assert _gone_within(pid, 30), "the agent outlived its training process"
     assert not (tmp_path / "c" / "agent.json").exists()
     done = max(r["step"] for r in _records(tmp_path / "journal.jsonl") if r["event"] == "step")
-    manifest, _ = latest_full(LocalStore.open(tmp_path / "c"))
+    manifest, _ = latest_full(CheckpointDirectory.open(tmp_path / "c"))
     assert manifest.step >= done - 1
 
 
@@ -277,7 +277,7 @@ def test_a_slow_write_delays_the_next_one_and_skips_none(tmp_path, monkeypatch):
     with _attach(w, tmp_path / "c", every=3, keep=10) as ckpt:
         ckpt.restore()
         _train(w, 10)
-    steps = sorted(r.manifest.step for r in LocalStore.open(tmp_path / "c").manifests())
+    steps = sorted(r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c").manifests())
     assert steps == [0, 3, 6, 9, 10]
     assert ckpt.stats.stall_seconds > 1.0  # the wait for the write shows in the measured stall
 

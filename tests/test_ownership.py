@@ -20,14 +20,14 @@ from everystep.errors import ConfigError, DirectoryInUseError, ReadOnlyStoreErro
 from everystep.eval.train import TrainConfig, recover_run, run
 from everystep.eval.workloads import build
 from everystep.inventory import verify_store
-from everystep.storage import LocalStore
+from everystep.storage import CheckpointDirectory
 
 from .conftest import ROOT, call_cli, files_of, run_cli
 
 _HOLDER = textwrap.dedent("""
     import sys
-    from everystep.storage import LocalStore
-    store = LocalStore.open(sys.argv[1], strategy="checkfreq")
+    from everystep.storage import CheckpointDirectory
+    store = CheckpointDirectory.open(sys.argv[1], strategy="checkfreq")
     print("holding", flush=True)
     sys.stdin.read()
 """)
@@ -51,14 +51,14 @@ def test_a_second_writer_is_refused_naming_the_owner_and_a_dead_owner_leaves_no_
     holder = _hold(directory)
     try:
         with pytest.raises(DirectoryInUseError, match=f"process {holder.pid} is writing checkpoints there") as caught:
-            LocalStore.open(directory, strategy="checkfreq")
+            CheckpointDirectory.open(directory, strategy="checkfreq")
         assert caught.value.pid == holder.pid
         code, out, err = call_cli(capsys, "train", "--workload", "mlp", "--steps", "5", "--dir", str(directory))
         assert code == 2 and err.count("\n") == 1 and f"process {holder.pid}" in err
     finally:
         holder.kill()  # SIGKILL: no clean-up of its own, the kernel releases the lock
         holder.wait()
-    LocalStore.open(directory, strategy="checkfreq").close()
+    CheckpointDirectory.open(directory, strategy="checkfreq").close()
 
 
 def test_readers_work_beside_a_live_writer_and_change_nothing(tmp_path, capsys):
@@ -77,7 +77,7 @@ def test_readers_work_beside_a_live_writer_and_change_nothing(tmp_path, capsys):
     finally:
         holder.kill()
         holder.wait()
-    reader = LocalStore.open(directory, create=False, access="read")
+    reader = CheckpointDirectory.open(directory, create=False, access="read")
     with pytest.raises(ReadOnlyStoreError):
         reader.write_object("full-000000000009.safetensors", [b"x"])
     with pytest.raises(ReadOnlyStoreError):
@@ -101,7 +101,7 @@ def test_recover_beside_a_training_run_does_not_break_it(tmp_path):
     out, err = proc.communicate()
     assert proc.returncode == 0, err
     assert len(steps) >= 2 and steps == sorted(steps)
-    assert verify_store(LocalStore.open(directory, create=False, access="read")) == []
+    assert verify_store(CheckpointDirectory.open(directory, create=False, access="read")) == []
 
 
 def test_garbage_collection_removes_only_its_own_leftovers_and_says_so(tmp_path, caplog):
@@ -116,7 +116,7 @@ def test_garbage_collection_removes_only_its_own_leftovers_and_says_so(tmp_path,
         path.parent.mkdir(exist_ok=True)
         path.write_text("precious")
     with caplog.at_level(logging.WARNING, logger="everystep"):
-        store = LocalStore.open(directory, strategy="checkfreq")
+        store = CheckpointDirectory.open(directory, strategy="checkfreq")
         removed = store.collect_garbage()
         store.close()
     assert sorted(removed) == sorted(str(p.relative_to(directory)) for p in mine)
@@ -135,7 +135,7 @@ def test_a_corrupt_manifest_keeps_its_objects_and_verify_names_it(tmp_path, caps
     code, out, _ = call_cli(capsys, "recover", "--dir", str(directory))
     assert code == 0 and out.startswith("step 3,")
     assert files_of(directory) == before
-    store = LocalStore.open(directory, strategy="checkfreq")
+    store = CheckpointDirectory.open(directory, strategy="checkfreq")
     store.collect_garbage()
     store.close()
     assert (directory / "objects" / "full-000000000004.safetensors").exists()
@@ -239,4 +239,4 @@ def test_killing_the_supervisor_takes_its_workers_with_it(tmp_path):
     sup.wait()
     gone, alive = psutil.wait_procs(workers, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
-    LocalStore.open(directory, strategy="checkfreq").close()  # and the directory is free again
+    CheckpointDirectory.open(directory, strategy="checkfreq").close()  # and the directory is free again

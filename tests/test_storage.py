@@ -5,7 +5,6 @@ Store behaviour is tested through ``STORES``, so every Store implementation pass
 
 from __future__ import annotations
 
-import errno
 import json
 import subprocess
 import sys
@@ -18,15 +17,15 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from everystep.errors import CheckpointDirectoryError, CorruptCheckpointError
-from everystep.storage import LocalStore, Manifest, plan_retention
-from everystep.storage.local import marker_bytes
+from everystep.storage import CheckpointDirectory, Manifest, plan_retention
+from everystep.storage.directory import marker_bytes
 from everystep.storage.tensorfile import load_tensors, tensor_chunks
 from everystep.transport import HostBuffer, TensorLayout, snapshot_into
 from everystep.storage.tensorfile import buffer_chunks
 
-from .conftest import ROOT, files_of
+from .conftest import ROOT, FullDisk, files_of
 
-STORES = {"local": lambda path: LocalStore.open(path, strategy="test")}
+STORES = {"local": lambda path: CheckpointDirectory.open(path, strategy="test")}
 
 
 @pytest.fixture(params=sorted(STORES))
@@ -58,7 +57,7 @@ def test_object_is_invisible_until_its_manifest_is_committed(store):
 
 def test_flipped_byte_and_truncation_are_detected(store):
     m = _commit(store, 1, b"0123456789" * 10)
-    path = store.objects_dir / m.objects["data"].name
+    path = store.root / "objects" / m.objects["data"].name
     raw = bytearray(path.read_bytes())
     raw[37] ^= 0x01
     path.write_bytes(raw)
@@ -71,7 +70,7 @@ def test_flipped_byte_and_truncation_are_detected(store):
 
 def test_tampered_manifest_is_reported_not_trusted(store):
     m = _commit(store, 3)
-    path = store.manifests_dir / f"{m.name}.json"
+    path = store.root / "manifests" / f"{m.name}.json"
     path.write_text(path.read_text().replace('"step": 3', '"step": 4'))
     [record] = store.manifests()
     assert record.manifest is None and "checksum" in record.error
@@ -81,49 +80,41 @@ def test_discard_removes_manifest_then_unshared_objects(store):
     m1, m2 = _commit(store, 1), _commit(store, 2)
     store.discard(m1.name)
     assert [r.name for r in store.manifests()] == [m2.name]
-    assert not (store.objects_dir / m1.objects["data"].name).exists()
-    assert (store.objects_dir / m2.objects["data"].name).exists()
+    assert not (store.root / "objects" / m1.objects["data"].name).exists()
+    assert (store.root / "objects" / m2.objects["data"].name).exists()
 
 
 def test_crash_mid_write_leaves_previous_checkpoint_and_no_visible_garbage(tmp_path):
     """I3: SIGKILL in the middle of writing an object, then in the commit: the old one survives."""
     root = tmp_path / "ckpt"
-    store = LocalStore.open(root, strategy="test")
+    store = CheckpointDirectory.open(root, strategy="test")
     _commit(store, 1, b"first" * 1000)
     store.close()
     points = ("store.object.mid_write", "store.object.before_rename", "store.commit.before_manifest",
               "store.manifest.mid_write", "store.manifest.before_rename")
     for point in points:
         script = textwrap.dedent(f"""
-            from everystep.storage import LocalStore, Manifest
-            s = LocalStore.open({str(root)!r}, strategy="test")
+            from everystep.storage import CheckpointDirectory, Manifest
+            s = CheckpointDirectory.open({str(root)!r}, strategy="test")
             info = s.write_object("full-000000000002.bin", [b"second" * 1000, b"more"])
             s.commit(Manifest(kind="full", step=2, objects={{"data": info}}))
         """)
         proc = subprocess.run([sys.executable, "-c", script], env={"EVERYSTEP_CRASH": point, "PYTHONPATH": str(ROOT / "src")})
         assert proc.returncode == -9, point
-        reopened = LocalStore.open(root, strategy="test")
+        reopened = CheckpointDirectory.open(root, strategy="test")
         assert [r.manifest.step for r in reopened.manifests()] == [1], point
         assert bytes(reopened.read_object(reopened.manifests()[0].manifest.objects["data"])) == b"first" * 1000
         reopened.collect_garbage()
-        assert sorted(p.name for p in reopened.objects_dir.iterdir()) == ["full-000000000001.bin"]
+        assert sorted(p.name for p in (reopened.root / "objects").iterdir()) == ["full-000000000001.bin"]
         reopened.close()
 
 
 def test_write_error_removes_the_temporary_and_names_the_file(tmp_path):
-    class FullDisk(LocalStore):
-        full = False
-
-        def _os_write(self, fd, view):
-            if self.full:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return super()._os_write(fd, view)
-
-    store = FullDisk.open(tmp_path / "ckpt", strategy="test")
-    store.full = True
+    store = CheckpointDirectory.open(tmp_path / "ckpt", strategy="test")
+    FullDisk(store).full = True
     with pytest.raises(OSError, match=r"writing .*a\.bin failed: No space left on device — free space"):
         store.write_object("a.bin", [b"data"])
-    assert list(store.objects_dir.iterdir()) == []
+    assert list((store.root / "objects").iterdir()) == []
 
 
 def test_foreign_directory_is_refused_and_untouched(tmp_path):
@@ -132,21 +123,21 @@ def test_foreign_directory_is_refused_and_untouched(tmp_path):
     (foreign / "notes.txt").write_text("precious")
     before = files_of(foreign)
     with pytest.raises(CheckpointDirectoryError, match="not empty and is not an everystep checkpoint directory.*notes.txt"):
-        LocalStore.open(foreign, strategy="full_sync")
+        CheckpointDirectory.open(foreign, strategy="full_sync")
     assert files_of(foreign) == before
 
 
 def test_directory_of_another_strategy_or_world_size_is_refused(tmp_path):
-    LocalStore.open(tmp_path / "c", strategy="checkfreq")
+    CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
     with pytest.raises(CheckpointDirectoryError, match="written by strategy 'checkfreq'; this run uses 'full_sync'"):
-        LocalStore.open(tmp_path / "c", strategy="full_sync")
+        CheckpointDirectory.open(tmp_path / "c", strategy="full_sync")
     marker = tmp_path / "c" / "everystep.json"
     marker.write_bytes(marker_bytes({**json.loads(marker.read_text()), "world_size": 2}))
     with pytest.raises(CheckpointDirectoryError, match="written by 2 process.*this run has 1"):
-        LocalStore.open(tmp_path / "c", strategy="checkfreq")
-    assert LocalStore.open(tmp_path / "c", strategy="checkfreq", other_world=True).marker["world_size"] == 1
+        CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
+    assert CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq", other_world=True).marker["world_size"] == 1
     with pytest.raises(CheckpointDirectoryError, match="no everystep checkpoint directory"):
-        LocalStore.open(tmp_path / "missing", create=False)
+        CheckpointDirectory.open(tmp_path / "missing", create=False)
 
 
 def _m(kind, step, requires=()):

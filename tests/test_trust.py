@@ -36,7 +36,7 @@ from everystep.agent.client import AgentLink
 from everystep.agent.config import AgentConfig
 from everystep.errors import CorruptCheckpointError
 from everystep.eval.workloads import build
-from everystep.storage import LocalStore
+from everystep.storage import CheckpointDirectory
 from everystep.storage.base import Manifest, ObjectInfo, checksum
 from everystep.storage.dcp import load_metadata
 from everystep.transport import TensorLayout
@@ -261,7 +261,7 @@ def test_an_impostor_of_another_user_receives_nothing(tmp_path):
 def test_bad_connections_neither_end_the_agent_nor_hold_it_past_its_grace(tmp_path):
     """The report: one connection with a wrong key ended a waiting agent (recovery from memory lost);
     one that never spoke kept it alive 175 s against a 30 s grace."""
-    LocalStore.open(tmp_path, strategy="lowdiff_plus").close()
+    CheckpointDirectory.open(tmp_path, strategy="lowdiff_plus").close()
     link = AgentLink.spawn(AgentConfig(directory=str(tmp_path), strategy="lowdiff_plus", grace=3.0, handshake=0.5))
     address = AgentAddress.find(tmp_path)
     assert address is not None and address.pid == link.pid

@@ -1,7 +1,8 @@
 """Named crash points for fault injection.
 
 ``crash_point("store.object.mid_write")`` does nothing unless that point is armed, either by the
-environment (``EVERYSTEP_CRASH=name`` or ``name:N`` to fire at the N-th arrival) or by :func:`arm`.
+environment (``EVERYSTEP_CRASH=name`` or ``name:N`` to fire at the N-th arrival, ``name:N+`` at it and
+every one after) or by :func:`arm`.
 An armed point kills the process with SIGKILL: no handler, no flush, exactly like an external kill.
 ``EVERYSTEP_FAIL`` arms points the same way to raise ``OSError(ENOSPC)`` instead, as a full disk
 would; ``EVERYSTEP_DELAY=name=SECONDS`` to sleep there (a slow disk or a slow rank). Any item may
@@ -22,19 +23,20 @@ from collections.abc import Callable
 __all__ = ["arm", "disarm", "crash_point", "kill_self"]
 
 _lock = threading.Lock()
-_armed: dict[str, tuple[int, Callable[[], None]]] = {}
+_armed: dict[str, tuple[int, Callable[[], None], bool]] = {}
 
 
 def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm(name: str, *, after: int = 1, action: Callable[[], None] = kill_self) -> None:
-    """Fire ``action`` at the ``after``-th arrival at crash point ``name``."""
+def arm(name: str, *, after: int = 1, action: Callable[[], None] = kill_self, repeat: bool = False) -> None:
+    """Fire ``action`` at the ``after``-th arrival at crash point ``name`` (``repeat``: and at
+    every arrival after it)."""
     if after < 1:
         raise ValueError(f"after must be >= 1, got {after}")
     with _lock:
-        _armed[name] = (after, action)
+        _armed[name] = (after, action, repeat)
 
 
 def disarm(name: str) -> None:
@@ -49,11 +51,12 @@ def crash_point(name: str) -> None:
         entry = _armed.get(name)
         if entry is None:
             return
-        remaining, action = entry
+        remaining, action, repeat = entry
         if remaining > 1:
-            _armed[name] = (remaining - 1, action)
+            _armed[name] = (remaining - 1, action, repeat)
             return
-        del _armed[name]
+        if not repeat:
+            del _armed[name]
     action()
 
 
@@ -70,10 +73,12 @@ def _arm_from_environment() -> None:
                 continue
             item, _, seconds = item.partition("=")
             name, _, count = item.partition(":")
+            repeat = count.endswith("+")
+            count = count.removesuffix("+")
             action = {"EVERYSTEP_CRASH": kill_self, "EVERYSTEP_FAIL": disk_full}.get(variable)
             if action is None:
                 action = functools.partial(time.sleep, float(seconds))
-            arm(name, after=int(count) if count else 1, action=action)
+            arm(name, after=int(count) if count else 1, action=action, repeat=repeat)
 
 
 _arm_from_environment()

@@ -38,7 +38,7 @@ from .errors import (
 from .recovery import Recovered
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
-from .storage.local import LocalStore
+from .storage.directory import CheckpointDirectory
 from .strategies import CheckpointStats, Strategy, StrategyContext, create
 
 __all__ = ["Checkpointer"]
@@ -93,7 +93,7 @@ class Checkpointer:
         every: int | None = None,
         keep: int | None = None,
         final: bool = True,
-        store: LocalStore | None = None,
+        store: CheckpointDirectory | None = None,
         deadline: float | None = None,
         k1: float = 10.0,
         k2: float = 2.0,
@@ -122,7 +122,7 @@ class Checkpointer:
         if store is None and self.strategy.needs_store:
             if directory is None:
                 raise CheckpointDirectoryError(f"strategy {self.strategy.name!r} needs a checkpoint directory")
-            store = LocalStore.open(directory, strategy=self.strategy.name, ranks=self.ranks,
+            store = CheckpointDirectory.open(directory, strategy=self.strategy.name, ranks=self.ranks,
                                     other_world=self.strategy.other_world_size,
                                     extra={"full_format": full_format})
         self.store = store
@@ -168,7 +168,7 @@ class Checkpointer:
 
         Call once, before the first training step. Loading never executes code from the
         checkpoint, and a checkpoint that does not fit the model raises without changing it. With
-        a store opened for reading (``LocalStore.open(..., access="read")``) this only loads:
+        a store opened for reading (``CheckpointDirectory.open(..., access="read")``) this only loads:
         nothing is written, and the Checkpointer cannot checkpoint training.
         """
         if self.step or self._restored:

@@ -83,10 +83,10 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .storage.local import LocalStore
+    from .storage.directory import CheckpointDirectory
     from .inventory import inspect_store
 
-    store = LocalStore.open(args.dir, create=False, access="read")
+    store = CheckpointDirectory.open(args.dir, create=False, access="read")
     rows = inspect_store(store)
     print(f"{store.root}: strategy {store.marker.get('strategy')}, world size {store.marker.get('world_size')}")
     if not rows:
@@ -100,9 +100,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from .inventory import verify_store
-    from .storage.local import LocalStore
+    from .storage.directory import CheckpointDirectory
 
-    store = LocalStore.open(args.dir, create=False, access="read")
+    store = CheckpointDirectory.open(args.dir, create=False, access="read")
     problems = verify_store(store)
     _write_json(args.json, {"directory": str(store.root), "problems": problems})
     for problem in problems:

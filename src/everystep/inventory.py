@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import CorruptCheckpointError
-from .storage.local import LocalStore
+from .storage.directory import CheckpointDirectory
 from .recovery import read_full
 
 __all__ = ["inspect_store", "verify_store"]
 
 
-def inspect_store(store: LocalStore) -> list[dict[str, Any]]:
+def inspect_store(store: CheckpointDirectory) -> list[dict[str, Any]]:
     """One row per manifest, oldest step first: kind, step, bytes, valid, reason."""
     rows = []
     for record in store.manifests():
@@ -37,7 +37,7 @@ def inspect_store(store: LocalStore) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["step"], r["name"]))
 
 
-def _read_each(store: LocalStore, manifest: Any) -> list[str]:
+def _read_each(store: CheckpointDirectory, manifest: Any) -> list[str]:
     """Read and check every object of ``manifest``; the reasons of those that fail."""
     reasons = []
     for info in manifest.objects.values():
@@ -48,7 +48,7 @@ def _read_each(store: LocalStore, manifest: Any) -> list[str]:
     return reasons
 
 
-def verify_store(store: LocalStore) -> list[str]:
+def verify_store(store: CheckpointDirectory) -> list[str]:
     """Every problem in a checkpoint directory, each naming the file: checkpoints that fail to
     verify (checksum, size, missing object, unreadable manifest), and files that no checkpoint
     names (left by a crash, or copied in). An empty list means all is well."""
@@ -56,5 +56,5 @@ def verify_store(store: LocalStore) -> list[str]:
     named = {o.name for r in store.manifests() if r.manifest for o in r.manifest.objects.values()}
     for name in store.stored_files():
         if name not in named:
-            problems.append(f"{store.objects_dir / name}: no checkpoint names this file")
+            problems.append(f"{store.object_path(name)}: no checkpoint names this file")
     return problems

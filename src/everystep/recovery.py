@@ -21,7 +21,7 @@ import torch
 
 from .errors import CorruptCheckpointError, NoValidCheckpointError
 from .storage.base import Manifest
-from .storage.local import LocalStore
+from .storage.directory import CheckpointDirectory
 from .state import TrainingComponents, unflatten
 from .storage.sharded import read_parts
 
@@ -39,9 +39,9 @@ class Recovered:
     seconds: float
 
 
-def read_full(store: LocalStore, manifest: Manifest) -> dict[str, Any]:
+def read_full(store: CheckpointDirectory, manifest: Manifest) -> dict[str, Any]:
     """Read, verify and rebuild the state tree of a full checkpoint."""
-    tensors, meta = read_parts(store, manifest)
+    tensors, meta = read_parts(store, manifest, full_format=store.full_format)
     if "skeleton" not in meta:
         raise CorruptCheckpointError(f"manifest {manifest.name} lacks the skeleton of its state tree")
     try:
@@ -53,7 +53,7 @@ def read_full(store: LocalStore, manifest: Manifest) -> dict[str, Any]:
     return tree
 
 
-def latest_full(store: LocalStore) -> tuple[Manifest, dict[str, Any]] | None:
+def latest_full(store: CheckpointDirectory) -> tuple[Manifest, dict[str, Any]] | None:
     """The newest full checkpoint that verifies, with its state; ``None`` when there is none.
 
     Each checkpoint that fails verification is skipped with a warning naming why; if every one
@@ -77,7 +77,7 @@ _RELISTS = 16
 _DISCARDED = object()
 
 
-def _latest_listed(store: LocalStore, skipped: list[tuple[str, str]]) -> tuple[Manifest, dict[str, Any]] | None | object:
+def _latest_listed(store: CheckpointDirectory, skipped: list[tuple[str, str]]) -> tuple[Manifest, dict[str, Any]] | None | object:
     """:func:`latest_full` over one listing of the manifests, each skipped one added to ``skipped``
     (its warning, its reason); ``_DISCARDED`` when a checkpoint was discarded by the directory's
     writer while it was read (list again: a newer one is there)."""
@@ -94,7 +94,7 @@ def _latest_listed(store: LocalStore, skipped: list[tuple[str, str]]) -> tuple[M
     return None
 
 
-def recover(store: LocalStore) -> Recovered | None:
+def recover(store: CheckpointDirectory) -> Recovered | None:
     """The newest recoverable state in ``store``, or ``None`` for an empty store."""
     t0 = time.perf_counter()
     found = latest_full(store)
@@ -117,7 +117,7 @@ class Link:
         return int(self.manifest.meta.get("first", self.manifest.step))
 
 
-def read_differential(store: LocalStore, manifest: Manifest) -> Link:
+def read_differential(store: CheckpointDirectory, manifest: Manifest) -> Link:
     """Read and verify a differential; raises CorruptCheckpointError if it fails to verify."""
     tensors, meta = read_parts(store, manifest)
     try:
@@ -127,7 +127,7 @@ def read_differential(store: LocalStore, manifest: Manifest) -> Link:
     return Link(manifest, tensors, end)
 
 
-def chain(store: LocalStore, full: Manifest, kind: str) -> Iterator[Link]:
+def chain(store: CheckpointDirectory, full: Manifest, kind: str) -> Iterator[Link]:
     """The differentials of ``kind`` whose base is ``full``, in order from the step after it, each
     read and verified as it is reached; ends at a gap or, with a warning, at one that fails."""
     links = {}
@@ -146,7 +146,7 @@ def chain(store: LocalStore, full: Manifest, kind: str) -> Iterator[Link]:
         step = m.step
 
 
-def recover_chain(store: LocalStore, components: TrainingComponents, kind: str,
+def recover_chain(store: CheckpointDirectory, components: TrainingComponents, kind: str,
                   apply: Callable[[Iterator[Link]], None]) -> tuple[Manifest, int] | None:
     """Load the newest verified full checkpoint into ``components``, then have ``apply`` replay
     the chain of ``kind`` after it (it consumes the links it is given, in order), then load the

@@ -19,7 +19,7 @@ from typing import Any
 from ..background import BackgroundErrors, Worker
 from ..errors import BackgroundWriteError, PeerFailedError
 from ..storage.base import ObjectInfo
-from ..storage.local import LocalStore
+from ..storage.directory import CheckpointDirectory
 from ..storage.sharded import commit_written
 from .client import AgentLostError
 
@@ -33,7 +33,7 @@ class PartCommits:
     ``committed(step, seconds)`` is told of each checkpoint committed.
     """
 
-    def __init__(self, store: LocalStore, *, rank: int, keep: int, timeout: float, errors: BackgroundErrors,
+    def __init__(self, store: CheckpointDirectory, *, rank: int, keep: int, timeout: float, errors: BackgroundErrors,
                  lost: Callable[[], str | None], lose: Callable[[str], None],
                  committed: Callable[[int, float], None]) -> None:
         self.store, self.rank, self.keep, self.timeout = store, rank, keep, timeout

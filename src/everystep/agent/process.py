@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
@@ -44,10 +44,11 @@ from typing import Any
 import torch
 
 from .._faults import crash_point
+from ..background import BackgroundErrors, Worker, settled
 from ..distributed import Ranks
 from ..policy.interval import busy_interval, median_gap, persist_due
 from ..storage.full import write_full
-from ..storage.local import LocalStore
+from ..storage.directory import CheckpointDirectory
 from ..storage.sharded import ShardPlan, write_part
 from ..storage.tensorfile import buffer_chunks, tensor_chunks
 from ..transport.host import HostBuffer, TensorLayout
@@ -79,13 +80,14 @@ class Agent:
         # The training process opened and checked the directory (strategy, world size), and owns it,
         # before it started the agent, which writes on its behalf; a rank's agent is not in the
         # job's process groups, so it checks nothing.
-        self.store = LocalStore.open(self.directory, strategy=None, create=False, access="shared")
+        self.store = CheckpointDirectory.open(self.directory, strategy=None, create=False, access="shared")
         self.replica: Replica | None = None
         self.slots: list[HostBuffer] = []
         self._regions: list[SharedRegion] = []
         self._conn: connection.Connection | None = None
         self._send_lock = threading.Lock()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="everystep-agent-persist")
+        self._errors = BackgroundErrors()  # a write reports its own failure to the training process
+        self._writer = Worker("everystep-agent-persist", self._errors)
         self._persist: Future[Any] | None = None
         self._persist_buffer: HostBuffer | None = None
         self._persisted = -1  # newest step written or being written
@@ -118,7 +120,7 @@ class Agent:
             if listener is not None:
                 listener.close()
             self._finish_persist()
-            self._writer.shutdown(wait=True)
+            self._writer.close()
             me.withdraw(self.directory, self.config.discovery)
 
     def _session(self, conn: connection.Connection) -> str:
@@ -308,7 +310,8 @@ class Agent:
             self._persist_buffer = HostBuffer(r.layout)
         self._persist_buffer.data.copy_(r.region.data)
         self._persisted = r.step
-        self._persist = self._writer.submit(self._write, r.step, self._persist_buffer, r.skeleton)
+        self._persist = self._writer.submit(f"the agent's write of step {r.step}", self._write, r.step,
+                                            self._persist_buffer, r.skeleton)
 
     def _write(self, step: int, buffer: HostBuffer, skeleton: Any) -> None:
         if self.shared:
@@ -343,8 +346,9 @@ class Agent:
 
     def _finish_persist(self) -> None:
         if self._persist is not None:
-            self._persist.result()
+            settled(self._persist)
             self._persist = None
+            self._errors.raise_pending()
 
 
 def _describe(error: BaseException) -> str:

@@ -29,7 +29,7 @@ from ..distributed import Ranks
 from ..errors import ConfigError
 from ..layout import TensorLayout
 from ..state import TrainingComponents, storage_key, unflatten
-from ..storage.local import LocalStore
+from ..storage.directory import CheckpointDirectory
 from ..transport.host import HostBuffer, snapshot_into
 from ..transport.shared import SharedRegion
 from ..transport.slots import SlotPool
@@ -61,7 +61,7 @@ class AgentSession:
     per tensor, the agent compares its replica with the live state.
     """
 
-    def __init__(self, store: LocalStore, ranks: Ranks, components: TrainingComponents, progress: Progress,
+    def __init__(self, store: CheckpointDirectory, ranks: Ranks, components: TrainingComponents, progress: Progress,
                  errors: BackgroundErrors, *, timeout: float, slots: int, keep: int, verify_every: int,
                  verify_sample: int) -> None:
         self.store, self.ranks, self.components, self.progress = store, ranks, components, progress

@@ -29,7 +29,7 @@ from ..checkpointer import Checkpointer
 from ..distributed import Ranks, init_process_group
 from ..errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError, EverystepError
 from ..recovery import recover
-from ..storage.local import MARKER, LocalStore
+from ..storage.directory import MARKER, CheckpointDirectory
 from ..state import state_hash
 from ..strategies import STRATEGIES, create
 from ..compress import parse_spec
@@ -128,14 +128,14 @@ def run_record(cfg: TrainConfig) -> dict[str, Any]:
 
 def recover_run(directory: str) -> dict[str, Any]:
     """Recover a directory written by ``everystep train``; returns step, hash and source."""
-    store = LocalStore.open(directory, create=False, access="read")
+    store = CheckpointDirectory.open(directory, create=False, access="read")
     try:
         return _recover_read(store, directory)
     finally:
         store.close()
 
 
-def _recover_read(store: LocalStore, directory: str) -> dict[str, Any]:
+def _recover_read(store: CheckpointDirectory, directory: str) -> dict[str, Any]:
     run = store.marker.get("run")
     if run is None:
         found = recover(store)
@@ -162,10 +162,10 @@ def preflight(cfg: TrainConfig, world: int, *, owner: bool = True) -> None:
     is already past ``cfg.steps``."""
     if cfg.directory is None or not STRATEGIES[cfg.strategy].needs_store or not (Path(cfg.directory) / MARKER).exists():
         return
-    pid = LocalStore.owner(cfg.directory) if owner else None
+    pid = CheckpointDirectory.owner(cfg.directory) if owner else None
     if pid is not None:
         raise DirectoryInUseError.of(cfg.directory, pid, "wait for it to end or choose another --dir")
-    store = LocalStore.open(cfg.directory, create=False, access="read")
+    store = CheckpointDirectory.open(cfg.directory, create=False, access="read")
     try:
         written, strategy = store.marker.get("world_size", 1), store.marker.get("strategy")
         if strategy not in (None, cfg.strategy):
@@ -183,7 +183,7 @@ def preflight(cfg: TrainConfig, world: int, *, owner: bool = True) -> None:
         store.close()
 
 
-def _recover_with(store: LocalStore, run: dict[str, Any], directory: str, device: str) -> dict[str, Any]:
+def _recover_with(store: CheckpointDirectory, run: dict[str, Any], directory: str, device: str) -> dict[str, Any]:
     w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"], compress=run["compress"], device=device)
     with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
                       strategy=store.marker["strategy"], every=run["every"], keep=run["keep"], final=False,
@@ -253,7 +253,7 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
     directory = cfg.directory if STRATEGIES[strategy].needs_store else None
     store = None
     if directory:
-        store = LocalStore.open(directory, strategy=strategy, ranks=Ranks.detect(),
+        store = CheckpointDirectory.open(directory, strategy=strategy, ranks=Ranks.detect(),
                                 extra={"run": run_record(cfg), "full_format": cfg.full_format},
                                 other_world=STRATEGIES[strategy].other_world_size)
     with Checkpointer(

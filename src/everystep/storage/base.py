@@ -1,25 +1,41 @@
 """The Store protocol and the records it exchanges.
 
-A store holds immutable *objects* (byte blobs with a checksum) and *manifests* (JSON records
-that name a checkpoint's objects). Call order for one checkpoint:
+A store holds immutable *objects* (byte blobs with a checksum, or directories of files written by
+another format's writer) and *manifests* (JSON records that name a checkpoint's objects). Call
+order for one checkpoint:
 
-1. ``write_object`` once per object; each is durable when it returns, but invisible.
+1. ``write_object`` (or ``write_directory``) once per object; each is durable when it returns,
+   but invisible.
 2. ``commit(manifest)``; the checkpoint is visible to recovery exactly when this returns.
 
 Readers call ``manifests()`` and then ``read_object`` for the objects of the manifest they want.
-``discard(manifest)`` removes a checkpoint: the manifest first, then its objects.
+``discard(manifest)`` removes a checkpoint: the manifest first, then the objects only it used.
+A store opened with ``access="read"`` refuses every change (``check_writable`` says so).
+
+The directory as a whole — its identity, its one writer, retention and garbage collection — is
+managed above the store, by :class:`~everystep.storage.directory.CheckpointDirectory`, through
+the listing and deletion calls at the end of the protocol.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import xxhash
 
-__all__ = ["ObjectInfo", "Manifest", "ManifestRecord", "Store", "new_hasher", "CHECKSUM_ALGORITHM"]
+if TYPE_CHECKING:
+    from ..distributed import Ranks
+
+__all__ = ["ObjectInfo", "Manifest", "ManifestRecord", "Store", "Access", "new_hasher", "CHECKSUM_ALGORITHM"]
+
+Access = Literal["write", "shared", "read"]
+"""``write``: the directory's one writer; ``shared``: a process writing on the writer's behalf (its
+checkpoint agent); ``read``: changes nothing."""
+T = TypeVar("T")
 
 CHECKSUM_ALGORITHM = "xxh3_128"
 
@@ -127,15 +143,61 @@ class ManifestRecord:
 class Store(Protocol):
     """Where checkpoints live. See the module docstring for the call order."""
 
+    root: Path
+    """Where the store is (named in messages)."""
+    ranks: "Ranks"
+    """The job writing here: each rank writes its part of a checkpoint; rank 0 commits."""
+    access: Access
+
     @property
     def bytes_written(self) -> int: ...
 
+    def count_written_elsewhere(self, n: int) -> None:
+        """Add ``n`` bytes that another process (a checkpoint agent) wrote to this store."""
+
+    def check_writable(self) -> None:
+        """Raise :class:`~everystep.errors.ReadOnlyStoreError` if the store was opened for reading."""
+
     def write_object(self, name: str, chunks: Iterable[bytes | memoryview]) -> ObjectInfo: ...
 
-    def read_object(self, info: ObjectInfo) -> bytearray: ...
+    def write_directory(self, name: str, fill: Callable[[Path], T]) -> T:
+        """An object that is a directory of files, which ``fill`` writes into the path it is given."""
+        ...
+
+    def object_path(self, name: str) -> Path:
+        """Where an object lies, for formats that read by path."""
+        ...
+
+    def read_object(self, info: ObjectInfo) -> bytearray:
+        """The object's bytes, after its size and checksum are verified."""
+        ...
 
     def commit(self, manifest: Manifest) -> None: ...
 
     def manifests(self) -> list[ManifestRecord]: ...
 
+    def committed(self, manifest_name: str) -> bool:
+        """Whether the checkpoint is still committed (a writer may discard it while a reader reads it)."""
+        ...
+
     def discard(self, manifest_name: str) -> None: ...
+
+    def stored_files(self) -> list[str]:
+        """Every file of every object, as an object name (``verify`` compares it with the manifests)."""
+        ...
+
+    # For the manager above the store: its directory's identity and garbage.
+
+    def prepare(self) -> None: ...
+
+    def unprepare(self) -> None: ...
+
+    def put_file(self, name: str, data: bytes) -> None: ...
+
+    def object_names(self) -> list[str]: ...
+
+    def delete_object(self, name: str) -> str: ...
+
+    def interrupted_writes(self) -> list[tuple[str, str]]: ...
+
+    def delete_leftover(self, token: str) -> str: ...

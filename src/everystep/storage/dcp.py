@@ -23,7 +23,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..errors import CorruptCheckpointError
-from .base import CHECKSUM_ALGORITHM, Manifest, ObjectInfo, new_hasher
+from .base import CHECKSUM_ALGORITHM, Manifest, ObjectInfo, Store, new_hasher
 from .tensorfile import CHUNK
 
 __all__ = ["write_dcp", "read_dcp", "load_metadata", "DCP_SUFFIX"]
@@ -107,45 +106,42 @@ def _file_info(path: Path, name: str) -> ObjectInfo:
     return ObjectInfo(name=name, nbytes=nbytes, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
 
 
-def write_dcp(store: Any, channel: str, step: int, tensors: dict[str, torch.Tensor], replicated: set[str],
+def write_dcp(store: Store, channel: str, step: int, tensors: dict[str, torch.Tensor], replicated: set[str],
               skeleton: Any, meta: dict[str, Any] | None = None) -> Manifest:
-    """Save S_step with DCP from every rank and commit it (rank 0) once every file is durable."""
+    """Save S_step with DCP from every rank, through the store, and commit it (rank 0) once every
+    file is durable."""
     ranks = store.ranks
     name = f"full-{step:012d}{DCP_SUFFIX}"
-    tmp = store.objects_dir / f".tmp-{name}"
     state = {k if k in replicated else _rank_key(ranks.rank, k): t for k, t in tensors.items()}
-    error: BaseException | None = None
-    files: list[dict[str, Any]] = []
-    try:
-        group = ranks.groups.get(channel) if ranks.distributed else None
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
-                 no_dist=not ranks.distributed)
-        mine = sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{ranks.rank}_"))
-        if ranks.rank == 0:
-            mine.append(".metadata")
-        files = [_file_info(tmp / f, f"{name}/{f}").to_json() for f in mine]
-        store.count_written_elsewhere(sum(f["nbytes"] for f in files))
-    except BaseException as e:  # reported to every rank below
-        error = e
-    try:
-        reports = ranks.exchange(channel, {"files": files, "skeleton": skeleton}, error,
-                                 f"the DCP checkpoint of step {step}")
-    except BaseException:
-        if ranks.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    def fill(folder: Path) -> list[dict[str, Any]]:
+        error: BaseException | None = None
+        files: list[dict[str, Any]] = []
+        try:
+            group = ranks.groups.get(channel) if ranks.distributed else None
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), process_group=group,
+                     no_dist=not ranks.distributed)
+            mine = sorted(p.name for p in folder.iterdir() if p.name.startswith(f"__{ranks.rank}_"))
+            if ranks.rank == 0:
+                mine.append(".metadata")
+            files = [_file_info(folder / f, f"{name}/{f}").to_json() for f in mine]
+            store.count_written_elsewhere(sum(f["nbytes"] for f in files))
+        except BaseException as e:  # reported to every rank
+            error = e
+        return ranks.exchange(channel, {"files": files, "skeleton": skeleton}, error, f"the DCP checkpoint of step {step}")
+
+    reports = store.write_directory(name, fill)
     objects = {f"dcp/{Path(o['name']).name}": ObjectInfo.from_json(o) for p in reports for o in p["files"]}
     manifest = Manifest(kind="full", step=step, objects=objects, meta={
         **(meta or {}), "format": "dcp", "world_size": ranks.world,
         "parts": [{"pieces": {}, "meta": {"skeleton": p["skeleton"]}} for p in reports],
     })
     if ranks.rank == 0:
-        store.install_directory(tmp, name)
         store.commit(manifest)
     return manifest
 
 
-def read_dcp(store: Any, manifest: Manifest, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_dcp(store: Store, manifest: Manifest, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's tensors of a DCP checkpoint (rank r mod the writer's world size for its own state)."""
     parts = manifest.meta["parts"]
     mine = rank % len(parts)
@@ -154,7 +150,7 @@ def read_dcp(store: Any, manifest: Manifest, rank: int) -> tuple[dict[str, torch
         raise CorruptCheckpointError(f"checkpoint {manifest.name} names files in several directories")
     for info in manifest.objects.values():
         store.read_object(info)  # size and checksum, before DCP reads anything
-    directory = store.objects_dir / names.pop()
+    directory = store.object_path(names.pop())
     reader = _Reader(directory)
     own = _rank_key(mine, "")
     template: dict[str, torch.Tensor] = {}

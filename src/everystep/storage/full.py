@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from .base import Manifest
+from .base import Manifest, Store
 from .dcp import write_dcp
-from .local import LocalStore
+
 from .sharded import ShardPlan, commit_parts
 
 __all__ = ["write_full"]
@@ -18,7 +18,7 @@ _WHOLE = ShardPlan({}, {})
 
 
 def write_full(
-    store: LocalStore,
+    store: Store,
     step: int,
     chunks: Iterable[memoryview] | None,
     skeleton: Any,

@@ -29,7 +29,7 @@ import torch
 
 from ..distributed import Ranks
 from ..errors import CorruptCheckpointError
-from .base import Manifest, ObjectInfo
+from .base import Manifest, ObjectInfo, Store
 from .dcp import read_dcp
 from ..layout import TensorLayout
 from .tensorfile import load_tensors, tensor_chunks
@@ -77,13 +77,13 @@ def object_name(kind: str, step: int, ranks: Ranks) -> str:
     return f"{kind}-{step:012d}{suffix}.safetensors"
 
 
-def write_part(store: Any, kind: str, step: int, chunks: Iterable[memoryview], ranks: Ranks) -> ObjectInfo:
+def write_part(store: Store, kind: str, step: int, chunks: Iterable[memoryview], ranks: Ranks) -> ObjectInfo:
     """Write one rank's part of a checkpoint, durable but not yet part of any manifest."""
     return store.write_object(object_name(kind, step, ranks), chunks)
 
 
 def commit_parts(
-    store: Any,
+    store: Store,
     channel: str,
     *,
     kind: str,
@@ -113,7 +113,7 @@ def commit_parts(
 
 
 def commit_written(
-    store: Any,
+    store: Store,
     channel: str,
     *,
     kind: str,
@@ -148,7 +148,7 @@ def commit_written(
 
 
 def commit_tensors(
-    store: Any,
+    store: Store,
     channel: str,
     *,
     kind: str,
@@ -168,18 +168,19 @@ def commit_tensors(
                         meta=meta, rank_meta=rank_meta, requires=requires)
 
 
-def read_parts(store: Any, manifest: Manifest) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_parts(store: Store, manifest: Manifest, *, full_format: str = "safetensors") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's tensors of a checkpoint, replicated ones reassembled, and its per-rank meta.
 
     At another world size than the writer's, rank r takes the per-rank state of stored rank
-    r mod W (only what is replicated is the same for every rank).
+    r mod W (only what is replicated is the same for every rank). A checkpoint in the DCP format
+    is read only where ``full_format`` (the directory's marker) says ``dcp``.
     """
     what = f"checkpoint {manifest.name}"
     if manifest.meta.get("format") == "dcp":
-        if store.full_format != "dcp":
+        if full_format != "dcp":
             # IMPORTANT: the marker, not the manifest, says which loader may run on this directory.
             raise CorruptCheckpointError(
-                f"{what} is in format 'dcp', but {store.root} holds full checkpoints in format {store.full_format!r} "
+                f"{what} is in format 'dcp', but {store.root} holds full checkpoints in format {full_format!r} "
                 "(its everystep.json): it was not written there, and is not loaded")
         return read_dcp(store, manifest, store.ranks.rank)
     if "parts" not in manifest.meta:

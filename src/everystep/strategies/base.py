@@ -42,7 +42,7 @@ from ..state import TrainingComponents, flatten
 from ..storage.sharded import ShardPlan
 
 if TYPE_CHECKING:
-    from ..storage.local import LocalStore
+    from ..storage.directory import CheckpointDirectory
 
 __all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats"]
 
@@ -95,7 +95,7 @@ class CheckpointStats:
 class StrategyContext:
     """What a strategy may use: the live components, the store, the boundary capture, stats."""
 
-    def __init__(self, components: TrainingComponents, store: "LocalStore | None", stats: CheckpointStats) -> None:
+    def __init__(self, components: TrainingComponents, store: "CheckpointDirectory | None", stats: CheckpointStats) -> None:
         self.components = components
         self.store = store
         self.stats = stats

@@ -1,0 +1,391 @@
+"""The checkpoint directory: a manager above the object store.
+
+The object store (:class:`~everystep.storage.local.LocalStore`, behind the
+:class:`~everystep.storage.base.Store` protocol) keeps objects and manifests, each write atomic
+and durable. Everything about the directory as a whole lives here:
+
+- identity: the marker ``everystep.json`` (format, version, strategy, world size, full-checkpoint
+  format, checksum), checked at open, so that a run never mixes its checkpoints with another
+  configuration's;
+- ownership: one writer at a time holds ``everystep.lock`` (a second is refused with the
+  owner's pid); ``shared`` access writes on the owner's behalf (its checkpoint agent), and
+  ``read`` access creates, renames and deletes nothing, so a reader works beside a live writer;
+- retention: what the newest ``keep`` full checkpoints and the newer differentials do not need
+  is discarded (:func:`~everystep.storage.retention.plan_retention`);
+- garbage collection of everystep's own leftovers only (``full-000000000012.safetensors`` that no
+  manifest names, interrupted writes), by the owner, logged.
+
+A :class:`CheckpointDirectory` is also a :class:`~everystep.storage.base.Store`: its object
+operations are its store's.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..distributed import Ranks
+from ..errors import CheckpointDirectoryError, DirectoryInUseError
+from .base import Access, Manifest, ManifestRecord, ObjectInfo, Store, checksum
+from .local import LocalStore, fsync_dir
+from .retention import plan_retention
+
+__all__ = ["CheckpointDirectory", "MARKER", "LOCK", "FORMAT_VERSION", "marker_bytes"]
+
+MARKER = "everystep.json"
+LOCK = "everystep.lock"
+FORMAT_VERSION = 2
+"""Version 2 markers carry a checksum; version 1 (no checksum) is still read."""
+_OWN_NAME = r"[a-z]+-\d{12}(?:-r\d+)?"
+_OWN_OBJECT = re.compile(rf"^{_OWN_NAME}\.[a-z0-9]+$")
+log = logging.getLogger("everystep")
+T = TypeVar("T")
+
+
+def marker_bytes(marker: dict[str, Any]) -> bytes:
+    """The marker file's bytes: ``marker`` with its checksum (any old one replaced)."""
+    body = {k: v for k, v in marker.items() if k != "checksum"}
+    body["checksum"] = checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+def marker_bytes_ok(marker: dict[str, Any]) -> bool | None:
+    """Whether a marker's checksum matches (None: it has none, as version 1 markers)."""
+    if "checksum" not in marker:
+        return None
+    return json.loads(marker_bytes(marker))["checksum"] == marker["checksum"]
+
+
+class _Lock:
+    """``everystep.lock``: an advisory lock the kernel releases when its holder dies."""
+
+    def __init__(self, root: Path) -> None:
+        self.fd = -1
+        self.path = path = root / LOCK
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            try:
+                self.fd, self.created = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                self.fd, self.created = os.open(path, flags), False
+        except OSError as e:
+            raise CheckpointDirectoryError(f"cannot open {path} to take the directory for writing: "
+                                           f"{e.strerror or e}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _owner_pid(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            raise DirectoryInUseError.of(root, pid, f"it holds {LOCK}: wait for it to end, or read it with recover, "
+                                         "inspect or verify, or choose another directory") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, json.dumps({"pid": os.getpid()}).encode(), 0)
+
+    def release(self, *, remove: bool = False) -> None:
+        """Release the lock; with ``remove``, also delete the lock file if this lock created it."""
+        if remove and self.created and self.fd >= 0:
+            self.path.unlink(missing_ok=True)  # while still held: no other process holds this file
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the only descriptor releases the flock
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.release()  # a store dropped without close() gives the directory up, as a dead process does
+
+
+def _owner_pid(fd: int) -> int | None:
+    try:
+        return int(json.loads(os.pread(fd, 4096, 0))["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class CheckpointDirectory:
+    """An everystep checkpoint directory, opened for one kind of access (see the module docstring)."""
+
+    def __init__(self, store: Store, marker: dict[str, Any]) -> None:
+        self.store = store
+        self.marker = marker
+        self._owner: _Lock | None = None
+        self._retention_lock = threading.Lock()
+        self.created = False
+        """Whether :meth:`open` made this directory an everystep directory (see :meth:`undo_create`)."""
+
+    @property
+    def root(self) -> Path:
+        return self.store.root
+
+    @property
+    def ranks(self) -> Ranks:
+        """The job writing here: each rank writes its part of a checkpoint; rank 0 commits and deletes."""
+        return self.store.ranks
+
+    @property
+    def access(self) -> Access:
+        return self.store.access
+
+    @property
+    def full_format(self) -> str:
+        """The format full checkpoints here were written in (``safetensors`` or ``dcp``), from the marker.
+        A checkpoint that claims another format is refused: the marker, not a manifest, decides."""
+        return str(self.marker.get("full_format") or (self.marker.get("run") or {}).get("full_format") or "safetensors")
+
+    # -- opening -----------------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        root: str | os.PathLike[str],
+        *,
+        strategy: str | None = None,
+        ranks: Ranks | None = None,
+        create: bool = True,
+        extra: dict[str, Any] | None = None,
+        other_world: bool = False,
+        access: Access = "write",
+    ) -> "CheckpointDirectory":
+        """Open a checkpoint directory, creating it when ``create`` and it is absent or empty.
+
+        Refuses a directory that holds anything but an everystep checkpoint, or one written by
+        another strategy (``None`` accepts any) or, unless ``other_world``, another world size, or
+        (``extra["full_format"]``) for another full-checkpoint format. With ``access="write"`` the
+        directory is taken for writing (rank 0 holds its lock until :meth:`close`), and refused
+        with :class:`DirectoryInUseError` while another process holds it; ``"read"`` changes
+        nothing and cannot create. Under a job of several ranks every rank opens the directory;
+        rank 0 creates and locks it.
+        """
+        ranks = ranks or Ranks()
+        if access not in ("write", "shared", "read"):
+            raise ValueError(f"access must be 'write', 'shared' or 'read', got {access!r}")
+        path = Path(root)
+        if path.exists() and not path.is_dir():
+            raise CheckpointDirectoryError(f"{path} is a file, not a checkpoint directory")
+        marker_path = path / MARKER
+        if ranks.rank != 0:
+            ranks.barrier("control")  # rank 0 has created or checked the directory
+            return cls(LocalStore(path, ranks, access=access), cls._read_marker(marker_path))
+        try:
+            return cls._open_as_rank0(path, marker_path, strategy, ranks, create and access == "write", extra,
+                                      other_world, access)
+        finally:
+            ranks.barrier("control")
+
+    @classmethod
+    def _open_as_rank0(
+        cls, path: Path, marker_path: Path, strategy: str | None, ranks: Ranks, create: bool,
+        extra: dict[str, Any] | None, other_world: bool, access: Access,
+    ) -> "CheckpointDirectory":
+        if not marker_path.exists():
+            if not create:
+                raise CheckpointDirectoryError(f"no everystep checkpoint directory at {path} (no {MARKER} there)")
+            cls._refuse_foreign(path)  # before anything is created there
+        owner = cls._take(path) if access == "write" else None
+        try:
+            directory = (cls._create(path, marker_path, strategy, ranks, extra) if not marker_path.exists()
+                         else cls._check(path, marker_path, strategy, ranks, extra, other_world, access))
+        except BaseException:
+            if owner is not None:
+                owner.release(remove=not marker_path.exists())
+            raise
+        directory._owner = owner
+        return directory
+
+    @staticmethod
+    def _take(path: Path) -> _Lock:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointDirectoryError(f"cannot create the checkpoint directory {path}: {e.strerror or e}") from None
+        return _Lock(path)
+
+    @staticmethod
+    def owner(root: str | os.PathLike[str]) -> int | None:
+        """The pid of the process that holds ``root`` for writing (0 if it cannot be told), or None
+        when no process does. Creates nothing: a reader may ask."""
+        try:
+            fd = os.open(Path(root) / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _owner_pid(fd) or 0
+        finally:
+            os.close(fd)
+        return None
+
+    @staticmethod
+    def _refuse_foreign(path: Path) -> None:
+        found = sorted(p.name for p in path.iterdir() if p.name != LOCK) if path.is_dir() else []
+        if found:
+            raise CheckpointDirectoryError(
+                f"{path} is not empty and is not an everystep checkpoint directory (found: {', '.join(found[:5])}); "
+                "choose an empty or new directory"
+            )
+
+    @classmethod
+    def _create(cls, path: Path, marker_path: Path, strategy: str | None, ranks: Ranks,
+                extra: dict[str, Any] | None) -> "CheckpointDirectory":
+        cls._refuse_foreign(path)
+        marker = {"format": "everystep", "version": FORMAT_VERSION, "strategy": strategy, "world_size": ranks.world,
+                  "full_format": "safetensors"}
+        marker.update(extra or {})
+        directory = cls(LocalStore(path, ranks), marker)
+        directory.created = True
+        directory.store.prepare()
+        directory.store.put_file(MARKER, marker_bytes(marker))  # last: the directory is everystep's from here on
+        if path.parent.exists():
+            fsync_dir(path.parent)
+        return directory
+
+    @classmethod
+    def _check(cls, path: Path, marker_path: Path, strategy: str | None, ranks: Ranks, extra: dict[str, Any] | None,
+               other_world: bool, access: Access) -> "CheckpointDirectory":
+        marker = cls._read_marker(marker_path)
+        if strategy is not None and marker.get("strategy") not in (None, strategy):
+            raise CheckpointDirectoryError(
+                f"{path} was written by strategy {marker.get('strategy')!r}; this run uses {strategy!r} — "
+                f"use strategy {marker.get('strategy')!r} or another directory"
+            )
+        directory = cls(LocalStore(path, ranks, access=access), marker)
+        wanted = (extra or {}).get("full_format")
+        if wanted is not None and wanted != directory.full_format:
+            raise CheckpointDirectoryError(
+                f"{path} holds full checkpoints in the {directory.full_format!r} format; this run asks for {wanted!r} — "
+                f"use full_format={directory.full_format!r} or another directory"
+            )
+        if access == "read":
+            return directory
+        directory.store.prepare()
+        written = marker.get("world_size", 1)
+        if written != ranks.world and strategy is not None:
+            if not other_world:
+                raise CheckpointDirectoryError(
+                    f"{path} was written by {written} process(es); this run has {ranks.world} — strategy "
+                    f"{strategy!r} keeps state per rank that cannot be carried to another world size"
+                )
+            directory.marker = {**marker, "world_size": ranks.world}
+            directory.store.put_file(MARKER, marker_bytes(directory.marker))
+        return directory
+
+    @staticmethod
+    def _read_marker(marker_path: Path) -> dict[str, Any]:
+        try:
+            marker = json.loads(marker_path.read_bytes())
+        except (OSError, ValueError) as e:
+            raise CheckpointDirectoryError(f"cannot read {marker_path}: {e}") from None
+        if not isinstance(marker, dict) or marker.get("format") != "everystep":
+            raise CheckpointDirectoryError(f"{marker_path} is not an everystep marker file")
+        if marker.get("version") not in (1, FORMAT_VERSION):
+            raise CheckpointDirectoryError(
+                f"{marker_path.parent} has format version {marker.get('version')}; this everystep reads 1 to {FORMAT_VERSION}"
+            )
+        if marker["version"] >= 2 and marker_bytes_ok(marker) is not True:
+            raise CheckpointDirectoryError(f"{marker_path} fails its checksum (corrupted, or edited by hand)")
+        return marker
+
+    def close(self) -> None:
+        """Give the directory up for writing (release its lock). The store may still be read."""
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
+
+    def undo_create(self) -> None:
+        """Make a directory this store just created, and that holds no checkpoint yet, plain again
+        (a constructor that failed after opening it leaves it as it found it)."""
+        if not self.created or self.access != "write" or self.ranks.rank != 0:
+            return
+        if self.store.object_names() or self.store.manifests():
+            return
+        (self.root / MARKER).unlink(missing_ok=True)
+        self.store.unprepare()
+        if self._owner is not None:
+            self._owner.release(remove=True)
+            self._owner = None
+        self.created = False
+
+    def retain(self, keep: int) -> list[str]:
+        """Discard what the newest ``keep`` full checkpoints and the newer differentials do not
+        need (see :func:`plan_retention`); returns the names discarded. Several writer threads may
+        call it; one plans and deletes at a time.
+
+        IMPORTANT: call only after the newest checkpoint is committed, so that deleting an older
+        one never leaves fewer recoverable points than before. Only rank 0 deletes.
+        """
+        self.store.check_writable()
+        if self.ranks.rank != 0:
+            return []
+        with self._retention_lock:
+            committed = [r.manifest for r in self.manifests() if r.manifest is not None]
+            doomed = plan_retention(committed, keep=keep)
+            for name in doomed:
+                self.discard(name)
+        return doomed
+
+    def collect_garbage(self) -> list[str]:
+        """Delete what a crash left: everystep's own temporaries, and its own objects that no
+        manifest names. Only the owner (``access="write"``) collects, and only when no write is in
+        flight (at open). Files of other names are never touched, nor the objects of a checkpoint
+        whose manifest is unreadable (it may be repaired; ``verify`` reports it). Returns the
+        names removed, which are also logged.
+        """
+        if self.access != "write":
+            self.store.check_writable()
+            return []
+        records = self.manifests()
+        used = {o.name for r in records if r.manifest for o in r.manifest.objects.values()}
+        used |= {name.split("/", 1)[0] for name in used if "/" in name}
+        unreadable = tuple(r.name for r in records if r.manifest is None)
+        orphans = [name for name in self.store.object_names()
+                   if _OWN_OBJECT.match(name) and name not in used and not name.startswith(unreadable)]
+        removed = [self.store.delete_object(name) for name in orphans]
+        removed += [self.store.delete_leftover(token) for token, final in self.store.interrupted_writes()
+                    if _OWN_OBJECT.match(final)]
+        if removed:
+            log.warning("removed %d file(s) an interrupted run left in %s: %s", len(removed), self.root,
+                        ", ".join(sorted(removed)))
+        return removed
+
+    # -- the store's operations ----------------------------------------------------------------
+
+    @property
+    def bytes_written(self) -> int:
+        return self.store.bytes_written
+
+    def count_written_elsewhere(self, n: int) -> None:
+        self.store.count_written_elsewhere(n)
+
+    def write_object(self, name: str, chunks: Iterable[bytes | memoryview]) -> ObjectInfo:
+        return self.store.write_object(name, chunks)
+
+    def write_directory(self, name: str, fill: Callable[[Path], T]) -> T:
+        return self.store.write_directory(name, fill)
+
+    def object_path(self, name: str) -> Path:
+        return self.store.object_path(name)
+
+    def read_object(self, info: ObjectInfo) -> bytearray:
+        return self.store.read_object(info)
+
+    def commit(self, manifest: Manifest) -> None:
+        self.store.commit(manifest)
+
+    def manifests(self) -> list[ManifestRecord]:
+        return self.store.manifests()
+
+    def committed(self, manifest_name: str) -> bool:
+        return self.store.committed(manifest_name)
+
+    def discard(self, manifest_name: str) -> None:
+        self.store.discard(manifest_name)
+
+    def stored_files(self) -> list[str]:
+        return self.store.stored_files()

@@ -1,0 +1,196 @@
+"""The suite every strategy passes: the call order it is given, and the invariants it keeps.
+
+Each test runs over every strategy in :data:`everystep.strategies.STRATEGIES` (those that store
+nothing where an invariant is about storage: I3 and I4). I6, non-interference, is
+``test_checkpointer.py::test_checkpointing_does_not_change_training``, over every strategy too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, ClassVar
+
+import pytest
+
+from everystep import Checkpointer
+from everystep.errors import EverystepError
+from everystep.eval.faults import FailurePlan
+from everystep.eval.train import TrainConfig, run
+from everystep.recovery import Recovered
+from everystep.storage import CheckpointDirectory
+from everystep.strategies import STRATEGIES, Strategy, StrategyContext
+
+from .test_checkpointer import COMPRESS, DISK, LOSSY, attach, live_hash, loop, make
+
+ALL = sorted(STRATEGIES)
+
+
+class Recording(Strategy):
+    """A strategy that writes nothing and records every hook the lifecycle calls, in order."""
+
+    name: ClassVar[str] = "recording"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, ...]] = []
+
+    def _attach(self) -> None:
+        self.calls.append(("attach",))
+
+    def _agree_restore(self) -> None:
+        self.calls.append(("agree_restore",))
+
+    def _restore(self) -> Recovered | None:
+        self.calls.append(("restore",))
+        return None
+
+    def _on_start(self, step: int) -> None:
+        self.calls.append(("on_start", step))
+
+    def _on_step_end(self, step: int) -> None:
+        self.calls.append(("on_step_end", step))
+
+    def _on_state_ready(self, step: int, final: bool) -> None:
+        self.calls.append(("on_state_ready", step, final))
+
+    def _before_update(self, step: int) -> None:
+        self.calls.append(("before_update", step))
+
+    def _wait(self) -> None:
+        self.calls.append(("wait",))
+
+    def _close(self) -> None:
+        self.calls.append(("close",))
+
+    def _abandon(self) -> None:
+        self.calls.append(("abandon",))
+
+
+def _steps(n: int) -> list[tuple[Any, ...]]:
+    calls: list[tuple[Any, ...]] = []
+    for t in range(1, n + 1):
+        if t > 1:
+            calls.append(("on_state_ready", t - 1, False))  # S_{t-1} is handed over as step t's forward begins
+        calls += [("before_update", t), ("on_step_end", t)]
+    return calls
+
+
+def test_the_checkpointer_calls_a_strategy_in_the_documented_order(tmp_path):
+    w, s = make("mlp", 0), Recording()
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=s) as ckpt:
+        ckpt.restore()
+        loop(w, ckpt, 0, 3)
+        ckpt.wait()
+    assert s.calls == [("attach",), ("agree_restore",), ("restore",), ("on_start", 0), *_steps(3), ("wait",),
+                       ("on_state_ready", 3, True), ("wait",), ("close",)]
+
+
+def test_after_an_error_in_training_the_strategy_is_abandoned_without_a_final_checkpoint(tmp_path):
+    w, s = make("mlp", 0), Recording()
+    with pytest.raises(ZeroDivisionError):
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy=s, final=True) as ckpt:
+            ckpt.restore()
+            loop(w, ckpt, 0, 2)
+            1 / 0
+    assert s.calls == [("attach",), ("agree_restore",), ("restore",), ("on_start", 0), *_steps(2), ("abandon",)]
+
+
+def test_without_restore_the_strategy_starts_at_the_first_step(tmp_path):
+    w, s = make("mlp", 0), Recording()
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy=s, final=False) as ckpt:
+        loop(w, ckpt, 0, 1)
+    assert s.calls == [("attach",), ("on_start", 0), *_steps(1), ("wait",), ("close",)]
+
+
+def test_a_strategy_refuses_calls_out_of_order():
+    s = Recording()
+    with pytest.raises(EverystepError, match="attach\\(\\) must come before on_step_end"):
+        s.on_step_end(1)
+    w = make("mlp", 0)
+    from everystep.state import TrainingComponents
+    from everystep.strategies import CheckpointStats
+
+    s.attach(StrategyContext(TrainingComponents(model=w.model, optimizer=w.optimizer), None, CheckpointStats()))
+    with pytest.raises(EverystepError, match="already attached"):
+        s.attach(s.ctx)
+    with pytest.raises(EverystepError, match="on_start\\(\\) must come before before_update"):
+        s.before_update(1)
+    s.on_start(0)
+    with pytest.raises(EverystepError, match="restore\\(\\) must come before on_start"):
+        s.restore()
+    s.close()
+    s.close()  # once; later calls do nothing
+    with pytest.raises(EverystepError, match="closed: on_state_ready\\(\\) cannot follow close"):
+        s.on_state_ready(1)
+    assert s.calls[-1] == ("close",) and s.calls.count(("close",)) == 1
+
+
+def test_every_strategy_declares_what_it_can_do():
+    for name, cls in STRATEGIES.items():
+        assert issubclass(cls, Strategy) and cls.name == name
+        assert isinstance(cls.needs_store, bool) and isinstance(cls.needs_restore, bool)
+        assert not (cls.needs_restore and not cls.needs_store), name
+        assert not (cls.other_world_size and cls.needs_restore), name  # a recorded start is per rank
+
+
+def _kill_seed(step: int, point: str = "write") -> int:
+    return next(s for s in range(1000) if FailurePlan(steps=(step,), seed=s).point(step) == point)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str | None, dict[str, Any]]:
+    """The uninterrupted runs, one per compression setting, shared by the strategies."""
+    seed = _kill_seed(5)
+    return {spec: run(TrainConfig(workload="mlp", strategy="none", steps=8, seed=seed, compress=spec, progress=False))
+            for spec in {None, *COMPRESS.values()}}
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_killed_runs_recover_the_uninterrupted_runs_state(tmp_path, strategy, references):
+    """I1 with kills, I2 and I3: killed at step 3 and in the middle of a checkpoint write at step 5,
+    restarted each time from what was recovered; an exact strategy ends bitwise where the
+    uninterrupted run ends, with the same losses."""
+    spec = COMPRESS.get(strategy)
+    ref = references[spec]
+    directory = str(tmp_path / "c") if STRATEGIES[strategy].needs_store else None
+    every = {"lowdiff": 3, "naive_diff": 3}.get(strategy, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a killed agent's replica may be behind storage
+        s = run(TrainConfig(workload="mlp", strategy=strategy, steps=8, seed=_kill_seed(5), compress=spec,
+                            directory=directory, every=every, fail_at=(3, 5), progress=False))
+    assert [r["failed_at"] for r in s["recoveries"]] == [3, 5]
+    for r in s["recoveries"]:
+        assert 0 <= r["resumed_from"] <= r["failed_at"]  # a kill in a write comes after its step's update
+        if strategy != "none":  # I2: a per-step or interval strategy loses what was not yet durable
+            assert r["failed_at"] - r["resumed_from"] <= every + 1
+    if strategy in LOSSY:
+        assert len(s["losses"]) == len(ref["losses"])
+        return
+    assert s["losses"] == ref["losses"]
+    assert s["final_state_sha256"] == ref["final_state_sha256"]
+
+
+@pytest.mark.parametrize("strategy", DISK)
+def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before_it(tmp_path, strategy):
+    """I4: a flipped byte in the newest checkpoint's first object: recovery warns, skips it, and
+    restores an earlier point — bitwise the state the run had there, for an exact strategy."""
+    w, hashes = make("mlp", 0, strategy), {}
+    with attach(w, tmp_path / "c", strategy, every=2) as ckpt:
+        ckpt.restore()
+        for t in range(1, 7):
+            loop(w, ckpt, t - 1, t)
+            hashes[t] = live_hash(w, t)
+    directory = CheckpointDirectory.open(tmp_path / "c", access="read")
+    newest = max((r.manifest for r in directory.manifests()), key=lambda m: (m.step, m.kind == "full"))
+    info = next(iter(newest.objects.values()))
+    path = directory.object_path(info.name)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(raw)
+    w2 = make("mlp", 0, strategy)
+    with pytest.warns(UserWarning, match="fails its checksum"):
+        with attach(w2, tmp_path / "c", strategy, final=False) as again:
+            step = again.restore()
+    assert 0 <= step < 6
+    if strategy not in LOSSY:
+        assert live_hash(w2, step) == (hashes[step] if step else live_hash(make("mlp", 0, strategy), 0))
