@@ -79,7 +79,7 @@ def test_readers_work_beside_a_live_writer_and_change_nothing(tmp_path, capsys):
         holder.wait()
     reader = CheckpointDirectory.open(directory, create=False, access="read")
     with pytest.raises(ReadOnlyStoreError):
-        reader.write_object("full-000000000009.safetensors", [b"x"])
+        reader.store.write_object("full-000000000009.safetensors", [b"x"])
     with pytest.raises(ReadOnlyStoreError):
         reader.collect_garbage()
 

@@ -19,6 +19,7 @@ from everystep.policy import (
     young_daly_interval,
     young_daly_overhead,
 )
+from everystep.policy.interval import busy_interval, due, median_gap, next_multiple, persist_due
 
 
 def test_young_daly_closed_form_is_the_minimum_of_p():
@@ -97,3 +98,22 @@ def test_plan_reports_both_models_and_explains_missing_inputs():
         plan(step_seconds=1, mtbf_seconds=10)
     with pytest.raises(ConfigError, match="LowDiff's optimum needs --size-bytes"):
         plan(step_seconds=1, mtbf_seconds=10, ckpt_seconds=1, merge_seconds=0.1)
+
+
+def test_interval_rules():
+    assert [s for s in range(1, 10) if due(s, 3)] == [3, 6, 9] and due(7, 3, final=True)
+    assert next_multiple(0, 8) == 8 and next_multiple(8, 8) == 16 and next_multiple(9, 8) == 16
+    assert median_gap([0.0, 1.0]) is None and median_gap([0.0, 1.0, 3.0, 4.0]) == 1.0
+    # a 2 s write every P steps of 0.5 s keeps the writer busy a quarter of the time at P = 16
+    assert busy_interval(2.0, 0.5, 0.25) == 16 and busy_interval(0.0, 0.5, 0.25) == 1
+
+
+def test_the_agents_persist_rule_fixed_and_measured():
+    # fixed: the first step at or after each multiple of P, whatever the writer is doing
+    fixed = [s for s in range(1, 13) if persist_due(s, (s - 1) // 4 * 4, 4, fixed=True, writing=True)]
+    assert fixed == [4, 8, 12]
+    assert persist_due(9, 6, 4, fixed=True, writing=False)  # 8 was passed over (it came at 9)
+    # measured: P steps after the newest write, and never while one runs (it moves to the first step after)
+    assert not persist_due(10, 6, 4, fixed=False, writing=True)
+    assert persist_due(11, 6, 4, fixed=False, writing=False) and not persist_due(9, 6, 4, fixed=False, writing=False)
+    assert persist_due(3, -1, 1, fixed=False, writing=False)

@@ -5,10 +5,12 @@ Store behaviour is tested through ``STORES``, so every Store implementation pass
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from everystep.errors import CheckpointDirectoryError, CorruptCheckpointError
-from everystep.storage import CheckpointDirectory, Manifest, plan_retention
+from everystep.errors import CheckpointDirectoryError, CorruptCheckpointError, ReadOnlyStoreError
+from everystep.storage import CheckpointDirectory, LocalStore, Manifest, plan_retention
 from everystep.storage.directory import marker_bytes
 from everystep.storage.tensorfile import load_tensors, tensor_chunks
 from everystep.transport import HostBuffer, TensorLayout, snapshot_into
@@ -25,7 +27,18 @@ from everystep.storage.tensorfile import buffer_chunks
 
 from .conftest import ROOT, FullDisk, files_of
 
-STORES = {"local": lambda path: CheckpointDirectory.open(path, strategy="test")}
+def _bare_local(path: Path) -> LocalStore:
+    store = LocalStore(path)
+    path.mkdir()
+    store.prepare()
+    return store
+
+
+STORES = {
+    "local": _bare_local,
+    "local in a directory": lambda path: CheckpointDirectory.open(path, strategy="test").store,
+}
+"""Every Store implementation, each as a caller gets it; each passes the tests that take ``store``."""
 
 
 @pytest.fixture(params=sorted(STORES))
@@ -84,34 +97,83 @@ def test_discard_removes_manifest_then_unshared_objects(store):
     assert (store.root / "objects" / m2.objects["data"].name).exists()
 
 
+def test_an_object_may_be_a_directory_written_in_place_then_installed_whole(store):
+    def fill(folder: Path) -> int:
+        folder.mkdir()
+        (folder / "a").write_bytes(b"alpha")
+        (folder / "b").write_bytes(b"beta")
+        return 2
+
+    assert store.write_directory("full-000000000001.dcp", fill) == 2
+    assert sorted(store.stored_files()) == ["full-000000000001.dcp/a", "full-000000000001.dcp/b"]
+    assert (store.object_path("full-000000000001.dcp") / "b").read_bytes() == b"beta"
+
+    def fail(folder: Path) -> None:
+        folder.mkdir()
+        (folder / "a").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        store.write_directory("full-000000000002.dcp", fail)
+    assert store.object_names() == ["full-000000000001.dcp"] and store.interrupted_writes() == []
+
+
+def test_what_an_interrupted_write_leaves_is_listed_under_its_final_name_and_can_be_removed(store):
+    _commit(store, 1)
+    leftover = store.object_path(".tmp-full-000000000002.bin-0123abcd")
+    leftover.write_bytes(b"half")
+    [(token, final)] = store.interrupted_writes()
+    assert final == "full-000000000002.bin" and store.object_names() == ["full-000000000001.bin"]
+    assert store.delete_leftover(token) == "objects/.tmp-full-000000000002.bin-0123abcd"
+    assert not leftover.exists() and store.interrupted_writes() == []
+    with pytest.raises(ValueError, match="not a leftover"):
+        store.delete_leftover("objects/full-000000000001.bin")
+
+
+def test_a_store_opened_for_reading_refuses_every_change(store, tmp_path):
+    m = _commit(store, 1)
+    reader = type(store)(store.root, access="read")
+    assert [r.manifest for r in reader.manifests()] == [m] and reader.committed(m.name)
+    assert bytes(reader.read_object(m.objects["data"])) == b"x" * 100
+    before = files_of(store.root)
+    for change in (lambda: reader.write_object("full-000000000002.bin", [b"y"]), lambda: reader.commit(m),
+                   lambda: reader.discard(m.name), lambda: reader.delete_object("full-000000000001.bin"),
+                   lambda: reader.write_directory("full-000000000003.dcp", lambda folder: folder.mkdir()),
+                   lambda: reader.put_file("everystep.json", b"{}"), reader.check_writable):
+        with pytest.raises(ReadOnlyStoreError):
+            change()
+    assert files_of(store.root) == before
+
+
 def test_crash_mid_write_leaves_previous_checkpoint_and_no_visible_garbage(tmp_path):
     """I3: SIGKILL in the middle of writing an object, then in the commit: the old one survives."""
     root = tmp_path / "ckpt"
-    store = CheckpointDirectory.open(root, strategy="test")
-    _commit(store, 1, b"first" * 1000)
-    store.close()
+    directory = CheckpointDirectory.open(root, strategy="test")
+    _commit(directory.store, 1, b"first" * 1000)
+    directory.close()
     points = ("store.object.mid_write", "store.object.before_rename", "store.commit.before_manifest",
               "store.manifest.mid_write", "store.manifest.before_rename")
     for point in points:
         script = textwrap.dedent(f"""
-            from everystep.storage import CheckpointDirectory, Manifest
-            s = CheckpointDirectory.open({str(root)!r}, strategy="test")
+            from everystep.storage import CheckpointDirectory, LocalStore, Manifest
+            s = CheckpointDirectory.open({str(root)!r}, strategy="test").store
             info = s.write_object("full-000000000002.bin", [b"second" * 1000, b"more"])
             s.commit(Manifest(kind="full", step=2, objects={{"data": info}}))
         """)
         proc = subprocess.run([sys.executable, "-c", script], env={"EVERYSTEP_CRASH": point, "PYTHONPATH": str(ROOT / "src")})
         assert proc.returncode == -9, point
         reopened = CheckpointDirectory.open(root, strategy="test")
-        assert [r.manifest.step for r in reopened.manifests()] == [1], point
-        assert bytes(reopened.read_object(reopened.manifests()[0].manifest.objects["data"])) == b"first" * 1000
+        assert [r.manifest.step for r in reopened.store.manifests()] == [1], point
+        assert bytes(reopened.store.read_object(reopened.store.manifests()[0].manifest.objects["data"])) == b"first" * 1000
         reopened.collect_garbage()
         assert sorted(p.name for p in (reopened.root / "objects").iterdir()) == ["full-000000000001.bin"]
         reopened.close()
 
 
 def test_write_error_removes_the_temporary_and_names_the_file(tmp_path):
-    store = CheckpointDirectory.open(tmp_path / "ckpt", strategy="test")
-    FullDisk(store).full = True
+    directory = CheckpointDirectory.open(tmp_path / "ckpt", strategy="test")
+    FullDisk(directory).full = True
+    store = directory.store
     with pytest.raises(OSError, match=r"writing .*a\.bin failed: No space left on device — free space"):
         store.write_object("a.bin", [b"data"])
     assert list((store.root / "objects").iterdir()) == []

@@ -181,9 +181,9 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before_it(tmp_path, 
             loop(w, ckpt, t - 1, t)
             hashes[t] = live_hash(w, t)
     directory = CheckpointDirectory.open(tmp_path / "c", access="read")
-    newest = max((r.manifest for r in directory.manifests()), key=lambda m: (m.step, m.kind == "full"))
+    newest = max((r.manifest for r in directory.store.manifests()), key=lambda m: (m.step, m.kind == "full"))
     info = next(iter(newest.objects.values()))
-    path = directory.object_path(info.name)
+    path = directory.store.object_path(info.name)
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     path.write_bytes(raw)

@@ -67,8 +67,9 @@ class Checkpointer:
             while the Checkpointer is open, and a second signal of a kind acts as before.
         full_format: ``"safetensors"`` (default) or ``"dcp"``: full checkpoints that plain
             ``torch.distributed.checkpoint`` calls can load (see :mod:`everystep.storage.dcp`).
-        store: an open store to use instead of ``directory`` (the Checkpointer closes it); one opened
-            with ``access="read"`` makes a reader, which restores and changes nothing.
+        store: an open :class:`~everystep.storage.CheckpointDirectory` to use instead of
+            ``directory`` (the Checkpointer closes it, and keeps it as ``self.directory``); one
+            opened with ``access="read"`` makes a reader, which restores and changes nothing.
         stagger: at most this many ranks read the checkpoint at once in :meth:`restore` (ranks
             0..k-1 first, then k..2k-1, …), so that many ranks starting together do not all hit
             storage at the same instant; ``None``: all at once.
@@ -125,7 +126,7 @@ class Checkpointer:
             store = CheckpointDirectory.open(directory, strategy=self.strategy.name, ranks=self.ranks,
                                     other_world=self.strategy.other_world_size,
                                     extra={"full_format": full_format})
-        self.store = store
+        self.directory = store
         try:
             self._attach(full_format, deadline, k1, k2, stop_signals, stagger)
         except BaseException:
@@ -137,7 +138,7 @@ class Checkpointer:
 
     def _attach(self, full_format: str, deadline: float | None, k1: float, k2: float, stop_signals: Sequence[int],
                 stagger: int | None) -> None:
-        store, model, optimizer, scaler = self.store, self.components.model, self.components.optimizer, self.components.scaler
+        store, model, optimizer, scaler = self.directory, self.components.model, self.components.optimizer, self.components.scaler
         if store is not None and store.access == "write" and not self.strategy.shares_store:
             if self.ranks.rank == 0:
                 store.collect_garbage()  # nothing else writes here: what a crash left is garbage
@@ -174,7 +175,7 @@ class Checkpointer:
         if self.step or self._restored:
             raise EverystepError("restore() must be called once, before the first training step")
         self._restored = True
-        if self.store is None:
+        if self.directory is None:
             self.strategy.on_start(0)
             return 0
         found, t0 = None, 0.0
@@ -201,7 +202,7 @@ class Checkpointer:
                 step=found.step, tree={}, source=found.source, manifest=found.manifest,
                 seconds=agreeing + time.perf_counter() - t0,
             )
-        if self.store.access != "read":
+        if self.directory.access != "read":
             self._start()
         return self.step
 
@@ -270,8 +271,8 @@ class Checkpointer:
             try:
                 (self.strategy.abandon if failed else self.strategy.close)()
             finally:
-                if self.store is not None:
-                    self.store.close()
+                if self.directory is not None:
+                    self.directory.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -299,7 +300,7 @@ class Checkpointer:
 
     @property
     def bytes_written(self) -> int:
-        return self.store.bytes_written if self.store is not None else 0
+        return self.directory.store.bytes_written if self.directory is not None else 0
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -328,7 +329,7 @@ class Checkpointer:
 
     @property
     def _reading(self) -> bool:
-        return self.store is not None and self.store.access == "read"
+        return self.directory is not None and self.directory.access == "read"
 
     def _step_end(self) -> None:
         self._refuse_reading()
@@ -348,7 +349,7 @@ class Checkpointer:
 
     def _refuse_reading(self) -> None:
         if self._reading:
-            raise EverystepError(f"{self.store.root} was opened for reading: this Checkpointer restores, "
+            raise EverystepError(f"{self.directory.root} was opened for reading: this Checkpointer restores, "
                                  "it cannot checkpoint training")
 
     def _before_update(self) -> None:
@@ -361,7 +362,7 @@ class Checkpointer:
         """The first step comes without restore(): allowed into an empty directory, for a strategy
         that does not record its starting state."""
         self._restored = True  # raise once
-        if self.store is not None:
+        if self.directory is not None:
             self._refuse_unrestored_directory()
         if self.strategy.needs_restore:
             raise EverystepError(
@@ -371,10 +372,10 @@ class Checkpointer:
         self.strategy.on_start(0)
 
     def _refuse_unrestored_directory(self) -> None:
-        assert self.store is not None
-        steps = [r.manifest.step for r in self.store.manifests() if r.manifest]
+        assert self.directory is not None
+        steps = [r.manifest.step for r in self.directory.store.manifests() if r.manifest]
         if steps:
             raise CheckpointDirectoryError(
-                f"{self.store.root} holds checkpoints up to step {max(steps)}, but training started without "
+                f"{self.directory.root} holds checkpoints up to step {max(steps)}, but training started without "
                 "restore(); call restore() first or use an empty directory (nothing was deleted)"
             )

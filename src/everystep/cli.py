@@ -107,7 +107,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     _write_json(args.json, {"directory": str(store.root), "problems": problems})
     for problem in problems:
         print(problem)
-    count = sum(1 for r in store.manifests())
+    count = sum(1 for r in store.store.manifests())
     print(f"{store.root}: {count} checkpoint(s), " + (f"{len(problems)} problem(s)" if problems else "all verify"))
     return 1 if problems else 0
 

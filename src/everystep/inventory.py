@@ -5,15 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import CorruptCheckpointError
+from .storage.base import Store
 from .storage.directory import CheckpointDirectory
 from .recovery import read_full
 
 __all__ = ["inspect_store", "verify_store"]
 
 
-def inspect_store(store: CheckpointDirectory) -> list[dict[str, Any]]:
+def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
     """One row per manifest, oldest step first: kind, step, bytes, valid, reason."""
     rows = []
+    store = directory.store
     for record in store.manifests():
         m = record.manifest
         if m is None:
@@ -25,7 +27,7 @@ def inspect_store(store: CheckpointDirectory) -> list[dict[str, Any]]:
             reasons = _read_each(store, m)
         else:
             try:
-                read_full(store, m)  # reads and checks every object once, and rebuilds the state
+                read_full(directory, m)  # reads and checks every object once, and rebuilds the state
             except CorruptCheckpointError as e:
                 # Name every bad object, not only the first (each rank's part of a sharded checkpoint).
                 reasons = _read_each(store, m) or [str(e)]
@@ -37,7 +39,7 @@ def inspect_store(store: CheckpointDirectory) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["step"], r["name"]))
 
 
-def _read_each(store: CheckpointDirectory, manifest: Any) -> list[str]:
+def _read_each(store: Store, manifest: Any) -> list[str]:
     """Read and check every object of ``manifest``; the reasons of those that fail."""
     reasons = []
     for info in manifest.objects.values():
@@ -48,11 +50,12 @@ def _read_each(store: CheckpointDirectory, manifest: Any) -> list[str]:
     return reasons
 
 
-def verify_store(store: CheckpointDirectory) -> list[str]:
+def verify_store(directory: CheckpointDirectory) -> list[str]:
     """Every problem in a checkpoint directory, each naming the file: checkpoints that fail to
     verify (checksum, size, missing object, unreadable manifest), and files that no checkpoint
     names (left by a crash, or copied in). An empty list means all is well."""
-    problems = [f"{row['name']}: {row['reason']}" for row in inspect_store(store) if not row["valid"]]
+    store = directory.store
+    problems = [f"{row['name']}: {row['reason']}" for row in inspect_store(directory) if not row["valid"]]
     named = {o.name for r in store.manifests() if r.manifest for o in r.manifest.objects.values()}
     for name in store.stored_files():
         if name not in named:

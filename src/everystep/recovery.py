@@ -1,7 +1,7 @@
 """The newest recoverable point, for every strategy.
 
-A point is one of: a replica in memory (a checkpoint agent's; its strategy asks for it), or the
-newest full checkpoint that verifies, plus the gap-free chain of verified differentials that starts
+A point is one of: a replica in memory (a checkpoint agent's; its strategy asks for it, and under
+several ranks the ranks agree on one with :func:`common_step`), or the newest full checkpoint that verifies, plus the gap-free chain of verified differentials that starts
 at its step. A differential manifest names its ``base`` (the full checkpoint's step) and the steps
 it covers (``first``..``last``, or its own step); its tensors hold what the strategy replays and,
 under ``end/``, the state gradients cannot rebuild (see
@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from .errors import CorruptCheckpointError, NoValidCheckpointError
-from .storage.base import Manifest
+from .storage.base import Manifest, Store
 from .storage.directory import CheckpointDirectory
 from .state import TrainingComponents, unflatten
 from .storage.sharded import read_parts
 
-__all__ = ["Recovered", "Link", "read_full", "latest_full", "recover", "read_differential", "chain", "recover_chain"]
+__all__ = ["Recovered", "Link", "read_full", "latest_full", "recover", "read_differential", "chain", "recover_chain", "common_step"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,9 +39,9 @@ class Recovered:
     seconds: float
 
 
-def read_full(store: CheckpointDirectory, manifest: Manifest) -> dict[str, Any]:
+def read_full(directory: CheckpointDirectory, manifest: Manifest) -> dict[str, Any]:
     """Read, verify and rebuild the state tree of a full checkpoint."""
-    tensors, meta = read_parts(store, manifest, full_format=store.full_format)
+    tensors, meta = read_parts(directory.store, manifest, full_format=directory.full_format)
     if "skeleton" not in meta:
         raise CorruptCheckpointError(f"manifest {manifest.name} lacks the skeleton of its state tree")
     try:
@@ -53,7 +53,7 @@ def read_full(store: CheckpointDirectory, manifest: Manifest) -> dict[str, Any]:
     return tree
 
 
-def latest_full(store: CheckpointDirectory) -> tuple[Manifest, dict[str, Any]] | None:
+def latest_full(directory: CheckpointDirectory) -> tuple[Manifest, dict[str, Any]] | None:
     """The newest full checkpoint that verifies, with its state; ``None`` when there is none.
 
     Each checkpoint that fails verification is skipped with a warning naming why; if every one
@@ -61,15 +61,15 @@ def latest_full(store: CheckpointDirectory) -> tuple[Manifest, dict[str, Any]] |
     """
     for _ in range(_RELISTS):
         skipped: list[tuple[str, str]] = []
-        found = _latest_listed(store, skipped)
+        found = _latest_listed(directory, skipped)
         if found is _DISCARDED:
             continue  # warn only about the listing that is answered
         for warning, _ in skipped:
             warnings.warn(warning, stacklevel=3)
         if found is None and skipped:
-            raise NoValidCheckpointError(f"no valid checkpoint in {store.root}: " + "; ".join(r for _, r in skipped))
+            raise NoValidCheckpointError(f"no valid checkpoint in {directory.root}: " + "; ".join(r for _, r in skipped))
         return found  # type: ignore[return-value]
-    raise NoValidCheckpointError(f"no checkpoint in {store.root} stayed committed long enough to be read: the "
+    raise NoValidCheckpointError(f"no checkpoint in {directory.root} stayed committed long enough to be read: the "
                                  f"process writing there discarded each one that was being read, {_RELISTS} times")
 
 
@@ -77,27 +77,27 @@ _RELISTS = 16
 _DISCARDED = object()
 
 
-def _latest_listed(store: CheckpointDirectory, skipped: list[tuple[str, str]]) -> tuple[Manifest, dict[str, Any]] | None | object:
+def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]]) -> tuple[Manifest, dict[str, Any]] | None | object:
     """:func:`latest_full` over one listing of the manifests, each skipped one added to ``skipped``
     (its warning, its reason); ``_DISCARDED`` when a checkpoint was discarded by the directory's
     writer while it was read (list again: a newer one is there)."""
-    records = store.manifests()
+    records = directory.store.manifests()
     skipped.extend((f"skipping {r.name}: {r.error}", r.error) for r in records if r.error)
     fulls = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == "full"), key=lambda m: -m.step)
     for manifest in fulls:
         try:
-            return manifest, read_full(store, manifest)
+            return manifest, read_full(directory, manifest)
         except CorruptCheckpointError as e:
-            if not store.committed(manifest.name):
+            if not directory.store.committed(manifest.name):
                 return _DISCARDED
             skipped.append((f"skipping the checkpoint at step {manifest.step}: {e}", f"step {manifest.step}: {e}"))
     return None
 
 
-def recover(store: CheckpointDirectory) -> Recovered | None:
-    """The newest recoverable state in ``store``, or ``None`` for an empty store."""
+def recover(directory: CheckpointDirectory) -> Recovered | None:
+    """The newest recoverable state in ``directory``, or ``None`` for an empty one."""
     t0 = time.perf_counter()
-    found = latest_full(store)
+    found = latest_full(directory)
     if found is None:
         return None
     manifest, tree = found
@@ -117,7 +117,7 @@ class Link:
         return int(self.manifest.meta.get("first", self.manifest.step))
 
 
-def read_differential(store: CheckpointDirectory, manifest: Manifest) -> Link:
+def read_differential(store: Store, manifest: Manifest) -> Link:
     """Read and verify a differential; raises CorruptCheckpointError if it fails to verify."""
     tensors, meta = read_parts(store, manifest)
     try:
@@ -127,7 +127,7 @@ def read_differential(store: CheckpointDirectory, manifest: Manifest) -> Link:
     return Link(manifest, tensors, end)
 
 
-def chain(store: CheckpointDirectory, full: Manifest, kind: str) -> Iterator[Link]:
+def chain(store: Store, full: Manifest, kind: str) -> Iterator[Link]:
     """The differentials of ``kind`` whose base is ``full``, in order from the step after it, each
     read and verified as it is reached; ends at a gap or, with a warning, at one that fails."""
     links = {}
@@ -146,13 +146,13 @@ def chain(store: CheckpointDirectory, full: Manifest, kind: str) -> Iterator[Lin
         step = m.step
 
 
-def recover_chain(store: CheckpointDirectory, components: TrainingComponents, kind: str,
+def recover_chain(directory: CheckpointDirectory, components: TrainingComponents, kind: str,
                   apply: Callable[[Iterator[Link]], None]) -> tuple[Manifest, int] | None:
     """Load the newest verified full checkpoint into ``components``, then have ``apply`` replay
     the chain of ``kind`` after it (it consumes the links it is given, in order), then load the
     end state of the last link applied. Returns the full checkpoint and the step reached, or
     ``None`` for an empty store."""
-    found = latest_full(store)
+    found = latest_full(directory)
     if found is None:
         return None
     full, tree = found
@@ -160,7 +160,7 @@ def recover_chain(store: CheckpointDirectory, components: TrainingComponents, ki
     applied: list[Link] = []
 
     def tracked() -> Iterator[Link]:
-        for link in chain(store, full, kind):
+        for link in chain(directory.store, full, kind):
             yield link
             applied.append(link)  # reached only once ``apply`` asks for the next link, or at the end
 
@@ -169,3 +169,13 @@ def recover_chain(store: CheckpointDirectory, components: TrainingComponents, ki
         return full, full.step
     components.apply_end_state(applied[-1].end)
     return full, applied[-1].manifest.step
+
+
+def common_step(reachable: list[list[int] | None], on_disk: int) -> int | None:
+    """Several ranks, each with a replica in memory: the newest step every rank's replica can serve
+    (each lists the steps it can reach; None: no replica), provided storage holds nothing newer;
+    else None (every rank recovers from storage)."""
+    if not reachable or any(r is None for r in reachable):
+        return None
+    best = max(set.intersection(*(set(r) for r in reachable if r is not None)), default=None)
+    return best if best is not None and best >= on_disk else None

@@ -33,10 +33,10 @@ class PartCommits:
     ``committed(step, seconds)`` is told of each checkpoint committed.
     """
 
-    def __init__(self, store: CheckpointDirectory, *, rank: int, keep: int, timeout: float, errors: BackgroundErrors,
+    def __init__(self, directory: CheckpointDirectory, *, rank: int, keep: int, timeout: float, errors: BackgroundErrors,
                  lost: Callable[[], str | None], lose: Callable[[str], None],
                  committed: Callable[[int, float], None]) -> None:
-        self.store, self.rank, self.keep, self.timeout = store, rank, keep, timeout
+        self.directory, self.rank, self.keep, self.timeout = directory, rank, keep, timeout
         self._lost, self._lose, self._committed = lost, lose, committed
         self._parts: dict[int, dict[str, Any]] = {}
         self._ready = threading.Condition()
@@ -79,7 +79,7 @@ class PartCommits:
             error = BackgroundWriteError(f"the checkpoint agent's write of its part failed: {part['error']}")
         info = ObjectInfo.from_json(part["info"]) if part is not None and part["info"] else None
         try:
-            commit_written(self.store, "full", kind="full", step=step, info=info, pieces=part["pieces"] if part else {},
+            commit_written(self.directory.store, "full", kind="full", step=step, info=info, pieces=part["pieces"] if part else {},
                            meta={"writer": "agent"}, rank_meta=part["meta"] if part else {}, error=error)
         except (AgentLostError, PeerFailedError) as e:
             if isinstance(e, PeerFailedError) and set(e.failed.values()) != {AgentLostError.__name__}:
@@ -87,6 +87,6 @@ class PartCommits:
             warnings.warn(f"the checkpoint of step {step} is not committed: {e}", RuntimeWarning, stacklevel=1)
             return
         assert part is not None and info is not None
-        self.store.retain(self.keep)
+        self.directory.retain(self.keep)
         self._committed(step, part["seconds"])
-        self.store.count_written_elsewhere(info.nbytes)
+        self.directory.store.count_written_elsewhere(info.nbytes)

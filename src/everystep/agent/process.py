@@ -80,7 +80,7 @@ class Agent:
         # The training process opened and checked the directory (strategy, world size), and owns it,
         # before it started the agent, which writes on its behalf; a rank's agent is not in the
         # job's process groups, so it checks nothing.
-        self.store = CheckpointDirectory.open(self.directory, strategy=None, create=False, access="shared")
+        self.checkpoints = CheckpointDirectory.open(self.directory, strategy=None, create=False, access="shared")
         self.replica: Replica | None = None
         self.slots: list[HostBuffer] = []
         self._regions: list[SharedRegion] = []
@@ -319,10 +319,10 @@ class Agent:
             return
         try:
             t0 = time.perf_counter()
-            manifest = write_full(self.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton,
+            manifest = write_full(self.checkpoints.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton,
                                   meta={"writer": "agent"})
             self._write_seconds = time.perf_counter() - t0
-            self.store.retain(self.config.keep)
+            self.checkpoints.retain(self.config.keep)
             self._send("persisted", step=step, nbytes=manifest.nbytes, seconds=self._write_seconds)
         except BaseException as e:
             self._send("error", fatal=False, what=f"the agent's write of the checkpoint at step {step}",
@@ -337,7 +337,7 @@ class Agent:
             ranks = Ranks(rank=self.config.rank, world=self.config.world)
             plan = ShardPlan.of(buffer.views, replayed_keys(self.replica.index_keys, buffer.views), ranks)
             pieces = plan.pieces
-            info = write_part(self.store, "full", step, tensor_chunks(TensorLayout.of(plan.local), plan.local), ranks)
+            info = write_part(self.checkpoints.store, "full", step, tensor_chunks(TensorLayout.of(plan.local), plan.local), ranks)
             self._write_seconds = time.perf_counter() - t0
         except BaseException as e:
             error = _describe(e)

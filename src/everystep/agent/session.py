@@ -61,10 +61,10 @@ class AgentSession:
     per tensor, the agent compares its replica with the live state.
     """
 
-    def __init__(self, store: CheckpointDirectory, ranks: Ranks, components: TrainingComponents, progress: Progress,
+    def __init__(self, directory: CheckpointDirectory, ranks: Ranks, components: TrainingComponents, progress: Progress,
                  errors: BackgroundErrors, *, timeout: float, slots: int, keep: int, verify_every: int,
                  verify_sample: int) -> None:
-        self.store, self.ranks, self.components, self.progress = store, ranks, components, progress
+        self.directory, self.ranks, self.components, self.progress = directory, ranks, components, progress
         self.errors = errors
         self.timeout, self.slots, self.keep = timeout, slots, keep
         self.verify_every, self.verify_sample = verify_every, verify_sample
@@ -91,7 +91,7 @@ class AgentSession:
 
     def hello(self) -> list[int] | None:
         """Find this rank's agent; the steps its replica can serve, or None (no agent, or it failed)."""
-        link = AgentLink.find(self.store.root, rank_file(DISCOVERY_FILE, self.ranks.rank, self.ranks.world))
+        link = AgentLink.find(self.directory.root, rank_file(DISCOVERY_FILE, self.ranks.rank, self.ranks.world))
         if link is None:
             return None
         try:
@@ -149,7 +149,7 @@ class AgentSession:
             self.link = AgentLink.spawn(config)
         if self.shared:
             self.last_persist = step
-            self.commits = PartCommits(self.store, rank=self.ranks.rank, keep=self.keep, timeout=self.timeout + 600,
+            self.commits = PartCommits(self.directory, rank=self.ranks.rank, keep=self.keep, timeout=self.timeout + 600,
                                        errors=self.errors, lost=lambda: self.lost, lose=self.lose,
                                        committed=lambda s, seconds: self.progress.committed(s, count=False, seconds=seconds))
         if not self._fetched:
@@ -181,7 +181,7 @@ class AgentSession:
     def _on_persisted(self, msg: dict[str, Any]) -> None:
         self.persisted = (self.persisted + [msg["step"]])[-2:]
         self.progress.committed(msg["step"], count=False)
-        self.store.count_written_elsewhere(msg["nbytes"])
+        self.directory.store.count_written_elsewhere(msg["nbytes"])
 
     def _on_released(self, msg: dict[str, Any]) -> None:
         self._released = True

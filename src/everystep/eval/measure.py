@@ -134,7 +134,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 ckpt.wait()
                 ckpt.final = False  # a crashed process writes no final checkpoint
                 ckpt.strategy.abandon()
-                ckpt.store.close()  # the directory is free, as a dead process leaves it
+                ckpt.directory.close()  # the directory is free, as a dead process leaves it
                 memory = _recover(spec, directory, strategy, options)
         after = _train_on(w)  # the uninterrupted run's next steps (the Checkpointer is closed)
         result: dict[str, Any] = {

@@ -15,8 +15,7 @@ and durable. Everything about the directory as a whole lives here:
 - garbage collection of everystep's own leftovers only (``full-000000000012.safetensors`` that no
   manifest names, interrupted writes), by the owner, logged.
 
-A :class:`CheckpointDirectory` is also a :class:`~everystep.storage.base.Store`: its object
-operations are its store's.
+Objects and manifests are read and written through ``directory.store``.
 """
 
 from __future__ import annotations
@@ -27,13 +26,12 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError, DirectoryInUseError
-from .base import Access, Manifest, ManifestRecord, ObjectInfo, Store, checksum
+from .base import Access, Store, checksum
 from .local import LocalStore, fsync_dir
 from .retention import plan_retention
 
@@ -46,7 +44,6 @@ FORMAT_VERSION = 2
 _OWN_NAME = r"[a-z]+-\d{12}(?:-r\d+)?"
 _OWN_OBJECT = re.compile(rf"^{_OWN_NAME}\.[a-z0-9]+$")
 log = logging.getLogger("everystep")
-T = TypeVar("T")
 
 
 def marker_bytes(marker: dict[str, Any]) -> bytes:
@@ -324,10 +321,10 @@ class CheckpointDirectory:
         if self.ranks.rank != 0:
             return []
         with self._retention_lock:
-            committed = [r.manifest for r in self.manifests() if r.manifest is not None]
+            committed = [r.manifest for r in self.store.manifests() if r.manifest is not None]
             doomed = plan_retention(committed, keep=keep)
             for name in doomed:
-                self.discard(name)
+                self.store.discard(name)
         return doomed
 
     def collect_garbage(self) -> list[str]:
@@ -340,7 +337,7 @@ class CheckpointDirectory:
         if self.access != "write":
             self.store.check_writable()
             return []
-        records = self.manifests()
+        records = self.store.manifests()
         used = {o.name for r in records if r.manifest for o in r.manifest.objects.values()}
         used |= {name.split("/", 1)[0] for name in used if "/" in name}
         unreadable = tuple(r.name for r in records if r.manifest is None)
@@ -353,39 +350,3 @@ class CheckpointDirectory:
             log.warning("removed %d file(s) an interrupted run left in %s: %s", len(removed), self.root,
                         ", ".join(sorted(removed)))
         return removed
-
-    # -- the store's operations ----------------------------------------------------------------
-
-    @property
-    def bytes_written(self) -> int:
-        return self.store.bytes_written
-
-    def count_written_elsewhere(self, n: int) -> None:
-        self.store.count_written_elsewhere(n)
-
-    def write_object(self, name: str, chunks: Iterable[bytes | memoryview]) -> ObjectInfo:
-        return self.store.write_object(name, chunks)
-
-    def write_directory(self, name: str, fill: Callable[[Path], T]) -> T:
-        return self.store.write_directory(name, fill)
-
-    def object_path(self, name: str) -> Path:
-        return self.store.object_path(name)
-
-    def read_object(self, info: ObjectInfo) -> bytearray:
-        return self.store.read_object(info)
-
-    def commit(self, manifest: Manifest) -> None:
-        self.store.commit(manifest)
-
-    def manifests(self) -> list[ManifestRecord]:
-        return self.store.manifests()
-
-    def committed(self, manifest_name: str) -> bool:
-        return self.store.committed(manifest_name)
-
-    def discard(self, manifest_name: str) -> None:
-        self.store.discard(manifest_name)
-
-    def stored_files(self) -> list[str]:
-        return self.store.stored_files()

@@ -42,6 +42,7 @@ from ..state import TrainingComponents, flatten
 from ..storage.sharded import ShardPlan
 
 if TYPE_CHECKING:
+    from ..storage.base import Store
     from ..storage.directory import CheckpointDirectory
 
 __all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats"]
@@ -93,11 +94,16 @@ class CheckpointStats:
 
 
 class StrategyContext:
-    """What a strategy may use: the live components, the store, the boundary capture, stats."""
+    """What a strategy may use: the live components, the checkpoint directory and its store, the
+    boundary capture, stats."""
 
-    def __init__(self, components: TrainingComponents, store: "CheckpointDirectory | None", stats: CheckpointStats) -> None:
+    def __init__(self, components: TrainingComponents, directory: "CheckpointDirectory | None",
+                 stats: CheckpointStats) -> None:
         self.components = components
-        self.store = store
+        self.directory = directory
+        """Retention and garbage collection (``None``: a strategy that stores nothing)."""
+        self.store: Store | None = directory.store if directory is not None else None
+        """Where objects and manifests are written and read."""
         self.stats = stats
         self.boundary: dict[str, Any] = {}
         self.full_format = "safetensors"
@@ -113,7 +119,7 @@ class StrategyContext:
 
     @property
     def ranks(self) -> Ranks:
-        return self.store.ranks if self.store is not None else Ranks()
+        return self.directory.ranks if self.directory is not None else Ranks()
 
     def _optimizer_storages(self) -> set[int]:
         opt = self.components.optimizer
@@ -281,8 +287,8 @@ class Strategy:
 
     def _restore(self) -> Recovered | None:
         """Default: the newest full checkpoint that verifies (see :mod:`everystep.recovery`)."""
-        assert self.ctx.store is not None
-        found = recover(self.ctx.store)
+        assert self.ctx.directory is not None
+        found = recover(self.ctx.directory)
         if found is not None:
             self.ctx.components.restore(found.tree)
         return found

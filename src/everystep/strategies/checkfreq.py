@@ -99,7 +99,7 @@ class CheckFreq(Strategy):
             seconds = time.perf_counter() - t0
             self.write_bandwidth = manifest.nbytes / max(seconds, 1e-9)
             self.ctx.committed(step, seconds=seconds)
-            self.ctx.store.retain(self.config.keep)
+            self.ctx.directory.retain(self.config.keep)
         finally:
             self._pool.release(buffer)
 

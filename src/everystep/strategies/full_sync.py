@@ -35,4 +35,4 @@ class FullSync(Strategy):
                    format=self.ctx.full_format)
         self._last = step
         self.ctx.committed(step, seconds=time.perf_counter() - t0)
-        self.ctx.store.retain(self.config.keep)
+        self.ctx.directory.retain(self.config.keep)

@@ -223,7 +223,7 @@ class LowDiff(Strategy):
         self.record_bytes += sum(t.nbytes for k, t in plan.local.items() if k in replicated)
         self.end_bytes += sum(t.nbytes for k, t in plan.local.items() if k not in replicated)
         self.recorded_steps += last - first + 1
-        self.ctx.store.retain(self.config.keep)  # a batch committed after a newer full checkpoint goes now
+        self.ctx.directory.retain(self.config.keep)  # a batch committed after a newer full checkpoint goes now
 
     def _summed(self, records: list[StepRecord]) -> StepRecord:
         """One record whose 'gradient' is Σ lr_s·g_s per parameter (plain SGD only), stored dense."""
@@ -264,8 +264,8 @@ class LowDiff(Strategy):
 
     def _restore(self) -> Recovered | None:
         """Newest verified full checkpoint, then the gap-free chain of verified batches, replayed."""
-        store, c = self.ctx.store, self.ctx.components
-        assert store is not None
+        directory, c = self.ctx.directory, self.ctx.components
+        assert directory is not None
         t0 = time.perf_counter()
         replayed = [0]
 
@@ -286,7 +286,7 @@ class LowDiff(Strategy):
                 replayed[0] += 1
             self.replay_seconds = time.perf_counter() - t_replay
 
-        found = recover_chain(store, c, "diff", apply)
+        found = recover_chain(directory, c, "diff", apply)
         if found is None:
             return None
         full, step = found

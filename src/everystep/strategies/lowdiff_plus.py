@@ -24,7 +24,7 @@ state (what DDP replicates, and the rank's own RNG, data position and residuals)
 the same steps for persistence — they agree on the interval, and on whether any rank lost its
 agent, in one small all-gather on the ``control`` channel every ``every`` steps (every 8 with the
 measured default) — and each agent writes its rank's part of the checkpoint, which the training
-process commits with the other ranks' parts on its ``full`` channel thread. Agents apply a step
+process commits with the other ranks' parts (:mod:`everystep.agent.commits`). Agents apply a step
 only when the next one arrives (see :mod:`everystep.agent.process`); at recovery the ranks agree
 on a step every agent can serve, else all load from storage. When any rank's agent is lost, every
 rank falls back at the next agreement. An agent never persists once its training process is gone.
@@ -38,6 +38,11 @@ The agent writes one checkpoint at a time: with ``every`` set, each multiple of 
 write waiting for the one before it (the agent applies no later step meanwhile, so slow storage slows
 training, as with CheckFreq); with the measured default, a write due while the writer is busy
 moves to the first step after it is free.
+
+The strategy is a composition: :class:`~everystep.capture.grads.GradientCapture` fills the slots
+of the :class:`~everystep.agent.session.AgentSession`, which owns the link, the slots and what the
+agent reports; the strategy decides, at each step, what the session sends, and when the ranks
+agree, persist, or fall back.
 """
 
 from __future__ import annotations
@@ -51,13 +56,13 @@ from ..agent.config import AgentConfig
 from ..agent.session import AgentSession
 from ..capture.grads import GradientCapture
 from ..errors import ConfigError
-from ..policy.interval import busy_interval, median_gap, next_multiple
-from ..recovery import Recovered, latest_full
+from ..policy.interval import busy_interval, due, median_gap, next_multiple
+from ..recovery import Recovered, common_step, latest_full
 from ..state import group_scalars
 from .base import Strategy, StrategyConfig
 from .checkfreq import CheckFreq, CheckFreqConfig
 
-__all__ = ["LowDiffPlus", "LowDiffPlusConfig", "common_step"]
+__all__ = ["LowDiffPlus", "LowDiffPlusConfig"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,15 +98,6 @@ class LowDiffPlusConfig(StrategyConfig):
             raise ConfigError("verify_every and verify_sample must be >= 0")
         if self.grace <= 0 or self.agent_timeout <= 0 or not 0 < self.busy <= 1:
             raise ConfigError("grace and agent_timeout must be positive and busy in (0, 1]")
-
-
-def common_step(reachable: list[list[int] | None], on_disk: int) -> int | None:
-    """The newest step that every rank's agent can serve (each lists the steps it can reach; None:
-    no agent), provided storage holds nothing newer; else None (recover from storage)."""
-    if not reachable or any(r is None for r in reachable):
-        return None
-    best = max(set.intersection(*(set(r) for r in reachable if r is not None)), default=None)
-    return best if best is not None and best >= on_disk else None
 
 
 class LowDiffPlus(Strategy):
@@ -145,9 +141,9 @@ class LowDiffPlus(Strategy):
 
     def _attach(self) -> None:
         ctx, c = self.ctx, self.ctx.components
-        assert ctx.store is not None
+        assert ctx.directory is not None
         self.shared = ctx.ranks.distributed
-        self.session = AgentSession(ctx.store, ctx.ranks, c, ctx, self.errors, timeout=self.config.agent_timeout,
+        self.session = AgentSession(ctx.directory, ctx.ranks, c, ctx, self.errors, timeout=self.config.agent_timeout,
                                     slots=self.config.queue, keep=self.config.keep, verify_every=self.config.verify_every,
                                     verify_sample=self.config.verify_sample)
         self.capture = GradientCapture(c.model, self.session.params, c.compression, layerwise=self.config.layerwise,
@@ -157,17 +153,18 @@ class LowDiffPlus(Strategy):
     def _agree_restore(self) -> None:
         """Every rank asks its agent what it holds; together they choose a step every agent can
         serve and that is no older than storage's newest, or storage. (Collective.)"""
-        store, ranks = self.ctx.store, self.ctx.ranks
-        assert store is not None
-        if store.access == "read":  # a reader takes nothing from a live agent: storage alone
+        directory, ranks = self.ctx.directory, self.ctx.ranks
+        assert directory is not None
+        if directory.access == "read":  # a reader takes nothing from a live agent: storage alone
             return
         reachable = self.session.hello()
-        on_disk = max((r.manifest.step for r in store.manifests() if r.manifest and r.manifest.kind == "full"), default=-1)
+        on_disk = max((r.manifest.step for r in directory.store.manifests() if r.manifest and r.manifest.kind == "full"),
+                      default=-1)
         views = ranks.all_gather("control", {"agent": self.session.link is not None, "reachable": reachable, "disk": on_disk})
         # What a crash left is garbage once no agent writes: in one process, when there is no agent;
         # under several ranks, always (an agent finishes its writes before it answers hello).
         if ranks.rank == 0 and (ranks.distributed or not any(v["agent"] for v in views)):
-            store.collect_garbage()
+            directory.collect_garbage()
         ranks.barrier("control")
         target = common_step([v["reachable"] for v in views], max(v["disk"] for v in views))
         if target is None and self.shared and reachable is not None:
@@ -178,14 +175,14 @@ class LowDiffPlus(Strategy):
 
     def _restore(self) -> Recovered | None:
         """The agent's replica if :meth:`agree_restore` chose it, else the newest full checkpoint."""
-        store = self.ctx.store
-        assert store is not None
+        directory = self.ctx.directory
+        assert directory is not None
         t0 = time.perf_counter()
         target, self._target = self._target, None
         if target is not None:
             step = self.session.fetch(target)
             return Recovered(step=step, tree={}, source="memory", manifest=None, seconds=time.perf_counter() - t0)
-        found = latest_full(store)
+        found = latest_full(directory)
         if found is None:
             return None
         full, tree = found
@@ -193,13 +190,13 @@ class LowDiffPlus(Strategy):
         return Recovered(step=full.step, tree={}, source="disk", manifest=full, seconds=time.perf_counter() - t0)
 
     def _on_start(self, step: int) -> None:
-        store, ranks = self.ctx.store, self.ctx.ranks
-        assert store is not None
+        directory, ranks = self.ctx.directory, self.ctx.ranks
+        assert directory is not None
         tensors, skeleton = self.ctx.flatten_state(step)
         if self.shared:
             self._next_check = self._check_after(step)
         self.session.start(step, tensors, skeleton, AgentConfig(
-            directory=str(store.root), strategy=self.name, keep=self.config.keep, every=self.config.every,
+            directory=str(directory.root), strategy=self.name, keep=self.config.keep, every=self.config.every,
             busy=self.config.busy, grace=self.config.grace, threads=self.config.agent_threads,
             rank=ranks.rank, world=ranks.world))
 
@@ -249,7 +246,7 @@ class LowDiffPlus(Strategy):
         tensors, skeleton = self.ctx.flatten_state(step)
         replayed, volatile = session.split(tensors)
         every = self.config.verify_every
-        checked = bool(every and step % every == 0)
+        checked = bool(every) and due(step, every)
         rebase = self._rebase and (final or checked)
         diverged = session.diverged()
         if diverged or rebase or not session.fits(volatile):

@@ -101,7 +101,7 @@ class NaiveDiff(Strategy):
                        replicated={k for k in tensors if k.startswith("d/")}, requires=(f"full-{base:012d}",),
                        meta={"base": base}, rank_meta={"end": end_skeleton})
         self.ctx.committed(step)
-        self.ctx.store.retain(self.config.keep)
+        self.ctx.directory.retain(self.config.keep)
 
     def _before_update(self, step: int) -> None:
         self.full.before_update(step)
@@ -118,8 +118,8 @@ class NaiveDiff(Strategy):
 
     def _restore(self) -> Recovered | None:
         """The newest full checkpoint plus every verified difference after it: an approximation."""
-        store, c = self.ctx.store, self.ctx.components
-        assert store is not None
+        directory, c = self.ctx.directory, self.ctx.components
+        assert directory is not None
         t0 = time.perf_counter()
 
         def apply(links: Iterator[Link]) -> None:
@@ -133,7 +133,7 @@ class NaiveDiff(Strategy):
                             continue
                         target.view(-1)[tensors[f"d/{name}/indices"].long()] += tensors[f"d/{name}/values"]
 
-        found = recover_chain(store, c, "ndiff", apply)
+        found = recover_chain(directory, c, "ndiff", apply)
         if found is None:
             return None
         full, step = found
