@@ -17,8 +17,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/everystep demo
 
+# Two workers: most tests wait on processes they start (ranks, agents, killed runs), so two
+# workers keep a 2-core machine busy; more would crowd the ranks those tests start.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 tests
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
