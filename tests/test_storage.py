@@ -84,7 +84,8 @@ def test_flipped_byte_and_truncation_are_detected(store):
 def test_tampered_manifest_is_reported_not_trusted(store):
     m = _commit(store, 3)
     path = store.root / "manifests" / f"{m.name}.json"
-    path.write_text(path.read_text().replace('"step": 3', '"step": 4'))
+    assert '"step":3' in path.read_text()
+    path.write_text(path.read_text().replace('"step":3', '"step":4'))
     [record] = store.manifests()
     assert record.manifest is None and "checksum" in record.error
 

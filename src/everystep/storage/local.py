@@ -73,6 +73,7 @@ class LocalStore:
         self.manifests_dir = root / "manifests"
         self._lock = threading.Lock()
         self._bytes_written = 0
+        self._parsed: dict[str, tuple[tuple[int, int, int], ManifestRecord]] = {}
 
     def prepare(self) -> None:
         """Create the store's folders (a writer, at open)."""
@@ -228,17 +229,30 @@ class LocalStore:
         return data
 
     def manifests(self) -> list[ManifestRecord]:
-        records = []
+        """Every manifest, parsed and verified. A manifest this store already parsed and that is the
+        same file still (inode, size, modification time) is not read again: the writer lists the
+        directory after each checkpoint, for retention. A new store (a recovery) reads every one."""
+        records, parsed = [], {}
         for path in sorted(self.manifests_dir.glob("*.json")):
             if _TMP.match(path.name):
                 continue
             name = path.name[: -len(".json")]
             try:
-                records.append(ManifestRecord(name, Manifest.from_bytes(path.read_bytes())))
+                st = path.stat()
+                identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+                known = self._parsed.get(name)
+                if known is not None and known[0] == identity:
+                    record = known[1]
+                else:
+                    record = ManifestRecord(name, Manifest.from_bytes(path.read_bytes()))
             except FileNotFoundError:
                 continue  # discarded since the listing (a reader beside a live writer)
             except (OSError, ValueError, KeyError, TypeError) as e:
                 records.append(ManifestRecord(name, None, f"manifest {path} is unreadable: {e}"))
+                continue
+            parsed[name] = (identity, record)
+            records.append(record)
+        self._parsed = parsed
         return records
 
     # -- removing ----------------------------------------------------------------------------

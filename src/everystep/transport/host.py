@@ -51,8 +51,9 @@ def snapshot_into(
     keys = list(tensors) if keys is None else keys
     on_cuda = any(tensors[k].is_cuda for k in keys)
     if not on_cuda:
-        for k in keys:
-            buffer.views[k].copy_(tensors[k].detach())
+        if keys:
+            with torch.no_grad():  # one call for all: a copy per tensor would hold the GIL per tensor
+                torch._foreach_copy_([buffer.views[k] for k in keys], [tensors[k] for k in keys])
         return None
     stream = stream or torch.cuda.current_stream()
     stream.wait_stream(torch.cuda.current_stream())
