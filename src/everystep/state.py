@@ -286,12 +286,13 @@ def flatten(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
         if isinstance(node, torch.Tensor):
             if node.layout != torch.strided:
                 raise TypeError(f"state entry {path!r} is a {node.layout} tensor; only dense tensors are supported")
-            key = seen.get(storage_key(node)) if node.numel() else None
+            identity = storage_key(node) if node.numel() else None
+            key = seen.get(identity) if identity is not None else None
             if key is None:
                 key = path
                 tensors[key] = node
-                if node.numel():
-                    seen[storage_key(node)] = key
+                if identity is not None:
+                    seen[identity] = key
             return {_TENSOR: key}
         if isinstance(node, dict):
             if all(isinstance(k, str) for k in node):

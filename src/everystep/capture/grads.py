@@ -134,19 +134,34 @@ class GradientCapture:
             grad.record_stream(self._stream)
         self._stream.synchronize()
 
+    def _copy_all_into(self, buffer: HostBuffer, due: list[tuple[int, torch.Tensor]],
+                       event: torch.cuda.Event | None) -> None:
+        if event is None:
+            with torch.no_grad():
+                torch._foreach_copy_([buffer.views[f"g/{i}"] for i, _ in due], [g for _, g in due])
+            return
+        for i, g in due:
+            self._copy_into(buffer, i, g, event)
+
     # -- at the step ---------------------------------------------------------------------------
 
     def at_update(self) -> list[int]:
         """Right before ``optimizer.step()``: copy what was not copied yet or changed since (clipped,
         unscaled, compressed); return the indices of the parameters that have a gradient."""
         self._awaiting_end = False
-        early, stale = len(self._copied), 0
+        early, stale, due = len(self._copied), 0, []
         for i, p in enumerate(self.params):
             g = p.grad
             seen = self._copied.get(i)
             if g is not None and (seen is None or seen[0] is not g or seen[1] != g._version):
                 stale += seen is not None
-                self._copy(i, g)
+                due.append((i, g))
+        buffer = self._target() if due else None
+        if buffer is not None:  # one job for all: each job is a GIL hand-over the training thread waits for
+            for i, g in due:
+                self._copied[i] = (g, g._version)
+            self._copier.post("copying the gradients for the agent", self._copy_all_into, buffer, due,
+                              _event(due[0][1]))
         self._judge(early, stale)
         return [i for i, p in enumerate(self.params) if p.grad is not None]
 

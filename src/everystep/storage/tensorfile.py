@@ -57,11 +57,32 @@ def _split(view: memoryview) -> Iterator[memoryview]:
         yield view[start : start + CHUNK]
 
 
+SMALL = 1 << 20
+"""Tensors smaller than this are gathered into one chunk: each chunk is one write(2), and the writing
+thread takes the GIL back after each — with many small tensors, often enough to slow the training
+thread, which waits for it each time."""
+
+
 def tensor_chunks(layout: TensorLayout, tensors: dict[str, torch.Tensor]) -> Iterator[memoryview]:
-    """Header, then each tensor's bytes in layout order, read straight from the tensors."""
-    yield memoryview(header_bytes(layout))
+    """Header, then each tensor's bytes in layout order, read straight from the tensors (small ones
+    gathered into chunks of up to :data:`SMALL` bytes, the header with the first ones)."""
+    pending: list[memoryview] = [memoryview(header_bytes(layout))]
+    size = len(pending[0])
     for e in layout.entries:
-        yield from _split(tensor_bytes(tensors[e.key]))
+        view = tensor_bytes(tensors[e.key])
+        if len(view) >= SMALL:
+            if pending:
+                yield memoryview(b"".join(pending))
+                pending, size = [], 0
+            yield from _split(view)
+            continue
+        if size + len(view) > SMALL:
+            yield memoryview(b"".join(pending))
+            pending, size = [], 0
+        pending.append(view)
+        size += len(view)
+    if pending:
+        yield memoryview(b"".join(pending))
 
 
 def buffer_chunks(layout: TensorLayout, flat: memoryview) -> Iterator[memoryview]:
