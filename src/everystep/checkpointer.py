@@ -16,7 +16,6 @@ Step boundaries come from the optimizer's step hooks (see :mod:`everystep.captur
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 import warnings
@@ -227,7 +226,7 @@ class Checkpointer:
         """Tell the strategy where training starts; S_step is what the live objects hold now."""
         if self.ranks.distributed:
             self._check_replicated()
-        self._ctx.boundary = copy.deepcopy(self.components.capture_boundary())
+        self._ctx.boundary = self.components.capture_boundary()
         self.strategy.on_start(self.step)
 
     def _check_replicated(self) -> None:
@@ -338,7 +337,7 @@ class Checkpointer:
         self.step += 1
         self.stats.steps += 1
         self._watch.step_ended()
-        self._ctx.boundary = copy.deepcopy(self.components.capture_boundary())
+        self._ctx.boundary = self.components.capture_boundary()
         self._state_ready_pending = True
         self.strategy.on_step_end(self.step)
 

@@ -7,6 +7,7 @@ storing tensors that share memory (tied weights) once. ``unflatten`` is its inve
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -149,10 +150,12 @@ class TrainingComponents:
         return tree
 
     def capture_boundary(self) -> dict[str, Any]:
-        """The part that must be read at the instant a step ends: RNG and data position."""
+        """The part that must be read at the instant a step ends: RNG and data position, as copies
+        that do not change with the live objects (the RNG states are new objects; the data
+        position, which a loader may return by reference, is copied)."""
         tree: dict[str, Any] = {"rng": capture_rng()}
         if self.data is not None:
-            tree["data"] = self.data.state_dict()
+            tree["data"] = copy.deepcopy(self.data.state_dict())
         return tree
 
     def restore(self, tree: dict[str, Any]) -> None:
