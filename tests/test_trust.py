@@ -28,6 +28,7 @@ from everystep.agent.channel import (
     connect,
     create_private,
     listen,
+    Plain,
     message,
     recv,
     send,
@@ -155,6 +156,9 @@ def test_messages_are_json_and_a_pickle_on_the_socket_is_refused_without_running
     assert not (tmp_path / "pwned").exists()
     with pytest.raises(TypeError, match="cannot carry"):
         send(a, message("step", grad=torch.zeros(1)))
+    skeleton = {"model": {"w": {"__tensor__": "/model/w"}}, "groups": [{"lr": 0.1, "betas": {"__tuple__": [0.9, 0.99]}}]}
+    send(a, message("step", skeleton=Plain(skeleton), betas=(0.9, 0.99)))  # plain JSON goes as it is
+    assert recv(b) == {"kind": "step", "skeleton": skeleton, "betas": (0.9, 0.99)}
 
 
 def test_agent_json_is_created_private_and_never_through_a_planted_link(tmp_path):

@@ -270,7 +270,18 @@ def recv(conn: connection.Connection) -> dict[str, Any]:
     return msg
 
 
+@dataclass(frozen=True)
+class Plain:
+    """A message field that is plain JSON already — dicts with string keys, lists, scalars, no
+    tuples or layouts, as a state's skeleton is — sent as it is, without the walk that tags tuples
+    (the skeleton goes with every step, on the training thread)."""
+
+    value: Any
+
+
 def _encode(value: Any) -> Any:
+    if isinstance(value, Plain):
+        return value.value
     if isinstance(value, TensorLayout):
         return {"$layout": [[e.key, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset, e.nbytes]
                             for e in value.entries], "nbytes": value.nbytes}

@@ -33,7 +33,7 @@ from ..storage.directory import CheckpointDirectory
 from ..transport.host import HostBuffer, snapshot_into
 from ..transport.shared import SharedRegion
 from ..transport.slots import SlotPool
-from .channel import DISCOVERY_FILE, digest, rank_file
+from .channel import DISCOVERY_FILE, Plain, digest, rank_file
 from .client import AgentLink, AgentLostError
 from .commits import PartCommits
 from .config import AgentConfig
@@ -273,7 +273,7 @@ class AgentSession:
         self.expect_part(step, persist)
         try:
             self.link.send("step", step=step, slot=self.pool.current, groups=groups, skipped=skipped,
-                           has_grad=[] if skipped else has_grad, skeleton=skeleton, digest=check, persist=persist)
+                           has_grad=[] if skipped else has_grad, skeleton=Plain(skeleton), digest=check, persist=persist)
         except AgentLostError as e:
             self.lose(str(e))
         self.pool.hand_over()
