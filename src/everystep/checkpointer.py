@@ -123,8 +123,8 @@ class Checkpointer:
             if directory is None:
                 raise CheckpointDirectoryError(f"strategy {self.strategy.name!r} needs a checkpoint directory")
             store = CheckpointDirectory.open(directory, strategy=self.strategy.name, ranks=self.ranks,
-                                    other_world=self.strategy.other_world_size,
-                                    extra={"full_format": full_format})
+                                             other_world=self.strategy.other_world_size,
+                                             extra={"full_format": full_format})
         self.directory = store
         try:
             self._attach(full_format, deadline, k1, k2, stop_signals, stagger)
@@ -137,14 +137,15 @@ class Checkpointer:
 
     def _attach(self, full_format: str, deadline: float | None, k1: float, k2: float, stop_signals: Sequence[int],
                 stagger: int | None) -> None:
-        store, model, optimizer, scaler = self.directory, self.components.model, self.components.optimizer, self.components.scaler
-        if store is not None and store.access == "write" and not self.strategy.shares_store:
+        directory, model, optimizer, scaler = (self.directory, self.components.model, self.components.optimizer,
+                                               self.components.scaler)
+        if directory is not None and directory.access == "write" and not self.strategy.shares_store:
             if self.ranks.rank == 0:
-                store.collect_garbage()  # nothing else writes here: what a crash left is garbage
+                directory.collect_garbage()  # nothing else writes here: what a crash left is garbage
             self.ranks.barrier("control")
         self.stop_reason: str | None = None
         self.stagger = stagger
-        self._ctx = StrategyContext(self.components, store, self.stats)
+        self._ctx = StrategyContext(self.components, directory, self.stats)
         self._ctx.full_format = full_format
         self.strategy.attach(self._ctx)
         self.step = 0
