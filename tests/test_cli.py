@@ -39,12 +39,14 @@ def test_killed_runs_recover_bit_exactly(tmp_path, reference, strategy, mode):
     assert s["losses"] == reference["losses"]
     assert s["final_state_sha256"] == reference["final_state_sha256"]
     assert [r["failed_at"] for r in s["recoveries"]] == list(fail_at)
-    # I2: lost are the step in progress and the checkpoints still being written: one for full_sync,
-    # up to one per host buffer for checkfreq (two by default).
-    in_flight = CheckFreqConfig().buffers if strategy == "checkfreq" else 1
+    # I2: lost are the step in progress and the checkpoints not yet durable: one for full_sync; for
+    # checkfreq, one per host buffer (two by default) still being written, and the finished step whose
+    # snapshot waits for a free buffer. Nothing the failed process had seen durable is lost.
+    in_flight = CheckFreqConfig().buffers + 1 if strategy == "checkfreq" else 1
     for r in s["recoveries"]:
         assert r["source"] in ("disk", "none") and r["recovery_seconds"] >= 0
         assert r["failed_at"] - 1 - in_flight <= r["resumed_from"] <= r["failed_at"] - 1
+        assert r["resumed_from"] >= r["durable_before"]
     assert s["recoveries"][0]["resumed_from"] == 0 and s["recoveries"][0]["source"] == "none"
     assert len(s["losses"]) == STEPS and s["steps"] == STEPS
     assert s["bytes_written"] > 0 and s["mean_step_seconds"] > 0

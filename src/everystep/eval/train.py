@@ -283,7 +283,8 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
             inject.point(step, "update")
             w.optimizer.zero_grad(set_to_none=True)
             w.scheduler.step()
-            journal.write(event="step", step=step, loss=loss.item(), seconds=time.perf_counter() - t_step, **_counters(ckpt))
+            journal.write(event="step", step=step, loss=loss.item(), seconds=time.perf_counter() - t_step,
+                          durable=ckpt.stats.last_durable_step, **_counters(ckpt))
             bar.update(1)
             if step < cfg.steps and ckpt.should_stop():
                 journal.write(event="stop", step=step, reason=ckpt.stop_reason, at=time.time())
@@ -315,6 +316,9 @@ def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]
 
     ``losses`` holds one value per step this run executed, from ``first_step`` (1 unless the run
     resumed from a checkpoint already there) to the last: ``steps``, or the step it stopped at.
+    Each of ``recoveries`` says where the failure was planned (``failed_at``), where the next
+    lifetime resumed, from what, how long recovery took, and ``durable_before``: the newest step the
+    lifetime that failed had seen durable — what no failure may lose.
     """
     losses: dict[int, float] = {}
     seconds: dict[int, float] = {}
@@ -324,6 +328,7 @@ def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]
     end: dict[str, Any] | None = None
     stopped: dict[str, Any] | None = None
     failures = iter(cfg.fail_at)
+    durable = 0  # the newest step the lifetime that ended knew durable
     for r in records:
         if r["event"] == "start":
             totals = {k: totals[k] + lifetime[k] for k in _CUMULATIVE}
@@ -331,11 +336,13 @@ def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]
             if r["pid"] != records[0]["pid"]:
                 recoveries.append({
                     "failed_at": next(failures, None), "resumed_from": r["resumed_from"],
-                    "recovery_seconds": r["recovery_seconds"], "source": r["source"],
+                    "recovery_seconds": r["recovery_seconds"], "source": r["source"], "durable_before": durable,
                 })
+            durable = 0
         elif r["event"] in ("step", "end"):
             lifetime = {k: r[k] for k in _CUMULATIVE}
             if r["event"] == "step":
+                durable = max(durable, r.get("durable", 0))
                 losses[r["step"]] = r["loss"]
                 seconds[r["step"]] = r["seconds"]
             else:
