@@ -62,7 +62,7 @@ def test_cli_train_recover_inspect(tmp_path, reference, capsys):
     for key in ("steps", "losses", "final_state_sha256", "recoveries", "mean_step_seconds", "bytes_written"):
         assert key in summary
     assert summary["final_state_sha256"] == reference["final_state_sha256"]
-    assert set(summary["recoveries"][0]) == {"failed_at", "resumed_from", "recovery_seconds", "source"}
+    assert set(summary["recoveries"][0]) == {"failed_at", "resumed_from", "recovery_seconds", "source", "durable_before"}
 
     rec = tmp_path / "rec.json"
     assert call_cli(capsys, "recover", "--dir", str(d), "--json", str(rec))[0] == 0
