@@ -1,4 +1,4 @@
-"""Checkpointing strategies, one module each, behind the :class:`Strategy` protocol."""
+"""Checkpointing strategies, one module each, subclasses of :class:`Strategy`."""
 
 from __future__ import annotations
 
