@@ -382,7 +382,7 @@ def test_a_release_that_arrives_while_the_first_update_waits_ends_the_wait():
     waits: list[float] = []
     components = types.SimpleNamespace(optimizer=types.SimpleNamespace(param_groups=[]))
     s = AgentSession(None, Ranks(), components, types.SimpleNamespace(waited=waits.append),  # type: ignore[arg-type]
-                     BackgroundErrors(), timeout=5.0, slots=2, keep=2, verify_every=0, verify_sample=0)
+                     BackgroundErrors(), timeout=5.0, slots=2, keep=2, verify_sample=0)
     s.link, s._handover = object(), threading.Event()  # type: ignore[assignment]
     threading.Timer(0.2, s._on_released, args=({"kind": "released", "step": 2},)).start()
     t0 = time.monotonic()

@@ -57,17 +57,16 @@ class AgentSession:
 
     ``timeout``: seconds without a free slot or an answer after which the agent counts as lost;
     ``slots``: steps in flight before training waits (one more under several ranks, for the step
-    an agent holds back); ``verify_every``/``verify_sample``: how often, and on how many elements
-    per tensor, the agent compares its replica with the live state.
+    an agent holds back); ``verify_sample``: on how many elements per tensor the agent compares its
+    replica with the live state, at the steps sent with ``verify``.
     """
 
     def __init__(self, directory: CheckpointDirectory, ranks: Ranks, components: TrainingComponents, progress: Progress,
-                 errors: BackgroundErrors, *, timeout: float, slots: int, keep: int, verify_every: int,
-                 verify_sample: int) -> None:
+                 errors: BackgroundErrors, *, timeout: float, slots: int, keep: int, verify_sample: int) -> None:
         self.directory, self.ranks, self.components, self.progress = directory, ranks, components, progress
         self.errors = errors
         self.timeout, self.slots, self.keep = timeout, slots, keep
-        self.verify_every, self.verify_sample = verify_every, verify_sample
+        self.verify_sample = verify_sample
         self.shared = ranks.distributed
         self.params = [p for g in components.optimizer.param_groups for p in g["params"]]
         self.link: AgentLink | None = None

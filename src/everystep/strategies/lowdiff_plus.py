@@ -144,7 +144,7 @@ class LowDiffPlus(Strategy):
         assert ctx.directory is not None
         self.shared = ctx.ranks.distributed
         self.session = AgentSession(ctx.directory, ctx.ranks, c, ctx, self.errors, timeout=self.config.agent_timeout,
-                                    slots=self.config.queue, keep=self.config.keep, verify_every=self.config.verify_every,
+                                    slots=self.config.queue, keep=self.config.keep,
                                     verify_sample=self.config.verify_sample)
         self.capture = GradientCapture(c.model, self.session.params, c.compression, layerwise=self.config.layerwise,
                                        errors=self.errors, target=self.session.slot)
