@@ -29,7 +29,7 @@ def test_a_failure_is_raised_once_in_the_callers_thread_and_none_is_dropped():
         raise OSError(message)
 
     first = worker.submit("writing step 3", fail, "disk full")
-    worker.post(lambda: "writing step 4", fail, "still full")
+    worker.post("writing step 4", fail, "still full")
     worker.drain()
     settled(first)  # waiting on a failed future does not raise
     assert isinstance(first.exception(), OSError)

@@ -76,7 +76,6 @@ def settled(*futures: Future[Any] | None) -> None:
 
 
 _STOP = object()
-What = str | Callable[[], str]
 
 
 class Worker:
@@ -90,12 +89,11 @@ class Worker:
         self._closed = False
         self._thread.start()
 
-    def post(self, what: What, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` in turn; a failure is recorded as ``what`` (a string, or a function
-        that makes it, called only on failure)."""
+    def post(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` in turn; a failure is recorded as ``what`` failed."""
         self._jobs.put((what, fn, args, None))
 
-    def submit(self, what: What, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    def submit(self, what: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """:meth:`post`, with a future that holds the result or the failure."""
         future: Future[Any] = Future()
         self._jobs.put((what, fn, args, future))
@@ -123,7 +121,7 @@ class Worker:
                     if future is not None:
                         future.set_result(result)
             except BaseException as e:
-                self.errors.record(what if isinstance(what, str) else what(), e)
+                self.errors.record(what, e)
                 if future is not None:
                     future.set_exception(e)
             finally:

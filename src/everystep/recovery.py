@@ -1,8 +1,8 @@
 """The newest recoverable point, for every strategy.
 
 A point is one of: a replica in memory (a checkpoint agent's; its strategy asks for it, and under
-several ranks the ranks agree on one with :func:`common_step`), or the newest full checkpoint that verifies, plus the gap-free chain of verified differentials that starts
-at its step. A differential manifest names its ``base`` (the full checkpoint's step) and the steps
+several ranks the ranks agree on one with :func:`common_step`), or the newest full checkpoint that
+verifies, plus the gap-free chain of verified differentials that starts at its step. A differential manifest names its ``base`` (the full checkpoint's step) and the steps
 it covers (``first``..``last``, or its own step); its tensors hold what the strategy replays and,
 under ``end/``, the state gradients cannot rebuild (see
 :meth:`~everystep.state.TrainingComponents.end_state`). A differential that fails to verify ends
@@ -114,7 +114,12 @@ class Link:
 
     @property
     def first(self) -> int:
-        return int(self.manifest.meta.get("first", self.manifest.step))
+        return _first(self.manifest)
+
+
+def _first(manifest: Manifest) -> int:
+    """The first step a differential covers."""
+    return int(manifest.meta.get("first", manifest.step))
 
 
 def read_differential(store: Store, manifest: Manifest) -> Link:
@@ -134,7 +139,7 @@ def chain(store: Store, full: Manifest, kind: str) -> Iterator[Link]:
     for r in store.manifests():
         m = r.manifest
         if m is not None and m.kind == kind and m.meta.get("base") == full.step:
-            links[int(m.meta.get("first", m.step))] = m
+            links[_first(m)] = m
     step = full.step
     while (m := links.get(step + 1)) is not None:
         try:

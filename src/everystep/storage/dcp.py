@@ -21,7 +21,6 @@ import a callable — is refused before it can run.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import warnings
 from pathlib import Path
@@ -102,7 +101,6 @@ def _file_info(path: Path, name: str) -> ObjectInfo:
         while chunk := f.read(CHUNK):
             hasher.update(chunk)
             nbytes += len(chunk)
-        os.fsync(f.fileno())
     return ObjectInfo(name=name, nbytes=nbytes, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
 
 

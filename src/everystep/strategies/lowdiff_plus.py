@@ -57,7 +57,7 @@ from ..agent.session import AgentSession
 from ..capture.grads import GradientCapture
 from ..errors import ConfigError
 from ..policy.interval import busy_interval, due, median_gap, next_multiple
-from ..recovery import Recovered, common_step, latest_full
+from ..recovery import Recovered, common_step
 from ..state import group_scalars
 from .base import Strategy, StrategyConfig
 from .checkfreq import CheckFreq, CheckFreqConfig
@@ -175,19 +175,12 @@ class LowDiffPlus(Strategy):
 
     def _restore(self) -> Recovered | None:
         """The agent's replica if :meth:`agree_restore` chose it, else the newest full checkpoint."""
-        directory = self.ctx.directory
-        assert directory is not None
-        t0 = time.perf_counter()
         target, self._target = self._target, None
-        if target is not None:
-            step = self.session.fetch(target)
-            return Recovered(step=step, tree={}, source="memory", manifest=None, seconds=time.perf_counter() - t0)
-        found = latest_full(directory)
-        if found is None:
-            return None
-        full, tree = found
-        self.ctx.components.restore(tree)
-        return Recovered(step=full.step, tree={}, source="disk", manifest=full, seconds=time.perf_counter() - t0)
+        if target is None:
+            return super()._restore()
+        t0 = time.perf_counter()
+        step = self.session.fetch(target)
+        return Recovered(step=step, tree={}, source="memory", manifest=None, seconds=time.perf_counter() - t0)
 
     def _on_start(self, step: int) -> None:
         directory, ranks = self.ctx.directory, self.ctx.ranks
