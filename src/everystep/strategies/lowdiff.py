@@ -267,7 +267,6 @@ class LowDiff(Strategy):
         directory, c = self.ctx.directory, self.ctx.components
         assert directory is not None
         t0 = time.perf_counter()
-        replayed = [0]
 
         def apply(links: Iterator[Link]) -> None:
             replayer = Replayer(c.model, c.optimizer, threads=self.config.replay_threads)
@@ -283,7 +282,6 @@ class LowDiff(Strategy):
                     self._apply_sum(records)
                 else:
                     replayer.apply(records)
-                replayed[0] += 1
             self.replay_seconds = time.perf_counter() - t_replay
 
         found = recover_chain(directory, c, "diff", apply)
@@ -291,7 +289,7 @@ class LowDiff(Strategy):
             return None
         full, step = found
         self._base, self._pending = full.step, 0
-        lossy = replayed[0] and self.config.residual == "drop" and c.compression is not None
+        lossy = step > full.step and self.config.residual == "drop" and c.compression is not None
         source = f"disk (lossy: residuals of step {full.step})" if lossy else "disk"
         return Recovered(step=step, tree={}, source=source, manifest=full, seconds=time.perf_counter() - t0)
 
