@@ -106,7 +106,8 @@ def test_checkpointing_does_not_change_training(tmp_path, strategy):
 @pytest.mark.parametrize("strategy", DISK)
 def test_every_and_keep_and_final_checkpoint(tmp_path, strategy):
     w = make("mlp", 0, strategy)
-    with attach(w, tmp_path / "c", strategy, every=3, keep=2) as ckpt:
+    persist = {"persist_every": 3} if strategy == "lightcheck" else {}  # its region's slots are persisted so
+    with attach(w, tmp_path / "c", strategy, every=3, keep=2, **persist) as ckpt:
         ckpt.restore()
         loop(w, ckpt, 0, 10)
     manifests = [r.manifest for r in CheckpointDirectory.open(tmp_path / "c").store.manifests()]
@@ -264,7 +265,8 @@ def test_full_disk_surfaces_in_the_training_process_and_keeps_the_previous_check
     agent = STRATEGIES[strategy].shares_store  # its checkpoint agent writes, in a process of its own
     if agent:  # the agent inherits the environment: its writes fail from its third on (S_0, S_1 written)
         monkeypatch.setenv("EVERYSTEP_FAIL", "store.object.mid_write:3+")
-    ckpt = attach(w, None, strategy, store=store, **({"every": 1} if agent else {}))
+    persist = {"persist_every": 1} if strategy == "lightcheck" else {}  # its region's slots all go to the directory
+    ckpt = attach(w, None, strategy, store=store, **({"every": 1} if agent else {}), **persist)
     ckpt.restore()
     loop(w, ckpt, 0, 2)
     ckpt.wait()  # step 1 is durable; step 2's checkpoint starts with the next step
@@ -290,8 +292,11 @@ def test_full_disk_surfaces_in_the_training_process_and_keeps_the_previous_check
     assert max(r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c").store.manifests()) == 1
     monkeypatch.delenv("EVERYSTEP_FAIL", raising=False)
     w2 = make("mlp", 0, strategy)
-    with attach(w2, tmp_path / "c", strategy, final=False) as again:
-        assert again.restore() == 1
+    with attach(w2, tmp_path / "c", strategy, final=False, **persist) as again:
+        if strategy == "lightcheck":  # the region is not on the full disk: it goes on
+            assert again.restore() > 1 and again.recovered.source == "region"
+        else:
+            assert again.restore() == 1
 
 
 def test_unclosed_checkpointer_warns(tmp_path):

@@ -85,6 +85,7 @@ def test_background_commits_never_wait_on_the_training_group(delayed, reference)
     ("checkfreq", None, "software", {}),
     ("lowdiff", "topk:0.01", "software", {"every": 5, "options": {"batch": 2}}),
     ("lowdiff_plus", None, "software", {"every": 3}),
+    ("lightcheck", None, "software", {"options": {"persist_every": 3}}),
 ])
 def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference, strategy, compress, mode, extra):
     # Step 4 kills rank 1 and step 7 rank 0, each in the middle of a checkpoint write (seed 0).
@@ -93,6 +94,9 @@ def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference
     assert [r["failed_at"] for r in summary["recoveries"]] == [4, 7]
     assert summary["rank_state_sha256"] == ref["rank_state_sha256"]
     assert summary["losses"] == ref["losses"]
+    if strategy == "lightcheck":  # each rank's region holds its whole state; the ranks agree on a step
+        assert [r["source"] for r in summary["recoveries"]] == ["region", "region"]
+        assert all(r["resumed_from"] >= r["failed_at"] - 2 for r in summary["recoveries"])  # at most one done step lost
     if strategy == "lowdiff_plus":  # the agents outlive their training processes; each rank has its own
         assert [r["source"] for r in summary["recoveries"]] == ["memory", "memory"]
         assert all(r["resumed_from"] >= r["failed_at"] - 2 for r in summary["recoveries"])  # at most one done step lost

@@ -31,6 +31,8 @@ from ..errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError,
 from ..recovery import recover
 from ..storage.directory import MARKER, CheckpointDirectory
 from ..state import state_hash
+from ..storage.region import on_volatile_memory
+from ..strategies.lightcheck import region_path
 from ..strategies import STRATEGIES, create
 from ..compress import parse_spec
 from .faults import FailurePlan, Injector
@@ -539,6 +541,19 @@ def run_supervised(cfg: TrainConfig) -> dict[str, Any]:
             if -signal.SIGKILL not in codes or not pending:
                 raise EverystepError(f"the training process failed unexpectedly (exit statuses {codes})")
             pending.pop(0)
+            if cfg.fail_mode == "hardware":
+                _lose_host_memory(cfg)
+
+
+def _lose_host_memory(cfg: TrainConfig) -> None:
+    """A hardware failure takes the host's memory with it: lightcheck's regions on tmpfs go too
+    (a checkpoint agent's memory goes with its process, which the failure killed)."""
+    if cfg.strategy != "lightcheck" or cfg.directory is None:
+        return
+    for rank in range(cfg.nproc):
+        path = region_path(Path(cfg.directory), cfg.options.get("region"), rank, cfg.nproc)
+        if path.exists() and on_volatile_memory(path):
+            path.unlink()
 
 
 def _die_with_supervisor() -> None:

@@ -11,12 +11,13 @@ from .checkfreq import CheckFreq
 from .full_sync import FullSync
 from .lowdiff import LowDiff
 from .lowdiff_plus import LowDiffPlus
+from .lightcheck import LightCheck
 from .naive_diff import NaiveDiff
 from .none import NoCheckpoint
 
-__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff"]
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff", "LightCheck"]
 
-STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq, LowDiff, LowDiffPlus, NaiveDiff)}
+STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq, LowDiff, LowDiffPlus, NaiveDiff, LightCheck)}
 
 
 def create(name: str, **options: Any) -> Strategy:

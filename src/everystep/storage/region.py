@@ -1,0 +1,561 @@
+"""A memory-mapped region of two slots, each a complete checkpoint (LightCheck's storage region).
+
+One file, laid out in pages::
+
+    page 0       file header: magic, version, page size (written once, when the file is made)
+    page 1, 2    the header of slot 0 and of slot 1, each on its own page
+    areas        one per slot, anywhere after the headers: a metadata section, then a data section
+
+A slot's **metadata** (JSON: each tensor's key, dtype, shape, offset, size and checksum; the
+skeleton of the state tree; the step) lies apart from its **data**, where tensors of more than 128
+bytes start at 128-byte-aligned offsets, in the order they are copied, and the small ones follow,
+packed. Tensors are copied straight into the data section (on CUDA by DMA into the mapping,
+registered with the driver), never serialised.
+
+Committing a slot, in this order: (1) its header is marked *writing* and flushed, so that the slot
+is not taken for a checkpoint while its data changes; (2) the data is copied; (3) each tensor's
+checksum is computed and the metadata written; (4) where the file survives the host (not tmpfs),
+the area is flushed (``msync``); (5) the header — step, generation, where the area lies, the
+metadata's size and checksum, and a checksum of the header itself — is written and flushed last.
+A crash at any instant leaves the other slot complete. Recovery takes the complete slot with the
+newest step (then generation) whose metadata and every tensor verify; a torn or corrupt slot is
+skipped with a warning naming it. Reading maps the file copy-on-write: a reader changes nothing,
+and nothing read is unpickled.
+
+The region implements the reading half of the :class:`~everystep.storage.base.Store` protocol
+(``manifests``, ``read_object``, ``committed``, ``discard``, ``stored_files``): a complete slot
+is a manifest of kind ``full`` whose objects are its tensors. Writing goes through
+:meth:`RegionStore.begin` and :meth:`RegionStore.commit`, since the data is copied into place.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import mmap
+import os
+import struct
+import threading
+import warnings
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from .._faults import crash_point
+from ..distributed import Ranks
+from ..errors import CorruptCheckpointError, DirectoryInUseError, EverystepError, ReadOnlyStoreError
+from .base import CHECKSUM_ALGORITHM, Access, Manifest, ManifestRecord, ObjectInfo
+
+__all__ = ["RegionStore", "RegionLayout", "RegionSlot", "SlotWriter", "ALIGN", "on_volatile_memory"]
+
+ALIGN = 128
+"""Tensors of more than this many bytes start at multiples of it."""
+PAGE = mmap.ALLOCATIONGRANULARITY
+_MAGIC = b"EVERYSTEP-REGION"
+_VERSION = 1
+_FILE_HEADER = struct.Struct("<16sII")
+_SLOT_MAGIC = b"EVSLOT01"
+_SLOT = struct.Struct("<8sIIQQQQQ16s")  # magic, state, slot, step, generation, area offset, area size, meta size, meta digest
+_WRITING, _COMPLETE = 1, 2
+_AREAS_START = 3 * PAGE
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+def checksum_of(data: memoryview) -> str:
+    return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_128_hexdigest(data)}"
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def on_volatile_memory(path: Path) -> bool:
+    """Whether ``path`` lies on a filesystem in memory (tmpfs, ramfs): it survives the process, not the host."""
+    try:
+        target = os.path.realpath(path)
+        best, kind = "", ""
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) >= 3 and (target == fields[1] or target.startswith(fields[1].rstrip("/") + "/")) \
+                        and len(fields[1]) >= len(best):
+                    best, kind = fields[1], fields[2]
+        return kind in ("tmpfs", "ramfs")
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class RegionEntry:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    """From the start of the data section."""
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RegionLayout:
+    """Where each tensor lies in a slot's data section: in copy order, those of more than
+    :data:`ALIGN` bytes at aligned offsets, then the small ones packed."""
+
+    entries: tuple[RegionEntry, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor], order: Sequence[str] | None = None) -> "RegionLayout":
+        order = list(tensors) if order is None else list(order)
+        entries, offset = [], 0
+        sizes = {k: tensors[k].numel() * tensors[k].element_size() for k in order}
+        for key in (k for k in order if sizes[k] > ALIGN):
+            offset = _round_up(offset, ALIGN)
+            entries.append(RegionEntry(key, tensors[key].dtype, tuple(tensors[key].shape), offset, sizes[key]))
+            offset += sizes[key]
+        for key in (k for k in order if sizes[k] <= ALIGN):
+            offset = _round_up(offset, tensors[key].element_size())
+            entries.append(RegionEntry(key, tensors[key].dtype, tuple(tensors[key].shape), offset, sizes[key]))
+            offset += sizes[key]
+        return cls(tuple(entries), offset)
+
+    def to_json(self, checksums: dict[str, str]) -> list[list[Any]]:
+        return [[e.key, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset, e.nbytes, checksums[e.key]]
+                for e in self.entries]
+
+    @classmethod
+    def from_json(cls, rows: list[list[Any]], data_nbytes: int) -> tuple["RegionLayout", dict[str, str]]:
+        entries, sums = [], {}
+        for key, dtype, shape, offset, nbytes, digest in rows:
+            if dtype not in _DTYPES:
+                raise ValueError(f"tensor {key!r} has an unknown dtype {dtype!r}")
+            dt, shape = _DTYPES[dtype], tuple(int(s) for s in shape)
+            if int(nbytes) != math.prod(shape) * dt.itemsize or int(offset) < 0 or int(offset) + int(nbytes) > data_nbytes \
+                    or int(offset) % dt.itemsize:
+                raise ValueError(f"tensor {key!r} does not fit its slot ({offset}+{nbytes} of {data_nbytes} bytes)")
+            entries.append(RegionEntry(str(key), dt, shape, int(offset), int(nbytes)))
+            sums[str(key)] = str(digest)
+        return cls(tuple(entries), data_nbytes), sums
+
+
+class _Area:
+    """One slot's area, mapped: ``meta`` then ``data``; ``bytes`` is a uint8 tensor over the mapping."""
+
+    def __init__(self, fd: int, offset: int, nbytes: int, meta_nbytes: int, *, writable: bool) -> None:
+        self.offset, self.nbytes, self.meta_nbytes = offset, nbytes, meta_nbytes
+        self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE,
+                            mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.registered = False
+        self._tried = False
+
+    def overlaps(self, offset: int, nbytes: int) -> bool:
+        return offset < self.offset + self.nbytes and self.offset < offset + nbytes
+
+    def data_view(self, entry: RegionEntry) -> torch.Tensor:
+        start = self.meta_nbytes + entry.offset
+        return self.bytes[start:start + entry.nbytes].view(entry.dtype).view(entry.shape)
+
+    def register(self) -> bool:
+        """Pin the mapping for DMA from the GPU (False where the driver refuses)."""
+        if not self._tried and torch.cuda.is_available():
+            self._tried = True
+            rc = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.nbytes, 0)
+            self.registered = int(getattr(rc, "value", rc)) == 0
+        return self.registered
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+            self.registered = False
+        del self.bytes
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # tensors over the mapping are still referenced: it closes when the last one goes
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSlot:
+    """A slot whose header says complete (its data not yet verified)."""
+
+    slot: int
+    step: int
+    generation: int
+    area_offset: int
+    area_nbytes: int
+    meta_nbytes: int
+    meta_digest: bytes
+
+    @property
+    def name(self) -> str:
+        return f"full-{self.step:012d}-slot{self.slot}"
+
+
+@dataclass(eq=False)
+class SlotWriter:
+    """A slot being written: copy into ``views``, then :meth:`RegionStore.commit`."""
+
+    slot: int
+    layout: RegionLayout
+    views: dict[str, torch.Tensor]
+    area: _Area
+    generation: int
+
+
+class RegionStore:
+    """The two-slot region in one file (see the module docstring)."""
+
+    def __init__(self, path: Path, fd: int, *, access: Access, ranks: Ranks, flush: bool) -> None:
+        self.root = path
+        self.path = path
+        self.ranks = ranks
+        self.access: Access = access
+        self.flush = flush
+        """Whether commits are flushed (``msync``) before the header: the file is meant to survive the host."""
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._bytes_written = 0
+        self._generation = 0
+        self._areas: dict[int, _Area] = {}
+        self._headers = mmap.mmap(fd, _AREAS_START, mmap.MAP_SHARED if access != "read" else mmap.MAP_PRIVATE,
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
+        self._pool = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) - 1)), thread_name_prefix="everystep-region")
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, access: Access = "write", ranks: Ranks | None = None,
+             flush: bool | None = None) -> "RegionStore":
+        """Open (a writer: create) the region at ``path``. ``flush``: ``None`` flushes unless the file
+        lies on tmpfs/ramfs, where a flush cannot make it outlive the host."""
+        path = Path(path)
+        if access == "read":
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            if access != "read":
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise DirectoryInUseError(f"the region {path} is in use by another process: one writer per region "
+                                              "(give each run its own region=)", None) from None
+            size = os.fstat(fd).st_size
+            if size == 0 and access != "read":
+                os.ftruncate(fd, _AREAS_START)
+                os.pwrite(fd, _FILE_HEADER.pack(_MAGIC, _VERSION, PAGE), 0)
+                os.fsync(fd)
+            else:
+                head = os.pread(fd, _FILE_HEADER.size, 0)
+                if len(head) < _FILE_HEADER.size or size < _AREAS_START:
+                    raise CorruptCheckpointError(f"{path} is not an everystep region (it is {size} bytes)")
+                magic, version, page = _FILE_HEADER.unpack(head)
+                if magic != _MAGIC or version != _VERSION or page != PAGE:
+                    raise CorruptCheckpointError(f"{path} is not an everystep region of version {_VERSION} "
+                                                 f"with {PAGE}-byte pages")
+            if flush is None:
+                flush = not on_volatile_memory(path)
+            return cls(path, fd, access=access, ranks=ranks or Ranks(), flush=flush)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # -- headers ---------------------------------------------------------------------------------
+
+    def _header_bytes(self, slot: int) -> bytes:
+        return self._headers[(1 + slot) * PAGE:(1 + slot) * PAGE + _SLOT.size + 16]
+
+    def _parse(self, slot: int) -> tuple[RegionSlot | None, str | None]:
+        raw = self._header_bytes(slot)
+        if raw == bytes(len(raw)):
+            return None, None  # never written
+        body, digest = raw[:_SLOT.size], raw[_SLOT.size:]
+        if _digest(body) != digest:
+            return None, f"slot {slot} of {self.path}: its header fails its checksum (torn or corrupt)"
+        magic, state, number, step, generation, offset, nbytes, meta_nbytes, meta_digest = _SLOT.unpack(body)
+        if magic != _SLOT_MAGIC or number != slot:
+            return None, f"slot {slot} of {self.path}: its header is not a slot header"
+        if state != _COMPLETE:
+            return None, None  # being written when the writer stopped: not a checkpoint, nothing to warn about
+        return RegionSlot(slot, step, generation, offset, nbytes, meta_nbytes, meta_digest), None
+
+    def slots(self, *, warn: bool = True) -> list[RegionSlot]:
+        """Slots whose header says complete, newest first (step, then generation)."""
+        found = []
+        for slot in (0, 1):
+            parsed, problem = self._parse(slot)
+            if problem and warn:
+                warnings.warn(f"skipping {problem}", stacklevel=2)
+            if parsed is not None:
+                found.append(parsed)
+        return sorted(found, key=lambda s: (s.step, s.generation), reverse=True)
+
+    def _write_header(self, slot: int, state: int, step: int, generation: int, area: _Area, meta_nbytes: int,
+                      meta_digest: bytes) -> None:
+        body = _SLOT.pack(_SLOT_MAGIC, state, slot, step, generation, area.offset, area.nbytes, meta_nbytes, meta_digest)
+        raw = body + _digest(body)
+        at = (1 + slot) * PAGE
+        half = len(raw) // 2
+        self._headers[at:at + half] = raw[:half]
+        crash_point("store.region.mid_header")  # a torn header: the checksum of the header catches it
+        self._headers[at + half:at + len(raw)] = raw[half:]
+        if self.flush:
+            self._headers.flush((1 + slot) * PAGE, PAGE)
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        if self.access == "read":
+            raise ReadOnlyStoreError(f"{self.path} was opened for reading; nothing may be written there")
+
+    @property
+    def bytes_written(self) -> int:
+        with self._lock:
+            return self._bytes_written
+
+    def count_written_elsewhere(self, n: int) -> None:
+        with self._lock:
+            self._bytes_written += n
+
+    def next_slot(self) -> int:
+        """The slot a writer takes first: the one not holding the newest complete checkpoint."""
+        found = self.slots(warn=False)
+        return 1 - found[0].slot if found else 0
+
+    def _area_for(self, slot: int, meta_nbytes: int, data_nbytes: int) -> _Area:
+        """An area for ``slot`` that overlaps nothing the other slot may hold, mapped; the file grows if needed."""
+        need = _round_up(meta_nbytes + data_nbytes, PAGE)
+        mine = self._areas.get(slot)
+        if mine is not None and mine.nbytes >= need and mine.meta_nbytes == meta_nbytes:
+            return mine
+        if mine is not None:
+            mine.close()
+            del self._areas[slot]
+        taken = [a for s, a in self._areas.items() if s != slot]
+        other = self._parse(1 - slot)[0]
+        spans = [(a.offset, a.nbytes) for a in taken] + ([(other.area_offset, other.area_nbytes)] if other else [])
+        offset = _AREAS_START
+        for start, size in sorted(spans):
+            if offset < start + size and start < offset + need:
+                offset = _round_up(start + size, PAGE)
+        if os.fstat(self._fd).st_size < offset + need:
+            # blocks allocated now: a full disk raises ENOSPC here, not SIGBUS at a store into the mapping
+            os.posix_fallocate(self._fd, offset, need)
+        area = _Area(self._fd, offset, need, meta_nbytes, writable=True)
+        self._areas[slot] = area
+        return area
+
+    def begin(self, layout: RegionLayout, meta_hint: int, *, slot: int | None = None) -> SlotWriter:
+        """Mark ``slot`` (default: :meth:`next_slot`) *writing* and return views of its data section
+        to copy into. ``meta_hint``: about how many bytes the metadata needs. IMPORTANT: a writer
+        that commits slots in the background alternates them itself, and begins a slot only once
+        its previous commit is done."""
+        self.check_writable()
+        slot = self.next_slot() if slot is None else slot
+        with self._lock:
+            if self._generation == 0:
+                self._generation = max((s.generation for s in self.slots(warn=False)), default=0)
+            self._generation += 1
+            generation = self._generation
+        meta_nbytes = _round_up(2 * meta_hint + 64 * len(layout.entries) + PAGE, PAGE)
+        area = self._area_for(slot, meta_nbytes, layout.nbytes)
+        self._write_header(slot, _WRITING, 0, generation, area, 0, bytes(16))
+        views = {e.key: area.data_view(e) for e in layout.entries}
+        return SlotWriter(slot, layout, views, area, generation)
+
+    def register(self, writer: SlotWriter) -> bool:
+        """Pin the slot's mapping for DMA from the GPU; False where the driver refuses."""
+        return writer.area.register()
+
+    def checksums(self, writer: SlotWriter) -> dict[str, str]:
+        """Each tensor's checksum (threads; the hash releases the GIL)."""
+        view = memoryview(writer.area.mm)
+        base = writer.area.meta_nbytes
+        entries = writer.layout.entries
+        sums = self._pool.map(lambda e: checksum_of(view[base + e.offset:base + e.offset + e.nbytes]), entries)
+        return dict(zip((e.key for e in entries), sums))
+
+    def commit(self, writer: SlotWriter, step: int, skeleton: Any, meta: dict[str, Any] | None = None,
+               checksums: dict[str, str] | None = None) -> None:
+        """Make the slot the newest checkpoint: metadata, flush, then the header, flushed last."""
+        self.check_writable()
+        sums = self.checksums(writer) if checksums is None else checksums
+        area = writer.area
+        body = json.dumps({"format": "everystep-region-slot", "step": step, "meta_section": area.meta_nbytes,
+                           "data_nbytes": writer.layout.nbytes,
+                           "tensors": writer.layout.to_json(sums), "skeleton": skeleton, "meta": meta or {}},
+                          separators=(",", ":")).encode()
+        if len(body) > area.meta_nbytes:
+            raise EverystepError(f"the metadata of step {step} ({len(body)} bytes) outgrew its section in {self.path} "
+                                 f"({area.meta_nbytes} bytes)")
+        area.mm[:len(body)] = body
+        if self.flush:
+            area.mm.flush()
+        crash_point("store.region.before_header")
+        self._write_header(writer.slot, _COMPLETE, step, writer.generation, area, len(body), _digest(body))
+        with self._lock:
+            self._bytes_written += writer.layout.nbytes + len(body)
+
+    def _invalidate(self, s: RegionSlot) -> None:
+        self.check_writable()
+        body = _SLOT.pack(_SLOT_MAGIC, _WRITING, s.slot, 0, s.generation, s.area_offset, s.area_nbytes, 0, bytes(16))
+        at = (1 + s.slot) * PAGE
+        self._headers[at:at + _SLOT.size + 16] = body + _digest(body)
+        if self.flush:
+            self._headers.flush(at, PAGE)
+
+    def discard_newer(self, step: int) -> list[int]:
+        """Mark every slot holding a step after ``step`` as not a checkpoint (training restarted at
+        ``step``, so they belong to a run that no longer leads anywhere); returns their steps."""
+        newer = [s for s in self.slots(warn=False) if s.step > step]
+        for s in newer:
+            self._invalidate(s)
+        return [s.step for s in newer]
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def _read_area(self, slot: RegionSlot) -> _Area:
+        size = os.fstat(self._fd).st_size
+        if slot.area_offset % PAGE or slot.area_offset < _AREAS_START or slot.area_offset + slot.area_nbytes > size \
+                or slot.meta_nbytes > slot.area_nbytes:
+            raise CorruptCheckpointError(f"slot {slot.slot} of {self.path}: its area lies outside the file ({size} bytes)")
+        mine = self._areas.get(slot.slot)
+        if mine is not None and mine.offset == slot.area_offset and mine.nbytes == slot.area_nbytes:
+            return mine
+        return _Area(self._fd, slot.area_offset, slot.area_nbytes, 0, writable=False)
+
+    def read_slot(self, slot: RegionSlot, *, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The slot's tensors and its metadata, after every checksum is verified; raises
+        :class:`CorruptCheckpointError` naming the slot.
+
+        The tensors are views of the mapping, valid while the slot is not rewritten: the region's
+        writer reads them so. ``copy``: a reader beside a live writer gets a copy, taken before the
+        checksums are verified on it (a slot rewritten meanwhile fails them, and :meth:`newest`
+        sees that its header changed)."""
+        area = self._read_area(slot)
+        where = f"slot {slot.slot} (step {slot.step}) of {self.path}"
+        raw = bytes(area.mm[:slot.meta_nbytes])
+        if _digest(raw) != slot.meta_digest:
+            raise CorruptCheckpointError(f"{where}: its metadata fails its checksum")
+        try:
+            meta = json.loads(raw)
+            if meta.get("format") != "everystep-region-slot" or meta.get("step") != slot.step:
+                raise ValueError("not the metadata of this slot")
+            base, data_nbytes = int(meta["meta_section"]), int(meta["data_nbytes"])
+            if base < slot.meta_nbytes or base + data_nbytes > area.nbytes:
+                raise ValueError("its data outgrows its area")
+            layout, sums = RegionLayout.from_json(meta["tensors"], data_nbytes)
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"{where}: unreadable metadata ({e})") from None
+        data = area.bytes[base:base + data_nbytes]
+        if copy:
+            data = data.clone()
+        view = memoryview(data.numpy()) if data_nbytes else memoryview(b"")
+        got = list(self._pool.map(lambda e: checksum_of(view[e.offset:e.offset + e.nbytes]), layout.entries))
+        for e, digest in zip(layout.entries, got):
+            if digest != sums[e.key]:
+                raise CorruptCheckpointError(f"{where}: tensor {e.key!r} fails its checksum")
+        tensors = {e.key: data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries}
+        return tensors, meta
+
+    def newest(self, *, steps: Iterable[int] | None = None, copy: bool = False
+               ) -> tuple[RegionSlot, dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The newest complete slot that verifies (among ``steps`` if given); each one skipped is
+        warned about. A reader (``access="read"``) always gets copies (``copy``: the writer too),
+        and a slot its writer rewrote while it was read is passed over without a warning."""
+        allowed = None if steps is None else set(steps)
+        copy = copy or self.access == "read"
+        for slot in self.slots():
+            if allowed is not None and slot.step not in allowed:
+                continue
+            try:
+                tensors, meta = self.read_slot(slot, copy=copy)
+            except CorruptCheckpointError as e:
+                if self.access == "read" and self._parse(slot.slot)[0] != slot:
+                    continue  # rewritten by the writer while it was read: not corrupt
+                warnings.warn(f"skipping {e}", stacklevel=2)
+                continue
+            if self.access == "read" and self._parse(slot.slot)[0] != slot:
+                continue
+            return slot, tensors, meta
+        return None
+
+    # -- the Store protocol's reading half -------------------------------------------------------
+
+    def manifests(self) -> list[ManifestRecord]:
+        records = []
+        for slot in (0, 1):
+            parsed, problem = self._parse(slot)
+            if problem:
+                records.append(ManifestRecord(f"slot{slot}", None, problem))
+            elif parsed is not None:
+                try:
+                    records.append(ManifestRecord(parsed.name, self._manifest(parsed)))
+                except CorruptCheckpointError as e:
+                    records.append(ManifestRecord(parsed.name, None, str(e)))
+        return records
+
+    def _manifest(self, slot: RegionSlot) -> Manifest:
+        area = self._read_area(slot)
+        raw = bytes(area.mm[:slot.meta_nbytes])
+        if _digest(raw) != slot.meta_digest:
+            raise CorruptCheckpointError(f"slot {slot.slot} of {self.path}: its metadata fails its checksum")
+        meta = json.loads(raw)
+        objects = {row[0]: ObjectInfo(f"slot{slot.slot}/{row[0]}", int(row[4]), str(row[5])) for row in meta["tensors"]}
+        return Manifest(kind="full", step=slot.step, objects=objects,
+                        meta={"skeleton": meta["skeleton"], "slot": slot.slot, "generation": slot.generation, **meta["meta"]},
+                        rank=self.ranks.rank)
+
+    def read_object(self, info: ObjectInfo) -> bytearray:
+        number, _, key = info.name.partition("/")
+        for slot in self.slots(warn=False):
+            if f"slot{slot.slot}" == number:
+                tensors, _ = self.read_slot(slot)
+                if key in tensors:
+                    return bytearray(tensors[key].reshape(-1).view(torch.uint8).numpy().tobytes())
+        raise CorruptCheckpointError(f"{info.name} is not in a complete slot of {self.path}")
+
+    def object_location(self, info: ObjectInfo) -> tuple[int, int]:
+        """Where an object of a complete slot lies in the file: its offset and size."""
+        number, _, key = info.name.partition("/")
+        for slot in self.slots(warn=False):
+            if f"slot{slot.slot}" == number:
+                meta = json.loads(bytes(self._read_area(slot).mm[:slot.meta_nbytes]))
+                for row in meta["tensors"]:
+                    if row[0] == key:
+                        return slot.area_offset + int(meta["meta_section"]) + int(row[3]), int(row[4])
+        raise KeyError(f"{info.name} is not in a complete slot of {self.path}")
+
+    def committed(self, manifest_name: str) -> bool:
+        return any(s.name == manifest_name for s in self.slots(warn=False))
+
+    def discard(self, manifest_name: str) -> None:
+        for s in self.slots(warn=False):
+            if s.name == manifest_name:
+                self._invalidate(s)
+
+    def stored_files(self) -> list[str]:
+        return [self.path.name]
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for area in self._areas.values():
+            area.close()
+        self._areas.clear()
+        self._headers.close()
+        os.close(self._fd)
+

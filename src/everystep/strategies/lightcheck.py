@@ -1,0 +1,435 @@
+"""``lightcheck``: LightCheck's layer-wise asynchronous checkpoint into a two-slot region, every step.
+
+After the update of step t, the new state is copied, layer by layer, into the slot of the region
+(:mod:`everystep.storage.region`) that does not hold the newest checkpoint, while step t+1's
+forward and backward compute. The copies go in the order the next iteration updates the layers
+(backward order: the last layer first), each layer being a module's parameters with their
+optimizer state. On CUDA the copies run on a side stream into the region's mapping, registered with
+the driver so that they move by DMA, with one event per layer; on the CPU a copy thread copies
+layer by layer. A commit thread then computes each tensor's checksum off the training thread,
+writes the slot's metadata and commits the slot's header last.
+
+The update of step t+1 waits until S_t is committed: for each layer's copy in turn (how long each
+one kept it waiting is in :attr:`LightCheck.layer_waits`, on the CPU), then for the commit
+(:attr:`LightCheck.commit_wait_seconds`). So a failure at any instant, mid-update included, loses
+at most the step being computed. What the next forward changes (model buffers such as
+BatchNorm statistics, compression residuals) is copied at once on the training thread; RNG and the
+data position are the copies taken as the step ended.
+
+Every ``persist_every`` steps (and at a clean close) a complete slot is also written to the
+checkpoint directory as an ordinary crash-safe full checkpoint, in the background: it survives a
+host that the region, in volatile memory, does not. The slot is first copied to a host buffer, so
+the region goes on; while the previous persist is still writing, the next one waits for it.
+
+Recovery: the newest of the region's complete slots that verifies and the newest verified full
+checkpoint on disk. Under several ranks each rank's region holds that rank's whole state, and the
+ranks agree on the newest step every rank's region holds (else on the disk's).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from .._faults import crash_point
+from ..background import Worker, settled
+from ..errors import ConfigError, CorruptCheckpointError
+from ..layout import TensorLayout
+from ..policy.interval import due
+from ..recovery import Recovered, recover
+from ..state import bare_module, flatten, unflatten
+from ..storage.full import write_full
+from ..storage.region import RegionLayout, RegionStore, SlotWriter
+from ..storage.sharded import ShardPlan
+from ..storage.tensorfile import buffer_chunks
+from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
+from .base import Strategy, StrategyConfig
+
+__all__ = ["LightCheck", "LightCheckConfig", "region_path"]
+
+
+@dataclass(kw_only=True, slots=True)
+class LightCheckConfig(StrategyConfig):
+    region: str | None = None
+    """The region's file (``{rank}`` in it is replaced by the rank). Default: ``region/rank-R.bin``
+    inside the checkpoint directory. On ``/dev/shm`` it outlives the training process, not the host;
+    on a disk or a DAX (persistent memory) mount it outlives both, each commit flushed."""
+    persist_every: int = 50
+    """Write a complete slot to the checkpoint directory every this many steps (0: never)."""
+    flush: bool | None = None
+    """Flush (``msync``) each slot before its header; ``None``: unless the region lies on tmpfs."""
+
+    def __post_init__(self) -> None:
+        StrategyConfig.__post_init__(self)
+        if self.persist_every < 0:
+            raise ConfigError(f"persist_every must be 0 (never) or a positive number of steps, got {self.persist_every}")
+
+
+def region_path(directory: Path, region: str | None, rank: int, world: int) -> Path:
+    """Where rank ``rank``'s region lies, for a checkpoint directory and a ``region`` option."""
+    if region is None:
+        return directory / "region" / f"rank-{rank}.bin"
+    if "{rank}" in region:
+        return Path(region.replace("{rank}", str(rank)))
+    return Path(region) if world == 1 else Path(f"{region}.rank-{rank}")
+
+
+@dataclass(eq=False)
+class _Copy:
+    """One step's copy into a slot, as the training thread and the two threads see it."""
+
+    step: int
+    final: bool
+    ready: Any = None
+    """CUDA: the event after which S_step is complete on the device."""
+    frozen: dict[int, torch.Tensor] = field(default_factory=dict)
+    progress: "_Progress" = field(default_factory=lambda: _Progress())
+    """CPU: how many units' copies are in the slot."""
+    events: list[Any] = field(default_factory=list)
+    """CUDA: one event per unit, recorded on the copy stream."""
+    future: Future[Any] | None = None
+    """Done once every copy is in the slot (CPU) or issued (CUDA)."""
+    commit: Future[Any] | None = None
+    """Done once the slot is committed."""
+
+
+class _Progress:
+    """How far a copy on the CPU has come, for the training thread that waits on it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._units: list[str] | None = None
+        self._done = 0
+        self._over = False
+
+    def start(self, units: list[str]) -> None:
+        with self._cond:
+            self._units = units
+            self._cond.notify_all()
+
+    def advance(self) -> None:
+        with self._cond:
+            self._done += 1
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        """No more progress will come (done, or failed)."""
+        with self._cond:
+            self._over = True
+            self._cond.notify_all()
+
+    def wait(self, waits: dict[str, float]) -> None:
+        """Wait for each unit in turn, adding how long each one kept the caller waiting to ``waits``."""
+        with self._cond:
+            t0 = time.perf_counter()
+            self._cond.wait_for(lambda: self._units is not None or self._over)
+            for i, name in enumerate(self._units or ()):
+                self._cond.wait_for(lambda: self._done > i or self._over)
+                now = time.perf_counter()
+                waits[name] = waits.get(name, 0.0) + now - t0
+                t0 = now
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a state of one shape needs, computed once: the copy order and the layouts."""
+
+    units: list[tuple[str, list[str]]]
+    layout: RegionLayout
+    replicated: frozenset[str]
+    meta_hint: int
+
+
+class LightCheck(Strategy):
+    name: ClassVar[str] = "lightcheck"
+    Config = LightCheckConfig
+    config: LightCheckConfig
+
+    def __init__(self, config: LightCheckConfig | None = None) -> None:
+        super().__init__(config)
+        self.layer_waits: dict[str, float] = {}
+        """Seconds the updates waited for each layer's copy (CPU; on CUDA the wait is on the GPU)."""
+        self.copy_seconds: list[float] = []
+        """CUDA: per checkpoint, the device time from S_t ready to its last copy done."""
+        self.registered: bool | None = None
+        """CUDA: whether the region's mapping is registered for DMA (False: copies through pageable memory)."""
+        self.commit_wait_seconds = 0.0
+        """Seconds the updates waited, after the copies, for the checksums and the slot's header."""
+        self.persisted = 0
+        self.region: RegionStore | None = None
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def _attach(self) -> None:
+        directory = self.ctx.directory
+        assert directory is not None
+        ranks = directory.ranks
+        path = region_path(directory.root, self.config.region, ranks.rank, ranks.world)
+        if directory.access == "read":
+            self.region = RegionStore.open(path, access="read", ranks=ranks) if path.exists() else None
+        else:
+            self.region = RegionStore.open(path, ranks=ranks, flush=self.config.flush)
+        self._last = -1
+        self._pending: _Copy | None = None
+        self._slot = self.region.next_slot() if self.region is not None and directory.access != "read" else 0
+        self._committing: dict[int, Future[Any] | None] = {0: None, 1: None}
+        self._plans: dict[Any, _Plan] = {}
+        self._copier = Worker("everystep-lightcheck-copy", self.errors)
+        self._committer = Worker("everystep-lightcheck-commit", self.errors)
+        self._persister = Worker("everystep-lightcheck-persist", self.errors)
+        self._staging = HostBufferPool(1, pin=False)
+        self._stream: Any = None
+        self._agreed: set[int] = set()
+        self._use_disk = False
+
+    # -- restore -------------------------------------------------------------------------------
+
+    def _agree_restore(self) -> None:
+        """Collective: every rank verifies its region's slots; the ranks take the newest step all
+        of them hold, unless the disk holds a newer full checkpoint."""
+        assert self.ctx.directory is not None
+        ranks = self.ctx.directory.ranks
+        verified = self._verified_steps()
+        disk = max((r.manifest.step for r in self.ctx.directory.store.manifests() if r.manifest and r.manifest.kind == "full"),
+                   default=-1)
+        if ranks.distributed:
+            every = ranks.all_gather("control", sorted(verified))
+            common = set(every[0]).intersection(*map(set, every[1:]))
+        else:
+            common = verified
+        newest = max(common, default=-1)
+        self._agreed = {newest} if newest >= 0 else set()
+        self._use_disk = newest < disk or newest < 0
+
+    def _verified_steps(self) -> set[int]:
+        if self.region is None:
+            return set()
+        return {slot.step for slot in self.region.slots() if self._verifies(slot)}
+
+    def _verifies(self, slot: Any) -> bool:
+        assert self.region is not None
+        try:
+            self.region.read_slot(slot, copy=self.region.access == "read")
+        except CorruptCheckpointError as e:
+            warnings.warn(f"skipping {e}", stacklevel=3)
+            return False
+        return True
+
+    def _restore(self) -> Recovered | None:
+        if not self._use_disk and self.region is not None:
+            t0 = time.perf_counter()
+            found = self.region.newest(steps=self._agreed, copy=True)  # the optimizer keeps what it loads
+            if found is not None:
+                slot, tensors, meta = found
+                tree = unflatten(meta["skeleton"], tensors)
+                self.ctx.components.restore(tree)
+                return Recovered(step=slot.step, tree=tree, source="region", manifest=None,
+                                 seconds=time.perf_counter() - t0)
+        assert self.ctx.directory is not None
+        found_disk = recover(self.ctx.directory)
+        if found_disk is not None:
+            self.ctx.components.restore(found_disk.tree)
+        return found_disk
+
+    def _on_start(self, step: int) -> None:
+        if self.region is not None and self.region.access != "read":
+            self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
+            self._slot = self.region.next_slot()
+
+    # -- every step ----------------------------------------------------------------------------
+
+    def _on_state_ready(self, step: int, final: bool) -> None:
+        if step == self._last or not due(step, self.config.every, final=final):
+            return
+        self._last = step
+        copy = _Copy(step, final, frozen=self._freeze())
+        if self._on_cuda():
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            copy.ready = torch.cuda.Event(enable_timing=True)
+            copy.ready.record()
+        slot, self._slot = self._slot, 1 - self._slot
+        copy.future = self._copier.submit(f"copy into the region of the state at step {step}", self._copy, copy, slot,
+                                          self.ctx.boundary)
+        self._pending = copy
+
+    def _on_cuda(self) -> bool:
+        return any(p.is_cuda for g in self.ctx.components.optimizer.param_groups for p in g["params"][:1])
+
+    def _freeze(self) -> dict[int, torch.Tensor]:
+        """Copies, taken now, of what the next forward or backward changes: model buffers and
+        compression state (by where their data lies)."""
+        live = [b for b in bare_module(self.ctx.components.model).buffers()]
+        compression = self.ctx.components.compression
+        if compression is not None:
+            live += list(flatten(compression.state_dict())[0].values())
+        with torch.no_grad():
+            return {t.data_ptr(): t.detach().clone() for t in live if t.numel()}
+
+    def _plan(self, tensors: dict[str, torch.Tensor], skeleton: Any) -> _Plan:
+        signature = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
+        plan = self._plans.get(signature)
+        if plan is None:
+            units = self._units(tensors)
+            order = [k for _, keys in units for k in keys]
+            hint = len(json.dumps(skeleton, default=str))
+            plan = _Plan(units, RegionLayout.of(tensors, order), frozenset(self.ctx.replicated_keys(tensors)), hint)
+            self._plans = {signature: plan}
+        return plan
+
+    def _units(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, list[str]]]:
+        """The copy order: what is not a layer's first, then each layer (a module's parameters and
+        their optimizer state) in the order the next iteration updates them (backward order)."""
+        components = self.ctx.components
+        module, optimizer = bare_module(components.model), components.optimizer
+        owner = {p: name.rpartition(".")[0] or name for name, p in module.named_parameters()}
+        unit_of: dict[int, str] = {}
+        layers: list[str] = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                layer = owner.get(p, f"param{len(unit_of)}")
+                if layer not in layers:
+                    layers.append(layer)
+                unit_of.setdefault(p.data_ptr(), layer)
+                for v in optimizer.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor) and v.numel():
+                        unit_of.setdefault(v.data_ptr(), layer)
+        members: dict[str, list[str]] = {"(rest)": []}
+        for key, t in tensors.items():
+            members.setdefault(unit_of.get(t.data_ptr(), "(rest)") if t.numel() else "(rest)", []).append(key)
+        order = ["(rest)", *reversed(layers)]
+        return [(name, members[name]) for name in order if members.get(name)]
+
+    def _copy(self, copy: _Copy, slot: int, boundary: dict[str, Any]) -> None:
+        """Copy thread: S_step into ``slot``, unit by unit; then hand the slot to the commit thread."""
+        try:
+            tree = {"step": copy.step, **self.ctx.components.capture(), **boundary}
+            tensors, skeleton = flatten(tree)
+            for key, t in tensors.items():
+                frozen = copy.frozen.get(t.data_ptr()) if t.numel() else None
+                if frozen is not None and frozen.shape == t.shape and frozen.dtype == t.dtype:
+                    tensors[key] = frozen
+            plan = self._plan(tensors, skeleton)
+            copy.progress.start([name for name, _ in plan.units])
+            settled(self._committing[slot])  # the slot's previous commit is done
+            assert self.region is not None
+            writer = self.region.begin(plan.layout, plan.meta_hint, slot=slot)
+            if copy.ready is not None:
+                self._copy_cuda(copy, writer, tensors, plan)
+            else:
+                self._copy_cpu(copy, writer, tensors, plan)
+        finally:
+            copy.progress.end()
+        copy.commit = self._committer.submit(f"commit in the region of the state at step {copy.step}", self._commit, copy, writer,
+                                             skeleton, plan, tensors)
+        self._committing[slot] = copy.commit
+
+    def _copy_cpu(self, copy: _Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], plan: _Plan) -> None:
+        half = len(plan.units) // 2
+        with torch.no_grad():
+            for i, (_, keys) in enumerate(plan.units):
+                if i == half:
+                    crash_point("store.object.mid_write")
+                crash_point("lightcheck.copy.unit")
+                torch._foreach_copy_([writer.views[k] for k in keys], [tensors[k] for k in keys])
+                copy.progress.advance()
+
+    def _copy_cuda(self, copy: _Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], plan: _Plan) -> None:
+        assert self.region is not None
+        self.registered = self.region.register(writer)
+        stream = self._stream
+        stream.wait_event(copy.ready)
+        half = len(plan.units) // 2
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for i, (_, keys) in enumerate(plan.units):
+                if i == half:
+                    crash_point("store.object.mid_write")
+                for k in keys:
+                    writer.views[k].copy_(tensors[k], non_blocking=True)
+                event = torch.cuda.Event(enable_timing=True) if len(copy.events) == len(plan.units) - 1 \
+                    else torch.cuda.Event()
+                event.record(stream)
+                copy.events.append(event)
+
+    def _commit(self, copy: _Copy, writer: SlotWriter, skeleton: Any, plan: _Plan, tensors: dict[str, torch.Tensor]) -> None:
+        """Commit thread: wait for the copies, then checksums, metadata, header."""
+        if copy.events:
+            copy.events[-1].synchronize()
+            self.copy_seconds.append(copy.ready.elapsed_time(copy.events[-1]) / 1e3)
+        else:
+            settled(copy.future)
+        assert self.region is not None
+        self.region.commit(writer, copy.step, skeleton)
+        self.ctx.in_memory(copy.step)
+        if self.region.flush:
+            self.ctx.committed(copy.step, count=False)
+        every = self.config.persist_every
+        if copy.final or (every and copy.step % every == 0):
+            self._persist(copy.step, writer, skeleton, plan)
+
+    # -- persisting to the directory -----------------------------------------------------------
+
+    def _persist(self, step: int, writer: SlotWriter, skeleton: Any, plan: _Plan) -> None:
+        """Copy the committed slot to a host buffer (waiting while the previous persist writes),
+        then write it to the directory in the background."""
+        shard = ShardPlan.of(writer.views, set(plan.replicated), self.ctx.ranks, split=self.ctx.full_format != "dcp")
+        buffer = self._staging.acquire(TensorLayout.of(shard.local))
+        try:
+            snapshot_into(buffer, shard.local)
+        except BaseException:
+            self._staging.release(buffer)
+            raise
+        self._persister.post(f"background write of the checkpoint at step {step}", self._write, step, buffer, skeleton, shard)
+
+    def _write(self, step: int, buffer: HostBuffer, skeleton: Any, shard: ShardPlan) -> None:
+        try:
+            assert self.ctx.store is not None and self.ctx.directory is not None
+            t0 = time.perf_counter()
+            write_full(self.ctx.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton, plan=shard,
+                       tensors=buffer.views, format=self.ctx.full_format)
+            self.persisted += 1
+            self.ctx.committed(step, count=False, seconds=time.perf_counter() - t0)
+            self.ctx.directory.retain(self.config.keep)
+        finally:
+            self._staging.release(buffer)
+
+    # -- before the next update ----------------------------------------------------------------
+
+    def _before_update(self, step: int) -> None:
+        """The update may change the state once S_{step-1} is committed: its copies are in the slot
+        (waited for layer by layer on the CPU) and the slot's header is written. So a failure at
+        any instant loses at most the step being computed."""
+        copy, self._pending = self._pending, None
+        if copy is None:
+            return
+        t0 = time.perf_counter()
+        if copy.ready is None:
+            copy.progress.wait(self.layer_waits)
+        settled(copy.future)
+        copied = time.perf_counter()
+        settled(copy.commit)
+        self.commit_wait_seconds += time.perf_counter() - copied
+        self.ctx.waited(time.perf_counter() - t0)
+        self.errors.raise_pending()
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            settled(pending.future)
+        self._copier.drain()
+        self._committer.drain()
+        self._persister.drain()
+
+    def _close(self) -> None:
+        for worker in (self._copier, self._committer, self._persister):
+            worker.close()
+        if self.region is not None:
+            self.region.close()

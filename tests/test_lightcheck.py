@@ -1,0 +1,269 @@
+"""LightCheck: the two-slot region (layout, commit, torn and corrupt slots, readers) and the
+``lightcheck`` strategy (kills anywhere in a copy or a commit, slow copies, host loss)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import pytest
+import torch
+
+from everystep import Checkpointer, _faults
+from everystep.eval.train import TrainConfig, run
+from everystep.eval.workloads import build
+from everystep.state import TrainingComponents, state_hash
+from everystep.storage.region import ALIGN, RegionLayout, RegionStore
+from everystep.strategies.lightcheck import LightCheck
+
+from .conftest import ROOT
+
+STEPS = 8
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"big": torch.randn(100, 10, generator=g), "tiny": torch.tensor([1, 2, 3]),
+            "odd": torch.randn(33, generator=g), "half": torch.randn(7, generator=g).half(), "empty": torch.zeros(0)}
+
+
+def _write(region: RegionStore, step: int, tensors: dict[str, torch.Tensor]) -> None:
+    writer = region.begin(RegionLayout.of(tensors), 100)
+    for k, v in writer.views.items():
+        v.copy_(tensors[k] + step if v.dtype != torch.int64 else tensors[k])
+    region.commit(writer, step, {"step": step})
+
+
+def test_the_layout_aligns_large_tensors_and_packs_small_ones_in_copy_order():
+    layout = RegionLayout.of(_tensors(), order=["odd", "tiny", "big", "half", "empty"])
+    where = {e.key: e for e in layout.entries}
+    assert [e.key for e in layout.entries] == ["odd", "big", "tiny", "half", "empty"]  # large first, each in copy order
+    assert where["odd"].offset == 0 and where["big"].offset % ALIGN == 0 and where["big"].offset >= 132
+    assert where["tiny"].offset == where["big"].offset + 4000  # packed right after, no padding
+    assert where["half"].offset == where["tiny"].offset + 24
+    assert where["half"].offset + 14 <= layout.nbytes < where["half"].offset + 14 + 4  # the empty one, aligned
+
+
+def test_slots_alternate_and_the_newest_complete_one_is_read_back(tmp_path):
+    tensors = _tensors()
+    region = RegionStore.open(tmp_path / "r.bin")
+    for step in (1, 2, 3):
+        _write(region, step, tensors)
+    assert [(s.slot, s.step) for s in region.slots()] == [(0, 3), (1, 2)]
+    slot, got, meta = region.newest()
+    assert slot.step == 3 and meta["skeleton"] == {"step": 3}
+    assert torch.equal(got["big"], tensors["big"] + 3) and torch.equal(got["tiny"], tensors["tiny"])
+    # metadata apart from data: the JSON section holds no tensor bytes, the data section no JSON
+    manifest = max((r.manifest for r in region.manifests() if r.manifest), key=lambda m: m.step)
+    assert manifest.step == 3 and set(manifest.objects) == set(tensors)
+    offset, nbytes = region.object_location(manifest.objects["big"])
+    raw = (tmp_path / "r.bin").read_bytes()
+    assert raw[offset:offset + nbytes] == (tensors["big"] + 3).numpy().tobytes() and offset % ALIGN == 0
+    region.close()
+
+
+@pytest.mark.parametrize("damage", ["flip a data byte", "flip a metadata byte", "tear the header", "truncate"])
+def test_a_damaged_slot_is_skipped_with_a_warning_naming_it(tmp_path, damage):
+    """I3/I4: the newest slot damaged in each way; recovery takes the other slot and says which was skipped."""
+    tensors = _tensors()
+    region = RegionStore.open(tmp_path / "r.bin")
+    _write(region, 1, tensors)
+    _write(region, 2, tensors)
+    newest = region.slots()[0]
+    manifest = next(r.manifest for r in region.manifests() if r.manifest and r.manifest.step == 2)
+    offset, nbytes = region.object_location(manifest.objects["big"])
+    region.close()
+    path = tmp_path / "r.bin"
+    raw = bytearray(path.read_bytes())
+    if damage == "flip a data byte":
+        raw[offset + nbytes // 2] ^= 0x10
+    elif damage == "flip a metadata byte":
+        raw[newest.area_offset + 20] ^= 0x10
+    elif damage == "tear the header":
+        raw[(1 + newest.slot) * 4096 + 30] ^= 0x10
+    else:
+        raw = raw[:newest.area_offset + 10]
+    path.write_bytes(raw)
+    region = RegionStore.open(path, access="read")
+    with pytest.warns(UserWarning, match=f"slot {newest.slot}"):
+        slot, got, _ = region.newest()
+    assert slot.step == 1 and torch.equal(got["big"], tensors["big"] + 1)
+    region.close()
+
+
+def test_a_reader_changes_nothing_and_never_runs_what_the_metadata_holds(tmp_path):
+    """I5, I9: reading maps the file copy-on-write; metadata is JSON, a pickle there is just bad JSON."""
+    region = RegionStore.open(tmp_path / "r.bin")
+    _write(region, 1, _tensors())
+    before = (tmp_path / "r.bin").read_bytes(), os.stat(tmp_path / "r.bin").st_mtime_ns
+    reader = RegionStore.open(tmp_path / "r.bin", access="read")
+    slot, got, _ = reader.newest()
+    got["big"].add_(1.0)  # a copy: the file does not change
+    with pytest.raises(Exception, match="opened for reading"):
+        reader.begin(RegionLayout.of(_tensors()), 10)
+    reader.close()
+    assert ((tmp_path / "r.bin").read_bytes(), os.stat(tmp_path / "r.bin").st_mtime_ns) == before
+    region.close()
+
+
+def test_one_writer_per_region(tmp_path):
+    region = RegionStore.open(tmp_path / "r.bin")
+    with pytest.raises(Exception, match="in use by another process"):
+        RegionStore.open(tmp_path / "r.bin")
+    region.close()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return run(TrainConfig(workload="mlp", strategy="none", steps=STEPS, seed=3, progress=False))
+
+
+_KILLED = """
+import sys, torch
+from everystep import Checkpointer, _faults
+from everystep._faults import arm
+from everystep.eval.workloads import build
+torch.use_deterministic_algorithms(True)
+directory, point, nth, steps, progress = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+w = build("mlp", seed=3)
+arm(point, after=nth)
+with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="lightcheck",
+                  persist_every=3) as ckpt:
+    ckpt.restore()
+    for t in range(1, steps + 1):
+        w.loss(w.data.next()).backward()
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+        w.scheduler.step()
+        with open(progress, "a") as f:
+            f.write(f"{t}\\n")
+"""
+
+
+def _train(w, start: int, losses: list[float]) -> None:
+    for _ in range(start + 1, STEPS + 1):
+        loss = w.loss(w.data.next())
+        loss.backward()
+        losses.append(loss.item())
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+        w.scheduler.step()
+
+
+def _final_hash(w) -> str:
+    components = TrainingComponents(model=w.model, optimizer=w.optimizer, scheduler=w.scheduler, data=w.data)
+    return state_hash({"step": STEPS, **components.capture(), **components.capture_boundary()})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> tuple[list[float], str]:
+    torch.use_deterministic_algorithms(True)
+    w, losses = build("mlp", seed=3), []
+    _train(w, 0, losses)
+    return losses, _final_hash(w)
+
+
+def _resume(directory: str, losses: list[float]) -> tuple[int, str, list[float]]:
+    """Restore from ``directory`` and train to STEPS; the step restored, the final state's hash, the losses."""
+    w = build("mlp", seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a torn slot is warned about
+        with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                          strategy="lightcheck", persist_every=3) as ckpt:
+            start = ckpt.restore()
+            _train(w, start, losses)
+    return start, _final_hash(w), losses
+
+
+_CASES = [(point, random.Random(f"{point}/{i}").randint(lo, hi))
+          for point, lo, hi in [("store.object.mid_write", 2, 7), ("lightcheck.copy.unit", 3, 20),
+                                ("store.region.before_header", 2, 7), ("store.region.mid_header", 3, 14)]
+          for i in range(2)]
+
+
+@pytest.mark.parametrize("mode", ["software", "hardware"])
+@pytest.mark.parametrize("point, nth", _CASES)
+def test_a_kill_anywhere_in_a_copy_or_a_commit_loses_at_most_one_step(tmp_path, point, nth, mode, uninterrupted):
+    """I1, I2, I3: SIGKILL at the nth arrival at a point inside the copy or the commit of a slot; a
+    software failure loses at most one step, a host loss (the region gone) what was not persisted;
+    training goes on to the uninterrupted run's state bitwise."""
+    directory, progress = str(tmp_path / "c"), tmp_path / "progress"
+    killed = subprocess.run([sys.executable, "-c", _KILLED, directory, point, str(nth), str(STEPS), str(progress)],
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
+    assert killed.returncode == -9
+    done = int(progress.read_text().split()[-1]) if progress.exists() else 0
+    if mode == "hardware":
+        (tmp_path / "c" / "region" / "rank-0.bin").unlink()  # the host's memory is gone
+    start, final, losses = _resume(directory, [])
+    assert start >= (done - 1 if mode == "software" else done // 3 * 3 - 3)
+    assert start <= done
+    ref_losses, ref_final = uninterrupted
+    assert losses == ref_losses[start:] and final == ref_final
+
+
+def test_slow_copies_make_the_update_wait_per_layer_and_recovery_stays_exact(tmp_path, monkeypatch, reference):
+    """The copies never see a half-updated layer: each unit's copy is slowed down; the updates wait
+    (per layer, in stats) and a kill-and-recover run still ends bitwise where the reference does."""
+    monkeypatch.setenv("EVERYSTEP_DELAY", "lightcheck.copy.unit:1+=0.002")
+    s = run(TrainConfig(workload="mlp", strategy="lightcheck", steps=STEPS, seed=3, directory=str(tmp_path / "c"),
+                        every=1, fail_at=(5,), progress=False))
+    assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]
+    w = build("mlp", seed=3)
+    strategy = LightCheck(LightCheck.Config(persist_every=0))
+    _faults.arm("lightcheck.copy.unit", action=functools.partial(time.sleep, 0.01), repeat=True)
+    try:
+        with Checkpointer(tmp_path / "d", w.model, w.optimizer, strategy=strategy) as ckpt:
+            ckpt.restore()
+            for _ in range(4):
+                w.loss(w.data.next()).backward()
+                w.optimizer.step()
+                w.optimizer.zero_grad()
+    finally:
+        _faults.disarm("lightcheck.copy.unit")
+    layers = {name for name, _ in w.model.named_parameters()}
+    assert strategy.layer_waits and all(v >= 0 for v in strategy.layer_waits.values())
+    assert {n.rpartition(".")[0] for n in layers} <= set(strategy.layer_waits)
+    units = len(strategy.layer_waits)
+    assert sum(strategy.layer_waits.values()) >= 3 * units * 0.01 / 2  # three updates waited for slowed copies
+    assert ckpt.stats.snapshot_wait_seconds >= sum(strategy.layer_waits.values())
+
+
+def test_a_reader_beside_a_live_run_gets_a_verified_slot(tmp_path):
+    directory = tmp_path / "c"
+    w = build("mlp", seed=3)
+    with Checkpointer(directory, w.model, w.optimizer, strategy="lightcheck", persist_every=0) as ckpt:
+        ckpt.restore()
+        for t in range(1, 6):
+            w.loss(w.data.next()).backward()
+            w.optimizer.step()
+            w.optimizer.zero_grad()
+            if t >= 3:
+                reader = RegionStore.open(directory / "region" / "rank-0.bin", access="read")
+                slot, _, meta = reader.newest()
+                assert t - 2 <= slot.step <= t and json.loads(json.dumps(meta["skeleton"]))
+                reader.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+@pytest.mark.parametrize("mode, source", [("software", "region"), ("hardware", "disk")])
+def test_a_region_in_shared_memory_outlives_the_process_not_the_host(tmp_path, reference, mode, source):
+    """Software failure: recovery reads the region (no storage read). Host loss: the region on tmpfs
+    is gone, and recovery takes the newest full checkpoint the region was persisted to."""
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-")
+    try:
+        s = run(TrainConfig(workload="mlp", strategy="lightcheck", steps=STEPS, seed=3, directory=str(tmp_path / "c"),
+                            fail_at=(6,), fail_mode=mode, progress=False,
+                            options={"region": f"{shm}/rank-{{rank}}.bin", "persist_every": 2}))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert [r["source"] for r in s["recoveries"]] == [source]
+    assert s["recoveries"][0]["resumed_from"] >= (s["recoveries"][0]["failed_at"] - 2 if mode == "software" else 2)  # at most one done step lost
+    assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]
