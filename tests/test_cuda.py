@@ -6,6 +6,8 @@ Skipped where torch sees no GPU; ``--device cuda`` refusing such a machine is te
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import warnings
 
 import pytest
@@ -17,8 +19,9 @@ from everystep.eval.bench import BenchConfig
 from everystep.eval.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
-from everystep.state import state_hash
+from everystep.state import flatten, state_hash
 from everystep.storage import CheckpointDirectory
+from everystep.storage.region import RegionStore
 from everystep.transport.host import HostBuffer, HostBufferPool, TensorLayout, snapshot_into
 
 from .test_checkpointer import loop
@@ -122,3 +125,42 @@ def test_the_replica_of_a_gpu_trained_model_is_rebased_and_its_final_checkpoint_
     live = {"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(), "step": 7}
     assert manifest.step == 7
     assert state_hash({k: tree[k] for k in live}) == state_hash(live)
+
+
+@gpu
+@pytest.mark.parametrize("mode, source", [("software", "region"), ("hardware", "disk")])
+def test_lightcheck_trained_on_the_gpu_recovers_bitwise_from_its_region(tmp_path, mode, source):
+    """The region's mapping registered for DMA, copies on a side stream with an event per layer:
+    the copies are of the state itself, so recovery is bitwise on the GPU too. The region lies in
+    /dev/shm: a host loss takes it, and recovery reads the persisted checkpoint instead."""
+    steps = 10
+    ref = _reference(steps=steps)
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-")
+    try:
+        got = run(TrainConfig(workload="gpt2-tiny", strategy="lightcheck", steps=steps, directory=str(tmp_path / "c"),
+                              fail_at=(4, 8), fail_mode=mode, device="cuda", progress=False,
+                              options={"region": f"{shm}/rank-{{rank}}.bin", "persist_every": 2}))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert [r["source"] for r in got["recoveries"]] == [source] * 2
+    assert got["losses"] == ref["losses"]
+    assert got["final_state_sha256"] == ref["final_state_sha256"]
+
+
+@gpu
+def test_lightcheck_copies_by_dma_into_the_registered_region_and_waits_on_events(tmp_path):
+    w = build("gpt2-tiny", seed=0, optimizer="adamw", device="cuda")
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                      strategy="lightcheck", persist_every=0, flush=False) as ckpt:
+        loop(w, ckpt, ckpt.restore(), 6)
+    strategy = ckpt.strategy
+    assert strategy.registered is True  # the mapping is pinned for the GPU's DMA
+    assert len(strategy.copy_seconds) == 6 and all(s > 0 for s in strategy.copy_seconds)  # steps 1-5, the final 6
+    live, _ = flatten({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
+    region = RegionStore.open(tmp_path / "c" / "region" / "rank-0.bin", access="read")
+    try:
+        slot, tensors, _ = region.newest()
+        assert slot.step == 6
+        assert all(torch.equal(tensors[k], live[k].cpu()) for k in live), "the region holds S_6 bitwise"
+    finally:
+        region.close()

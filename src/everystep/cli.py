@@ -151,7 +151,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options.setdefault(strategy, {})[name] = value
     cfg = bench.BenchConfig(workload=args.workload, strategies=args.strategies, steps=args.steps, warmup=args.warmup,
                             every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
-                            compress=args.compress, options=options, device=args.device)
+                            compress=args.compress, options=options, device=args.device,
+                            scratch=args.scratch)
     if args.max_frequency:
         found = bench.max_frequency(cfg, args.budget)
         print(f"smallest checkpoint interval within {args.budget:.1%} overhead on {cfg.workload}:")
@@ -280,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-frequency", action="store_true", help="find each strategy's smallest interval within --budget")
     b.add_argument("--budget", type=float, default=0.035, help="overhead budget for --max-frequency (default 0.035)")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every run trains (default cpu)")
+    b.add_argument("--scratch", default=None, help="where each run's checkpoint directory is made (default: the "
+                   "temporary directory); /dev/shm keeps lightcheck's region in memory")
     b.add_argument("--json", metavar="PATH")
     b.add_argument("--plot", metavar="PATH", help="write a PNG figure")
     b.set_defaults(func=cmd_bench)

@@ -45,6 +45,9 @@ class BenchConfig:
     """Gradient compression for every strategy, the ``none`` reference included."""
     device: str = "cpu"
     """``cpu`` or ``cuda``: where every run trains."""
+    scratch: str | None = None
+    """Where each run's checkpoint directory is made (None: the system's temporary directory);
+    ``/dev/shm`` keeps lightcheck's region, which lies in that directory by default, in memory."""
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -76,6 +79,7 @@ def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
         "workload": cfg.workload, "strategy": strategy, "steps": cfg.steps, "warmup": cfg.warmup,
         "every": every, "threads": cfg.threads, "seed": cfg.seed, "repeat": repeat,
         "options": cfg.options.get(strategy, {}), "compress": cfg.compress, "device": cfg.device,
+        "scratch": cfg.scratch,
     }
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
     proc = subprocess.run([sys.executable, "-m", "everystep.eval.measure", json.dumps(spec)],

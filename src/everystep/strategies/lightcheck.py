@@ -368,6 +368,8 @@ class LightCheck(Strategy):
             settled(copy.future)
         assert self.region is not None
         self.region.commit(writer, copy.step, skeleton)
+        assert self.ctx.store is not None
+        self.ctx.store.count_written_elsewhere(writer.layout.nbytes)  # the region's bytes count as written
         self.ctx.in_memory(copy.step)
         if self.region.flush:
             self.ctx.committed(copy.step, count=False)
