@@ -24,7 +24,7 @@ from everystep.state import TrainingComponents, state_hash
 from everystep.storage.region import ALIGN, RegionLayout, RegionStore
 from everystep.strategies.lightcheck import LightCheck
 
-from .conftest import ROOT
+from .conftest import ROOT, call_cli, run_cli
 
 STEPS = 8
 
@@ -267,3 +267,19 @@ def test_a_region_in_shared_memory_outlives_the_process_not_the_host(tmp_path, r
     assert [r["source"] for r in s["recoveries"]] == [source]
     assert s["recoveries"][0]["resumed_from"] >= (s["recoveries"][0]["failed_at"] - 2 if mode == "software" else 2)  # at most one done step lost
     assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]
+
+
+def test_inspect_and_verify_list_the_region_slots_and_name_a_damaged_one(tmp_path, capsys):
+    d = tmp_path / "c"
+    assert run_cli("train", "--strategy", "lightcheck", "--steps", "5", "--dir", str(d)).returncode == 0
+    code, listing, _ = call_cli(capsys, "inspect", str(d))
+    assert code == 0 and listing.count("region step") == 2 and "valid" in listing
+    path = d / "region" / "rank-0.bin"
+    region = RegionStore.open(path, access="read")
+    newest = region.slots()[0]
+    region.close()
+    raw = bytearray(path.read_bytes())
+    raw[newest.area_offset + 8] ^= 0x01  # the metadata of the newest slot
+    path.write_bytes(raw)
+    code, out, _ = call_cli(capsys, "verify", str(d))
+    assert code == 1 and f"slot {newest.slot}" in out and "fails its checksum" in out

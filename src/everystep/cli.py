@@ -99,15 +99,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .inventory import verify_store
+    from .inventory import inspect_store, verify_store
     from .storage.directory import CheckpointDirectory
 
     store = CheckpointDirectory.open(args.dir, create=False, access="read")
-    problems = verify_store(store)
+    rows = inspect_store(store)
+    problems = verify_store(store, rows)
     _write_json(args.json, {"directory": str(store.root), "problems": problems})
     for problem in problems:
         print(problem)
-    count = sum(1 for r in store.store.manifests())
+    count = len(rows)
     print(f"{store.root}: {count} checkpoint(s), " + (f"{len(problems)} problem(s)" if problems else "all verify"))
     return 1 if problems else 0
 
@@ -153,6 +154,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
                             compress=args.compress, options=options, device=args.device,
                             scratch=args.scratch)
+    if args.region_layout:
+        from .eval.region_layout import measure_layouts
+
+        r = measure_layouts(cfg.workload, device=cfg.device, repeats=max(cfg.repeats, 3), where=cfg.scratch)
+        print(f"region write throughput, {cfg.workload}'s state ({r['bytes'] / 2**20:.1f} MiB in {r['tensors']} tensors) "
+              f"from {cfg.device}, {'flushed' if r['flushed'] else 'not flushed (tmpfs)'}, median of {r['repeats']}:")
+        print("| layout | seconds | GB/s |\n|---|---|---|")
+        for name in ("separated", "interleaved"):
+            print(f"| {name} | {r[name]['seconds']:.4f} | {r[name]['gb_per_s']:.2f} |")
+        print(f"separated layout: {r['speedup']:.2f}× the interleaved one's throughput")
+        _write_json(args.json, {"machine": bench.machine_info(cfg.threads), "region_layout": r})
+        return 0
     if args.max_frequency:
         found = bench.max_frequency(cfg, args.budget)
         print(f"smallest checkpoint interval within {args.budget:.1%} overhead on {cfg.workload}:")
@@ -280,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-frequency", action="store_true", help="find each strategy's smallest interval within --budget")
     b.add_argument("--budget", type=float, default=0.035, help="overhead budget for --max-frequency (default 0.035)")
+    b.add_argument("--region-layout", action="store_true", help="write throughput of lightcheck's region layout "
+                   "against metadata interleaved with data, on the workload's state")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every run trains (default cpu)")
     b.add_argument("--scratch", default=None, help="where each run's checkpoint directory is made (default: the "
                    "temporary directory); /dev/shm keeps lightcheck's region in memory")

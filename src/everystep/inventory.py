@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from .errors import CorruptCheckpointError
 from .storage.base import Store
 from .storage.directory import CheckpointDirectory
 from .recovery import read_full
+from .storage.region import RegionStore
+from .strategies.lightcheck import region_path
 
-__all__ = ["inspect_store", "verify_store"]
+__all__ = ["inspect_store", "verify_store", "region_rows", "region_paths"]
 
 
 def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
@@ -36,7 +39,46 @@ def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
         if reasons:
             row.update(valid=False, reason="; ".join(reasons))
         rows.append(row)
+    rows += region_rows(directory)
     return sorted(rows, key=lambda r: (r["step"], r["name"]))
+
+
+def region_paths(directory: CheckpointDirectory) -> list[Path]:
+    """lightcheck's regions that belong to ``directory``: where its run record says, else the default place."""
+    if directory.marker.get("strategy") != "lightcheck":
+        return []
+    option = ((directory.marker.get("run") or {}).get("options") or {}).get("region")
+    world = int(directory.marker.get("world_size", 1))
+    paths = [region_path(directory.root, option, rank, world) for rank in range(world)]
+    return [p for p in paths if p.exists()]
+
+
+def region_rows(directory: CheckpointDirectory) -> list[dict[str, Any]]:
+    """One row per complete or damaged slot of each region, verified (read as a reader: a copy)."""
+    rows = []
+    for path in region_paths(directory):
+        region = RegionStore.open(path, access="read")
+        try:
+            for record in region.manifests():
+                name = f"{path}:{record.name}"
+                if record.manifest is None:
+                    rows.append({"name": name, "kind": "region", "step": -1, "bytes": 0, "valid": False,
+                                 "reason": record.error})
+                    continue
+                row = {"name": name, "kind": "region", "step": record.manifest.step, "bytes": record.manifest.nbytes,
+                       "valid": True, "reason": None}
+                slot = next((s for s in region.slots(warn=False) if s.name == record.name), None)
+                if slot is None:
+                    continue  # rewritten by the run while it was listed
+                try:
+                    region.read_slot(slot, copy=True)
+                except CorruptCheckpointError as e:
+                    if region.committed(record.name):
+                        row.update(valid=False, reason=str(e))
+                rows.append(row)
+        finally:
+            region.close()
+    return rows
 
 
 def _read_each(store: Store, manifest: Any) -> list[str]:
@@ -50,12 +92,14 @@ def _read_each(store: Store, manifest: Any) -> list[str]:
     return reasons
 
 
-def verify_store(directory: CheckpointDirectory) -> list[str]:
-    """Every problem in a checkpoint directory, each naming the file: checkpoints that fail to
-    verify (checksum, size, missing object, unreadable manifest), and files that no checkpoint
-    names (left by a crash, or copied in). An empty list means all is well."""
+def verify_store(directory: CheckpointDirectory, rows: list[dict[str, Any]] | None = None) -> list[str]:
+    """Every problem in a checkpoint directory, each naming the file: checkpoints (and lightcheck's
+    region slots) that fail to verify (checksum, size, missing object, unreadable manifest), and
+    files that no checkpoint names (left by a crash, or copied in). An empty list means all is
+    well. ``rows``: what :func:`inspect_store` already returned."""
     store = directory.store
-    problems = [f"{row['name']}: {row['reason']}" for row in inspect_store(directory) if not row["valid"]]
+    rows = inspect_store(directory) if rows is None else rows
+    problems = [f"{row['name']}: {row['reason']}" for row in rows if not row["valid"]]
     named = {o.name for r in store.manifests() if r.manifest for o in r.manifest.objects.values()}
     for name in store.stored_files():
         if name not in named:

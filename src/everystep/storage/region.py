@@ -470,14 +470,14 @@ class RegionStore:
         tensors = {e.key: data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries}
         return tensors, meta
 
-    def newest(self, *, steps: Iterable[int] | None = None, copy: bool = False
+    def newest(self, *, steps: Iterable[int] | None = None, copy: bool = False, warn: bool = True
                ) -> tuple[RegionSlot, dict[str, torch.Tensor], dict[str, Any]] | None:
         """The newest complete slot that verifies (among ``steps`` if given); each one skipped is
-        warned about. A reader (``access="read"``) always gets copies (``copy``: the writer too),
+        warned about (``warn``). A reader (``access="read"``) always gets copies (``copy``: the writer too),
         and a slot its writer rewrote while it was read is passed over without a warning."""
         allowed = None if steps is None else set(steps)
         copy = copy or self.access == "read"
-        for slot in self.slots():
+        for slot in self.slots(warn=warn):
             if allowed is not None and slot.step not in allowed:
                 continue
             try:
@@ -485,7 +485,8 @@ class RegionStore:
             except CorruptCheckpointError as e:
                 if self.access == "read" and self._parse(slot.slot)[0] != slot:
                     continue  # rewritten by the writer while it was read: not corrupt
-                warnings.warn(f"skipping {e}", stacklevel=2)
+                if warn:
+                    warnings.warn(f"skipping {e}", stacklevel=2)
                 continue
             if self.access == "read" and self._parse(slot.slot)[0] != slot:
                 continue

@@ -226,7 +226,8 @@ class LightCheck(Strategy):
     def _restore(self) -> Recovered | None:
         if not self._use_disk and self.region is not None:
             t0 = time.perf_counter()
-            found = self.region.newest(steps=self._agreed, copy=True)  # the optimizer keeps what it loads
+            # a copy: the optimizer keeps what it loads; what was skipped was warned about in agreeing
+            found = self.region.newest(steps=self._agreed, copy=True, warn=False)
             if found is not None:
                 slot, tensors, meta = found
                 tree = unflatten(meta["skeleton"], tensors)
