@@ -283,3 +283,30 @@ def test_inspect_and_verify_list_the_region_slots_and_name_a_damaged_one(tmp_pat
     path.write_bytes(raw)
     code, out, _ = call_cli(capsys, "verify", str(d))
     assert code == 1 and f"slot {newest.slot}" in out and "fails its checksum" in out
+
+
+def test_a_corrupt_newest_slot_gives_way_to_the_same_step_persisted_in_the_directory(tmp_path):
+    """Recovery takes the newest of the region's verified slots and the directory's verified full
+    checkpoints: the newest slot damaged, the step persisted in the directory is restored."""
+    directory = tmp_path / "c"
+    w = build("mlp", seed=3)
+    with Checkpointer(directory, w.model, w.optimizer, strategy="lightcheck", persist_every=1) as ckpt:
+        ckpt.restore()
+        for _ in range(4):
+            w.loss(w.data.next()).backward()
+            w.optimizer.step()
+            w.optimizer.zero_grad()
+    expected = state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
+    path = directory / "region" / "rank-0.bin"
+    region = RegionStore.open(path, access="read")
+    newest = region.slots()[0]
+    region.close()
+    raw = bytearray(path.read_bytes())
+    raw[newest.area_offset + 8] ^= 0x01
+    path.write_bytes(raw)
+    w2 = build("mlp", seed=3)
+    with pytest.warns(UserWarning, match=f"slot {newest.slot}"):
+        with Checkpointer(directory, w2.model, w2.optimizer, strategy="lightcheck", persist_every=1,
+                          final=False) as again:
+            assert again.restore() == 4 and again.recovered.source == "disk"
+    assert state_hash({"model": w2.model.state_dict(), "optimizer": w2.optimizer.state_dict()}) == expected

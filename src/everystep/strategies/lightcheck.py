@@ -224,21 +224,30 @@ class LightCheck(Strategy):
         return True
 
     def _restore(self) -> Recovered | None:
-        if not self._use_disk and self.region is not None:
-            t0 = time.perf_counter()
-            # a copy: the optimizer keeps what it loads; what was skipped was warned about in agreeing
-            found = self.region.newest(steps=self._agreed, copy=True, warn=False)
-            if found is not None:
-                slot, tensors, meta = found
-                tree = unflatten(meta["skeleton"], tensors)
-                self.ctx.components.restore(tree)
-                return Recovered(step=slot.step, tree=tree, source="region", manifest=None,
-                                 seconds=time.perf_counter() - t0)
+        """The agreed region step, unless the directory holds a newer full checkpoint that verifies
+        (every rank reads the same directory, so every rank decides alike)."""
         assert self.ctx.directory is not None
-        found_disk = recover(self.ctx.directory)
-        if found_disk is not None:
-            self.ctx.components.restore(found_disk.tree)
-        return found_disk
+        disk = recover(self.ctx.directory) if self._use_disk else None
+        found = None
+        if disk is None or disk.step < max(self._agreed, default=-1):
+            found = self._from_region()
+        if found is None:
+            found = disk if self._use_disk else recover(self.ctx.directory)
+        if found is not None:
+            self.ctx.components.restore(found.tree)
+        return found
+
+    def _from_region(self) -> Recovered | None:
+        if self.region is None or not self._agreed:
+            return None
+        t0 = time.perf_counter()
+        # a copy: the optimizer keeps what it loads; what was skipped was warned about in agreeing
+        found = self.region.newest(steps=self._agreed, copy=True, warn=False)
+        if found is None:
+            return None
+        slot, tensors, meta = found
+        return Recovered(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region", manifest=None,
+                         seconds=time.perf_counter() - t0)
 
     def _on_start(self, step: int) -> None:
         if self.region is not None and self.region.access != "read":
