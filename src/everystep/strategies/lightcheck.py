@@ -187,67 +187,57 @@ class LightCheck(Strategy):
         self._persister = Worker("everystep-lightcheck-persist", self.errors)
         self._staging = HostBufferPool(1, pin=False)
         self._stream: Any = None
-        self._agreed: set[int] = set()
+        self._chosen: Recovered | None = None
         self._use_disk = False
 
     # -- restore -------------------------------------------------------------------------------
 
     def _agree_restore(self) -> None:
-        """Collective: every rank verifies its region's slots; the ranks take the newest step all
-        of them hold, unless the disk holds a newer full checkpoint."""
+        """Collective: every rank reads and verifies its region's slots, newest first (one process
+        stops at the first that verifies); the ranks take the newest step all of them hold, unless
+        the disk holds a newer full checkpoint."""
         assert self.ctx.directory is not None
         ranks = self.ctx.directory.ranks
-        verified = self._verified_steps()
+        verified = self._read_slots(every=ranks.distributed)
         disk = max((r.manifest.step for r in self.ctx.directory.store.manifests() if r.manifest and r.manifest.kind == "full"),
                    default=-1)
+        common = set(verified)
         if ranks.distributed:
-            every = ranks.all_gather("control", sorted(verified))
-            common = set(every[0]).intersection(*map(set, every[1:]))
-        else:
-            common = verified
+            for theirs in ranks.all_gather("control", sorted(verified)):
+                common &= set(theirs)
         newest = max(common, default=-1)
-        self._agreed = {newest} if newest >= 0 else set()
+        self._chosen = verified.get(newest)
         self._use_disk = newest < disk or newest < 0
 
-    def _verified_steps(self) -> set[int]:
+    def _read_slots(self, *, every: bool) -> dict[int, Recovered]:
+        """The region's slots that verify, read as copies (the optimizer keeps what it loads), by
+        step; newest first, only the newest one unless ``every``. Each slot skipped is warned about."""
+        found: dict[int, Recovered] = {}
         if self.region is None:
-            return set()
-        return {slot.step for slot in self.region.slots() if self._verifies(slot)}
-
-    def _verifies(self, slot: Any) -> bool:
-        assert self.region is not None
-        try:
-            self.region.read_slot(slot, copy=self.region.access == "read")
-        except CorruptCheckpointError as e:
-            warnings.warn(f"skipping {e}", stacklevel=3)
-            return False
-        return True
+            return found
+        for slot in self.region.slots():
+            t0 = time.perf_counter()
+            try:
+                tensors, meta = self.region.read_slot(slot, copy=True)
+            except CorruptCheckpointError as e:
+                warnings.warn(f"skipping {e}", stacklevel=4)
+                continue
+            found[slot.step] = Recovered(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region",
+                                         manifest=None, seconds=time.perf_counter() - t0)
+            if not every:
+                break
+        return found
 
     def _restore(self) -> Recovered | None:
-        """The agreed region step, unless the directory holds a newer full checkpoint that verifies
+        """The agreed region slot, unless the directory holds a newer full checkpoint that verifies
         (every rank reads the same directory, so every rank decides alike)."""
         assert self.ctx.directory is not None
+        chosen, self._chosen = self._chosen, None  # read and verified while agreeing
         disk = recover(self.ctx.directory) if self._use_disk else None
-        found = None
-        if disk is None or disk.step < max(self._agreed, default=-1):
-            found = self._from_region()
-        if found is None:
-            found = disk if self._use_disk else recover(self.ctx.directory)
+        found = chosen if chosen is not None and (disk is None or disk.step < chosen.step) else disk
         if found is not None:
             self.ctx.components.restore(found.tree)
         return found
-
-    def _from_region(self) -> Recovered | None:
-        if self.region is None or not self._agreed:
-            return None
-        t0 = time.perf_counter()
-        # a copy: the optimizer keeps what it loads; what was skipped was warned about in agreeing
-        found = self.region.newest(steps=self._agreed, copy=True, warn=False)
-        if found is None:
-            return None
-        slot, tensors, meta = found
-        return Recovered(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region", manifest=None,
-                         seconds=time.perf_counter() - t0)
 
     def _on_start(self, step: int) -> None:
         if self.region is not None and self.region.access != "read":
