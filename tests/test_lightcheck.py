@@ -310,3 +310,21 @@ def test_a_corrupt_newest_slot_gives_way_to_the_same_step_persisted_in_the_direc
                           final=False) as again:
             assert again.restore() == 4 and again.recovered.source == "disk"
     assert state_hash({"model": w2.model.state_dict(), "optimizer": w2.optimizer.state_dict()}) == expected
+
+
+def test_a_region_made_for_another_directory_is_refused_and_left_as_it_is(tmp_path):
+    """I7: two runs given the same region= in turn: the second is refused, naming the region, and
+    the first run's region and checkpoints are untouched."""
+    region = str(tmp_path / "shared-region.bin")
+    w = build("mlp", seed=3)
+    with Checkpointer(tmp_path / "a", w.model, w.optimizer, strategy="lightcheck", region=region) as ckpt:
+        ckpt.restore()
+        w.loss(w.data.next()).backward()
+        w.optimizer.step()
+    before = (tmp_path / "shared-region.bin").read_bytes()
+    w2 = build("mlp", seed=3)
+    with pytest.raises(Exception, match="belongs to another checkpoint directory"):
+        Checkpointer(tmp_path / "b", w2.model, w2.optimizer, strategy="lightcheck", region=region)
+    assert (tmp_path / "shared-region.bin").read_bytes() == before
+    with Checkpointer(tmp_path / "a", w2.model, w2.optimizer, strategy="lightcheck", region=region, final=False) as again:
+        assert again.restore() == 1 and again.recovered.source == "region"

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from .errors import CorruptCheckpointError
 from .storage.base import Store
 from .storage.directory import CheckpointDirectory
 from .recovery import read_full
-from .storage.region import RegionStore
-from .strategies.lightcheck import region_path
+from .strategies.lightcheck import open_region
 
-__all__ = ["inspect_store", "verify_store", "region_rows", "region_paths"]
+__all__ = ["inspect_store", "verify_store", "region_rows"]
 
 
 def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
@@ -43,24 +41,20 @@ def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["step"], r["name"]))
 
 
-def region_paths(directory: CheckpointDirectory) -> list[Path]:
-    """lightcheck's regions that belong to ``directory``: where its run record says, else the default place."""
+def region_rows(directory: CheckpointDirectory) -> list[dict[str, Any]]:
+    """lightcheck's regions of ``directory`` (where its run record says, else the default place):
+    one row per complete or damaged slot, verified (read as a reader reads, as a copy)."""
     if directory.marker.get("strategy") != "lightcheck":
         return []
     option = ((directory.marker.get("run") or {}).get("options") or {}).get("region")
-    world = int(directory.marker.get("world_size", 1))
-    paths = [region_path(directory.root, option, rank, world) for rank in range(world)]
-    return [p for p in paths if p.exists()]
-
-
-def region_rows(directory: CheckpointDirectory) -> list[dict[str, Any]]:
-    """One row per complete or damaged slot of each region, verified (read as a reader: a copy)."""
     rows = []
-    for path in region_paths(directory):
-        region = RegionStore.open(path, access="read")
+    for rank in range(int(directory.marker.get("world_size", 1))):
+        region = open_region(directory, option, rank=rank)
+        if region is None:
+            continue
         try:
             for record in region.manifests():
-                name = f"{path}:{record.name}"
+                name = f"{region.path}:{record.name}"
                 if record.manifest is None:
                     rows.append({"name": name, "kind": "region", "step": -1, "bytes": 0, "valid": False,
                                  "reason": record.error})

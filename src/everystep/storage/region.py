@@ -59,7 +59,7 @@ ALIGN = 128
 PAGE = mmap.ALLOCATIONGRANULARITY
 _MAGIC = b"EVERYSTEP-REGION"
 _VERSION = 1
-_FILE_HEADER = struct.Struct("<16sII")
+_FILE_HEADER = struct.Struct("<16sII32s")  # magic, version, page size, owner
 _SLOT_MAGIC = b"EVSLOT01"
 _SLOT = struct.Struct("<8sIIQQQQQ16s")  # magic, state, slot, step, generation, area offset, area size, meta size, meta digest
 _WRITING, _COMPLETE = 1, 2
@@ -226,6 +226,8 @@ class RegionStore:
         self.flush = flush
         """Whether commits are flushed (``msync``) before the header: the file is meant to survive the host."""
         self._fd = fd
+        self.owner = ""
+        """What the region belongs to, as recorded when it was made."""
         self._lock = threading.Lock()
         self._bytes_written = 0
         self._generation = 0
@@ -236,9 +238,10 @@ class RegionStore:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, access: Access = "write", ranks: Ranks | None = None,
-             flush: bool | None = None) -> "RegionStore":
+             flush: bool | None = None, owner: str = "") -> "RegionStore":
         """Open (a writer: create) the region at ``path``. ``flush``: ``None`` flushes unless the file
-        lies on tmpfs/ramfs, where a flush cannot make it outlive the host."""
+        lies on tmpfs/ramfs, where a flush cannot make it outlive the host. ``owner``: up to 32
+        ASCII characters recorded when the file is made (what it belongs to; :attr:`owner` reads it back)."""
         path = Path(path)
         if access == "read":
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -253,21 +256,24 @@ class RegionStore:
                     raise DirectoryInUseError(f"the region {path} is in use by another process: one writer per region "
                                               "(give each run its own region=)", None) from None
             size = os.fstat(fd).st_size
-            if size == 0 and access != "read":
+            head = os.pread(fd, _FILE_HEADER.size, 0)
+            if access != "read" and head.strip(b"\0") == b"":  # new, or its making was cut short
                 os.ftruncate(fd, _AREAS_START)
-                os.pwrite(fd, _FILE_HEADER.pack(_MAGIC, _VERSION, PAGE), 0)
+                head = _FILE_HEADER.pack(_MAGIC, _VERSION, PAGE, owner.encode("ascii"))
+                os.pwrite(fd, head, 0)
                 os.fsync(fd)
-            else:
-                head = os.pread(fd, _FILE_HEADER.size, 0)
-                if len(head) < _FILE_HEADER.size or size < _AREAS_START:
-                    raise CorruptCheckpointError(f"{path} is not an everystep region (it is {size} bytes)")
-                magic, version, page = _FILE_HEADER.unpack(head)
-                if magic != _MAGIC or version != _VERSION or page != PAGE:
-                    raise CorruptCheckpointError(f"{path} is not an everystep region of version {_VERSION} "
-                                                 f"with {PAGE}-byte pages")
+                size = _AREAS_START
+            if len(head) < _FILE_HEADER.size or size < _AREAS_START:
+                raise CorruptCheckpointError(f"{path} is not an everystep region (it is {size} bytes)")
+            magic, version, page, stored_owner = _FILE_HEADER.unpack(head)
+            if magic != _MAGIC or version != _VERSION or page != PAGE:
+                raise CorruptCheckpointError(f"{path} is not an everystep region of version {_VERSION} "
+                                             f"with {PAGE}-byte pages")
             if flush is None:
                 flush = not on_volatile_memory(path)
-            return cls(path, fd, access=access, ranks=ranks or Ranks(), flush=flush)
+            region = cls(path, fd, access=access, ranks=ranks or Ranks(), flush=flush)
+            region.owner = stored_owner.rstrip(b"\0").decode("ascii", "replace")
+            return region
         except BaseException:
             os.close(fd)
             raise

@@ -31,17 +31,18 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from .._faults import crash_point
 from ..background import Worker, settled
-from ..errors import ConfigError, CorruptCheckpointError
+from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError
 from ..layout import TensorLayout
 from ..policy.interval import due
 from ..recovery import Recovered, recover
@@ -53,7 +54,10 @@ from ..storage.tensorfile import buffer_chunks
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig
 
-__all__ = ["LightCheck", "LightCheckConfig", "region_path"]
+if TYPE_CHECKING:
+    from ..storage.directory import CheckpointDirectory
+
+__all__ = ["LightCheck", "LightCheckConfig", "region_path", "open_region"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,6 +84,41 @@ def region_path(directory: Path, region: str | None, rank: int, world: int) -> P
     if "{rank}" in region:
         return Path(region.replace("{rank}", str(rank)))
     return Path(region) if world == 1 else Path(f"{region}.rank-{rank}")
+
+
+def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: bool | None = None,
+                rank: int | None = None) -> RegionStore | None:
+    """This rank's region of ``directory``: made if absent (a writer), or ``None`` for a reader
+    where there is none. A region records, when made, the token that its directory keeps in
+    ``region-r<rank>.owner``; a region that another directory made (a ``region=`` path given to two
+    runs in turn) is refused to a writer, nothing changed, and skipped with a warning by a reader.
+    ``rank``: a reader's choice of rank (default: this process's)."""
+    ranks = directory.ranks
+    rank = ranks.rank if rank is None else rank
+    world = ranks.world if directory.access != "read" else int(directory.marker.get("world_size", ranks.world))
+    path = region_path(directory.root, region, rank, world)
+    claim = directory.root / f"region-r{rank}.owner"
+    token = claim.read_text().strip() if claim.exists() else None
+    if directory.access == "read":
+        if not path.exists():
+            return None
+        found = RegionStore.open(path, access="read", ranks=ranks)
+        if found.owner != token:
+            found.close()
+            warnings.warn(f"the region {path} belongs to another checkpoint directory than {directory.root}: not read",
+                          stacklevel=3)
+            return None
+        return found
+    if token is None:
+        token = uuid.uuid4().hex
+        directory.store.put_file(claim.name, token.encode())  # before the region: a region is always claimed
+    found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token)
+    if found.owner != token:
+        found.close()
+        raise CheckpointDirectoryError(
+            f"the region {path} belongs to another checkpoint directory than {directory.root} (it may hold that "
+            f"run's checkpoints, so nothing was changed): give this run its own region= or delete {path}")
+    return found
 
 
 @dataclass(eq=False)
@@ -171,12 +210,7 @@ class LightCheck(Strategy):
     def _attach(self) -> None:
         directory = self.ctx.directory
         assert directory is not None
-        ranks = directory.ranks
-        path = region_path(directory.root, self.config.region, ranks.rank, ranks.world)
-        if directory.access == "read":
-            self.region = RegionStore.open(path, access="read", ranks=ranks) if path.exists() else None
-        else:
-            self.region = RegionStore.open(path, ranks=ranks, flush=self.config.flush)
+        self.region = open_region(directory, self.config.region, flush=self.config.flush)
         self._last = -1
         self._pending: _Copy | None = None
         self._slot = self.region.next_slot() if self.region is not None and directory.access != "read" else 0
