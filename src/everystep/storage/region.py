@@ -2,7 +2,7 @@
 
 One file, laid out in pages::
 
-    page 0       file header: magic, version, page size (written once, when the file is made)
+    page 0       file header: magic, version, page size, owner (written once, when the file is made)
     page 1, 2    the header of slot 0 and of slot 1, each on its own page
     areas        one per slot, anywhere after the headers: a metadata section, then a data section
 

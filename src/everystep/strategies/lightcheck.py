@@ -362,8 +362,8 @@ class LightCheck(Strategy):
                 self._copy_cpu(copy, writer, tensors, plan)
         finally:
             copy.progress.end()
-        copy.commit = self._committer.submit(f"commit in the region of the state at step {copy.step}", self._commit, copy, writer,
-                                             skeleton, plan, tensors)
+        copy.commit = self._committer.submit(f"commit in the region of the state at step {copy.step}", self._commit,
+                                             copy, writer, skeleton, plan)
         self._committing[slot] = copy.commit
 
     def _copy_cpu(self, copy: _Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], plan: _Plan) -> None:
@@ -393,8 +393,9 @@ class LightCheck(Strategy):
                 event.record(stream)
                 copy.events.append(event)
 
-    def _commit(self, copy: _Copy, writer: SlotWriter, skeleton: Any, plan: _Plan, tensors: dict[str, torch.Tensor]) -> None:
-        """Commit thread: wait for the copies, then checksums, metadata, header."""
+    def _commit(self, copy: _Copy, writer: SlotWriter, skeleton: Any, plan: _Plan) -> None:
+        """Commit thread: wait for the copies, then checksums, metadata, header. (``copy`` holds the
+        frozen copies the side stream reads until its events are done.)"""
         if copy.events:
             copy.events[-1].synchronize()
             self.copy_seconds.append(copy.ready.elapsed_time(copy.events[-1]) / 1e3)
