@@ -64,6 +64,8 @@ _SLOT_MAGIC = b"EVSLOT01"
 _SLOT = struct.Struct("<8sIIQQQQQ16s")  # magic, state, slot, step, generation, area offset, area size, meta size, meta digest
 _WRITING, _COMPLETE = 1, 2
 _AREAS_START = 3 * PAGE
+_PARALLEL_HASH = 1 << 20
+"""Tensors of at least this many bytes are hashed on the pool's threads."""
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.complex64, torch.complex128)}
@@ -159,6 +161,13 @@ class _Area:
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.registered = False
         self._tried = False
+        self._views: tuple[RegionLayout, dict[str, torch.Tensor]] | None = None
+
+    def views(self, layout: "RegionLayout") -> dict[str, torch.Tensor]:
+        """A typed view of the data section per tensor of ``layout`` (made once per layout)."""
+        if self._views is None or self._views[0] != layout:
+            self._views = (layout, {e.key: self.data_view(e) for e in layout.entries})
+        return self._views[1]
 
     def overlaps(self, offset: int, nbytes: int) -> bool:
         return offset < self.offset + self.nbytes and self.offset < offset + nbytes
@@ -378,20 +387,24 @@ class RegionStore:
         meta_nbytes = _round_up(2 * meta_hint + 64 * len(layout.entries) + PAGE, PAGE)
         area = self._area_for(slot, meta_nbytes, layout.nbytes)
         self._write_header(slot, _WRITING, 0, generation, area, 0, bytes(16))
-        views = {e.key: area.data_view(e) for e in layout.entries}
-        return SlotWriter(slot, layout, views, area, generation)
+        return SlotWriter(slot, layout, area.views(layout), area, generation)
 
     def register(self, writer: SlotWriter) -> bool:
         """Pin the slot's mapping for DMA from the GPU; False where the driver refuses."""
         return writer.area.register()
 
     def checksums(self, writer: SlotWriter) -> dict[str, str]:
-        """Each tensor's checksum (threads; the hash releases the GIL)."""
-        view = memoryview(writer.area.mm)
-        base = writer.area.meta_nbytes
-        entries = writer.layout.entries
-        sums = self._pool.map(lambda e: checksum_of(view[base + e.offset:base + e.offset + e.nbytes]), entries)
-        return dict(zip((e.key for e in entries), sums))
+        """Each tensor's checksum."""
+        return self._checksums(memoryview(writer.area.mm)[writer.area.meta_nbytes:], writer.layout.entries)
+
+    def _checksums(self, data: memoryview, entries: Sequence[RegionEntry]) -> dict[str, str]:
+        """The checksum of each entry of ``data``: large tensors on the pool's threads (the hash
+        releases the GIL), small ones here, in one loop (a task each would cost more than the hash)."""
+        futures = {e.key: self._pool.submit(checksum_of, data[e.offset:e.offset + e.nbytes])
+                   for e in entries if e.nbytes >= _PARALLEL_HASH}
+        sums = {e.key: checksum_of(data[e.offset:e.offset + e.nbytes]) for e in entries if e.nbytes < _PARALLEL_HASH}
+        sums.update((k, f.result()) for k, f in futures.items())
+        return sums
 
     def commit(self, writer: SlotWriter, step: int, skeleton: Any, meta: dict[str, Any] | None = None,
                checksums: dict[str, str] | None = None) -> None:
@@ -468,10 +481,9 @@ class RegionStore:
         data = area.bytes[base:base + data_nbytes]
         if copy:
             data = data.clone()
-        view = memoryview(data.numpy()) if data_nbytes else memoryview(b"")
-        got = list(self._pool.map(lambda e: checksum_of(view[e.offset:e.offset + e.nbytes]), layout.entries))
-        for e, digest in zip(layout.entries, got):
-            if digest != sums[e.key]:
+        got = self._checksums(memoryview(data.numpy()) if data_nbytes else memoryview(b""), layout.entries)
+        for e in layout.entries:
+            if got[e.key] != sums[e.key]:
                 raise CorruptCheckpointError(f"{where}: tensor {e.key!r} fails its checksum")
         tensors = {e.key: data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries}
         return tensors, meta
