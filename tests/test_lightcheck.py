@@ -67,6 +67,7 @@ def test_slots_alternate_and_the_newest_complete_one_is_read_back(tmp_path):
     offset, nbytes = region.object_location(manifest.objects["big"])
     raw = (tmp_path / "r.bin").read_bytes()
     assert raw[offset:offset + nbytes] == (tensors["big"] + 3).numpy().tobytes() and offset % ALIGN == 0
+    assert bytes(region.read_object(manifest.objects["big"])) == raw[offset:offset + nbytes]
     region.close()
 
 

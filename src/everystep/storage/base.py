@@ -156,7 +156,8 @@ class Store(Protocol):
     def bytes_written(self) -> int: ...
 
     def count_written_elsewhere(self, n: int) -> None:
-        """Add ``n`` bytes that another process (a checkpoint agent) wrote to this store."""
+        """Add ``n`` bytes written for this directory elsewhere than through this store: by a checkpoint
+        agent (another process), or into lightcheck's region."""
 
     def check_writable(self) -> None:
         """Raise :class:`~everystep.errors.ReadOnlyStoreError` if the store was opened for reading."""

@@ -109,7 +109,8 @@ class LocalStore:
             self._bytes_written += n
 
     def count_written_elsewhere(self, n: int) -> None:
-        """Add ``n`` bytes that another process (a checkpoint agent) wrote to this directory."""
+        """Add ``n`` bytes written for this directory elsewhere than through this store (a checkpoint
+        agent's, lightcheck's region)."""
         self._count(n)
 
     def _atomic_write(self, final: Path, data: bytes, what: str = "file") -> None:

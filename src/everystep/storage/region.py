@@ -38,7 +38,7 @@ import os
 import struct
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +50,7 @@ import xxhash
 from .._faults import crash_point
 from ..distributed import Ranks
 from ..errors import CorruptCheckpointError, DirectoryInUseError, EverystepError, ReadOnlyStoreError
+from ..layout import LayoutEntry
 from .base import CHECKSUM_ALGORITHM, Access, Manifest, ManifestRecord, ObjectInfo
 
 __all__ = ["RegionStore", "RegionLayout", "RegionSlot", "SlotWriter", "ALIGN", "on_volatile_memory"]
@@ -100,21 +101,11 @@ def on_volatile_memory(path: Path) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class RegionEntry:
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    """From the start of the data section."""
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
 class RegionLayout:
-    """Where each tensor lies in a slot's data section: in copy order, those of more than
-    :data:`ALIGN` bytes at aligned offsets, then the small ones packed."""
+    """Where each tensor lies in a slot's data section (offsets from its start): in copy order,
+    those of more than :data:`ALIGN` bytes at aligned offsets, then the small ones packed."""
 
-    entries: tuple[RegionEntry, ...]
+    entries: tuple[LayoutEntry, ...]
     nbytes: int
 
     @classmethod
@@ -124,11 +115,11 @@ class RegionLayout:
         sizes = {k: tensors[k].numel() * tensors[k].element_size() for k in order}
         for key in (k for k in order if sizes[k] > ALIGN):
             offset = _round_up(offset, ALIGN)
-            entries.append(RegionEntry(key, tensors[key].dtype, tuple(tensors[key].shape), offset, sizes[key]))
+            entries.append(LayoutEntry(key, tensors[key].dtype, tuple(tensors[key].shape), offset, sizes[key]))
             offset += sizes[key]
         for key in (k for k in order if sizes[k] <= ALIGN):
             offset = _round_up(offset, tensors[key].element_size())
-            entries.append(RegionEntry(key, tensors[key].dtype, tuple(tensors[key].shape), offset, sizes[key]))
+            entries.append(LayoutEntry(key, tensors[key].dtype, tuple(tensors[key].shape), offset, sizes[key]))
             offset += sizes[key]
         return cls(tuple(entries), offset)
 
@@ -146,7 +137,7 @@ class RegionLayout:
             if int(nbytes) != math.prod(shape) * dt.itemsize or int(offset) < 0 or int(offset) + int(nbytes) > data_nbytes \
                     or int(offset) % dt.itemsize:
                 raise ValueError(f"tensor {key!r} does not fit its slot ({offset}+{nbytes} of {data_nbytes} bytes)")
-            entries.append(RegionEntry(str(key), dt, shape, int(offset), int(nbytes)))
+            entries.append(LayoutEntry(str(key), dt, shape, int(offset), int(nbytes)))
             sums[str(key)] = str(digest)
         return cls(tuple(entries), data_nbytes), sums
 
@@ -172,7 +163,7 @@ class _Area:
     def overlaps(self, offset: int, nbytes: int) -> bool:
         return offset < self.offset + self.nbytes and self.offset < offset + nbytes
 
-    def data_view(self, entry: RegionEntry) -> torch.Tensor:
+    def data_view(self, entry: LayoutEntry) -> torch.Tensor:
         start = self.meta_nbytes + entry.offset
         return self.bytes[start:start + entry.nbytes].view(entry.dtype).view(entry.shape)
 
@@ -224,6 +215,18 @@ class SlotWriter:
     generation: int
 
 
+@dataclass(frozen=True, eq=False)
+class _SlotMeta:
+    """A slot's verified metadata: where its data starts in its area, its layout, its checksums."""
+
+    where: str
+    area: _Area
+    meta: dict[str, Any]
+    base: int
+    layout: RegionLayout
+    sums: dict[str, str]
+
+
 class RegionStore:
     """The two-slot region in one file (see the module docstring)."""
 
@@ -238,7 +241,6 @@ class RegionStore:
         self.owner = ""
         """What the region belongs to, as recorded when it was made."""
         self._lock = threading.Lock()
-        self._bytes_written = 0
         self._generation = 0
         self._areas: dict[int, _Area] = {}
         self._headers = mmap.mmap(fd, _AREAS_START, mmap.MAP_SHARED if access != "read" else mmap.MAP_PRIVATE,
@@ -335,15 +337,6 @@ class RegionStore:
         if self.access == "read":
             raise ReadOnlyStoreError(f"{self.path} was opened for reading; nothing may be written there")
 
-    @property
-    def bytes_written(self) -> int:
-        with self._lock:
-            return self._bytes_written
-
-    def count_written_elsewhere(self, n: int) -> None:
-        with self._lock:
-            self._bytes_written += n
-
     def next_slot(self) -> int:
         """The slot a writer takes first: the one not holding the newest complete checkpoint."""
         found = self.slots(warn=False)
@@ -397,7 +390,7 @@ class RegionStore:
         """Each tensor's checksum."""
         return self._checksums(memoryview(writer.area.mm)[writer.area.meta_nbytes:], writer.layout.entries)
 
-    def _checksums(self, data: memoryview, entries: Sequence[RegionEntry]) -> dict[str, str]:
+    def _checksums(self, data: memoryview, entries: Sequence[LayoutEntry]) -> dict[str, str]:
         """The checksum of each entry of ``data``: large tensors on the pool's threads (the hash
         releases the GIL), small ones here, in one loop (a task each would cost more than the hash)."""
         futures = {e.key: self._pool.submit(checksum_of, data[e.offset:e.offset + e.nbytes])
@@ -424,8 +417,6 @@ class RegionStore:
             area.mm.flush()
         crash_point("store.region.before_header")
         self._write_header(writer.slot, _COMPLETE, step, writer.generation, area, len(body), _digest(body))
-        with self._lock:
-            self._bytes_written += writer.layout.nbytes + len(body)
 
     def _invalidate(self, s: RegionSlot) -> None:
         self.check_writable()
@@ -455,14 +446,9 @@ class RegionStore:
             return mine
         return _Area(self._fd, slot.area_offset, slot.area_nbytes, 0, writable=False)
 
-    def read_slot(self, slot: RegionSlot, *, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The slot's tensors and its metadata, after every checksum is verified; raises
-        :class:`CorruptCheckpointError` naming the slot.
-
-        The tensors are views of the mapping, valid while the slot is not rewritten: the region's
-        writer reads them so. ``copy``: a reader beside a live writer gets a copy, taken before the
-        checksums are verified on it (a slot rewritten meanwhile fails them, and :meth:`newest`
-        sees that its header changed)."""
+    def _metadata(self, slot: RegionSlot) -> "_SlotMeta":
+        """The slot's metadata, its checksum verified and its layout checked against its area;
+        raises :class:`CorruptCheckpointError` naming the slot."""
         area = self._read_area(slot)
         where = f"slot {slot.slot} (step {slot.step}) of {self.path}"
         raw = bytes(area.mm[:slot.meta_nbytes])
@@ -478,38 +464,51 @@ class RegionStore:
             layout, sums = RegionLayout.from_json(meta["tensors"], data_nbytes)
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"{where}: unreadable metadata ({e})") from None
-        data = area.bytes[base:base + data_nbytes]
+        return _SlotMeta(where, area, meta, base, layout, sums)
+
+    def read_slot(self, slot: RegionSlot, *, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The slot's tensors and its metadata, after every checksum is verified; raises
+        :class:`CorruptCheckpointError` naming the slot.
+
+        The tensors are views of the mapping, valid while the slot is not rewritten: the region's
+        writer reads them so. ``copy``: a reader beside a live writer gets a copy, taken before the
+        checksums are verified on it (a slot rewritten meanwhile fails them, and :meth:`newest`
+        sees that its header changed)."""
+        m = self._metadata(slot)
+        data = m.area.bytes[m.base:m.base + m.layout.nbytes]
         if copy:
             data = data.clone()
-        got = self._checksums(memoryview(data.numpy()) if data_nbytes else memoryview(b""), layout.entries)
-        for e in layout.entries:
-            if got[e.key] != sums[e.key]:
-                raise CorruptCheckpointError(f"{where}: tensor {e.key!r} fails its checksum")
-        tensors = {e.key: data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries}
-        return tensors, meta
+        got = self._checksums(memoryview(data.numpy()) if m.layout.nbytes else memoryview(b""), m.layout.entries)
+        for e in m.layout.entries:
+            if got[e.key] != m.sums[e.key]:
+                raise CorruptCheckpointError(f"{m.where}: tensor {e.key!r} fails its checksum")
+        tensors = {e.key: data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in m.layout.entries}
+        return tensors, m.meta
 
-    def newest(self, *, steps: Iterable[int] | None = None, copy: bool = False, warn: bool = True
-               ) -> tuple[RegionSlot, dict[str, torch.Tensor], dict[str, Any]] | None:
-        """The newest complete slot that verifies (among ``steps`` if given); each one skipped is
-        warned about (``warn``). A reader (``access="read"``) always gets copies (``copy``: the writer too),
-        and a slot its writer rewrote while it was read is passed over without a warning."""
-        allowed = None if steps is None else set(steps)
+    def verified(self, *, copy: bool = False, warn: bool = True
+                 ) -> Iterator[tuple[RegionSlot, dict[str, torch.Tensor], dict[str, Any]]]:
+        """The complete slots that verify, newest first, each read as :meth:`read_slot` reads it;
+        each one skipped is warned about (``warn``). A reader (``access="read"``) always gets copies
+        (``copy``: the writer too), and a slot its writer rewrote while it was read is passed over
+        without a warning."""
         copy = copy or self.access == "read"
         for slot in self.slots(warn=warn):
-            if allowed is not None and slot.step not in allowed:
-                continue
             try:
                 tensors, meta = self.read_slot(slot, copy=copy)
             except CorruptCheckpointError as e:
                 if self.access == "read" and self._parse(slot.slot)[0] != slot:
                     continue  # rewritten by the writer while it was read: not corrupt
                 if warn:
-                    warnings.warn(f"skipping {e}", stacklevel=2)
+                    warnings.warn(f"skipping {e}", stacklevel=3)
                 continue
             if self.access == "read" and self._parse(slot.slot)[0] != slot:
                 continue
-            return slot, tensors, meta
-        return None
+            yield slot, tensors, meta
+
+    def newest(self, *, copy: bool = False, warn: bool = True
+               ) -> tuple[RegionSlot, dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The newest complete slot that verifies (see :meth:`verified`), or None."""
+        return next(self.verified(copy=copy, warn=warn), None)
 
     # -- the Store protocol's reading half -------------------------------------------------------
 
@@ -527,35 +526,36 @@ class RegionStore:
         return records
 
     def _manifest(self, slot: RegionSlot) -> Manifest:
-        area = self._read_area(slot)
-        raw = bytes(area.mm[:slot.meta_nbytes])
-        if _digest(raw) != slot.meta_digest:
-            raise CorruptCheckpointError(f"slot {slot.slot} of {self.path}: its metadata fails its checksum")
-        meta = json.loads(raw)
-        objects = {row[0]: ObjectInfo(f"slot{slot.slot}/{row[0]}", int(row[4]), str(row[5])) for row in meta["tensors"]}
+        m = self._metadata(slot)
+        objects = {e.key: ObjectInfo(f"slot{slot.slot}/{e.key}", e.nbytes, m.sums[e.key]) for e in m.layout.entries}
         return Manifest(kind="full", step=slot.step, objects=objects,
-                        meta={"skeleton": meta["skeleton"], "slot": slot.slot, "generation": slot.generation, **meta["meta"]},
+                        meta={"skeleton": m.meta["skeleton"], "slot": slot.slot, "generation": slot.generation,
+                              **m.meta["meta"]},
                         rank=self.ranks.rank)
 
-    def read_object(self, info: ObjectInfo) -> bytearray:
+    def _entry(self, info: ObjectInfo) -> tuple["_SlotMeta", LayoutEntry]:
+        """The verified metadata of the complete slot that holds the object, and the object's entry."""
         number, _, key = info.name.partition("/")
         for slot in self.slots(warn=False):
             if f"slot{slot.slot}" == number:
-                tensors, _ = self.read_slot(slot)
-                if key in tensors:
-                    return bytearray(tensors[key].reshape(-1).view(torch.uint8).numpy().tobytes())
+                m = self._metadata(slot)
+                entry = next((e for e in m.layout.entries if e.key == key), None)
+                if entry is not None:
+                    return m, entry
         raise CorruptCheckpointError(f"{info.name} is not in a complete slot of {self.path}")
+
+    def read_object(self, info: ObjectInfo) -> bytearray:
+        """The object's bytes (one tensor of a slot), its checksum verified."""
+        m, e = self._entry(info)
+        data = bytearray(m.area.mm[m.base + e.offset:m.base + e.offset + e.nbytes])
+        if checksum_of(memoryview(data)) != m.sums[e.key]:
+            raise CorruptCheckpointError(f"{m.where}: tensor {e.key!r} fails its checksum")
+        return data
 
     def object_location(self, info: ObjectInfo) -> tuple[int, int]:
         """Where an object of a complete slot lies in the file: its offset and size."""
-        number, _, key = info.name.partition("/")
-        for slot in self.slots(warn=False):
-            if f"slot{slot.slot}" == number:
-                meta = json.loads(bytes(self._read_area(slot).mm[:slot.meta_nbytes]))
-                for row in meta["tensors"]:
-                    if row[0] == key:
-                        return slot.area_offset + int(meta["meta_section"]) + int(row[3]), int(row[4])
-        raise KeyError(f"{info.name} is not in a complete slot of {self.path}")
+        m, e = self._entry(info)
+        return m.area.offset + m.base + e.offset, e.nbytes
 
     def committed(self, manifest_name: str) -> bool:
         return any(s.name == manifest_name for s in self.slots(warn=False))

@@ -42,7 +42,7 @@ import torch
 
 from .._faults import crash_point
 from ..background import Worker, settled
-from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError
+from ..errors import CheckpointDirectoryError, ConfigError
 from ..layout import TensorLayout
 from ..policy.interval import due
 from ..recovery import Recovered, recover
@@ -249,17 +249,13 @@ class LightCheck(Strategy):
         found: dict[int, Recovered] = {}
         if self.region is None:
             return found
-        for slot in self.region.slots():
-            t0 = time.perf_counter()
-            try:
-                tensors, meta = self.region.read_slot(slot, copy=True)
-            except CorruptCheckpointError as e:
-                warnings.warn(f"skipping {e}", stacklevel=4)
-                continue
+        t0 = time.perf_counter()
+        for slot, tensors, meta in self.region.verified(copy=True):
             found[slot.step] = Recovered(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region",
                                          manifest=None, seconds=time.perf_counter() - t0)
             if not every:
                 break
+            t0 = time.perf_counter()
         return found
 
     def _restore(self) -> Recovered | None:
