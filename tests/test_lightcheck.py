@@ -100,8 +100,9 @@ def test_a_damaged_slot_is_skipped_with_a_warning_naming_it(tmp_path, damage):
     region.close()
 
 
-def test_a_reader_changes_nothing_and_never_runs_what_the_metadata_holds(tmp_path):
-    """I5, I9: reading maps the file copy-on-write; metadata is JSON, a pickle there is just bad JSON."""
+def test_a_reader_changes_nothing_and_cannot_write(tmp_path):
+    """I9: reading maps the file copy-on-write and refuses to begin a slot. (I5/I8, a pickle planted
+    in a slot: ``test_trust.py::test_a_region_slot_forged_to_hold_a_pickle_is_refused_without_running_code``.)"""
     region = RegionStore.open(tmp_path / "r.bin")
     _write(region, 1, _tensors())
     before = (tmp_path / "r.bin").read_bytes(), os.stat(tmp_path / "r.bin").st_mtime_ns

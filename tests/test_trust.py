@@ -285,3 +285,34 @@ def test_bad_connections_neither_end_the_agent_nor_hold_it_past_its_grace(tmp_pa
     silent.close()
     log = (tmp_path / "agent.log").read_text()
     assert log.count("dropped a connection") >= 2 and "failed the handshake" in log
+
+
+def test_a_region_slot_forged_to_hold_a_pickle_is_refused_without_running_code(tmp_path):
+    """I5/I8 for lightcheck's region: someone who can write the file replaces the newest slot's
+    metadata with a pickle and recomputes every checksum; loading skips that slot as unreadable,
+    runs nothing, and recovers the other slot."""
+    from everystep.storage import region as rg
+
+    w = build("mlp", seed=0)
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                      strategy="lightcheck", persist_every=0, final=False) as ckpt:  # nothing in the directory
+        ckpt.restore()
+        _train(w, ckpt, 0, 3)
+    path = tmp_path / "c" / "region" / "rank-0.bin"
+    reader = rg.RegionStore.open(path, access="read")
+    newest, older = reader.slots()
+    reader.close()
+    payload = pickle.dumps(_RunsCode(tmp_path / "pwned"))
+    raw = bytearray(path.read_bytes())
+    raw[newest.area_offset:newest.area_offset + len(payload)] = payload
+    body = rg._SLOT.pack(rg._SLOT_MAGIC, rg._COMPLETE, newest.slot, newest.step, newest.generation, newest.area_offset,
+                         newest.area_nbytes, len(payload), rg._digest(payload))
+    at = (1 + newest.slot) * rg.PAGE
+    raw[at:at + len(body) + 16] = body + rg._digest(body)
+    path.write_bytes(raw)
+    w2 = build("mlp", seed=0)
+    with pytest.warns(UserWarning, match=f"slot {newest.slot} .*unreadable metadata"):
+        with Checkpointer(tmp_path / "c", w2.model, w2.optimizer, scheduler=w2.scheduler, data=w2.data,
+                          strategy="lightcheck", persist_every=0, final=False) as again:
+            assert again.restore() == older.step and again.recovered.source == "region"
+    assert not (tmp_path / "pwned").exists()
