@@ -1,6 +1,9 @@
 """The store: atomic commits, checksums, crash safety, retention, refusing foreign directories.
 
 Store behaviour is tested through ``STORES``, so every Store implementation passes the same suite.
+The reading half of the protocol (manifests, objects, checksums, discard, readers that change
+nothing) is tested through ``READERS`` as well, which adds lightcheck's region: it is written by
+copying into a slot (``begin``/``commit``), not through ``write_object``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from safetensors import safe_open
 from everystep.errors import CheckpointDirectoryError, CorruptCheckpointError, ReadOnlyStoreError
 from everystep.storage import CheckpointDirectory, LocalStore, Manifest, plan_retention
 from everystep.storage.directory import marker_bytes
+from everystep.storage.region import RegionLayout, RegionStore
 from everystep.storage.tensorfile import load_tensors, tensor_chunks
 from everystep.transport import HostBuffer, TensorLayout, snapshot_into
 from everystep.storage.tensorfile import buffer_chunks
@@ -255,3 +259,91 @@ def test_tensor_file_opens_with_the_safetensors_library(tmp_path):
 def test_corrupt_tensor_file_is_refused():
     with pytest.raises(CorruptCheckpointError, match="not a valid safetensors file"):
         load_tensors(b"\x80\x04garbage", what="object x")
+
+
+class _Written:
+    """A store of ``READERS`` with what each one needs to be written to and damaged."""
+
+    def __init__(self, store, open_reader, commit, locate) -> None:
+        self.store, self.open_reader, self.commit, self.locate = store, open_reader, commit, locate
+
+
+def _local_written(path: Path) -> _Written:
+    store = _bare_local(path)
+
+    def commit(step: int, payload: bytes) -> Manifest:
+        return _commit(store, step, payload)
+
+    def locate(info) -> tuple[Path, int, int]:
+        p = store.root / "objects" / info.name
+        return p, 0, p.stat().st_size
+
+    return _Written(store, lambda: LocalStore(path, access="read"), commit, locate)
+
+
+def _region_written(path: Path) -> _Written:
+    store = RegionStore.open(path)
+
+    def commit(step: int, payload: bytes) -> Manifest:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        writer = store.begin(RegionLayout.of({"data": data}), 100)
+        writer.views["data"].copy_(data)
+        store.commit(writer, step, {"step": step})
+        return next(r.manifest for r in store.manifests() if r.manifest and r.manifest.step == step)
+
+    def locate(info) -> tuple[Path, int, int]:
+        return (path, *store.object_location(info))
+
+    return _Written(store, lambda: RegionStore.open(path, access="read"), commit, locate)
+
+
+READERS = {"local": _local_written, "region": _region_written}
+"""Every Store implementation, for the protocol's reading half."""
+
+
+@pytest.fixture(params=sorted(READERS))
+def written(request, tmp_path):
+    w = READERS[request.param](tmp_path / "ckpt")
+    yield w
+    if isinstance(w.store, RegionStore):
+        w.store.close()
+
+
+def test_every_store_reads_back_what_it_committed_and_lists_it(written):
+    m = written.commit(1, b"0123456789" * 10)
+    assert [r.manifest.step for r in written.store.manifests()] == [1]
+    assert bytes(written.store.read_object(m.objects["data"])) == b"0123456789" * 10
+    assert written.store.committed(m.name)
+
+
+def test_every_store_detects_a_flipped_byte_in_an_object(written):
+    m = written.commit(1, b"0123456789" * 10)
+    path, offset, nbytes = written.locate(m.objects["data"])
+    raw = bytearray(path.read_bytes())
+    raw[offset + nbytes // 2] ^= 0x01
+    path.write_bytes(raw)
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+        written.store.read_object(m.objects["data"])
+
+
+def test_every_store_discards_a_checkpoint_and_keeps_the_other(written):
+    m1, m2 = written.commit(1, b"a" * 64), written.commit(2, b"b" * 64)
+    written.store.discard(m1.name)
+    assert [r.manifest.name for r in written.store.manifests() if r.manifest] == [m2.name]
+    assert not written.store.committed(m1.name) and written.store.committed(m2.name)
+
+
+def test_every_store_opened_for_reading_changes_nothing(written, tmp_path):
+    m = written.commit(1, b"x" * 100)
+    reader = written.open_reader()
+    try:
+        assert [r.manifest.step for r in reader.manifests() if r.manifest] == [1]
+        assert bytes(reader.read_object(m.objects["data"])) == b"x" * 100
+        before = files_of(tmp_path)
+        for change in (lambda: reader.discard(m.name), reader.check_writable):
+            with pytest.raises(ReadOnlyStoreError):
+                change()
+        assert files_of(tmp_path) == before
+    finally:
+        if isinstance(reader, RegionStore):
+            reader.close()

@@ -53,16 +53,17 @@ def region_rows(directory: CheckpointDirectory) -> list[dict[str, Any]]:
         if region is None:
             continue
         try:
+            complete = {s.slot: s for s in region.slots(warn=False)}
             for record in region.manifests():
-                name = f"{region.path}:{record.name}"
                 if record.manifest is None:
-                    rows.append({"name": name, "kind": "region", "step": -1, "bytes": 0, "valid": False,
-                                 "reason": record.error})
+                    rows.append({"name": f"{region.path}:{record.name}", "kind": "region", "step": -1, "bytes": 0,
+                                 "valid": False, "reason": record.error})
                     continue
-                row = {"name": name, "kind": "region", "step": record.manifest.step, "bytes": record.manifest.nbytes,
-                       "valid": True, "reason": None}
-                slot = next((s for s in region.slots(warn=False) if s.name == record.name), None)
-                if slot is None:
+                number = record.manifest.meta["slot"]
+                row = {"name": f"{region.path}:slot{number}", "kind": "region", "step": record.manifest.step,
+                       "bytes": record.manifest.nbytes, "valid": True, "reason": None}
+                slot = complete.get(number)
+                if slot is None or slot.step != record.manifest.step:
                     continue  # rewritten by the run while it was listed
                 try:
                     region.read_slot(slot, copy=True)

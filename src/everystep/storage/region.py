@@ -199,10 +199,6 @@ class RegionSlot:
     meta_nbytes: int
     meta_digest: bytes
 
-    @property
-    def name(self) -> str:
-        return f"full-{self.step:012d}-slot{self.slot}"
-
 
 @dataclass(eq=False)
 class SlotWriter:
@@ -520,10 +516,14 @@ class RegionStore:
                 records.append(ManifestRecord(f"slot{slot}", None, problem))
             elif parsed is not None:
                 try:
-                    records.append(ManifestRecord(parsed.name, self._manifest(parsed)))
+                    records.append(ManifestRecord(self._name(parsed), self._manifest(parsed)))
                 except CorruptCheckpointError as e:
-                    records.append(ManifestRecord(parsed.name, None, str(e)))
+                    records.append(ManifestRecord(self._name(parsed), None, str(e)))
         return records
+
+    def _name(self, slot: RegionSlot) -> str:
+        """The name of the manifest the slot is listed as (a :class:`Manifest`'s own name)."""
+        return Manifest(kind="full", step=slot.step, objects={}, rank=self.ranks.rank).name
 
     def _manifest(self, slot: RegionSlot) -> Manifest:
         m = self._metadata(slot)
@@ -558,11 +558,11 @@ class RegionStore:
         return m.area.offset + m.base + e.offset, e.nbytes
 
     def committed(self, manifest_name: str) -> bool:
-        return any(s.name == manifest_name for s in self.slots(warn=False))
+        return any(self._name(s) == manifest_name for s in self.slots(warn=False))
 
     def discard(self, manifest_name: str) -> None:
         for s in self.slots(warn=False):
-            if s.name == manifest_name:
+            if self._name(s) == manifest_name:
                 self._invalidate(s)
 
     def stored_files(self) -> list[str]:
