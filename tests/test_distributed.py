@@ -46,9 +46,11 @@ class _References(dict):
         super().__init__()
         self.tmp = tmp
 
-    def __missing__(self, compress: str | None) -> dict:
-        self[compress] = _job(self.tmp, "none", compress=compress)
-        return self[compress]
+    def __missing__(self, key: str | None) -> dict:
+        """``key``: the compression, or ``"in_backward"`` for updates in backward."""
+        kw = {"in_backward": True} if key == "in_backward" else {"compress": key}
+        self[key] = _job(self.tmp, "none", **kw)
+        return self[key]
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +88,13 @@ def test_background_commits_never_wait_on_the_training_group(delayed, reference)
     ("lowdiff", "topk:0.01", "software", {"every": 5, "options": {"batch": 2}}),
     ("lowdiff_plus", None, "software", {"every": 3}),
     ("lightcheck", None, "software", {"options": {"persist_every": 3}}),
+    ("lightcheck", None, "software", {"options": {"persist_every": 3}, "in_backward": True}),
 ])
 def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference, strategy, compress, mode, extra):
-    # Step 4 kills rank 1 and step 7 rank 0, each in the middle of a checkpoint write (seed 0).
+    # Step 4 kills rank 1 and step 7 rank 0, each in the middle of a checkpoint write (seed 0). With
+    # in_backward, each bucket's parameters are updated once its all-reduce completes.
     summary = _job(tmp_path, strategy, compress=compress, fail_at=(4, 7), fail_mode=mode, **extra)
-    ref = reference[compress]
+    ref = reference["in_backward" if extra.get("in_backward") else compress]
     assert [r["failed_at"] for r in summary["recoveries"]] == [4, 7]
     assert summary["rank_state_sha256"] == ref["rank_state_sha256"]
     assert summary["losses"] == ref["losses"]

@@ -22,6 +22,7 @@ FORBIDDEN = {
     "background": {"transport", "storage", "strategies", "agent", "eval", "checkpointer", "recovery", "capture"},
     "replay": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery"},
     "recovery": {"strategies", "agent", "eval", "checkpointer", "cli"},
+    "optim": {"storage", "transport", "strategies", "agent", "eval", "checkpointer", "recovery", "cli"},
 }
 """Top-level part of the package (a sub-package or a module) → parts it must not import."""
 

@@ -134,17 +134,16 @@ from everystep import Checkpointer, _faults
 from everystep._faults import arm
 from everystep.eval.workloads import build
 torch.use_deterministic_algorithms(True)
+torch.set_num_threads(1)
 directory, point, nth, steps, progress = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-w = build("mlp", seed=3)
+w = build("mlp", seed=3, in_backward=sys.argv[6] == "1")
 arm(point, after=nth)
 with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="lightcheck",
                   persist_every=3) as ckpt:
     ckpt.restore()
     for t in range(1, steps + 1):
         w.loss(w.data.next()).backward()
-        w.optimizer.step()
-        w.optimizer.zero_grad()
-        w.scheduler.step()
+        w.update()
         with open(progress, "a") as f:
             f.write(f"{t}\\n")
 """
@@ -155,9 +154,7 @@ def _train(w, start: int, losses: list[float]) -> None:
         loss = w.loss(w.data.next())
         loss.backward()
         losses.append(loss.item())
-        w.optimizer.step()
-        w.optimizer.zero_grad()
-        w.scheduler.step()
+        w.update()
 
 
 def _final_hash(w) -> str:
@@ -166,16 +163,21 @@ def _final_hash(w) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted() -> tuple[list[float], str]:
+def uninterrupted() -> dict[bool, tuple[list[float], str]]:
+    """By whether the updates run in backward: the losses and the final state's hash."""
     torch.use_deterministic_algorithms(True)
-    w, losses = build("mlp", seed=3), []
-    _train(w, 0, losses)
-    return losses, _final_hash(w)
+    torch.set_num_threads(1)  # as every test and the killed runs have it: the bits of a matmul depend on it
+    found = {}
+    for in_backward in (False, True):
+        w, losses = build("mlp", seed=3, in_backward=in_backward), []
+        _train(w, 0, losses)
+        found[in_backward] = losses, _final_hash(w)
+    return found
 
 
-def _resume(directory: str, losses: list[float]) -> tuple[int, str, list[float]]:
+def _resume(directory: str, losses: list[float], in_backward: bool = False) -> tuple[int, str, list[float]]:
     """Restore from ``directory`` and train to STEPS; the step restored, the final state's hash, the losses."""
-    w = build("mlp", seed=3)
+    w = build("mlp", seed=3, in_backward=in_backward)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a torn slot is warned about
         with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
@@ -185,29 +187,31 @@ def _resume(directory: str, losses: list[float]) -> tuple[int, str, list[float]]
     return start, _final_hash(w), losses
 
 
-_CASES = [(point, random.Random(f"{point}/{i}").randint(lo, hi))
-          for point, lo, hi in [("store.object.mid_write", 2, 7), ("lightcheck.copy.unit", 3, 20),
-                                ("store.region.before_header", 2, 7), ("store.region.mid_header", 3, 14)]
-          for i in range(2)]
+_POINTS = [("store.object.mid_write", 2, 7), ("lightcheck.copy.unit", 3, 20), ("store.region.before_header", 2, 7),
+           ("store.region.mid_header", 3, 14)]
+_CASES = [(point, random.Random(f"{point}/{i}").randint(lo, hi), mode, False)
+          for point, lo, hi in _POINTS for i in range(2) for mode in ("software", "hardware")]
+_CASES += [(point, random.Random(f"{point}/in-backward").randint(lo, hi), "software", True) for point, lo, hi in _POINTS]
 
 
-@pytest.mark.parametrize("mode", ["software", "hardware"])
-@pytest.mark.parametrize("point, nth", _CASES)
-def test_a_kill_anywhere_in_a_copy_or_a_commit_loses_at_most_one_step(tmp_path, point, nth, mode, uninterrupted):
+@pytest.mark.parametrize("point, nth, mode, in_backward", _CASES)
+def test_a_kill_anywhere_in_a_copy_or_a_commit_loses_at_most_one_step(tmp_path, point, nth, mode, in_backward,
+                                                                      uninterrupted):
     """I1, I2, I3: SIGKILL at the nth arrival at a point inside the copy or the commit of a slot; a
-    software failure loses at most one step, a host loss (the region gone) what was not persisted;
-    training goes on to the uninterrupted run's state bitwise."""
+    software failure loses at most one step done (with updates in backward as well: the step's end
+    waits for the commit), a host loss (the region gone) what was not persisted; training goes on to the
+    uninterrupted run's state bitwise."""
     directory, progress = str(tmp_path / "c"), tmp_path / "progress"
-    killed = subprocess.run([sys.executable, "-c", _KILLED, directory, point, str(nth), str(STEPS), str(progress)],
-                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
+    killed = subprocess.run([sys.executable, "-c", _KILLED, directory, point, str(nth), str(STEPS), str(progress),
+                             str(int(in_backward))], env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
     assert killed.returncode == -9
     done = int(progress.read_text().split()[-1]) if progress.exists() else 0
     if mode == "hardware":
         (tmp_path / "c" / "region" / "rank-0.bin").unlink()  # the host's memory is gone
-    start, final, losses = _resume(directory, [])
-    assert start >= (done - 1 if mode == "software" else done // 3 * 3 - 3)
+    start, final, losses = _resume(directory, [], in_backward)
+    assert start >= (done - 1 if mode == "software" else (done - 1) // 3 * 3 - 3)  # (below)
     assert start <= done
-    ref_losses, ref_final = uninterrupted
+    ref_losses, ref_final = uninterrupted[in_backward]
     assert losses == ref_losses[start:] and final == ref_final
 
 
@@ -236,6 +240,38 @@ def test_slow_copies_make_the_update_wait_per_layer_and_recovery_stays_exact(tmp
     units = len(strategy.layer_waits)
     assert sum(strategy.layer_waits.values()) >= 3 * units * 0.01 / 2  # three updates waited for slowed copies
     assert ckpt.stats.snapshot_wait_seconds >= sum(strategy.layer_waits.values())
+
+
+def test_with_updates_in_backward_each_layer_waits_only_for_its_own_copy(tmp_path):
+    """Per-layer updates: with each unit's copy slowed to 50 ms, the first layer updated in a step (the
+    last layer, copied first) starts before the copy of the last unit has begun."""
+    w = build("mlp", seed=3, in_backward=True)
+    copies: list[float] = []
+    updates: list[tuple[float, str]] = []
+    names = {p: n for n, p in w.model.named_parameters()}
+
+    def slowly() -> None:
+        copies.append(time.perf_counter())
+        time.sleep(0.05)  # the injected delay, not a synchronisation
+
+    strategy = LightCheck(LightCheck.Config(persist_every=0))
+    _faults.arm("lightcheck.copy.unit", action=slowly, repeat=True)
+    try:
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy=strategy) as ckpt:
+            ckpt.restore()  # its layer hook comes first: the one below sees each update after its wait
+            w.optimizer.register_layer_pre_hook(lambda opt, ps: updates.append((time.perf_counter(), names[ps[0]])))
+            for _ in range(4):
+                w.loss(w.data.next()).backward()
+                w.update()
+    finally:
+        _faults.disarm("lightcheck.copy.unit")
+    params, units = len(names), len(strategy.layer_waits)
+    assert len(copies) == 4 * units  # S_1..S_4, the last one at close
+    assert [n for _, n in updates[:params]] == list(reversed(names.values()))  # backward order
+    for t in (1, 2, 3):  # step t+1's first update against the copy of S_t
+        first_update, last_unit = updates[params * t][0], copies[units * t - 1]
+        assert first_update < last_unit, f"step {t + 1} waited for the whole copy"
+    assert set(strategy.layer_waits) == {"(rest)", "0", "3", "5"}
 
 
 def test_a_reader_beside_a_live_run_gets_a_verified_slot(tmp_path):

@@ -13,6 +13,7 @@ from .errors import (
     StateMismatchError,
     UnclosedCheckpointerWarning,
 )
+from .optim import OptimizerInBackward
 from .state import TrainingComponents, state_hash
 from .strategies import STRATEGIES
 
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer",
+    "OptimizerInBackward",
     "TrainingComponents",
     "state_hash",
     "STRATEGIES",

@@ -11,7 +11,8 @@ Example::
             optimizer.zero_grad()
             sched.step()
 
-Step boundaries come from the optimizer's step hooks (see :mod:`everystep.capture.hooks`).
+Step boundaries come from the optimizer's step hooks (see :mod:`everystep.capture.hooks`); with an
+:class:`~everystep.OptimizerInBackward`, which updates each layer during backward, from its hooks too.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ from .errors import (
     StateMismatchError,
     UnclosedCheckpointerWarning,
 )
+from .optim import OptimizerInBackward
 from .recovery import Recovered
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
 from .storage.directory import CheckpointDirectory
-from .strategies import CheckpointStats, Strategy, StrategyContext, create
+from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, create
 
 __all__ = ["Checkpointer"]
 
@@ -109,6 +111,14 @@ class Checkpointer:
         if not isinstance(strategy, (str, Strategy)):
             raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}")
         self.strategy: Strategy = create(strategy, **given, **options) if isinstance(strategy, str) else strategy
+        if isinstance(optimizer, OptimizerInBackward):
+            if not self.strategy.layer_updates:
+                able = ", ".join(sorted(n for n, cls in STRATEGIES.items() if cls.layer_updates))
+                raise ConfigError(f"strategy {self.strategy.name!r} reads the gradients after the update, which an "
+                                  f"optimizer updating during backward (OptimizerInBackward) frees: use one of {able}")
+            if scaler is not None:
+                raise ConfigError("an optimizer updating during backward (OptimizerInBackward) takes no GradScaler: "
+                                  "the scaler needs every gradient before any update")
         self.components = TrainingComponents(
             model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data, compression=compression
         )
@@ -160,6 +170,8 @@ class Checkpointer:
             activity=self._timed("_activity"),
             before_update=self._timed("_before_update"),
         )
+        if isinstance(optimizer, OptimizerInBackward):
+            self._hooks.add(optimizer.register_layer_pre_hook(self._timed("_before_layer_update")))
         self._watch = StopWatch(deadline, k1=k1, k2=k2, signals=stop_signals)
 
     # -- public ------------------------------------------------------------------------------
@@ -312,13 +324,13 @@ class Checkpointer:
         """
         ref = weakref.ref(self)
 
-        def hook() -> None:
+        def hook(*args: Any) -> None:
             me = ref()
             if me is None:
                 return
             t0 = time.perf_counter()
             try:
-                getattr(me, name)()
+                getattr(me, name)(*args)
             finally:
                 me.stats.stall_seconds += time.perf_counter() - t0
 
@@ -357,6 +369,9 @@ class Checkpointer:
         if not self._restored:
             self._start_unrestored()
         self.strategy.before_update(self.step + 1)
+
+    def _before_layer_update(self, optimizer: Any, params: list[torch.Tensor]) -> None:
+        self.strategy.before_layer_update(self.step + 1, params)
 
     def _start_unrestored(self) -> None:
         """The first step comes without restore(): allowed into an empty directory, for a strategy

@@ -44,7 +44,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         every=args.every, keep=args.keep, seed=args.seed, threads=args.threads,
         optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode, compress=args.compress,
         options={**({"batch": args.batch} if args.batch is not None else {}), **dict(args.option)},
-        device=args.device, max_nproc=args.max_nproc,
+        device=args.device, max_nproc=args.max_nproc, in_backward=args.in_backward,
     )
     summary = run(cfg)
     if os.environ.get("RANK", "0") != "0":
@@ -153,7 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = bench.BenchConfig(workload=args.workload, strategies=args.strategies, steps=args.steps, warmup=args.warmup,
                             every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
                             compress=args.compress, options=options, device=args.device,
-                            scratch=args.scratch)
+                            scratch=args.scratch, in_backward=args.in_backward)
     if args.region_layout:
         from .eval.region_layout import measure_layouts
 
@@ -260,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "restore (default: all)")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="train on the CPU (default) or on CUDA, a GPU per rank, with deterministic kernels")
+    t.add_argument("--in-backward", action="store_true", help="update each layer during backward "
+                   "(OptimizerInBackward; under --nproc once its bucket is all-reduced) instead of optimizer.step()")
     t.add_argument("--json", metavar="PATH", help="write the run summary here")
     t.set_defaults(func=cmd_train)
 
@@ -298,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every run trains (default cpu)")
     b.add_argument("--scratch", default=None, help="where each run's checkpoint directory is made (default: the "
                    "temporary directory); /dev/shm keeps lightcheck's region in memory")
+    b.add_argument("--in-backward", action="store_true", help="every run updates each layer during backward "
+                   "(OptimizerInBackward) instead of optimizer.step()")
     b.add_argument("--json", metavar="PATH")
     b.add_argument("--plot", metavar="PATH", help="write a PNG figure")
     b.set_defaults(func=cmd_bench)

@@ -66,6 +66,10 @@ class StepHooks:
 
             scaler.update = update  # instance attribute shadows the method; removed in remove()
 
+    def add(self, handle: Any) -> None:
+        """Remove ``handle`` (a hook registered elsewhere) with the others."""
+        self._handles.append(handle)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

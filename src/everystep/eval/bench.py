@@ -48,6 +48,8 @@ class BenchConfig:
     scratch: str | None = None
     """Where each run's checkpoint directory is made (None: the system's temporary directory);
     ``/dev/shm`` keeps lightcheck's region, which lies in that directory by default, in memory."""
+    in_backward: bool = False
+    """Every run updates each layer during backward (:class:`~everystep.OptimizerInBackward`)."""
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -63,9 +65,20 @@ class BenchConfig:
             raise ConfigError(f"--steps ({self.steps}) must exceed the warm-up steps ({self.warmup})")
         if self.repeats < 1 or (self.every is not None and self.every < 1) or self.threads < 1:
             raise ConfigError("--repeats, --every and --threads must be at least 1")
+        if self.in_backward:
+            self._check_in_backward()
         needs = [s for s in self.strategies if s == "lowdiff"]
         if needs and not self.compress:
             raise ConfigError("lowdiff reuses compressed gradients: give --compress (applied to every strategy)")
+
+
+    def _check_in_backward(self) -> None:
+        if self.compress:
+            raise ConfigError("--in-backward takes no --compress (updates in backward train dense)")
+        unable = [s for s in self.strategies if s in PEERS or not STRATEGIES[s].layer_updates]
+        if unable:
+            raise ConfigError(f"--in-backward cannot run {', '.join(unable)}: they read the gradients after the "
+                              "update, or call optimizer.step() themselves")
 
 
 def interleaved_order(strategies: Sequence[str], repeats: int) -> list[tuple[int, str]]:
@@ -79,7 +92,7 @@ def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
         "workload": cfg.workload, "strategy": strategy, "steps": cfg.steps, "warmup": cfg.warmup,
         "every": every, "threads": cfg.threads, "seed": cfg.seed, "repeat": repeat,
         "options": cfg.options.get(strategy, {}), "compress": cfg.compress, "device": cfg.device,
-        "scratch": cfg.scratch,
+        "scratch": cfg.scratch, "in_backward": cfg.in_backward,
     }
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
     proc = subprocess.run([sys.executable, "-m", "everystep.eval.measure", json.dumps(spec)],

@@ -30,7 +30,8 @@ RESUME_STEPS = 2
 
 
 def _build(spec: dict[str, Any], seed: int) -> Any:
-    return build(spec["workload"], seed=seed, compress=spec.get("compress"), device=spec.get("device", "cpu"))
+    return build(spec["workload"], seed=seed, compress=spec.get("compress"), device=spec.get("device", "cpu"),
+                 in_backward=spec.get("in_backward", False))
 
 
 def _attach(w: Any, directory: str | None, strategy: str, options: dict[str, Any], **kw: Any) -> Checkpointer:
@@ -56,12 +57,7 @@ def _step(w: Any, before_update: Any = None) -> torch.Tensor:
     """One step of the bench's training loop; ``before_update`` runs right before ``optimizer.step()``."""
     loss = w.loss(w.data.next())
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(w.model.parameters(), 1.0)
-    if before_update is not None:
-        before_update()
-    w.optimizer.step()
-    w.optimizer.zero_grad(set_to_none=True)
-    w.scheduler.step()
+    w.update(before=before_update)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return loss

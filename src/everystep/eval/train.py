@@ -73,6 +73,9 @@ class TrainConfig:
     """``cpu`` or ``cuda`` (each rank on a GPU of its own, NCCL between them, deterministic kernels)."""
     max_nproc: int | None = None
     """The most ranks ``nproc`` may ask for; None: the cores this process may run on."""
+    in_backward: bool = False
+    """Update each layer during backward (:class:`~everystep.OptimizerInBackward`; under DDP once its
+    bucket is all-reduced) instead of clipping the gradients and calling ``optimizer.step()``."""
 
     def __post_init__(self) -> None:
         self.fail_at = tuple(sorted(set(self.fail_at)))
@@ -100,6 +103,9 @@ class TrainConfig:
             raise ConfigError(f"--fail-at steps must lie in 1..{self.steps}; got {', '.join(map(str, bad))}")
         if self.strategy != "none" and self.directory is None:
             raise ConfigError(f"strategy {self.strategy!r} needs --dir")
+        if self.in_backward and (self.compress is not None or not STRATEGIES[self.strategy].layer_updates):
+            able = ", ".join(sorted(n for n, cls in STRATEGIES.items() if cls.layer_updates))
+            raise ConfigError(f"--in-backward takes no --compress, and one of the strategies {able}")
         if self.compress is not None:
             parse_spec(self.compress)  # validates the spec
         elif self.strategy == "lowdiff":
@@ -125,7 +131,7 @@ def run_record(cfg: TrainConfig) -> dict[str, Any]:
     """What ``everystep recover`` needs to rebuild the live objects a differential chain replays into."""
     return {"workload": cfg.workload, "optimizer": cfg.optimizer, "seed": cfg.seed, "compress": cfg.compress,
             "every": cfg.every, "keep": cfg.keep, "options": cfg.options, "full_format": cfg.full_format,
-            "device": cfg.device}
+            "device": cfg.device, "in_backward": cfg.in_backward}
 
 
 def recover_run(directory: str) -> dict[str, Any]:
@@ -186,7 +192,8 @@ def preflight(cfg: TrainConfig, world: int, *, owner: bool = True) -> None:
 
 
 def _recover_with(store: CheckpointDirectory, run: dict[str, Any], directory: str, device: str) -> dict[str, Any]:
-    w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"], compress=run["compress"], device=device)
+    w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"], compress=run["compress"], device=device,
+              in_backward=run.get("in_backward", False))
     with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
                       strategy=store.marker["strategy"], every=run["every"], keep=run["keep"], final=False,
                       full_format=run.get("full_format", "safetensors"),
@@ -249,7 +256,7 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
 def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     w = build(cfg.workload, seed=cfg.seed, optimizer=cfg.optimizer, rank=rank, world=world, compress=cfg.compress,
-              device=cfg.device)
+              device=cfg.device, in_backward=cfg.in_backward)
     inject = Injector(plan, rank)
     strategy = cfg.strategy
     directory = cfg.directory if STRATEGIES[strategy].needs_store else None
@@ -280,11 +287,7 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
             inject.point(step, "forward")
             loss.backward()
             inject.point(step, "backward")
-            torch.nn.utils.clip_grad_norm_(w.model.parameters(), 1.0)
-            w.optimizer.step()
-            inject.point(step, "update")
-            w.optimizer.zero_grad(set_to_none=True)
-            w.scheduler.step()
+            w.update(after=lambda: inject.point(step, "update"))
             journal.write(event="step", step=step, loss=loss.item(), seconds=time.perf_counter() - t_step,
                           durable=ckpt.stats.last_durable_step, **_counters(ckpt))
             bar.update(1)

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..compress import GradientCompression, ddp_compression, make_compressor, parse_spec
 from ..errors import ConfigError
+from ..optim import OptimizerInBackward
 from .data import SyntheticData
 
 __all__ = ["Workload", "WORKLOADS", "OPTIMIZERS", "build", "needs_ddp", "check_device", "resolve_device", "GPT",
@@ -139,6 +140,26 @@ class Workload:
         if self.device.type != "cpu":
             batch = tuple(t.to(self.device) for t in batch) if isinstance(batch, tuple) else batch.to(self.device)
         return self.criterion(self.model, batch)
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether the optimizer updates each layer during backward (no ``optimizer.step()``)."""
+        return isinstance(self.optimizer, OptimizerInBackward)
+
+    def update(self, *, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> None:
+        """After ``loss.backward()``: clip the gradients and step the optimizer (``before`` runs right
+        before the step, ``after`` right after it), then clear the gradients and step the schedule.
+        With updates in backward the backward pass has already updated, and cleared the gradients
+        (clipping needs every gradient before any update, so there is none)."""
+        if not self.in_backward:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            if before is not None:
+                before()
+            self.optimizer.step()
+        if after is not None:
+            after()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
 
 
 def _token_sample(vocab: int, seq: int) -> Callable[[torch.Generator], torch.Tensor]:
@@ -251,7 +272,7 @@ def resolve_device(name: str, *, rank: int = 0, world: int = 1) -> torch.device:
 
 def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | None = None, rank: int = 0,
           world: int = 1, compress: str | None = None, bucket_cap_mb: float | None = None,
-          device: str = "cpu") -> Workload:
+          device: str = "cpu", in_backward: bool = False) -> Workload:
     """Build a workload deterministically from ``seed``: same seed, same bits.
 
     With ``world`` > 1 (torch.distributed initialised), the model is wrapped in
@@ -262,11 +283,15 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     :func:`everystep.distributed.init_process_group` with ``one_process=True``). ``bucket_cap_mb``
     sets DDP's gradient bucket size (default PyTorch's). ``device`` (``cpu`` or ``cuda``, see
     :func:`resolve_device`) holds the model and its optimizer state; data is made on the CPU.
+    ``in_backward``: the optimizer is an :class:`~everystep.OptimizerInBackward` (each parameter
+    updated during backward; under DDP once its bucket is all-reduced), with no compression.
     """
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if in_backward and compress is not None:
+        raise ConfigError(f"in_backward=True takes no gradient compression; got compress={compress!r}")
     where = resolve_device(device, rank=rank, world=world)
     torch.manual_seed(seed)
     random.seed(seed)
@@ -274,18 +299,23 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     model, make_sample, batch, criterion = WORKLOADS[name](seed)
     model.to(where)
     data = SyntheticData(make_sample, size=4096, batch_size=batch, seed=seed, rank=rank, world=world)
-    opt = OPTIMIZERS[optimizer](model.parameters(), lr if lr is not None else _DEFAULT_LR[optimizer])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine())
-    compression = None
-    if world > 1 or needs_ddp(compress):
+    rate = lr if lr is not None else _DEFAULT_LR[optimizer]
+    wrapped = world > 1 or needs_ddp(compress)
+    if wrapped:
         kw: dict[str, Any] = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}
         if where.type == "cuda":
             kw["device_ids"] = [where.index]
         model = nn.parallel.DistributedDataParallel(model, **kw)
-        if compress is not None:
-            compression = ddp_compression(compress, model, opt)
-    elif compress is not None:
-        compression = GradientCompression(make_compressor(compress), model, opt)
+    if in_backward:
+        opt: torch.optim.Optimizer = OptimizerInBackward(
+            model.parameters(), lambda group: OPTIMIZERS[optimizer](group, rate), ddp=model if wrapped else None)
+    else:
+        opt = OPTIMIZERS[optimizer](model.parameters(), rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine())
+    compression = None
+    if compress is not None:
+        compression = ddp_compression(compress, model, opt) if wrapped else \
+            GradientCompression(make_compressor(compress), model, opt)
     return Workload(name=name, model=model, optimizer=opt, scheduler=scheduler, data=data, criterion=criterion,
                     compression=compression, device=where)
 

@@ -14,6 +14,10 @@ strategy can do is declared on its class (``needs_store``, ``needs_restore``, ``
    a. ``on_step_end(t)`` right after the update of step t;
    b. ``on_state_ready(t)`` once S_t is complete and before step t+1 changes it;
    c. ``before_update(t + 1)`` right before the update of step t+1.
+   With per-layer updates (:class:`~everystep.OptimizerInBackward`, ``layer_updates``), the update
+   of step t+1 runs during its backward pass, one layer at a time: ``before_update(t + 1)`` comes
+   before the first layer's, ``before_layer_update(t + 1, params)`` before each layer's, and
+   ``on_step_end(t + 1)`` once the backward pass (every layer's update) is done.
    Under several ranks ``on_state_ready`` may be a collective (every rank calls it for the
    same steps); the others never are.
 4. ``wait()`` whenever the user asks: block until work in flight is done, raise any failure.
@@ -187,6 +191,9 @@ class Strategy:
     """It records the state training starts from: ``restore()`` must come before the first step."""
     other_world_size: ClassVar[bool] = False
     """What it stores is the full state alone: a job of another size can resume from it."""
+    layer_updates: ClassVar[bool] = False
+    """It works with an optimizer that updates layer by layer during backward
+    (:class:`~everystep.OptimizerInBackward`): it needs no gradient after the update."""
     shares_store: ClassVar[bool] = False
     """Another process (a checkpoint agent) writes to its store: only the strategy may collect
     the directory's garbage, when it knows that process writes nothing."""
@@ -238,6 +245,10 @@ class Strategy:
     def before_update(self, step: int) -> None:
         self._expect("started", "before_update()")
         self._before_update(step)
+
+    def before_layer_update(self, step: int, params: list[torch.Tensor]) -> None:
+        self._expect("started", "before_layer_update()")
+        self._before_layer_update(step, params)
 
     def wait(self) -> None:
         """Block until work in flight is done; raise what failed in the background, once."""
@@ -304,6 +315,10 @@ class Strategy:
 
     def _before_update(self, step: int) -> None:
         """Right before the update of ``step``: whatever still reads the state must be done."""
+
+    def _before_layer_update(self, step: int, params: list[torch.Tensor]) -> None:
+        """Per-layer updates: right before ``params`` are updated in step ``step`` (after
+        :meth:`_before_update`, which has already waited for whatever reads the whole state)."""
 
     def _wait(self) -> None:
         """Block until work in flight is done (failures go to ``self.errors``)."""

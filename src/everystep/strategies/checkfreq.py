@@ -44,6 +44,7 @@ class CheckFreqConfig(StrategyConfig):
 class CheckFreq(Strategy):
     name: ClassVar[str] = "checkfreq"
     other_world_size: ClassVar[bool] = True
+    layer_updates: ClassVar[bool] = True
     Config = CheckFreqConfig
     config: CheckFreqConfig
 

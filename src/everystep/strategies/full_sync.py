@@ -20,6 +20,7 @@ __all__ = ["FullSync"]
 class FullSync(Strategy):
     name: ClassVar[str] = "full_sync"
     other_world_size: ClassVar[bool] = True
+    layer_updates: ClassVar[bool] = True
 
     def _attach(self) -> None:
         self._last = -1

@@ -11,8 +11,12 @@ writes the slot's metadata and commits the slot's header last.
 
 The update of step t+1 waits until S_t is committed: for each layer's copy in turn (how long each
 one kept it waiting is in :attr:`LightCheck.layer_waits`, on the CPU), then for the commit
-(:attr:`LightCheck.commit_wait_seconds`). So a failure at any instant, mid-update included, loses
-at most the step being computed. What the next forward changes (model buffers such as
+(:attr:`LightCheck.commit_wait_seconds`). With per-layer updates (:class:`~everystep.OptimizerInBackward`:
+each layer updated during backward, under DDP once its bucket is all-reduced) each layer's update
+waits only for that layer's copy (on CUDA the wait is an event on the GPU, not on the CPU), and the
+end of step t+1 waits for the commit of S_t. Either way a failure loses at most the step being
+computed and, when it comes before S_t's commit, step t; and the next copy starts only once the
+previous slot is committed, so one slot always holds a complete checkpoint. What the next forward changes (model buffers such as
 BatchNorm statistics, compression residuals) is copied at once on the training thread; RNG and the
 data position are the copies taken as the step ended.
 
@@ -44,6 +48,7 @@ from .._faults import crash_point
 from ..background import Worker, settled
 from ..errors import CheckpointDirectoryError, ConfigError
 from ..layout import TensorLayout
+from ..optim import OptimizerInBackward
 from ..policy.interval import due
 from ..recovery import Recovered, recover
 from ..state import bare_module, flatten, unflatten
@@ -146,12 +151,15 @@ class _Progress:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._units: list[str] | None = None
+        self._index: dict[int, int] = {}
         self._done = 0
+        self._waited = 0
         self._over = False
 
-    def start(self, units: list[str]) -> None:
+    def start(self, units: list[str], index: dict[int, int]) -> None:
+        """The units in copy order; ``index``: a parameter's data pointer → its unit's position."""
         with self._cond:
-            self._units = units
+            self._units, self._index = units, index
             self._cond.notify_all()
 
     def advance(self) -> None:
@@ -165,16 +173,22 @@ class _Progress:
             self._over = True
             self._cond.notify_all()
 
-    def wait(self, waits: dict[str, float]) -> None:
-        """Wait for each unit in turn, adding how long each one kept the caller waiting to ``waits``."""
+    def wait(self, waits: dict[str, float], params: list[torch.Tensor] | None = None) -> int:
+        """Wait for each unit in turn, up to the last one holding ``params`` (``None``: every unit),
+        adding how long each one kept the caller waiting to ``waits``; the position of that unit."""
         with self._cond:
             t0 = time.perf_counter()
             self._cond.wait_for(lambda: self._units is not None or self._over)
-            for i, name in enumerate(self._units or ()):
+            units = self._units or []
+            last = len(units) - 1
+            upto = last if params is None else max((self._index.get(p.data_ptr(), last) for p in params), default=-1)
+            for i in range(self._waited, upto + 1):
                 self._cond.wait_for(lambda: self._done > i or self._over)
                 now = time.perf_counter()
-                waits[name] = waits.get(name, 0.0) + now - t0
+                waits[units[i]] = waits.get(units[i], 0.0) + now - t0
                 t0 = now
+            self._waited = max(self._waited, upto + 1)
+            return upto
 
 
 @dataclass(frozen=True)
@@ -182,6 +196,8 @@ class _Plan:
     """What a state of one shape needs, computed once: the copy order and the layouts."""
 
     units: list[tuple[str, list[str]]]
+    index: dict[int, int]
+    """A parameter's data pointer → the position of its unit in ``units``."""
     layout: RegionLayout
     replicated: frozenset[str]
     meta_hint: int
@@ -189,6 +205,7 @@ class _Plan:
 
 class LightCheck(Strategy):
     name: ClassVar[str] = "lightcheck"
+    layer_updates: ClassVar[bool] = True
     Config = LightCheckConfig
     config: LightCheckConfig
 
@@ -223,6 +240,7 @@ class LightCheck(Strategy):
         self._stream: Any = None
         self._chosen: Recovered | None = None
         self._use_disk = False
+        self._layered = isinstance(self.ctx.components.optimizer, OptimizerInBackward)
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -308,16 +326,18 @@ class LightCheck(Strategy):
         signature = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
         plan = self._plans.get(signature)
         if plan is None:
-            units = self._units(tensors)
+            units, index = self._units(tensors)
             order = [k for _, keys in units for k in keys]
             hint = len(json.dumps(skeleton, default=str))
-            plan = _Plan(units, RegionLayout.of(tensors, order), frozenset(self.ctx.replicated_keys(tensors)), hint)
+            plan = _Plan(units, index, RegionLayout.of(tensors, order), frozenset(self.ctx.replicated_keys(tensors)),
+                         hint)
             self._plans = {signature: plan}
         return plan
 
-    def _units(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, list[str]]]:
+    def _units(self, tensors: dict[str, torch.Tensor]) -> tuple[list[tuple[str, list[str]]], dict[int, int]]:
         """The copy order: what is not a layer's first, then each layer (a module's parameters and
-        their optimizer state) in the order the next iteration updates them (backward order)."""
+        their optimizer state) in the order the next iteration updates them (backward order); and
+        each parameter's unit, by its data pointer."""
         components = self.ctx.components
         module, optimizer = bare_module(components.model), components.optimizer
         owner = {p: name.rpartition(".")[0] or name for name, p in module.named_parameters()}
@@ -335,8 +355,10 @@ class LightCheck(Strategy):
         members: dict[str, list[str]] = {"(rest)": []}
         for key, t in tensors.items():
             members.setdefault(unit_of.get(t.data_ptr(), "(rest)") if t.numel() else "(rest)", []).append(key)
-        order = ["(rest)", *reversed(layers)]
-        return [(name, members[name]) for name in order if members.get(name)]
+        units = [(name, members[name]) for name in ["(rest)", *reversed(layers)] if members.get(name)]
+        position = {name: i for i, (name, _) in enumerate(units)}
+        params = {p.data_ptr() for group in optimizer.param_groups for p in group["params"]}
+        return units, {ptr: position[layer] for ptr, layer in unit_of.items() if ptr in params and layer in position}
 
     def _copy(self, copy: _Copy, slot: int, boundary: dict[str, Any]) -> None:
         """Copy thread: S_step into ``slot``, unit by unit; then hand the slot to the commit thread."""
@@ -348,7 +370,7 @@ class LightCheck(Strategy):
                 if frozen is not None and frozen.shape == t.shape and frozen.dtype == t.dtype:
                     tensors[key] = frozen
             plan = self._plan(tensors, skeleton)
-            copy.progress.start([name for name, _ in plan.units])
+            copy.progress.start([name for name, _ in plan.units], plan.index)
             settled(self._committing[slot])  # the slot's previous commit is done
             assert self.region is not None
             writer = self.region.begin(plan.layout, plan.meta_hint, slot=slot)
@@ -388,6 +410,7 @@ class LightCheck(Strategy):
                     else torch.cuda.Event()
                 event.record(stream)
                 copy.events.append(event)
+                copy.progress.advance()
 
     def _commit(self, copy: _Copy, writer: SlotWriter, skeleton: Any, plan: _Plan) -> None:
         """Commit thread: wait for the copies, then checksums, metadata, header. (``copy`` holds the
@@ -439,7 +462,29 @@ class LightCheck(Strategy):
     def _before_update(self, step: int) -> None:
         """The update may change the state once S_{step-1} is committed: its copies are in the slot
         (waited for layer by layer on the CPU) and the slot's header is written. So a failure at
-        any instant loses at most the step being computed."""
+        any instant loses at most the step being computed. (Per-layer updates wait per layer, and
+        for the commit at the step's end.)"""
+        if not self._layered:
+            self._settle()
+
+    def _before_layer_update(self, step: int, params: list[torch.Tensor]) -> None:
+        """Per-layer updates: ``params`` may change once their layer's copy is in the slot (on CUDA:
+        the update waits on the GPU for the layer's event)."""
+        copy = self._pending
+        if copy is None:
+            return
+        t0 = time.perf_counter()
+        upto = copy.progress.wait(self.layer_waits, params)
+        if copy.ready is not None and 0 <= upto < len(copy.events):
+            torch.cuda.current_stream(params[0].device).wait_event(copy.events[upto])
+        self.ctx.waited(time.perf_counter() - t0)
+
+    def _on_step_end(self, step: int) -> None:
+        if self._layered:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait until the pending copy is committed (its layers in turn, on the CPU, then the commit)."""
         copy, self._pending = self._pending, None
         if copy is None:
             return

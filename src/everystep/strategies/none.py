@@ -12,3 +12,4 @@ __all__ = ["NoCheckpoint"]
 class NoCheckpoint(Strategy):
     name: ClassVar[str] = "none"
     needs_store: ClassVar[bool] = False
+    layer_updates: ClassVar[bool] = True
