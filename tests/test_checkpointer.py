@@ -29,6 +29,8 @@ from .conftest import FullDisk, files_of
 
 DISK = sorted(name for name, cls in STRATEGIES.items() if cls.needs_store)
 LOSSY = {"naive_diff"}
+SPREAD = {"gockpt", "gockpt_o"}
+"""A checkpoint started after step N is complete only at N+K (K = parts; 1 in these tests)."""
 DIFFERENTIAL = {"lowdiff", "naive_diff"}
 EXACT = [name for name in DISK if name not in LOSSY]
 COMPRESS = {"lowdiff": "topk:0.05"}
@@ -107,6 +109,7 @@ def test_checkpointing_does_not_change_training(tmp_path, strategy):
 def test_every_and_keep_and_final_checkpoint(tmp_path, strategy):
     w = make("mlp", 0, strategy)
     persist = {"persist_every": 3} if strategy == "lightcheck" else {}  # its region's slots are persisted so
+    persist |= {"parts": 1} if strategy in SPREAD else {}
     with attach(w, tmp_path / "c", strategy, every=3, keep=2, **persist) as ckpt:
         ckpt.restore()
         loop(w, ckpt, 0, 10)
@@ -119,6 +122,8 @@ def test_every_and_keep_and_final_checkpoint(tmp_path, strategy):
         assert fulls == [6, 9]
         assert differentials == [(9, 10)]
         assert ckpt.stats.checkpoints == 4 + 10
+    elif strategy in SPREAD:  # started at 3, 6, 9, complete one step later: 4, 7, 10 (10 also the last step)
+        assert fulls == [7, 10] and differentials == [] and ckpt.stats.checkpoints == 3
     else:
         assert fulls == [9, 10] and differentials == []  # 3, 6, 9 by interval, 10 at close; the newest two kept
         # lowdiff_plus also checkpoints every step in the agent's memory
@@ -266,15 +271,17 @@ def test_full_disk_surfaces_in_the_training_process_and_keeps_the_previous_check
     if agent:  # the agent inherits the environment: its writes fail from its third on (S_0, S_1 written)
         monkeypatch.setenv("EVERYSTEP_FAIL", "store.object.mid_write:3+")
     persist = {"persist_every": 1} if strategy == "lightcheck" else {}  # its region's slots all go to the directory
+    persist |= {"every": 1, "parts": 1} if strategy in SPREAD else {}
+    durable = 2 if strategy in SPREAD else 1  # (a spread one started after step 1 is complete at 2)
     ckpt = attach(w, None, strategy, store=store, **({"every": 1} if agent else {}), **persist)
     ckpt.restore()
-    loop(w, ckpt, 0, 2)
-    ckpt.wait()  # step 1 is durable; step 2's checkpoint starts with the next step
+    loop(w, ckpt, 0, durable + 1)
+    ckpt.wait()  # step `durable` is durable; the next checkpoint starts with the next step
     disk.full = True
     expected = OSError if strategy == "full_sync" else BackgroundWriteError  # full_sync writes in the foreground
     messages = []
     with pytest.raises(expected, match="No space left on device") as raised:
-        loop(w, ckpt, 2, 500)  # the failure surfaces at a checkpoint call long before step 500
+        loop(w, ckpt, durable + 1, 500)  # the failure surfaces at a checkpoint call long before step 500
     messages.append(str(raised.value))
     try:
         ckpt.close()  # the final checkpoint fails too, unless it already failed and was reported
@@ -289,14 +296,14 @@ def test_full_disk_surfaces_in_the_training_process_and_keeps_the_previous_check
     else:
         failed = sorted(int(n.split("-")[1].split(".")[0]) for n in disk.failed)
         assert failed and reported == failed
-    assert max(r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c").store.manifests()) == 1
+    assert max(r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c").store.manifests()) == durable
     monkeypatch.delenv("EVERYSTEP_FAIL", raising=False)
     w2 = make("mlp", 0, strategy)
     with attach(w2, tmp_path / "c", strategy, final=False, **persist) as again:
         if strategy == "lightcheck":  # the region is not on the full disk: it goes on
             assert again.restore() > 1 and again.recovered.source == "region"
         else:
-            assert again.restore() == 1
+            assert again.restore() == durable
 
 
 def test_unclosed_checkpointer_warns(tmp_path):

@@ -7,17 +7,19 @@ from typing import Any
 
 from ..errors import ConfigError
 from .base import CheckpointStats, Strategy, StrategyConfig, StrategyContext
-from .checkfreq import CheckFreq
+from .checkfreq import AsyncSnapshot, CheckFreq
 from .full_sync import FullSync
+from .gockpt import GoCkpt, GoCkptO
 from .lowdiff import LowDiff
 from .lowdiff_plus import LowDiffPlus
 from .lightcheck import LightCheck
 from .naive_diff import NaiveDiff
 from .none import NoCheckpoint
 
-__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff", "LightCheck"]
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff", "LightCheck", "AsyncSnapshot", "GoCkpt", "GoCkptO"]
 
-STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq, LowDiff, LowDiffPlus, NaiveDiff, LightCheck)}
+STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq, AsyncSnapshot, LowDiff, LowDiffPlus,
+                                                      NaiveDiff, LightCheck, GoCkpt, GoCkptO)}
 
 
 def create(name: str, **options: Any) -> Strategy:

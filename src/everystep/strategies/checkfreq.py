@@ -27,7 +27,7 @@ from ..storage.tensorfile import buffer_chunks
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig
 
-__all__ = ["CheckFreq", "CheckFreqConfig"]
+__all__ = ["CheckFreq", "CheckFreqConfig", "AsyncSnapshot"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +47,8 @@ class CheckFreq(Strategy):
     layer_updates: ClassVar[bool] = True
     Config = CheckFreqConfig
     config: CheckFreqConfig
+    overlap: ClassVar[bool] = True
+    """The snapshot overlaps the next forward and backward (False: training waits for it at once)."""
 
     def __init__(self, config: CheckFreqConfig | None = None) -> None:
         super().__init__(config)
@@ -77,7 +79,7 @@ class CheckFreq(Strategy):
         upload = self._persister.submit(f"background write of the checkpoint at step {step}", self._persist, step,
                                         staging, buffer, skeleton, plan)
         self._staging, self.saving, self._last = staging, SaveResponse(step, staging, upload), step
-        if final:
+        if final or not self.overlap:
             self._wait_snapshot()
 
     def _take_snapshot(
@@ -124,3 +126,12 @@ class CheckFreq(Strategy):
     def _close(self) -> None:
         self._snapshotter.close()
         self._persister.close()
+
+
+class AsyncSnapshot(CheckFreq):
+    """``async``: the snapshot blocks training, the persist runs in the background — DCP's
+    ``async_save`` and DataStates' design, the baseline GoCkpt calls Async (``checkfreq``, whose
+    snapshot overlaps the next forward and backward, is its Async-O)."""
+
+    name: ClassVar[str] = "async"
+    overlap: ClassVar[bool] = False

@@ -1,0 +1,176 @@
+"""GoCkpt and GoCkpt-O: the part plan, the reconstruction (bitwise on the CPU), kills anywhere in a
+spread checkpoint, mixed precision with skipped steps, clipping."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from everystep import Checkpointer, ConfigError
+from everystep.eval.workloads import build
+from everystep.policy.parts import ALIGN, PartPlan, Unit, choose_parts
+from everystep.strategies import create
+from everystep.strategies.gockpt import GoCkpt
+
+from .conftest import ROOT
+from .test_checkpointer import live_hash
+
+STEPS = 12
+SPREAD = {"every": 4, "parts": 3, "chunk_bytes": 4096}
+"""Checkpoints start after steps 4 and 8 and are complete at 7 and 11; parameters span several parts."""
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 100_000), st.sampled_from([4, 8, 12])), min_size=1, max_size=8),
+       parts=st.integers(1, 9), chunk=st.sampled_from([1024, 4096, 65536]))
+def test_parts_cover_the_state_once_in_aligned_chunks_of_nearly_equal_size(sizes, parts, chunk):
+    units = [Unit(f"/p{i}", n, b) for i, (n, b) in enumerate(sizes)]
+    plan = PartPlan.of(units, parts, chunk)
+    chunks = [c for part in plan.parts for c in part]
+    for i, unit in enumerate(units):  # every element of every parameter (with its state) once, in order
+        mine = [c for c in chunks if c.unit == i]
+        assert mine[0].start == 0 and mine[-1].stop == unit.numel
+        assert all(a.stop == b.start for a, b in zip(mine, mine[1:]))
+        assert all(c.start % ALIGN == 0 and c.nbytes == (c.stop - c.start) * unit.bytes_per_element for c in mine)
+    assert len(plan.parts) == min(parts, len(chunks)) and all(plan.parts)
+    mean = sum(plan.part_bytes()) / len(plan.parts)
+    assert all(abs(b - mean) <= max(c.nbytes for c in chunks) for b in plan.part_bytes())
+
+
+def test_the_number_of_parts_is_the_fewest_whose_copy_fits_under_a_step_at_most_seven():
+    assert choose_parts(250, bandwidth=100.0, step_seconds=1.0) == 3
+    assert choose_parts(100, bandwidth=1000.0, step_seconds=1.0) == 1
+    assert choose_parts(10**9, bandwidth=1.0, step_seconds=1.0) == 7
+    assert choose_parts(10**9, bandwidth=1.0, step_seconds=1.0, limit=4) == 4
+
+
+def _loop(w, ckpt, start, stop, losses=None, *, scaler=None, inf_at=()):
+    """Training with clipping; with ``scaler``, bf16 autocast and a GradScaler, whose step is
+    skipped where a gradient is made infinite (``inf_at``)."""
+    for t in range(start + 1, stop + 1):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is not None):
+            loss = w.loss(w.data.next())
+        (scaler.scale(loss) if scaler else loss).backward()
+        if t in inf_at:
+            next(w.model.parameters()).grad.view(-1)[0] = float("inf")
+        if scaler is not None:
+            scaler.unscale_(w.optimizer)
+        torch.nn.utils.clip_grad_norm_(w.model.parameters(), 1.0)
+        if scaler is not None:
+            scaler.step(w.optimizer)
+            scaler.update()
+        else:
+            w.optimizer.step()
+        w.optimizer.zero_grad()
+        w.scheduler.step()
+        if losses is not None:
+            losses.append(loss.item())
+
+
+@pytest.mark.parametrize("strategy", ["gockpt", "gockpt_o"])
+@pytest.mark.parametrize("workload", ["gpt2-tiny", "resnet"])
+def test_the_reconstruction_is_the_live_state_of_its_step_bitwise(tmp_path, strategy, workload):
+    """The checkpoint started after step 4 is complete at step 7: parts copied at steps 4, 5, 6,
+    brought forward by the gradients of steps 5..7 (1, 2, 3 parts' worth), equal to S_7 bitwise."""
+    w, hashes, shipped = build(workload, seed=1), {}, []
+    s = create(strategy, **SPREAD)
+    assert isinstance(s, GoCkpt)
+    original = s._copy_gradients
+
+    def spy(spread, step, parts, grads, groups):
+        shipped.append((step - spread.start, parts, sorted({c.param for p in spread.shards[:parts] for *_, cs in p for c in cs})))
+        original(spread, step, parts, grads, groups)
+
+    s._copy_gradients = spy
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=s,
+                      final=False) as ckpt:
+        ckpt.restore()
+        for t in range(1, 10):  # the second checkpoint starts after step 8, and is left unfinished
+            _loop(w, ckpt, t - 1, t)
+            hashes[t] = live_hash(w, t)
+    assert s.parts_used == [3, 3] and len(s.reconstruct_seconds) == 1
+    assert [(k, parts) for k, parts, _ in shipped] == [(1, 1), (2, 2), (3, 3), (1, 1)]  # gradients of parts 1..k
+    assert set(shipped[0][2]) < set(shipped[2][2])
+    again = build(workload, seed=1)
+    with Checkpointer(tmp_path / "c", again.model, again.optimizer, scheduler=again.scheduler, data=again.data,
+                      strategy=strategy, **SPREAD) as ckpt:
+        assert ckpt.restore() == 7
+    assert live_hash(again, 7) == hashes[7]
+
+
+_KILLED = """
+import sys, torch
+from everystep import Checkpointer
+from everystep._faults import arm
+from everystep.eval.workloads import build
+from tests.test_gockpt import SPREAD, _loop
+torch.set_num_threads(1)
+directory, strategy, point, nth, steps, amp = sys.argv[1:4] + [int(a) for a in sys.argv[4:7]]
+w = build("gpt2-tiny", seed=1)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if amp else None
+arm(point, after=nth)
+with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, scaler=scaler, strategy=strategy,
+                  **SPREAD) as ckpt:
+    ckpt.restore()
+    _loop(w, ckpt, 0, steps, scaler=scaler, inf_at=(6,) if amp else ())
+"""
+
+
+def _resume(directory, strategy, amp, losses):
+    w = build("gpt2-tiny", seed=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if amp else None
+    with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, scaler=scaler,
+                      strategy=strategy, **SPREAD) as ckpt:
+        start = ckpt.restore()
+        _loop(w, ckpt, start, STEPS, losses, scaler=scaler, inf_at=(6,) if amp else ())
+    return start, live_hash(w, STEPS), w
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    torch.set_num_threads(1)
+    found = {}
+    for amp in (False, True):
+        w, losses = build("gpt2-tiny", seed=1), []
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if amp else None
+        _loop(w, None, 0, STEPS, losses, scaler=scaler, inf_at=(6,) if amp else ())
+        found[amp] = losses, live_hash(w, STEPS)
+    return found
+
+
+_POINTS = [("gockpt.copy.chunk", 1, 400), ("gockpt.reconstructed", 1, 2), ("store.object.mid_write", 1, 2)]
+_CASES = [(s, point, random.Random(f"{s}{point}").randint(lo, hi), amp)
+          for s in ("gockpt", "gockpt_o") for point, lo, hi in _POINTS for amp in (False, True)]
+
+
+@pytest.mark.parametrize("strategy, point, nth, amp", _CASES)
+def test_a_kill_in_a_copy_a_reconstruction_or_a_write_leaves_the_previous_checkpoint(tmp_path, strategy, point, nth,
+                                                                                  amp, uninterrupted):
+    """I1, I3: SIGKILL while a part is copied, once the parts are reconstructed, or while the
+    checkpoint is written; recovery takes the previous committed checkpoint, and training goes on
+    to the uninterrupted run's state bitwise — with bf16 autocast, a GradScaler that skips step 6
+    (inside the first spread) and clipping too."""
+    directory = str(tmp_path / "c")
+    killed = subprocess.run([sys.executable, "-c", _KILLED, directory, strategy, point, str(nth), str(STEPS), str(int(amp))],
+                            env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}, cwd=ROOT, timeout=300)
+    assert killed.returncode == -9
+    start, final, _ = _resume(directory, strategy, amp, losses := [])
+    assert start in (0, 7, 11)
+    ref_losses, ref_final = uninterrupted[amp]
+    assert losses == ref_losses[start:] and final == ref_final
+
+
+def test_mistakes_are_refused_with_what_to_do(tmp_path):
+    with pytest.raises(ConfigError, match=r"parts must lie in 1..every \(4\)"):
+        create("gockpt", every=4, parts=5)
+    w = build("mlp", seed=0)
+    w.optimizer = torch.optim.LBFGS(w.model.parameters())
+    with pytest.raises(ConfigError, match="updates each element from its own gradient and state .* got LBFGS"):
+        Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="gockpt")
