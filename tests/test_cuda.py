@@ -148,6 +148,21 @@ def test_lightcheck_trained_on_the_gpu_recovers_bitwise_from_its_region(tmp_path
 
 
 @gpu
+def test_lightcheck_with_updates_in_backward_waits_per_layer_on_the_gpu_and_recovers_bitwise(tmp_path):
+    """Each layer's update waits for its copy's event on the GPU (no host wait); killed twice, the
+    run ends bitwise where the uninterrupted one (updating in backward too) ends."""
+    steps = 10
+    ref = run(TrainConfig(workload="gpt2-tiny", strategy="none", steps=steps, device="cuda", in_backward=True,
+                          progress=False))
+    got = run(TrainConfig(workload="gpt2-tiny", strategy="lightcheck", steps=steps, directory=str(tmp_path / "c"),
+                          fail_at=(4, 8), device="cuda", in_backward=True, progress=False,
+                          options={"persist_every": 2, "flush": False}))
+    assert [r["source"] for r in got["recoveries"]] == ["region"] * 2
+    assert got["losses"] == ref["losses"]
+    assert got["final_state_sha256"] == ref["final_state_sha256"]
+
+
+@gpu
 def test_lightcheck_copies_by_dma_into_the_registered_region_and_waits_on_events(tmp_path):
     w = build("gpt2-tiny", seed=0, optimizer="adamw", device="cuda")
     with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
@@ -164,3 +179,10 @@ def test_lightcheck_copies_by_dma_into_the_registered_region_and_waits_on_events
         assert all(torch.equal(tensors[k], live[k].cpu()) for k in live), "the region holds S_6 bitwise"
     finally:
         region.close()
+
+
+@gpu
+def test_gockpt_refuses_a_model_on_the_gpu_where_its_cpu_reconstruction_would_not_be_exact(tmp_path):
+    w = build("gpt2-tiny", seed=0, device="cuda")
+    with pytest.raises(ConfigError, match="brings the parts forward on the CPU"):
+        Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="gockpt")

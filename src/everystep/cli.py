@@ -204,6 +204,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.checkflow:
+        return _plan_checkflow(args)
+    if args.step_seconds is None or args.mtbf is None:
+        raise ConfigError("plan needs --step-seconds and --mtbf (or --checkflow with --workload)")
     from .plan import plan
 
     result = plan(step_seconds=args.step_seconds, ckpt_seconds=args.ckpt_seconds, size_bytes=args.size_bytes,
@@ -213,6 +217,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(line)
     _write_json(args.json, {k: v for k, v in result.items() if k != "lines"})
     return 0
+
+
+def _plan_checkflow(args: argparse.Namespace) -> int:
+    from .eval.checkflow import plan_workload
+
+    if args.bandwidth is None or args.bandwidth <= 0:
+        raise ConfigError("--checkflow needs --bandwidth, the device-to-host link's bytes/s (e.g. 2.5e10)")
+    if args.per_size <= 0 or args.time_steps < 2:
+        raise ConfigError("--per-size must be positive and --time-steps at least 2")
+    limit = int(args.memory_limit * 2**20) if args.memory_limit is not None else None
+    r = plan_workload(args.workload, bandwidth=args.bandwidth, per_size=int(args.per_size * 2**20), memory_limit=limit,
+                      steps=args.time_steps, device=args.device, in_backward=args.in_backward)
+    mib = 2**20
+    print(f"Checkflow plan for {r['workload']} on {r['device']}: a {r['step_seconds'] * 1e3:.1f} ms step of "
+          f"{r['operators']} operators merged into {r['time_steps']} time steps; {r['checkpoint_bytes'] / mib:.1f} MiB "
+          f"to checkpoint in {r['tensors']} tensors, {r['groups']} groups, {r['pieces']} pieces after {r['splits']} "
+          f"split(s) of {args.per_size:g} MiB; link {args.bandwidth / 1e9:g} GB/s; solved in {r['solver_seconds']:.2f} s")
+    if r["feasible"]:
+        print(f"feasible: peak device memory {r['peak'] / mib:.1f} MiB, against {r['peak_checkfreq'] / mib:.1f} MiB for "
+              f"CheckFreq and {r['peak_none'] / mib:.1f} MiB without checkpointing")
+    else:
+        print(f"infeasible: {r['reason']}")
+    _write_json(args.json, r)
+    return 0 if r["feasible"] else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -320,14 +348,25 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--plot", metavar="PATH", help="PNG: ratio against MTBF and against GPUs")
     sm.set_defaults(func=cmd_simulate)
 
-    pl = sub.add_parser("plan", help="optimal checkpoint interval (Young/Daly) and LowDiff's (F*, b*)")
-    pl.add_argument("--step-seconds", type=float, required=True)
+    pl = sub.add_parser("plan", help="optimal checkpoint interval (Young/Daly) and LowDiff's (F*, b*); with "
+                        "--checkflow, Checkflow's snapshot and offload schedule for a workload")
+    pl.add_argument("--step-seconds", type=float)
     pl.add_argument("--ckpt-seconds", type=float, help="training stall per full checkpoint")
     pl.add_argument("--size-bytes", type=float, help="full checkpoint size (with --bandwidth, instead of --ckpt-seconds)")
     pl.add_argument("--bandwidth", type=float, help="write bandwidth, bytes/s")
-    pl.add_argument("--mtbf", type=float, required=True, help="mean time between failures, seconds")
+    pl.add_argument("--mtbf", type=float, help="mean time between failures, seconds")
     pl.add_argument("--load-seconds", type=float, default=0.0)
     pl.add_argument("--merge-seconds", type=float, help="time to merge one batched differential (LowDiff)")
+    pl.add_argument("--checkflow", action="store_true", help="profile one step of --workload and plan Checkflow's "
+                    "snapshots and offloads (--bandwidth: the device-to-host link, bytes/s)")
+    pl.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-small")
+    pl.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    pl.add_argument("--in-backward", action="store_true", help="updates in backward (each layer's own deadline)")
+    pl.add_argument("--memory-limit", type=float, metavar="MiB", help="device memory limit (relaxed if it cannot be met)")
+    pl.add_argument("--per-size", type=float, default=16.0, metavar="MiB", help="the pieces a tensor is split into "
+                    "when the link cannot move it in one time step (default 16)")
+    pl.add_argument("--time-steps", type=int, default=48, help="operators are merged into at most about this many "
+                    "time steps (default 48)")
     pl.add_argument("--json", metavar="PATH")
     pl.set_defaults(func=cmd_plan)
 

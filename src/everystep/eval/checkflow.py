@@ -1,0 +1,50 @@
+"""``everystep plan --checkflow``: profile a workload's step and plan its snapshots and offloads."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from ..capture.profile import profile_step
+from ..policy.checkflow import StepProfile, coarsen, plan
+from .workloads import build
+
+__all__ = ["plan_workload"]
+
+
+def plan_workload(workload: str, *, bandwidth: float, per_size: int, memory_limit: int | None = None,
+                  steps: int = 48, device: str = "cpu", in_backward: bool = False) -> dict[str, Any]:
+    """Profile one step of ``workload`` (after two warm-up steps), merge it into at most ``steps``
+    time steps, plan it, and compare the plan's peak with CheckFreq's and with no checkpointing."""
+    w = build(workload, seed=0, device=device, in_backward=in_backward)
+
+    def one() -> None:
+        w.loss(w.data.next()).backward()
+        w.update()
+
+    for _ in range(2):
+        one()
+    fine = profile_step(w.model, w.optimizer, one)
+    coarse, spans = coarsen(fine, steps, group_bytes=per_size)
+    found = plan(coarse, bandwidth=bandwidth, per_size=per_size, memory_limit=memory_limit)
+    return {
+        "workload": workload, "device": device, "bandwidth": bandwidth, "per_size": per_size,
+        "operators": fine.steps, "time_steps": coarse.steps, "tensors": len(fine.tensors),
+        "groups": len(coarse.tensors), "pieces": len(found.profile.tensors), "splits": found.splits,
+        "feasible": found.feasible, "reason": found.reason, "solver_seconds": found.seconds,
+        "step_seconds": sum(fine.times), "checkpoint_bytes": sum(t.nbytes for t in fine.tensors),
+        "peak": found.peak, "peak_none": max(fine.resident), "peak_checkfreq": checkfreq_peak(fine, bandwidth),
+        "memory_limit": found.memory_limit,
+        "schedule": asdict(found.schedule) if found.schedule else None, "spans": spans,
+    }
+
+
+def checkfreq_peak(profile: StepProfile, bandwidth: float) -> int:
+    """CheckFreq's device peak: every tensor snapshotted at once as the step starts, the copies
+    offloaded over the link from then on, each byte held until it has gone."""
+    total = sum(t.nbytes for t in profile.tensors)
+    peak, elapsed = 0, 0.0
+    for seconds, resident in zip(profile.times, profile.resident):
+        peak = max(peak, resident + max(0, int(total - bandwidth * elapsed)))
+        elapsed += seconds
+    return peak
