@@ -117,6 +117,8 @@ class _Spread:
     """One checkpoint in the making: S_start's parts copied over the next K steps."""
 
     start: int
+    params: list[_Param]
+    """The parameters and their state's keys as S_start has them."""
     plan: PartPlan
     host: dict[str, torch.Tensor]
     """Host tensors, full shape, for each parameter and each of its element-wise state tensors."""
@@ -220,9 +222,8 @@ class GoCkpt(Strategy):
         self.ctx.waited(time.perf_counter() - t0)
         self.errors.raise_pending()
         groups = group_scalars(self.ctx.components.optimizer)
-        assert self._params is not None
         needed = {c.param for part in spread.shards[:j] for _, _, share in part for c in share}
-        grads = {i: (g, g._version if g is not None else 0) for i in needed for g in (self._params[i].tensor.grad,)}
+        grads = {i: (g, g._version if g is not None else 0) for i in needed for g in (spread.params[i].tensor.grad,)}
         if self.overlap_gradients:
             spread.gradients = self._copier.submit(f"copy of the gradients of step {step}", self._copy_gradients,
                                                    spread, step, j, grads, groups)
@@ -236,7 +237,7 @@ class GoCkpt(Strategy):
     def _begin(self, step: int) -> None:
         """S_step is the first version copied: plan the parts, copy the first."""
         tensors, _ = self.ctx.flatten_state(step)
-        params = self._params = self._params or self._find_params(tensors)
+        params = self._params = self._find_params(tensors)  # (state the optimizer made since is in it)
         units = [Unit(p.key, p.tensor.numel(),
                       p.tensor.element_size() + sum(tensors[k].element_size() for k in p.elementwise.values()))
                  for p in params]
@@ -244,7 +245,7 @@ class GoCkpt(Strategy):
         plan = PartPlan.of(units, k, self.config.chunk_bytes)
         host = {key: torch.empty_like(tensors[key], device="cpu", memory_format=torch.contiguous_format)
                 for p in params for key in (p.key, *p.elementwise.values())}
-        self._spread = _Spread(step, plan, host)
+        self._spread = _Spread(step, params, plan, host)
         self.parts_used.append(len(plan.parts))
         self._copy_part(self._spread, 0)
 
@@ -286,12 +287,11 @@ class GoCkpt(Strategy):
 
     def _copy_chunks(self, spread: _Spread, index: int) -> None:
         """Copier thread: part ``index`` from the live state, then the optimizers that bring it forward."""
-        assert self._params is not None
         optimizer = self.ctx.components.optimizer
         chunks = []
         with torch.no_grad():
             for c in spread.plan.parts[index]:
-                p = self._params[c.unit]
+                p = spread.params[c.unit]
                 view = spread.host[p.key].view(-1)[c.start:c.stop]
                 view.copy_(p.tensor.detach().reshape(-1)[c.start:c.stop])
                 chunk = _Chunk(c.unit, c.start, c.stop, view)
@@ -303,12 +303,12 @@ class GoCkpt(Strategy):
                         chunk.state[name] = value.detach().clone() if isinstance(value, torch.Tensor) else value
                 chunks.append(chunk)
                 crash_point("gockpt.copy.chunk")
-        spread.shards.append(self._shards(chunks))
+        spread.shards.append(self._shards(spread.params, chunks))
 
-    def _shards(self, chunks: list[_Chunk]) -> list[tuple[torch.optim.Optimizer, list[int], list[_Chunk]]]:
+    def _shards(self, params: list[_Param], chunks: list[_Chunk]) -> list[tuple[torch.optim.Optimizer, list[int],
+                                                                               list[_Chunk]]]:
         """The chunks split over the threads by size, each share with an optimizer of the live one's
         class and groups whose state is the chunks'."""
-        assert self._params is not None
         optimizer = self.ctx.components.optimizer
         shares: list[list[_Chunk]] = [[] for _ in range(min(len(chunks), len(self._appliers)))]
         loads = [0] * len(shares)
@@ -318,9 +318,9 @@ class GoCkpt(Strategy):
             loads[i] += chunk.stop - chunk.start
         found = []
         for share in shares:
-            groups = sorted({self._params[c.param].group for c in share})
+            groups = sorted({params[c.param].group for c in share})
             made = type(optimizer)([{**{k: v for k, v in optimizer.param_groups[g].items() if k != "params"},
-                                     "params": [c.view for c in share if self._params[c.param].group == g]}
+                                     "params": [c.view for c in share if params[c.param].group == g]}
                                     for g in groups])
             for c in share:
                 made.state[c.view] = c.state
@@ -344,7 +344,7 @@ class GoCkpt(Strategy):
         for i, (grad, version) in grads.items():
             if grad is not None and grad._version != version:
                 raise EverystepError(
-                    f"the gradient of {self._params[i].key if self._params else i!r} changed in place before {self.name} "
+                    f"the gradient of {spread.params[i].key!r} changed in place before {self.name} "
                     "copied it (optimizer.zero_grad(set_to_none=False)?): call zero_grad() with set_to_none=True, "
                     "PyTorch's default, or use strategy gockpt")
         present = {i for i, (g, _) in grads.items() if g is not None}
@@ -383,8 +383,7 @@ class GoCkpt(Strategy):
         write the checkpoint in the background."""
         self._spread, self._finished = None, step
         tensors, skeleton = self.ctx.flatten_state(step)
-        assert self._params is not None
-        ours = {k for p in self._params for k in (p.key, *p.elementwise.values(), *p.whole.values())}
+        ours = {k for p in spread.params for k in (p.key, *p.elementwise.values(), *p.whole.values())}
         with torch.no_grad():
             rest = {k: t.detach().clone() for k, t in tensors.items() if k not in ours}
         self._persister.post(f"background write of the checkpoint at step {step}", self._write, spread, step, tensors,
@@ -402,10 +401,9 @@ class GoCkpt(Strategy):
         self.reconstruct_seconds.append(sum(spread.apply_seconds))
         crash_point("gockpt.reconstructed")
         tensors = dict(rest)
-        assert self._params is not None
         chunks = sorted((c for part in spread.shards for _, _, share in part for c in share),
                         key=lambda c: (c.param, c.start))
-        for i, p in enumerate(self._params):
+        for i, p in enumerate(spread.params):
             tensors[p.key] = spread.host[p.key]
             tensors.update({k: spread.host[k] for k in p.elementwise.values()})
             mine = [c for c in chunks if c.param == i]

@@ -16,9 +16,9 @@ each layer updated during backward, under DDP once its bucket is all-reduced) ea
 waits only for that layer's copy (on CUDA the wait is an event on the GPU, not on the CPU), and the
 end of step t+1 waits for the commit of S_t. Either way a failure loses at most the step being
 computed and, when it comes before S_t's commit, step t; and the next copy starts only once the
-previous slot is committed, so one slot always holds a complete checkpoint. What the next forward changes (model buffers such as
-BatchNorm statistics, compression residuals) is copied at once on the training thread; RNG and the
-data position are the copies taken as the step ended.
+previous slot is committed, so one slot always holds a complete checkpoint. What the next forward
+changes (model buffers such as BatchNorm statistics, compression residuals) is copied at once on the
+training thread; RNG and the data position are the copies taken as the step ended.
 
 Every ``persist_every`` steps (and at a clean close) a complete slot is also written to the
 checkpoint directory as an ordinary crash-safe full checkpoint, in the background: it survives a
