@@ -83,8 +83,12 @@ def test_a_memory_limit_that_cannot_be_met_is_relaxed():
 def test_splitting_keeps_every_byte_in_nearly_equal_pieces():
     pieces = split(StepProfile((1.0,), (0,), ()), 4).tensors
     assert pieces == ()
-    profile = split(StepProfile((1.0, 1.0), (0, 0), (Tensor("a", 10, 1), Tensor("b", 3, 1))), 4)
-    assert [t.nbytes for t in profile.tensors] == [4, 3, 3, 3] and profile.tensors[-1].name == "b"
+    profile = split(StepProfile((1.0, 1.0), (0, 0), (Tensor("a", 1000, 1), Tensor("b", 3, 1))), 400)
+    assert [t.nbytes for t in profile.tensors] == [320, 320, 360, 3] and profile.tensors[-1].name == "b"
+    assert [t.ranges() for t in profile.tensors[:3]] == [[("a", 0, 320)], [("a", 320, 640)], [("a", 640, 1000)]]
+    group = Tensor("g", 300, 1, members=(("x", 100), ("y", 200)))
+    halves = split(StepProfile((1.0, 1.0), (0, 0), (group,)), 150).tensors
+    assert [t.ranges() for t in halves] == [[("x", 0, 100), ("y", 0, 28)], [("y", 28, 200)]]  # cut at byte 128
 
 
 def test_coarsening_keeps_each_snapshot_deadline_and_groups_tensors_updated_together():
@@ -93,7 +97,7 @@ def test_coarsening_keeps_each_snapshot_deadline_and_groups_tensors_updated_toge
     tensors = (Tensor("a", 5, 30), Tensor("b", 6, 30), Tensor("c", 7, 35))
     coarse, spans = coarsen(StepProfile(times, resident, tensors), 8)
     assert coarse.steps == len(spans) <= 10 and sum(coarse.times) == sum(times)
-    assert [t.nbytes for t in coarse.tensors] == [11, 7]
+    assert [t.nbytes for t in coarse.tensors] == [11, 7] and coarse.tensors[0].members == (("a", 5), ("b", 6))
     assert [t.nbytes for t in coarsen(StepProfile(times, resident, tensors), 8, group_bytes=6)[0].tensors] == [5, 6, 7]
     assert [spans[t.updated_at][0] for t in coarse.tensors] == [30, 35]  # a merged step starts at each update
     assert all(coarse.resident[i] == max(resident[a:b]) for i, (a, b) in enumerate(spans))

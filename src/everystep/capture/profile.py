@@ -1,20 +1,21 @@
 """A real training step as Checkflow's operator sequence (:class:`~everystep.policy.checkflow.StepProfile`).
 
 One step of the user's model, optimizer and batch is run with hooks on every leaf module: each
-module's forward and each module's backward is an operator (PyTorch's forward hooks and full
-backward hooks), and the optimizer's step, when it updates everything at once, is the last one.
+module's forward and each module's backward is an operator (a forward pre-hook; a hook on the
+module's output tensor, which fires as backward reaches the module), and the optimizer's step,
+when it updates everything at once, is the last one.
 For each operator: its time (on CUDA from events on the current stream, on the CPU from the clock),
 and the bytes alive on the device while it runs — parameters, optimizer state and gradients, plus
 the activations autograd has saved for backward and not yet freed (counted through
 ``torch.autograd.graph.saved_tensors_hooks``, each storage once). For each parameter and optimizer
-state tensor: the operator that updates it — the optimizer's step, or, with an
-:class:`~everystep.OptimizerInBackward`, the backward of the module that owns the parameter.
+state tensor (named ``param/I`` and ``state/I/NAME``, I its index in the optimizer's groups): the
+operator that updates it — the optimizer's step, or, with an :class:`~everystep.OptimizerInBackward`,
+the backward of the module that owns the parameter. Scalar state (Adam's ``step``) is left out.
 """
 
 from __future__ import annotations
 
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,22 +25,74 @@ import torch
 from ..optim import OptimizerInBackward
 from ..policy.checkflow import StepProfile, Tensor
 
-__all__ = ["profile_step"]
+__all__ = ["profile_step", "StepRecorder", "OperatorHooks"]
 
 
 def profile_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> StepProfile:
     """Run ``step()`` (one whole training step: forward, backward, the update) once, profiled. The
     optimizer must hold its state already (run a step before) for the state's bytes to count."""
-    recorder = _Recorder(model, optimizer)
+    recorder = StepRecorder(model, optimizer)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), warnings.catch_warnings():
-            # the first module's backward hook has no input gradient to wait for: expected here
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            step()
-        recorder.close_step()
+        step()
     finally:
-        recorder.remove()
-    return recorder.profile()
+        profile = recorder.finish()
+    return profile
+
+
+class StepRecorder:
+    """Profiles the training step that runs from now until :meth:`finish` (the training loop's own):
+    the activations are counted while the model's forward runs."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._recorder = _Recorder(model, optimizer)
+        self._saving: Any = torch.autograd.graph.saved_tensors_hooks(self._recorder.pack, lambda t: t)
+        self._saving.__enter__()  # until the model's forward ends (made before it, or as it starts)
+        self._handles = [model.register_forward_hook(lambda m, a, out: self._exit())]
+
+    def _exit(self) -> None:
+        if self._saving is not None:
+            self._saving.__exit__(None, None, None)
+            self._saving = None
+
+    def finish(self) -> StepProfile:
+        """The step's profile; the hooks are removed."""
+        self._exit()
+        for handle in self._handles:
+            handle.remove()
+        self._recorder.close_step()
+        self._recorder.remove()
+        return self._recorder.profile()
+
+
+class OperatorHooks:
+    """Calls ``on_operator(name)`` as each operator of a step starts: each leaf module's forward and
+    backward, and (with an optimizer that steps after backward) the optimizer's step. A module's
+    backward starts when the gradient of its output is computed (a hook on the output tensor)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 on_operator: Callable[[str], None]) -> None:
+        self.handles: list[Any] = []
+        for name, module in model.named_modules():
+            if list(module.children()):
+                continue
+            self.handles.append(module.register_forward_pre_hook(lambda m, a, n=name: on_operator(f"forward {n}")))
+            self.handles.append(module.register_forward_hook(
+                lambda m, a, out, n=name: _on_gradient(out, lambda: on_operator(f"backward {n}"))))
+        if not isinstance(optimizer, OptimizerInBackward):
+            self.handles.append(optimizer.register_step_pre_hook(lambda *a: on_operator("optimizer step")))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def _on_gradient(output: Any, call: Callable[[], None]) -> None:
+    """Call ``call`` when the gradient of ``output`` (its first tensor that needs one) is computed."""
+    for t in output if isinstance(output, (tuple, list)) else (output,):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda grad: call())
+            return
 
 
 class _Recorder:
@@ -49,23 +102,17 @@ class _Recorder:
         self.marks: list[tuple[str, Any, int]] = []
         """(operator that starts here, a clock mark, bytes alive when it starts)."""
         self.saved: dict[int, int] = {}
-        self.owner: dict[torch.Tensor, str] = {}
         self.updated: dict[torch.Tensor, int] = {}
-        self.handles: list[Any] = []
         self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        leaves = [(name, m) for name, m in model.named_modules() if not list(m.children())]
-        for name, module in leaves:
-            for p in module.parameters(recurse=False):
-                self.owner[p] = name
-            self.handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.mark(f"forward {n}")))
-            self.handles.append(module.register_full_backward_pre_hook(lambda m, g, n=name: self.mark(f"backward {n}")))
+        self.operators = OperatorHooks(model, optimizer, self.mark)
+        self.handles: list[Any] = []
         if isinstance(optimizer, OptimizerInBackward):
             self.handles.append(optimizer.register_layer_pre_hook(self._on_layer_update))
         else:
-            self.handles.append(optimizer.register_step_pre_hook(lambda *a: self.mark("optimizer step")))
             self.handles.append(optimizer.register_step_post_hook(lambda *a: self._on_update_all()))
 
     def remove(self) -> None:
+        self.operators.remove()
         for handle in self.handles:
             handle.remove()
 
@@ -118,13 +165,10 @@ class _Recorder:
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 at = self.updated.get(p)
-                if at is None:  # no gradient this step: nothing updates it
-                    index += 1
-                    continue
-                owner = self.owner.get(p, f"param{index}")
-                tensors.append(Tensor(f"{owner}#{index}", p.numel() * p.element_size(), at))
-                for name, value in self.optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor) and value.numel() > 1:
-                        tensors.append(Tensor(f"{owner}#{index}.{name}", value.numel() * value.element_size(), at))
+                if at is not None:  # (None: no gradient this step, nothing updates it)
+                    tensors.append(Tensor(f"param/{index}", p.numel() * p.element_size(), at))
+                    for name, value in self.optimizer.state.get(p, {}).items():
+                        if isinstance(value, torch.Tensor) and value.numel() > 1:
+                            tensors.append(Tensor(f"state/{index}/{name}", value.numel() * value.element_size(), at))
                 index += 1
         return StepProfile(tuple(max(t, 1e-7) for t in times), tuple(resident), tuple(tensors))

@@ -35,6 +35,21 @@ class Tensor:
     nbytes: int
     updated_at: int
     """The operator (0-based) that updates it: its snapshot must be made at an earlier one."""
+    members: tuple[tuple[str, int], ...] = ()
+    """What it holds, as (name, bytes) laid end to end (a group of tensors); empty: itself."""
+    offset: int = 0
+    """A piece of a split: where its bytes start in ``members``."""
+
+    def ranges(self) -> list[tuple[str, int, int]]:
+        """(member, first byte, end byte) of each member this holds bytes of."""
+        members = self.members or ((self.name, self.nbytes + self.offset),)
+        found, at = [], 0
+        for name, size in members:
+            lo, hi = max(at, self.offset), min(at + size, self.offset + self.nbytes)
+            if lo < hi:
+                found.append((name, lo - at, hi - at))
+            at += size
+        return found
 
 
 @dataclass(frozen=True)
@@ -169,15 +184,26 @@ def check(profile: StepProfile, schedule: Schedule, *, bandwidth: float) -> int:
     return int(max(r + h for r, h in zip(profile.resident, held)))
 
 
+SPLIT_ALIGN = 64
+"""Pieces start on multiples of this many bytes (never inside an element)."""
+
+
 def split(profile: StepProfile, per_size: int) -> StepProfile:
     """Algorithm 1's SPLITCHECKPOINTS: each tensor over ``per_size`` bytes becomes
-    ``ceil(size / per_size)`` pieces of nearly equal size."""
+    ``ceil(size / per_size)`` pieces of nearly equal size, cut on :data:`SPLIT_ALIGN` bytes (on any
+    byte when ``per_size`` is smaller than that)."""
+    align = SPLIT_ALIGN if per_size >= SPLIT_ALIGN else 1
     pieces = []
     for tensor in profile.tensors:
         k = max(1, math.ceil(tensor.nbytes / per_size))
-        sizes = [tensor.nbytes // k + (i < tensor.nbytes % k) for i in range(k)]
-        pieces += [tensor] if k == 1 else [replace(tensor, name=f"{tensor.name}[{i}/{k}]", nbytes=size)
-                                           for i, size in enumerate(sizes)]
+        if k == 1:
+            pieces.append(tensor)
+            continue
+        cuts = sorted({min(tensor.nbytes, tensor.nbytes * i // k // align * align) for i in range(k)}
+                      | {tensor.nbytes})
+        members = tensor.members or ((tensor.name, tensor.nbytes + tensor.offset),)
+        pieces += [replace(tensor, name=f"{tensor.name}[{i}/{len(cuts) - 1}]", nbytes=b - a, members=members,
+                           offset=tensor.offset + a) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
     return replace(profile, tensors=tuple(pieces))
 
 
@@ -230,8 +256,9 @@ def coarsen(profile: StepProfile, steps: int, group_bytes: int | None = None) ->
                                               and sum(t.nbytes for t in last[1]) + tensor.nbytes > group_bytes):
             groups.append((at, []))
         groups[-1][1].append(tensor)
-    tensors = tuple(Tensor(f"{g[0].name}+{len(g) - 1}" if len(g) > 1 else g[0].name, sum(t.nbytes for t in g), at)
-                    for at, g in groups)
+    tensors = tuple(Tensor(f"{g[0].name}+{len(g) - 1}", sum(t.nbytes for t in g), at,
+                           members=tuple(m for t in g for m in (t.members or ((t.name, t.nbytes),))))
+                    if len(g) > 1 else replace(g[0], updated_at=at) for at, g in groups)
     coarse = StepProfile(tuple(sum(profile.times[a:b]) for a, b in spans),
                          tuple(max(profile.resident[a:b]) for a, b in spans), tensors)
     return coarse, spans

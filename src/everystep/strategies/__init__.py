@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .base import CheckpointStats, Strategy, StrategyConfig, StrategyContext
+from .checkflow import Checkflow
 from .checkfreq import AsyncSnapshot, CheckFreq
 from .full_sync import FullSync
 from .gockpt import GoCkpt, GoCkptO
@@ -16,10 +17,10 @@ from .lightcheck import LightCheck
 from .naive_diff import NaiveDiff
 from .none import NoCheckpoint
 
-__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff", "LightCheck", "AsyncSnapshot", "GoCkpt", "GoCkptO"]
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff", "LightCheck", "AsyncSnapshot", "GoCkpt", "GoCkptO", "Checkflow"]
 
 STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq, AsyncSnapshot, LowDiff, LowDiffPlus,
-                                                      NaiveDiff, LightCheck, GoCkpt, GoCkptO)}
+                                                      NaiveDiff, LightCheck, GoCkpt, GoCkptO, Checkflow)}
 
 
 def create(name: str, **options: Any) -> Strategy:

@@ -1,0 +1,357 @@
+"""``checkflow``: Checkflow's schedule of snapshots and offloads, executed inside every step.
+
+The first step is profiled as it runs (:class:`~everystep.capture.profile.StepRecorder`: each leaf
+module's forward and backward and the optimizer's step an operator, with its time and the bytes
+alive), and a background thread plans it (:func:`~everystep.policy.checkflow.plan`: the ILP of
+Checkflow's Eqs. 1–12 inside its Algorithm 1) for the link's ``bandwidth``. From then on, in every
+step t that checkpoints S_{t-1}, as each operator starts (:class:`~everystep.capture.profile.OperatorHooks`)
+the pieces the schedule creates there are *snapshotted* — copied on the device, before the optimizer
+updates them — and the pieces it offloads there are copied from their snapshot into a host buffer
+and the snapshot freed (on CUDA on a stream of its own into pinned memory). What the schedule does
+not cover (buffers the forward changes, scalars such as Adam's ``step``, RNG, the data position)
+is copied as S_{t-1} becomes ready. After the update, the host buffer holds S_{t-1} and is written
+and committed in the background, as CheckFreq's. A piece the schedule left for later than the
+update (the steps ran differently from the profile) is snapshotted before the update all the same
+(:attr:`Checkflow.late`), so every checkpoint is consistent.
+
+Until the plan is ready (and where it is infeasible) the whole state is snapshotted at once, as
+``async`` does. When the steps' time (a median of five) strays by more than ``replan`` (a fraction)
+from what it was when the schedule was new, a step is profiled again and re-planned, with a warning. The bytes of snapshots alive are accounted
+(:attr:`Checkflow.peak_snapshot_bytes`) against the plan's (:attr:`Checkflow.planned_snapshot_bytes`).
+One process only, with an optimizer stepped after backward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .._faults import crash_point
+from ..background import Worker, settled
+from ..capture.profile import OperatorHooks, StepRecorder
+from ..errors import ConfigError
+from ..layout import TensorLayout
+from ..policy.checkflow import Plan, StepProfile, coarsen, plan
+from ..policy.interval import due
+from ..storage.full import write_full
+from ..storage.sharded import ShardPlan
+from ..storage.tensorfile import buffer_chunks
+from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
+from .base import Strategy, StrategyConfig
+
+__all__ = ["Checkflow", "CheckflowConfig"]
+
+_WINDOW = 5
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckflowConfig(StrategyConfig):
+    bandwidth: float | None = None
+    """Bytes/s of the device-to-host link; ``None``: measured once (a timed copy of the largest tensor)."""
+    per_size: int = 16 << 20
+    """Bytes: tensors are grouped up to this size, and split into pieces of it when the link needs."""
+    time_steps: int = 48
+    """Operators are merged into about this many time steps for the ILP."""
+    memory_limit: int | None = None
+    """Device bytes the plan should stay under (relaxed when it cannot)."""
+    replan: float = 1.0
+    """Re-plan when the steps' time (a median of 5) strays from what it was when the schedule was new
+    by more than this fraction."""
+
+    def __post_init__(self) -> None:
+        StrategyConfig.__post_init__(self)
+        if self.bandwidth is not None and self.bandwidth <= 0:
+            raise ConfigError(f"bandwidth must be a positive number of bytes per second, got {self.bandwidth}")
+        if self.per_size < 64 or self.time_steps < 2 or self.replan <= 0:
+            raise ConfigError(f"per_size must be at least 64 bytes, time_steps at least 2 and replan positive; got "
+                              f"{self.per_size}, {self.time_steps}, {self.replan}")
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """A plan, as the hooks execute it."""
+
+    plan: Plan
+    coarse_of: list[int]
+    """Fine operator → the time step it belongs to."""
+    created: dict[int, list[int]]
+    """Time step → pieces snapshotted there."""
+    offloaded: dict[int, list[int]]
+    ranges: list[list[tuple[str, int, int]]]
+    """Per piece: (state key, first element, end element)."""
+    keys: frozenset[str]
+    """The state keys the schedule covers."""
+
+
+@dataclass(eq=False)
+class _Round:
+    """One checkpoint in the making: S_step, taken piece by piece inside the next step."""
+
+    step: int
+    buffer: HostBuffer
+    tensors: dict[str, torch.Tensor]
+    skeleton: Any
+    shard: ShardPlan
+    schedule: _Schedule | None
+    done_upto: int = -1
+    snapshots: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    """Piece → (snapshot, where in the host buffer it goes), while held."""
+    offloaded: set[int] = field(default_factory=set)
+
+
+class Checkflow(Strategy):
+    name: ClassVar[str] = "checkflow"
+    other_world_size: ClassVar[bool] = True
+    Config = CheckflowConfig
+    config: CheckflowConfig
+
+    def __init__(self, config: CheckflowConfig | None = None) -> None:
+        super().__init__(config)
+        self.plans: list[Plan] = []
+        """Every plan made (the first, and one per re-plan)."""
+        self.late = 0
+        """Pieces snapshotted or offloaded later than the schedule said (the step ran differently)."""
+        self.peak_snapshot_bytes = 0
+        """The most bytes of snapshots held at once, as executed."""
+        self.planned_snapshot_bytes = 0
+        """The most bytes of snapshots the plan holds at once."""
+
+    def _attach(self) -> None:
+        if self.ctx.ranks.distributed:
+            raise ConfigError("strategy 'checkflow' runs in one process (its schedule covers whole tensors)")
+        self._pool = HostBufferPool(2)
+        self._persister = Worker("everystep-checkflow-persist", self.errors)
+        self._planner = Worker("everystep-checkflow-plan", self.errors)
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._schedule: _Schedule | None = None
+        self._planning: Future[Any] | None = None
+        self._recorder: StepRecorder | None = None
+        self._recorded = False
+        self._baseline: float | None = None
+        self._times: list[float] = []
+        self._profile_next = True
+        self._round: _Round | None = None
+        self._last = -1
+        self._op = -1
+        self._alive = 0
+        self._step_started = 0.0
+        model, optimizer = self.ctx.components.model, self.ctx.components.optimizer
+        self._operators = OperatorHooks(model, optimizer, self._on_operator)
+
+    # -- the steps -----------------------------------------------------------------------------
+
+    def _on_state_ready(self, step: int, final: bool) -> None:
+        self._plan_recorded()
+        self._take_plan()
+        if self._profile_next and not final:
+            self._profile_next = False
+            self._recorder = StepRecorder(self.ctx.components.model, self.ctx.components.optimizer)
+        self._op = -1
+        self._step_started = time.perf_counter()
+        if step == self._last or not due(step, self.config.every, final=final):
+            return
+        self._last = step
+        plan_, skeleton = self.ctx.full_plan(step)
+        tensors = plan_.local
+        buffer = self._pool.acquire(TensorLayout.of(tensors))
+        schedule = None if final else self._schedule
+        covered = schedule.keys if schedule is not None else frozenset(self.ctx.stable_keys(tensors))
+        snapshot_into(buffer, tensors, [k for k in tensors if k not in covered])  # what changes before the update
+        r = _Round(step, buffer, tensors, skeleton, plan_, schedule)
+        if schedule is None:  # no plan (yet): everything at once, as async does
+            self._finish_snapshots(r, late=False)
+            self._finish(r)
+        else:
+            self._round = r
+
+    def _on_operator(self, name: str) -> None:
+        self._op += 1
+        r = self._round
+        if r is None or r.schedule is None:
+            return
+        s = r.schedule
+        upto = s.coarse_of[min(self._op, len(s.coarse_of) - 1)]
+        for t in range(r.done_upto + 1, upto + 1):
+            for piece in s.created.get(t, ()):
+                self._snapshot(r, piece)
+            for piece in s.offloaded.get(t, ()):
+                self._offload(r, piece)
+        r.done_upto = max(r.done_upto, upto)
+
+    def _before_update(self, step: int) -> None:
+        r = self._round
+        if r is not None and r.step == step - 1 and r.schedule is not None:
+            self._finish_snapshots(r, late=True)  # nothing the update changes may be left uncopied
+
+    def _on_step_end(self, step: int) -> None:
+        r, self._round = self._round, None
+        if r is not None and r.step == step - 1:
+            self._finish(r)
+        elif r is not None:  # a round whose step did not come (it cannot happen in order): keep it
+            self._round = r
+        seconds = time.perf_counter() - self._step_started
+        if self._recorder is not None:
+            self._recorded = True  # finished at the next call: its own hooks are running now
+        elif r is not None and r.schedule is not None:
+            self._times.append(seconds)
+            recent = statistics.median(self._times[-_WINDOW:])
+            if len(self._times) == _WINDOW:  # the first steps run with this schedule (the profiled one ran slower)
+                self._baseline = recent
+            elif self._baseline is not None and abs(recent / self._baseline - 1) > self.config.replan:
+                warnings.warn(f"checkflow: steps now take {recent:.3g} s (median of {_WINDOW}), against "
+                              f"{self._baseline:.3g} s when the schedule was new: profiling the next step to plan again",
+                              stacklevel=2)
+                self._schedule, self._profile_next = None, True
+
+    # -- snapshot and offload ------------------------------------------------------------------
+
+    def _snapshot(self, r: _Round, piece: int) -> None:
+        if piece in r.snapshots or piece in r.offloaded:
+            return
+        assert r.schedule is not None
+        held = []
+        with torch.no_grad():
+            for key, lo, hi in r.schedule.ranges[piece]:
+                source = r.tensors[key].detach().reshape(-1)[lo:hi]
+                held.append((source.clone(), r.buffer.views[key].view(-1)[lo:hi]))
+        r.snapshots[piece] = held
+        self._alive += sum(t.numel() * t.element_size() for t, _ in held)
+        self.peak_snapshot_bytes = max(self.peak_snapshot_bytes, self._alive)
+
+    def _offload(self, r: _Round, piece: int) -> None:
+        held = r.snapshots.pop(piece, None)
+        if held is None:
+            return
+        with torch.no_grad():
+            if self._stream is not None and held[0][0].is_cuda:
+                self._stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._stream):
+                    for snap, target in held:
+                        target.copy_(snap, non_blocking=True)
+                        snap.record_stream(self._stream)
+            else:
+                for snap, target in held:
+                    target.copy_(snap)
+        crash_point("checkflow.offload")
+        r.offloaded.add(piece)
+        self._alive -= sum(t.numel() * t.element_size() for t, _ in held)
+
+    def _finish_snapshots(self, r: _Round, *, late: bool) -> None:
+        """Snapshot now what is still uncopied (before the update changes it); without a schedule,
+        copy the whole state."""
+        if r.schedule is None:
+            snapshot_into(r.buffer, r.tensors, [k for k in r.tensors if k in self.ctx.stable_keys(r.tensors)],
+                          stream=self._stream)
+            return
+        missing = [p for p in range(len(r.schedule.ranges)) if p not in r.snapshots and p not in r.offloaded]
+        self.late += len(missing) if late else 0
+        for piece in missing:
+            self._snapshot(r, piece)
+
+    def _finish(self, r: _Round) -> None:
+        """Offload what is held, then write S_{r.step} in the background."""
+        if r.schedule is not None:
+            self.late += len(r.snapshots)
+            for piece in list(r.snapshots):
+                self._offload(r, piece)
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._persister.post(f"background write of the checkpoint at step {r.step}", self._persist, r)
+
+    def _persist(self, r: _Round) -> None:
+        try:
+            assert self.ctx.store is not None and self.ctx.directory is not None
+            t0 = time.perf_counter()
+            write_full(self.ctx.store, r.step, buffer_chunks(r.buffer.layout, r.buffer.memoryview()), r.skeleton,
+                       plan=r.shard, tensors=r.buffer.views, format=self.ctx.full_format)
+            self.ctx.committed(r.step, seconds=time.perf_counter() - t0)
+            self.ctx.directory.retain(self.config.keep)
+        finally:
+            self._pool.release(r.buffer)
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def _plan(self, profile: StepProfile, keys: dict[str, str], sizes: dict[str, int]) -> _Schedule | None:
+        """Planner thread: merge, solve, and turn the plan into what the hooks execute (None: no
+        feasible schedule)."""
+        bandwidth = self.config.bandwidth or self._measure_bandwidth()
+        coarse, spans = coarsen(profile, self.config.time_steps, group_bytes=self.config.per_size)
+        found = plan(coarse, bandwidth=bandwidth, per_size=self.config.per_size, memory_limit=self.config.memory_limit)
+        self.plans.append(found)
+        if not found.feasible or found.schedule is None:
+            warnings.warn(f"checkflow: no schedule ({found.reason}); every checkpoint is taken at once", stacklevel=2)
+            return None
+        coarse_of = [i for i, (a, b) in enumerate(spans) for _ in range(a, b)]
+        created: dict[int, list[int]] = {}
+        offloaded: dict[int, list[int]] = {}
+        ranges = []
+        for i, (piece, c, s) in enumerate(zip(found.profile.tensors, found.schedule.created, found.schedule.offloaded)):
+            created.setdefault(c, []).append(i)
+            offloaded.setdefault(s, []).append(i)
+            ranges.append([(keys[name], lo // sizes[keys[name]], hi // sizes[keys[name]]) for name, lo, hi in piece.ranges()])
+        held = [0] * coarse.steps
+        for piece, c, s in zip(found.profile.tensors, found.schedule.created, found.schedule.offloaded):
+            for t in range(c, s + 1):
+                held[t] += piece.nbytes
+        self.planned_snapshot_bytes = max(held)
+        return _Schedule(found, coarse_of, created, offloaded, ranges, frozenset(k for rs in ranges for k, _, _ in rs))
+
+    def _keys(self) -> tuple[dict[str, str], dict[str, int]]:
+        """The profile's tensor names (``param/I``, ``state/I/NAME``) → keys of the flat state, and
+        each key's element size."""
+        tensors, _ = self.ctx.flatten_state(0)
+        by_ptr = {t.data_ptr(): k for k, t in tensors.items() if t.numel() and k.startswith("/model/")}
+        found = {}
+        index = 0
+        for group in self.ctx.components.optimizer.param_groups:
+            for p in group["params"]:
+                if p.data_ptr() in by_ptr:
+                    found[f"param/{index}"] = by_ptr[p.data_ptr()]
+                for key in tensors:
+                    if key.startswith(f"/optimizer/state/{index}/"):
+                        found[f"state/{index}/{key.rpartition('/')[2]}"] = key
+                index += 1
+        return found, {k: t.element_size() for k, t in tensors.items()}
+
+    def _measure_bandwidth(self) -> float:
+        biggest = max((p for g in self.ctx.components.optimizer.param_groups for p in g["params"]),
+                      key=lambda p: p.numel())
+        target = torch.empty(biggest.shape, dtype=biggest.dtype, pin_memory=biggest.is_cuda)
+        t0 = time.perf_counter()
+        target.copy_(biggest.detach())
+        return biggest.numel() * biggest.element_size() / max(time.perf_counter() - t0, 1e-9)
+
+    def _plan_recorded(self) -> None:
+        """The step recorded is over: plan it in the background."""
+        if self._recorder is not None and self._recorded:
+            profile, self._recorder, self._recorded = self._recorder.finish(), None, False
+            self._planning = self._planner.submit("plan Checkflow's schedule", self._plan, profile, *self._keys())
+
+    def _take_plan(self) -> None:
+        """Use a plan made in the background, once it is ready."""
+        if self._planning is not None and self._planning.done():
+            planning, self._planning = self._planning, None
+            if planning.exception() is None and planning.result() is not None:
+                self._schedule, self._baseline, self._times = planning.result(), None, []
+
+    # -- end -----------------------------------------------------------------------------------
+
+    def _wait(self) -> None:
+        self._plan_recorded()
+        settled(self._planning)
+        self._persister.drain()
+
+    def _close(self) -> None:
+        self._operators.remove()
+        if self._recorder is not None:
+            self._recorder.finish()
+            self._recorder = None
+        self._planner.close()
+        self._persister.close()
+
