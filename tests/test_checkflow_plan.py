@@ -131,12 +131,14 @@ def test_with_updates_in_backward_each_layer_has_its_own_deadline_inside_backwar
 
 
 def test_plan_checkflow_reports_a_feasible_plan_and_an_infeasible_link(tmp_path, capsys):
-    assert main(["plan", "--checkflow", "--workload", "gpt2-tiny", "--bandwidth", "1e11", "--json",
-                 str(tmp_path / "p.json")]) == 0
+    assert main(["plan", "--checkflow", "--workload", "gpt2-tiny", "--bandwidth", "1e11", "--batch", "2", "--json",
+                 str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "feasible: peak device memory" in out
     r = json.loads((tmp_path / "p.json").read_text())
     assert r["feasible"] and r["peak_none"] <= r["peak"] <= r["peak_checkfreq"] and r["time_steps"] <= 60
+    assert r["batch"] == 2
     assert main(["plan", "--checkflow", "--workload", "gpt2-tiny", "--bandwidth", "1e3", "--per-size", "0.01"]) == 1
     assert "infeasible: the link" in capsys.readouterr().out
     assert main(["plan", "--checkflow"]) == 2

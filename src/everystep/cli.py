@@ -228,9 +228,9 @@ def _plan_checkflow(args: argparse.Namespace) -> int:
         raise ConfigError("--per-size must be positive and --time-steps at least 2")
     limit = int(args.memory_limit * 2**20) if args.memory_limit is not None else None
     r = plan_workload(args.workload, bandwidth=args.bandwidth, per_size=int(args.per_size * 2**20), memory_limit=limit,
-                      steps=args.time_steps, device=args.device, in_backward=args.in_backward)
+                      steps=args.time_steps, device=args.device, in_backward=args.in_backward, batch=args.batch)
     mib = 2**20
-    print(f"Checkflow plan for {r['workload']} on {r['device']}: a {r['step_seconds'] * 1e3:.1f} ms step of "
+    print(f"Checkflow plan for {r['workload']} (batch {r['batch']}) on {r['device']}: a {r['step_seconds'] * 1e3:.1f} ms step of "
           f"{r['operators']} operators merged into {r['time_steps']} time steps; {r['checkpoint_bytes'] / mib:.1f} MiB "
           f"to checkpoint in {r['tensors']} tensors, {r['groups']} groups, {r['pieces']} pieces after {r['splits']} "
           f"split(s) of {args.per_size:g} MiB; link {args.bandwidth / 1e9:g} GB/s; solved in {r['solver_seconds']:.2f} s")
@@ -240,6 +240,10 @@ def _plan_checkflow(args: argparse.Namespace) -> int:
     else:
         print(f"infeasible: {r['reason']}")
     _write_json(args.json, r)
+    if args.plot and r["feasible"]:
+        from .eval.checkflow import plot_schedule
+
+        plot_schedule(r, args.plot)
     return 0 if r["feasible"] else 1
 
 
@@ -362,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-small")
     pl.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     pl.add_argument("--in-backward", action="store_true", help="updates in backward (each layer's own deadline)")
+    pl.add_argument("--batch", type=int, help="samples per step (default: the workload's own)")
+    pl.add_argument("--plot", metavar="PATH", help="draw the schedule (a PNG): memory per time step, offloads")
     pl.add_argument("--memory-limit", type=float, metavar="MiB", help="device memory limit (relaxed if it cannot be met)")
     pl.add_argument("--per-size", type=float, default=16.0, metavar="MiB", help="the pieces a tensor is split into "
                     "when the link cannot move it in one time step (default 16)")

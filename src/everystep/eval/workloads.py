@@ -272,7 +272,7 @@ def resolve_device(name: str, *, rank: int = 0, world: int = 1) -> torch.device:
 
 def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | None = None, rank: int = 0,
           world: int = 1, compress: str | None = None, bucket_cap_mb: float | None = None,
-          device: str = "cpu", in_backward: bool = False) -> Workload:
+          device: str = "cpu", in_backward: bool = False, batch: int | None = None) -> Workload:
     """Build a workload deterministically from ``seed``: same seed, same bits.
 
     With ``world`` > 1 (torch.distributed initialised), the model is wrapped in
@@ -285,6 +285,7 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     :func:`resolve_device`) holds the model and its optimizer state; data is made on the CPU.
     ``in_backward``: the optimizer is an :class:`~everystep.OptimizerInBackward` (each parameter
     updated during backward; under DDP once its bucket is all-reduced), with no compression.
+    ``batch``: samples per step and rank (default: the workload's own).
     """
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
@@ -296,7 +297,10 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
-    model, make_sample, batch, criterion = WORKLOADS[name](seed)
+    if batch is not None and batch < 1:
+        raise ConfigError(f"batch must be at least 1, got {batch}")
+    model, make_sample, default_batch, criterion = WORKLOADS[name](seed)
+    batch = batch or default_batch
     model.to(where)
     data = SyntheticData(make_sample, size=4096, batch_size=batch, seed=seed, rank=rank, world=world)
     rate = lr if lr is not None else _DEFAULT_LR[optimizer]
