@@ -74,11 +74,13 @@ def plot_schedule(result: dict[str, Any], path: str) -> None:
 
 
 def checkfreq_peak(profile: StepProfile, bandwidth: float) -> int:
-    """CheckFreq's device peak: every tensor snapshotted at once as the step starts, the copies
-    offloaded over the link from then on, each byte held until it has gone."""
+    """CheckFreq's device peak, counted as the ILP counts: every tensor snapshotted at once at the
+    first operator and offloaded over the link from the next one on, each byte held up to and
+    including the operator that offloads it."""
     total = sum(t.nbytes for t in profile.tensors)
-    peak, elapsed = 0, 0.0
-    for seconds, resident in zip(profile.times, profile.resident):
-        peak = max(peak, resident + max(0, int(total - bandwidth * elapsed)))
-        elapsed += seconds
+    peak, moved = 0, 0.0
+    for t, (seconds, resident) in enumerate(zip(profile.times, profile.resident)):
+        peak = max(peak, resident + max(0, int(total - moved)))
+        if t:
+            moved += bandwidth * seconds
     return peak
