@@ -44,10 +44,12 @@ def demo(directory: Path, *, steps: int = 30) -> int:
     from .eval.bench import BenchConfig, markdown_table, run_bench, summarise
     from .strategies import STRATEGIES
 
+    spread = {"every": 5, "parts": 2}  # (by default a GoCkpt checkpoint starts every 50 steps)
     cfg = BenchConfig(workload="gpt2-tiny", strategies=tuple(STRATEGIES), steps=15, warmup=3, repeats=3,
-                      compress="topk:0.01")
+                      compress="topk:0.01", options={"gockpt": spread, "gockpt_o": spread})
     print(f"4. a short bench: every strategy on gpt2-tiny, {cfg.steps} steps, {cfg.repeats} interleaved repeats, "
-          f"all training with top-k compression (which lowdiff reuses)")
+          f"all training with top-k compression (which lowdiff reuses); gockpt and gockpt_o start a checkpoint "
+          f"every 5 steps spread over 2; checkflow plans in the background during the first steps")
     print(markdown_table(summarise(run_bench(cfg))))
     print("   (on a model this small, fixed per-checkpoint costs dominate; see the README for gpt2-small)")
     return 0
