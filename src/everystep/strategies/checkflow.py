@@ -350,7 +350,6 @@ class Checkflow(Strategy):
     # -- end -----------------------------------------------------------------------------------
 
     def _wait(self) -> None:
-        self._plan_recorded()
         settled(self._planning)
         self._persister.drain()
 
