@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from ..storage.base import Store
     from ..storage.directory import CheckpointDirectory
 
-__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats"]
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "ParamKeys"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,6 +95,17 @@ class CheckpointStats:
             "stall_per_checkpoint_seconds": self.stall_seconds / self.checkpoints if self.checkpoints else 0.0,
             "last_durable_step": self.last_durable_step,
         }
+
+
+@dataclass(frozen=True)
+class ParamKeys:
+    """A parameter the optimizer updates and where its tensors lie in the flat state."""
+
+    index: int
+    param: torch.Tensor
+    group: int
+    key: str | None
+    state: dict[str, str]
 
 
 class StrategyContext:
@@ -148,6 +159,18 @@ class StrategyContext:
             tensors_, _ = flatten(compression.state_dict())
             ptrs |= {t.untyped_storage().data_ptr() for t in tensors_.values() if t.numel()}
         return self._keys_in(tensors, ptrs)
+
+    def optimizer_keys(self, tensors: dict[str, torch.Tensor]) -> list[ParamKeys]:
+        """Each parameter the optimizer updates, in its groups' order, with its key in ``tensors``
+        (the flat state: ``None`` when the model does not hold it) and its state's keys by name."""
+        by_ptr = {t.data_ptr(): k for k, t in tensors.items() if t.numel() and k.startswith("/model/")}
+        found = []
+        for gi, group in enumerate(self.components.optimizer.param_groups):
+            for p in group["params"]:
+                prefix = f"/optimizer/state/{len(found)}/"
+                found.append(ParamKeys(len(found), p, gi, by_ptr.get(p.data_ptr()),
+                                       {k[len(prefix):]: k for k in tensors if k.startswith(prefix)}))
+        return found
 
     def replicated_keys(self, tensors: dict[str, torch.Tensor]) -> set[str]:
         """Keys of the state data parallelism keeps identical on every rank: parameters and

@@ -42,7 +42,7 @@ from ..policy.interval import due
 from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import buffer_chunks
-from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
+from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
 from .base import Strategy, StrategyConfig
 
 __all__ = ["Checkflow", "CheckflowConfig"]
@@ -165,7 +165,7 @@ class Checkflow(Strategy):
         snapshot_into(buffer, tensors, [k for k in tensors if k not in covered])  # what changes before the update
         r = _Round(step, buffer, tensors, skeleton, plan_, schedule)
         if schedule is None:  # no plan (yet): everything at once, as async does
-            self._finish_snapshots(r, late=False)
+            snapshot_into(buffer, tensors, [k for k in tensors if k in covered], stream=self._stream)
             self._finish(r)
         else:
             self._round = r
@@ -187,7 +187,7 @@ class Checkflow(Strategy):
     def _before_update(self, step: int) -> None:
         r = self._round
         if r is not None and r.step == step - 1 and r.schedule is not None:
-            self._finish_snapshots(r, late=True)  # nothing the update changes may be left uncopied
+            self._finish_snapshots(r)  # nothing the update changes may be left uncopied
 
     def _on_step_end(self, step: int) -> None:
         r, self._round = self._round, None
@@ -242,15 +242,11 @@ class Checkflow(Strategy):
         r.offloaded.add(piece)
         self._alive -= sum(t.numel() * t.element_size() for t, _ in held)
 
-    def _finish_snapshots(self, r: _Round, *, late: bool) -> None:
-        """Snapshot now what is still uncopied (before the update changes it); without a schedule,
-        copy the whole state."""
-        if r.schedule is None:
-            stable = self.ctx.stable_keys(r.tensors)
-            snapshot_into(r.buffer, r.tensors, [k for k in r.tensors if k in stable], stream=self._stream)
-            return
+    def _finish_snapshots(self, r: _Round) -> None:
+        """Snapshot now, late, what the schedule left uncopied (before the update changes it)."""
+        assert r.schedule is not None
         missing = [p for p in range(len(r.schedule.ranges)) if p not in r.snapshots and p not in r.offloaded]
-        self.late += len(missing) if late else 0
+        self.late += len(missing)
         for piece in missing:
             self._snapshot(r, piece)
 
@@ -280,7 +276,8 @@ class Checkflow(Strategy):
     def _plan(self, profile: StepProfile, keys: dict[str, str], sizes: dict[str, int]) -> _Schedule | None:
         """Planner thread: merge, solve, and turn the plan into what the hooks execute (None: no
         feasible schedule)."""
-        bandwidth = self.config.bandwidth or self._measure_bandwidth()
+        bandwidth = self.config.bandwidth or copy_bandwidth(
+            next(p for g in self.ctx.components.optimizer.param_groups for p in g["params"]).device)
         coarse, spans = coarsen(profile, self.config.time_steps, group_bytes=self.config.per_size)
         found = plan(coarse, bandwidth=bandwidth, per_size=self.config.per_size, memory_limit=self.config.memory_limit)
         self.plans.append(found)
@@ -306,33 +303,12 @@ class Checkflow(Strategy):
         """The profile's tensor names (``param/I``, ``state/I/NAME``) → keys of the flat state, and
         each key's element size."""
         tensors, _ = self.ctx.flatten_state(0)
-        by_ptr = {t.data_ptr(): k for k, t in tensors.items() if t.numel() and k.startswith("/model/")}
         found = {}
-        index = 0
-        for group in self.ctx.components.optimizer.param_groups:
-            for p in group["params"]:
-                if p.data_ptr() in by_ptr:
-                    found[f"param/{index}"] = by_ptr[p.data_ptr()]
-                for key in tensors:
-                    if key.startswith(f"/optimizer/state/{index}/"):
-                        found[f"state/{index}/{key.rpartition('/')[2]}"] = key
-                index += 1
+        for p in self.ctx.optimizer_keys(tensors):
+            if p.key is not None:
+                found[f"param/{p.index}"] = p.key
+            found.update({f"state/{p.index}/{name}": key for name, key in p.state.items()})
         return found, {k: t.element_size() for k, t in tensors.items()}
-
-    def _measure_bandwidth(self) -> float:
-        """Bytes/s of a device-to-host copy of 16 MiB, the best of three after a first one."""
-        device = next(p for g in self.ctx.components.optimizer.param_groups for p in g["params"]).device
-        source = torch.empty(4 << 20, dtype=torch.float32, device=device)
-        target = torch.empty(4 << 20, dtype=torch.float32, pin_memory=device.type == "cuda")
-        best = float("inf")
-        for attempt in range(4):
-            t0 = time.perf_counter()
-            target.copy_(source)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if attempt:  # the first touches every page
-                best = min(best, time.perf_counter() - t0)
-        return source.numel() * source.element_size() / max(best, 1e-9)
 
     def _plan_recorded(self) -> None:
         """The step recorded is over: plan it in the background."""

@@ -23,7 +23,7 @@ silent inconsistency.
 The gradients are applied as they arrive, not all after the last part: each step's are dropped
 once applied (at most two steps' worth are held), and the reconstruction is over one step after the
 last part is copied. ``parts`` (K) defaults to the smallest number of parts whose copy fits under a
-step (measured: the steps before the first checkpoint, and the copy of one chunk), at most 7
+step (measured: the steps before the first checkpoint, and timed warm copies of 16 MiB), at most 7
 (:func:`~everystep.policy.parts.choose_parts`).
 
 Exactness (I1): on the CPU the reconstruction is bitwise — the same optimizer class, the same
@@ -54,6 +54,7 @@ from ..state import group_scalars
 from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import tensor_chunks
+from ..transport.host import copy_bandwidth
 from .base import Strategy, StrategyConfig
 
 __all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig"]
@@ -250,32 +251,23 @@ class GoCkpt(Strategy):
         self._copy_part(self._spread, 0)
 
     def _find_params(self, tensors: dict[str, torch.Tensor]) -> list[_Param]:
-        optimizer = self.ctx.components.optimizer
-        by_ptr = {t.data_ptr(): k for k, t in tensors.items() if t.numel() and k.startswith("/model/")}
         params = []
-        index = 0
-        for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                key = by_ptr.get(p.data_ptr())
-                if key is None:
-                    raise EverystepError(f"optimizer parameter {index} is not among the model's tensors: strategy "
-                                         f"{self.name!r} needs the optimizer to train the model's own parameters")
-                prefix = f"/optimizer/state/{index}/"
-                state = {k[len(prefix):]: k for k in tensors if k.startswith(prefix)}
-                elementwise = {n: k for n, k in state.items() if tensors[k].shape == p.shape and p.numel() > 1}
-                params.append(_Param(p, gi, key, elementwise, {n: k for n, k in state.items() if n not in elementwise}))
-                index += 1
+        for found in self.ctx.optimizer_keys(tensors):
+            p = found.param
+            if found.key is None:
+                raise EverystepError(f"optimizer parameter {found.index} is not among the model's tensors: strategy "
+                                     f"{self.name!r} needs the optimizer to train the model's own parameters")
+            elementwise = {n: k for n, k in found.state.items() if tensors[k].shape == p.shape and p.numel() > 1}
+            params.append(_Param(p, found.group, found.key, elementwise,
+                                 {n: k for n, k in found.state.items() if n not in elementwise}))
         return params
 
     def _choose_parts(self, units: list[Unit], tensors: dict[str, torch.Tensor]) -> int:
-        """The smallest K whose copy fits under a step: the steps so far, and one timed chunk copy."""
+        """The smallest K whose copy fits under a step: the steps so far, and the copy bandwidth."""
         times = self._step_times[-6:]
         step_seconds = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-        biggest = max(self._params or [], key=lambda p: p.tensor.numel())
-        sample = biggest.tensor.detach().reshape(-1)[: max(1, self.config.chunk_bytes // biggest.tensor.element_size())]
-        t0 = time.perf_counter()
-        sample.clone()
-        bandwidth = sample.numel() * sample.element_size() / max(time.perf_counter() - t0, 1e-9)
+        assert self._params is not None
+        bandwidth = copy_bandwidth(self._params[0].tensor.device)
         total = sum(u.numel * u.bytes_per_element for u in units)
         k = min(choose_parts(total, bandwidth, step_seconds, MAX_PARTS), self.config.every)
         ranks = self.ctx.ranks

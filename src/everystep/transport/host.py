@@ -9,12 +9,14 @@ copies run on a side stream into pinned memory.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
 from ..layout import LayoutEntry, TensorLayout, tensor_bytes
 
-__all__ = ["LayoutEntry", "TensorLayout", "HostBuffer", "HostBufferPool", "snapshot_into", "tensor_bytes"]
+__all__ = ["LayoutEntry", "TensorLayout", "HostBuffer", "HostBufferPool", "snapshot_into", "tensor_bytes",
+           "copy_bandwidth"]
 
 
 class HostBuffer:
@@ -102,3 +104,19 @@ class HostBufferPool:
     def in_use(self) -> int:
         with self._cond:
             return self._outstanding
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 16 << 20) -> float:
+    """Bytes/s of a copy from ``device`` into host memory (pinned for a GPU): the best of three
+    copies of ``nbytes`` after a first one, which touches every page of fresh memory."""
+    source = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    target = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=device.type == "cuda")
+    best = float("inf")
+    for attempt in range(4):
+        t0 = time.perf_counter()
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if attempt:
+            best = min(best, time.perf_counter() - t0)
+    return source.numel() * source.element_size() / max(best, 1e-9)
