@@ -7,7 +7,10 @@ Step boundaries (:class:`StepHooks`). Three events, in this order for each step 
 - ``activity``: something of step t+1 is about to change the state — the model's next forward or
   the optimizer's next step, whichever comes first. Until then the user's ``scheduler.step()`` and
   the like complete S_t.
-- ``before_update``: ``optimizer.step()`` of step t+1 is about to modify parameters.
+- ``before_update``: ``optimizer.step()`` of step t+1 is about to modify parameters. When the step
+  is given a closure (``optimizer.step(closure)``, as PyTorch Lightning calls it: forward, backward
+  and gradient clipping run inside the step), this comes after the closure's first call returns,
+  when the gradients the update consumes exist.
 
 Reduced gradients under DistributedDataParallel (:func:`reduction_tap`). DDP takes one
 communication hook per model. everystep's own hooks (the compressions of
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepHooks", "ReductionTap", "AllReduceHook", "reduction_tap", "after_backward"]
+__all__ = ["StepHooks", "ReductionTap", "AllReduceHook", "reduction_tap", "after_backward", "register_before_update"]
 
 Observer = Callable[[Any], Callable[[torch.Tensor], None] | None]
 """Called with a ``GradBucket`` as its reduction starts (on the thread running backward); returns
@@ -49,11 +52,7 @@ class StepHooks:
         self._scaler = scaler
         self._handles.append(model.register_forward_pre_hook(lambda module, args: activity()))
 
-        def pre(opt: Any, args: Any, kwargs: Any) -> None:
-            activity()
-            before_update()
-
-        self._handles.append(optimizer.register_step_pre_hook(pre))
+        self._handles.append(register_before_update(optimizer, before_update, first=activity))
         if scaler is None:
             self._handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: step_end()))
         else:
@@ -77,6 +76,45 @@ class StepHooks:
         if self._scaler is not None and "update" in vars(self._scaler):
             del self._scaler.update
         self._scaler = None
+
+
+def register_before_update(optimizer: torch.optim.Optimizer, before_update: Callable[[], None], *,
+                           first: Callable[[], None] | None = None) -> Any:
+    """Run ``before_update`` each time ``optimizer.step()`` is about to change the parameters: at the
+    step's start, or, when the step is given a closure, right after the closure's first call (forward,
+    backward and clipping run inside it). ``first`` runs at the step's start in either case. Hooks
+    registered earlier run earlier, with or without a closure. Returns the hook's handle."""
+
+    def pre(opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if first is not None:
+            first()
+        # ``args`` holds the optimizer itself, then step()'s positional arguments
+        closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if closure is None:
+            before_update()
+            return None
+        return _after_closure(closure, before_update, args, kwargs)
+
+    return optimizer.register_step_pre_hook(pre)
+
+
+def _after_closure(closure: Callable[[], Any], then: Callable[[], None], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The step's arguments with ``closure`` replaced by one that calls ``then`` after its first call
+    (an optimizer such as LBFGS calls its closure several times; the update starts after the first)."""
+    first = True
+
+    def wrapped() -> Any:
+        nonlocal first
+        result = closure()
+        if first:
+            first = False
+            then()
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": wrapped}
+    return (args[0], wrapped, *args[2:]), kwargs
 
 
 class ReductionTap:

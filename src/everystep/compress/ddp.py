@@ -92,7 +92,7 @@ class DDPCompression(StepRecords, ReductionTap):
         self.dense_records += 1
         return {"dense": grad.detach().clone()}
 
-    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre_step(self) -> None:
         self._mul = None
         record: dict[str, Compressed] = {}
         with torch.no_grad():

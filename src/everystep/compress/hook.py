@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..capture.hooks import register_before_update
 from ..errors import ConfigError
 from ..state import bare_module
 from .base import Compressed, Compressor
@@ -88,9 +89,9 @@ class StepRecords:
         self._last: dict[str, Compressed] | None = None
         self.compressed_bytes = 0
         """Bytes of the compressed gradients this process produced (what it sends), over all steps."""
-        self._handle = optimizer.register_step_pre_hook(self._pre_step)
+        self._handle = register_before_update(optimizer, self._pre_step)
 
-    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre_step(self) -> None:
         raise NotImplementedError
 
     def devices(self) -> dict[str, torch.device]:
@@ -134,7 +135,7 @@ class GradientCompression(StepRecords):
         self.compressor = compressor
         super().__init__(model, optimizer, compressor.name)
 
-    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre_step(self) -> None:
         record: dict[str, Compressed] = {}
         with torch.no_grad():
             for name, p in self.params:
