@@ -130,6 +130,30 @@ def test_a_step_given_a_closure_is_recorded_after_the_closure(tmp_path, strategy
     assert live_hash(w2, 5) == live_hash(ref, 5)
 
 
+def test_step_events_come_before_gradients_when_forward_bypasses_the_model():
+    """Activity (the end of S_t's capture window) comes before the first gradient of the next step's
+    first micro-batch, where the forward skips the model's hooks and micro-batches accumulate before
+    optimizer.step(): a strategy that copies gradients as backward makes them must not see them sooner."""
+    from everystep.capture.hooks import StepHooks
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    events = []
+    hooks = StepHooks(model=model, optimizer=opt, scaler=None, step_end=lambda: events.append("end"),
+                      activity=lambda: events.append("activity"), before_update=lambda: events.append("update"))
+    model[1].weight.register_post_accumulate_grad_hook(lambda p: events.append("grad"))
+    try:
+        for _ in range(2):
+            for _ in range(2):  # micro-batches
+                model.forward(torch.randn(3, 4)).sum().backward()  # .forward: no module hooks
+            opt.step()
+            opt.zero_grad()
+    finally:
+        hooks.remove()
+    # (the Checkpointer acts on the first activity after a step's end only)
+    assert events == ["activity", "grad", "activity", "grad", "activity", "update", "end"] * 2
+
+
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_checkpointing_does_not_change_training(tmp_path, strategy):
     """I6: losses and final state are bitwise those of the same loop without everystep."""

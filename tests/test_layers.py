@@ -11,18 +11,21 @@ from .conftest import ROOT
 PACKAGE = ROOT / "src" / "everystep"
 
 FORBIDDEN = {
-    "storage": {"transport", "strategies", "agent", "eval", "checkpointer", "recovery", "cli", "inventory"},
-    "layout": {"transport", "storage", "strategies", "agent", "eval", "checkpointer"},
-    "transport": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery"},
-    "agent": {"strategies", "eval", "checkpointer", "cli"},
-    "compress": {"strategies", "agent", "eval", "checkpointer", "storage"},
-    "policy": {"storage", "transport", "strategies", "agent", "eval", "checkpointer"},
-    "strategies": {"eval", "checkpointer", "cli"},
-    "capture": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery"},
-    "background": {"transport", "storage", "strategies", "agent", "eval", "checkpointer", "recovery", "capture"},
-    "replay": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery"},
-    "recovery": {"strategies", "agent", "eval", "checkpointer", "cli"},
-    "optim": {"storage", "transport", "strategies", "agent", "eval", "checkpointer", "recovery", "cli"},
+    "storage": {"transport", "strategies", "agent", "eval", "checkpointer", "recovery", "cli", "inventory",
+                "integrations"},
+    "layout": {"transport", "storage", "strategies", "agent", "eval", "checkpointer", "integrations"},
+    "transport": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery", "integrations"},
+    "agent": {"strategies", "eval", "checkpointer", "cli", "integrations"},
+    "compress": {"strategies", "agent", "eval", "checkpointer", "storage", "integrations"},
+    "policy": {"storage", "transport", "strategies", "agent", "eval", "checkpointer", "integrations"},
+    "strategies": {"eval", "checkpointer", "cli", "integrations"},
+    "capture": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery", "integrations"},
+    "background": {"transport", "storage", "strategies", "agent", "eval", "checkpointer", "recovery", "capture",
+                   "integrations"},
+    "replay": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery", "integrations"},
+    "recovery": {"strategies", "agent", "eval", "checkpointer", "cli", "integrations"},
+    "optim": {"storage", "transport", "strategies", "agent", "eval", "checkpointer", "recovery", "cli", "integrations"},
+    "integrations": {"storage", "transport", "strategies", "agent", "eval", "recovery", "cli"},
 }
 """Top-level part of the package (a sub-package or a module) → parts it must not import."""
 

@@ -258,6 +258,16 @@ class Checkpointer:
                 "start from the same state)"
             )
 
+    def begin_step(self) -> None:
+        """The next step is about to start: what changes the state (forward, backward) comes next.
+
+        The model's forward and ``optimizer.step()`` tell the Checkpointer this already; call it where
+        neither comes first — a trainer whose step runs forward through a submodule and accumulates
+        gradients over micro-batches before the optimizer's step (the Lightning callback calls it at
+        each batch's start). Calling it again within a step does nothing.
+        """
+        self._timed("_activity")()
+
     def wait(self) -> None:
         """Block until every checkpoint started so far is durable; raise a background failure."""
         self.strategy.wait()

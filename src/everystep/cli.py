@@ -153,7 +153,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = bench.BenchConfig(workload=args.workload, strategies=args.strategies, steps=args.steps, warmup=args.warmup,
                             every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
                             compress=args.compress, options=options, device=args.device,
-                            scratch=args.scratch, in_backward=args.in_backward)
+                            scratch=args.scratch, in_backward=args.in_backward, trainer=args.trainer)
+    if args.trainer:
+        if args.region_layout or args.max_frequency or args.plot:
+            raise ConfigError("--trainer takes none of --region-layout, --max-frequency, --plot")
+        result = bench.report(cfg, bench.run_bench(cfg))
+        print(f"{cfg.workload} in {cfg.trainer} on the CPU, {cfg.steps} steps ({cfg.warmup} warm-up), checkpoint every "
+              f"{cfg.every} step(s), {cfg.repeats} interleaved repeats, {cfg.threads} training thread(s)")
+        print(bench.trainer_table(result["summary"]))
+        _write_json(args.json, result)
+        return 0
     if args.region_layout:
         from .eval.region_layout import measure_layouts
 
@@ -312,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     b = sub.add_parser("bench", help="measure every strategy side by side on one workload, interleaved")
-    b.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-tiny")
+    b.add_argument("--workload", choices=[*WORKLOADS, "native"], default="gpt2-tiny",
+                   help="native: with --trainer, the trainer's own small model")
     b.add_argument("--strategies", type=_csv, default=("none", "full_sync", "checkfreq"), help="comma-separated: "
                    "everystep strategies and the peers torch_save, dcp, dcp_async")
     b.add_argument("--steps", type=int, default=20)
@@ -334,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "temporary directory); /dev/shm keeps lightcheck's region in memory")
     b.add_argument("--in-backward", action="store_true", help="every run updates each layer during backward "
                    "(OptimizerInBackward) instead of optimizer.step()")
+    b.add_argument("--trainer", choices=["lightning", "transformers"], help="train in PyTorch Lightning or the Hugging "
+                   "Face Trainer, checkpointed by everystep's integration (none: the trainer alone); every step "
+                   "unless --every")
     b.add_argument("--json", metavar="PATH")
     b.add_argument("--plot", metavar="PATH", help="write a PNG figure")
     b.set_defaults(func=cmd_bench)

@@ -4,8 +4,8 @@ Step boundaries (:class:`StepHooks`). Three events, in this order for each step 
 
 - ``step_end``: the update of step t is done — after ``optimizer.step()``, or, when a GradScaler is
   attached, after ``scaler.update()`` (which also runs when the scaler skipped the update).
-- ``activity``: something of step t+1 is about to change the state — the model's next forward or
-  the optimizer's next step, whichever comes first. Until then the user's ``scheduler.step()`` and
+- ``activity``: something of step t+1 is about to change the state — the model's next forward, the
+  first gradient of the next backward, or the optimizer's next step, whichever comes first. Until then the user's ``scheduler.step()`` and
   the like complete S_t.
 - ``before_update``: ``optimizer.step()`` of step t+1 is about to modify parameters. When the step
   is given a closure (``optimizer.step(closure)``, as PyTorch Lightning calls it: forward, backward
@@ -51,6 +51,13 @@ class StepHooks:
         self._handles: list[Any] = []
         self._scaler = scaler
         self._handles.append(model.register_forward_pre_hook(lambda module, args: activity()))
+        # A forward may bypass the model (through a submodule), and gradients may accumulate over
+        # micro-batches before optimizer.step(): the first gradient of a backward is activity too,
+        # and it comes before any gradient hook of the parameters (a strategy's copies) runs.
+        params = [p for p in model.parameters() if p.requires_grad]
+        if params:
+            self._handles.append(torch.autograd.graph.register_multi_grad_hook(
+                params, lambda grad: activity(), mode="any"))
 
         self._handles.append(register_before_update(optimizer, before_update, first=activity))
         if scaler is None:

@@ -26,7 +26,7 @@ from ..strategies import STRATEGIES
 from .peers import PEERS
 from .workloads import WORKLOADS, check_device
 
-__all__ = ["BenchConfig", "run_bench", "summarise", "markdown_table", "smallest_interval", "interleaved_order"]
+__all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table", "smallest_interval", "interleaved_order"]
 
 
 @dataclass(kw_only=True)
@@ -50,10 +50,15 @@ class BenchConfig:
     ``/dev/shm`` keeps lightcheck's region, which lies in that directory by default, in memory."""
     in_backward: bool = False
     """Every run updates each layer during backward (:class:`~everystep.OptimizerInBackward`)."""
+    trainer: str | None = None
+    """``lightning`` or ``transformers``: every run trains in that trainer, checkpointed by everystep's
+    integration (:mod:`everystep.eval.trainers`); ``none`` is the trainer alone."""
 
     def __post_init__(self) -> None:
         check_device(self.device)
-        if self.workload not in WORKLOADS:
+        if self.trainer is not None:
+            self._check_trainer()
+        elif self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
         unknown = [s for s in self.strategies if s not in STRATEGIES and s not in PEERS]
         if unknown:
@@ -67,10 +72,25 @@ class BenchConfig:
             raise ConfigError("--repeats, --every and --threads must be at least 1")
         if self.in_backward:
             self._check_in_backward()
-        needs = [s for s in self.strategies if s == "lowdiff"]
+        needs = [s for s in self.strategies if s == "lowdiff"] if self.trainer is None else []
         if needs and not self.compress:
             raise ConfigError("lowdiff reuses compressed gradients: give --compress (applied to every strategy)")
 
+
+    def _check_trainer(self) -> None:
+        from .trainers import TRAINER_WORKLOADS, TRAINERS
+
+        if self.trainer not in TRAINERS:
+            raise ConfigError(f"--trainer must be one of {', '.join(TRAINERS)}, got {self.trainer!r}")
+        if self.workload not in TRAINER_WORKLOADS:
+            raise ConfigError(f"--trainer runs the workloads {', '.join(TRAINER_WORKLOADS)} (native: the trainer's own "
+                              f"small model), not {self.workload!r}")
+        unable = [s for s in self.strategies if s not in STRATEGIES or not STRATEGIES[s].needs_store and s != "none"]
+        if unable or self.compress or self.in_backward or self.device != "cpu" or self.options:
+            raise ConfigError("--trainer compares everystep strategies on the CPU, without --compress, --in-backward, "
+                              f"--option or peers{' (not ' + ', '.join(unable) + ')' if unable else ''}")
+        if self.every is None:
+            self.every = 1  # what the integrations are for
 
     def _check_in_backward(self) -> None:
         if self.compress:
@@ -89,13 +109,14 @@ def interleaved_order(strategies: Sequence[str], repeats: int) -> list[tuple[int
 
 def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) -> dict[str, Any]:
     spec = {
-        "workload": cfg.workload, "strategy": strategy, "steps": cfg.steps, "warmup": cfg.warmup,
+        "trainer": cfg.trainer, "workload": cfg.workload, "strategy": strategy, "steps": cfg.steps, "warmup": cfg.warmup,
         "every": every, "threads": cfg.threads, "seed": cfg.seed, "repeat": repeat,
         "options": cfg.options.get(strategy, {}), "compress": cfg.compress, "device": cfg.device,
         "scratch": cfg.scratch, "in_backward": cfg.in_backward,
     }
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
-    proc = subprocess.run([sys.executable, "-m", "everystep.eval.measure", json.dumps(spec)],
+    module = "everystep.eval.trainers" if cfg.trainer else "everystep.eval.measure"
+    proc = subprocess.run([sys.executable, "-m", module, json.dumps(spec)],
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise EverystepError(f"benchmark run of {strategy} failed:\n{proc.stderr.strip()[-2000:]}")
@@ -105,7 +126,8 @@ def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
 def run_bench(cfg: BenchConfig, *, progress: bool = True) -> list[dict[str, Any]]:
     order = interleaved_order(cfg.strategies, cfg.repeats)
     runs = []
-    for repeat, strategy in tqdm(order, desc=f"bench {cfg.workload}", disable=None if progress else True):
+    what = f"{cfg.trainer} {cfg.workload}" if cfg.trainer else cfg.workload
+    for repeat, strategy in tqdm(order, desc=f"bench {what}", disable=None if progress else True):
         runs.append(_run_one(cfg, repeat, strategy, cfg.every))
     return runs
 
@@ -144,6 +166,33 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                if key in mine[0]},
         }
     return out
+
+
+def summarise_trainer(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per strategy, runs in a trainer: the median overhead over the same repeat's trainer alone, and
+    the training thread's stall per checkpoint."""
+    reference = {r["repeat"]: r["mean_step_seconds"] for r in runs if r["strategy"] == "none"}
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r["strategy"] for r in runs):
+        mine = [r for r in runs if r["strategy"] == name]
+        overheads = [r["mean_step_seconds"] / reference[r["repeat"]] - 1 for r in mine]
+        out[name] = {
+            "overhead": statistics.median(overheads), "overheads": overheads,
+            "mean_step_seconds": statistics.median(r["mean_step_seconds"] for r in mine),
+            "stall_per_checkpoint_seconds": statistics.median(
+                r["stall_seconds"] / r["checkpoints"] if r["checkpoints"] else 0.0 for r in mine),
+        }
+    return out
+
+
+def trainer_table(summary: dict[str, dict[str, Any]]) -> str:
+    rows = ["| strategy | overhead | overheads per repeat | step (ms) | stall/ckpt (ms) |", "|---|---|---|---|---|"]
+    for name, s in summary.items():
+        each = ", ".join(f"{o:+.1%}" for o in s["overheads"])
+        rows.append(f"| {'none (the trainer alone)' if name == 'none' else name} | {_fmt(s['overhead'], 100, 1, '%')} "
+                    f"| {each} | {_fmt(s['mean_step_seconds'], 1e3, 1)} "
+                    f"| {_fmt(s['stall_per_checkpoint_seconds'], 1e3, 2)} |")
+    return "\n".join(rows)
 
 
 def _fmt(value: Any, scale: float = 1.0, digits: int = 2, suffix: str = "") -> str:
@@ -236,4 +285,5 @@ def plot(summary: dict[str, dict[str, Any]], path: str, title: str) -> None:
 
 
 def report(cfg: BenchConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"machine": machine_info(cfg.threads), "config": asdict(cfg), "summary": summarise(runs), "runs": runs}
+    summary = summarise_trainer(runs) if cfg.trainer else summarise(runs)
+    return {"machine": machine_info(cfg.threads), "config": asdict(cfg), "summary": summary, "runs": runs}

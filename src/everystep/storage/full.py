@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from .base import Manifest, Store
-from .dcp import write_dcp
 
 from .sharded import ShardPlan, commit_parts
 
@@ -41,6 +40,7 @@ def write_full(
         if error is not None:
             raise error
         assert tensors is not None
+        from .dcp import write_dcp  # torch.distributed.checkpoint takes a second to import
         return write_dcp(store, "full", step, tensors, set(plan.replicated), skeleton, meta)
     return commit_parts(store, "full", kind="full", step=step, chunks=chunks, plan=plan, meta=meta or {},
                         rank_meta={"skeleton": skeleton}, error=error)

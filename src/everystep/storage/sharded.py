@@ -30,7 +30,6 @@ import torch
 from ..distributed import Ranks
 from ..errors import CorruptCheckpointError
 from .base import Manifest, ObjectInfo, Store
-from .dcp import read_dcp
 from ..layout import TensorLayout
 from .tensorfile import load_tensors, tensor_chunks
 
@@ -182,6 +181,7 @@ def read_parts(store: Store, manifest: Manifest, *, full_format: str = "safetens
             raise CorruptCheckpointError(
                 f"{what} is in format 'dcp', but {store.root} holds full checkpoints in format {full_format!r} "
                 "(its everystep.json): it was not written there, and is not loaded")
+        from .dcp import read_dcp  # torch.distributed.checkpoint takes a second to import
         return read_dcp(store, manifest, store.ranks.rank)
     if "parts" not in manifest.meta:
         info = manifest.objects.get("tensors")

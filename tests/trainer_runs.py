@@ -1,0 +1,161 @@
+"""Training runs in PyTorch Lightning and the Hugging Face Trainer, checkpointed by everystep, for the
+kill-and-resume tests (run as a script, in a process of its own).
+
+    python tests/trainer_runs.py {lightning,transformers} DIR OUT --strategy S [--steps N] [--kill-at K,L,...]
+
+Each run appends the step it resumed from (``{"resumed": N}``), then each micro-batch's loss, to OUT (a JSON line, written before the next one, so a killed run
+leaves the lines of what it finished); the run's end appends the final state's hash. ``--kill-at``
+sends SIGKILL to the process during step K+1 for the first K in the list that this process reaches
+after training a whole step, at the forward of the step's last micro-batch — after the step's
+``optimizer.step()`` has started, so a strategy that writes synchronously has made S_K durable. Run the
+same command again until the hash line appears: each run resumes where the last one died.
+``--strategy plain`` trains without everystep: the trainer alone (the same sampler in Lightning), the
+reference the others must equal bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+
+import everystep
+
+
+ACCUMULATE = 2
+"""Micro-batches per step in both trainers."""
+
+
+class Killer:
+    """Kills the process at the last micro-batch of step K+1 for each K of ``spec`` (``"6,10"``), once
+    the process has trained a whole step."""
+
+    def __init__(self, spec: str | None) -> None:
+        self.at = {int(k) for k in spec.split(",")} if spec else set()
+        self.first: int | None = None
+
+    def __call__(self, step: int, last_micro_batch: bool) -> None:
+        """``step`` is the step being trained (1-based)."""
+        if self.first is None:
+            self.first = step
+        if last_micro_batch and step - 1 in self.at and step > self.first:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _record(out: str, entry: dict[str, Any]) -> None:
+    with open(out, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _tokens(n: int, seq: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, seq + 1), generator=torch.Generator().manual_seed(7))
+
+
+def run_lightning(a: argparse.Namespace) -> None:
+    import lightning as L
+    from lightning.pytorch.demos import Transformer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from everystep.integrations.lightning import EverystepCallback, ResumableSampler
+
+    kill = Killer(a.kill_at)
+
+    class LanguageModel(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Transformer(vocab_size=64, ninp=32, nhead=2, nhid=64, nlayers=2, dropout=0.2)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (tokens,) = batch
+            inputs, target = tokens[:, :-1], tokens[:, 1:]
+            loss = torch.nn.functional.nll_loss(self.model(inputs, target).view(-1, 64), target.reshape(-1))
+            kill(self.trainer.global_step + 1, (batch_idx + 1) % ACCUMULATE == 0)
+            _record(a.out, {"step": self.trainer.global_step + 1, "batch": batch_idx, "loss": loss.item()})
+            return loss
+
+        def on_train_start(self) -> None:
+            _record(a.out, {"resumed": callback.resumed_step if callback else 0})
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    L.seed_everything(0, verbose=False)
+    dataset = TensorDataset(_tokens(40, 16, 64))
+    sampler = ResumableSampler(dataset, seed=1)
+    callback = None if a.strategy == "plain" else EverystepCallback(a.dir, strategy=a.strategy, every=1, sampler=sampler)
+    trainer = L.Trainer(max_steps=a.steps, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=1.0,
+                        callbacks=[callback] if callback else [],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1)
+    model = LanguageModel()
+    trainer.fit(model, DataLoader(dataset, batch_size=4, sampler=sampler))
+    _record(a.out, {"final": everystep.state_hash({"model": model.state_dict(),
+                                                   "optimizer": trainer.optimizers[0].state_dict()})})
+
+
+def run_transformers(a: argparse.Namespace) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
+    from transformers.utils import logging
+
+    from everystep.integrations.transformers import EverystepCallback, EverystepTrainer
+
+    logging.set_verbosity_error()
+    kill = Killer(a.kill_at)
+
+    class Resumed(TrainerCallback):
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            _record(a.out, {"resumed": callback.resumed_step if callback else 0})
+
+    class Recording(Trainer if a.strategy == "plain" else EverystepTrainer):  # type: ignore[misc]
+        micro = 0
+
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            step = self.state.global_step + 1
+            kill(step, (self.micro + 1) % ACCUMULATE == 0)
+            _record(a.out, {"step": step, "batch": self.micro % ACCUMULATE, "loss": loss.item()})
+            self.micro += 1
+            return loss
+
+    tokens = _tokens(40, 16, 64)
+    dataset = [{"input_ids": t, "labels": t} for t in tokens]
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.2,
+                        embd_pdrop=0.2, attn_pdrop=0.2)
+    args = TrainingArguments(output_dir=os.path.join(a.dir, "hf"), max_steps=a.steps, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=ACCUMULATE, learning_rate=3e-3, warmup_steps=2,
+                             max_grad_norm=1.0, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                             logging_steps=1000, disable_tqdm=True)
+    callback = None if a.strategy == "plain" else EverystepCallback(os.path.join(a.dir, "ckpt"), strategy=a.strategy,
+                                                                    every=1)
+    set_seed(0)
+    trainer = Recording(model=GPT2LMHeadModel(config), args=args, train_dataset=dataset,
+                        callbacks=[callback, Resumed()] if callback else [Resumed()])
+    trainer.train()
+    _record(a.out, {"final": everystep.state_hash({"model": trainer.model.state_dict(),
+                                                   "optimizer": trainer.optimizer.state_dict()})})
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("trainer", choices=["lightning", "transformers"])
+    p.add_argument("dir")
+    p.add_argument("out")
+    p.add_argument("--strategy", default="checkfreq")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--kill-at")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    {"lightning": run_lightning, "transformers": run_transformers}[a.trainer](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
