@@ -1,16 +1,17 @@
 """Training runs in PyTorch Lightning and the Hugging Face Trainer, checkpointed by everystep, for the
 kill-and-resume tests (run as a script, in a process of its own).
 
-    python tests/trainer_runs.py {lightning,transformers} DIR OUT --strategy S [--steps N] [--kill-at K,L,...]
+    python tests/trainer_runs.py {lightning,transformers} DIR OUT --strategy S [--kill-at K,L,...] [--reference REF]
 
-Each run appends the step it resumed from (``{"resumed": N}``), then each micro-batch's loss, to OUT (a JSON line, written before the next one, so a killed run
-leaves the lines of what it finished); the run's end appends the final state's hash. ``--kill-at``
+Each run appends the step it resumed from (``{"resumed": N}``), then each micro-batch's loss, to OUT
+(a JSON line, written before the next one, so a killed run leaves the lines of what it finished); the
+run's end appends the final state's hash. ``--reference REF`` first trains the trainer alone, without
+everystep (the same sampler in Lightning), recording the same lines into REF: the run the others must
+equal bitwise, made in the same process to spare a start of the trainer. ``--kill-at``
 sends SIGKILL to the process during step K+1 for the first K in the list that this process reaches
 after training a whole step, at the forward of the step's last micro-batch — after the step's
 ``optimizer.step()`` has started, so a strategy that writes synchronously has made S_K durable. Run the
 same command again until the hash line appears: each run resumes where the last one died.
-``--strategy plain`` trains without everystep: the trainer alone (the same sampler in Lightning), the
-reference the others must equal bitwise.
 """
 
 from __future__ import annotations
@@ -58,14 +59,14 @@ def _tokens(n: int, seq: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n, seq + 1), generator=torch.Generator().manual_seed(7))
 
 
-def run_lightning(a: argparse.Namespace) -> None:
+def run_lightning(a: argparse.Namespace, strategy: str | None, out: str) -> None:
     import lightning as L
     from lightning.pytorch.demos import Transformer
     from torch.utils.data import DataLoader, TensorDataset
 
     from everystep.integrations.lightning import EverystepCallback, ResumableSampler
 
-    kill = Killer(a.kill_at)
+    kill = Killer(a.kill_at if strategy else None)
 
     class LanguageModel(L.LightningModule):
         def __init__(self) -> None:
@@ -77,11 +78,11 @@ def run_lightning(a: argparse.Namespace) -> None:
             inputs, target = tokens[:, :-1], tokens[:, 1:]
             loss = torch.nn.functional.nll_loss(self.model(inputs, target).view(-1, 64), target.reshape(-1))
             kill(self.trainer.global_step + 1, (batch_idx + 1) % ACCUMULATE == 0)
-            _record(a.out, {"step": self.trainer.global_step + 1, "batch": batch_idx, "loss": loss.item()})
+            _record(out, {"step": self.trainer.global_step + 1, "batch": batch_idx, "loss": loss.item()})
             return loss
 
         def on_train_start(self) -> None:
-            _record(a.out, {"resumed": callback.resumed_step if callback else 0})
+            _record(out, {"resumed": callback.resumed_step if callback else 0})
 
         def configure_optimizers(self) -> Any:
             opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
@@ -91,38 +92,38 @@ def run_lightning(a: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     dataset = TensorDataset(_tokens(40, 16, 64))
     sampler = ResumableSampler(dataset, seed=1)
-    callback = None if a.strategy == "plain" else EverystepCallback(a.dir, strategy=a.strategy, every=1, sampler=sampler)
+    callback = None if strategy is None else EverystepCallback(a.dir, strategy=strategy, every=1, sampler=sampler)
     trainer = L.Trainer(max_steps=a.steps, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=1.0,
                         callbacks=[callback] if callback else [],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1)
     model = LanguageModel()
     trainer.fit(model, DataLoader(dataset, batch_size=4, sampler=sampler))
-    _record(a.out, {"final": everystep.state_hash({"model": model.state_dict(),
+    _record(out, {"final": everystep.state_hash({"model": model.state_dict(),
                                                    "optimizer": trainer.optimizers[0].state_dict()})})
 
 
-def run_transformers(a: argparse.Namespace) -> None:
+def run_transformers(a: argparse.Namespace, strategy: str | None, out: str) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
     from transformers.utils import logging
 
     from everystep.integrations.transformers import EverystepCallback, EverystepTrainer
 
     logging.set_verbosity_error()
-    kill = Killer(a.kill_at)
+    kill = Killer(a.kill_at if strategy else None)
 
     class Resumed(TrainerCallback):
         def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
-            _record(a.out, {"resumed": callback.resumed_step if callback else 0})
+            _record(out, {"resumed": callback.resumed_step if callback else 0})
 
-    class Recording(Trainer if a.strategy == "plain" else EverystepTrainer):  # type: ignore[misc]
+    class Recording(Trainer if strategy is None else EverystepTrainer):  # type: ignore[misc]
         micro = 0
 
         def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             loss = super().compute_loss(model, inputs, *args, **kwargs)
             step = self.state.global_step + 1
             kill(step, (self.micro + 1) % ACCUMULATE == 0)
-            _record(a.out, {"step": step, "batch": self.micro % ACCUMULATE, "loss": loss.item()})
+            _record(out, {"step": step, "batch": self.micro % ACCUMULATE, "loss": loss.item()})
             self.micro += 1
             return loss
 
@@ -134,13 +135,12 @@ def run_transformers(a: argparse.Namespace) -> None:
                              gradient_accumulation_steps=ACCUMULATE, learning_rate=3e-3, warmup_steps=2,
                              max_grad_norm=1.0, save_strategy="no", report_to=[], use_cpu=True, seed=0,
                              logging_steps=1000, disable_tqdm=True)
-    callback = None if a.strategy == "plain" else EverystepCallback(os.path.join(a.dir, "ckpt"), strategy=a.strategy,
-                                                                    every=1)
+    callback = None if strategy is None else EverystepCallback(os.path.join(a.dir, "ckpt"), strategy=strategy, every=1)
     set_seed(0)
     trainer = Recording(model=GPT2LMHeadModel(config), args=args, train_dataset=dataset,
                         callbacks=[callback, Resumed()] if callback else [Resumed()])
     trainer.train()
-    _record(a.out, {"final": everystep.state_hash({"model": trainer.model.state_dict(),
+    _record(out, {"final": everystep.state_hash({"model": trainer.model.state_dict(),
                                                    "optimizer": trainer.optimizer.state_dict()})})
 
 
@@ -152,9 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--strategy", default="checkfreq")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--kill-at")
+    p.add_argument("--reference")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    {"lightning": run_lightning, "transformers": run_transformers}[a.trainer](a)
+    run = {"lightning": run_lightning, "transformers": run_transformers}[a.trainer]
+    if a.reference:
+        run(a, None, a.reference)
+    run(a, a.strategy, a.out)
 
 
 if __name__ == "__main__":

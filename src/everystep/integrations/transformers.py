@@ -107,6 +107,9 @@ class EverystepCallback(TrainerCallback):
         if args.world_size > 1:
             raise ConfigError("EverystepCallback runs in one process; under several, use everystep.Checkpointer in "
                               "the training loop")
+        if args.fp16:
+            raise ConfigError("with fp16 the GradScaler is training state a callback cannot reach: use "
+                              "everystep.integrations.transformers.EverystepTrainer")
         if self.open(model, optimizer, lr_scheduler, None):
             step = self.resumed_step
             self.close()
