@@ -5,6 +5,7 @@ against the plan, re-planning when the step changes."""
 from __future__ import annotations
 
 import os
+import re
 import random
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 import pytest
 import torch
 
+import everystep
 from everystep import Checkpointer
 from everystep.eval.workloads import build
 from everystep.strategies import create
@@ -71,6 +73,7 @@ def _keep_only(directory, step):
 
 _KILLED = """
 import sys, torch
+import everystep
 from everystep import Checkpointer
 from everystep._faults import arm
 from everystep.eval.workloads import build
@@ -126,3 +129,47 @@ def test_steps_that_change_their_time_are_profiled_and_planned_again(tmp_path):
 def test_options_are_checked():
     with pytest.raises(Exception, match="bandwidth must be a positive"):
         create("checkflow", bandwidth=0)
+
+
+_TWO_RANKS = """
+import torch, torch.distributed as dist
+import everystep
+import everystep
+from everystep import Checkpointer
+from everystep.eval.workloads import build
+from everystep.state import bare_module
+from tests.test_checkflow import OPTIONS, _train
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+w = build("gpt2-tiny", seed=1, rank=rank, world=2)
+with Checkpointer({directory!r}, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="checkflow",
+                  final=False, keep=20, **OPTIONS) as ckpt:
+    ckpt.restore()
+    _train(w, ckpt, 0, 6)
+    hash6 = everystep.state_hash({{"model": bare_module(w.model).state_dict(), "optimizer": w.optimizer.state_dict()}})
+    _train(w, ckpt, 6, 7)  # S_6 is taken, by the schedule, during step 7
+s = ckpt.strategy
+print(f"rank {{rank}} plans {{len(s.plans)}} feasible {{s.plans[0].feasible}} late {{s.late}} "
+      f"peak {{s.peak_snapshot_bytes}} planned {{s.planned_snapshot_bytes}} hash6 {{hash6}} wrote {{ckpt.bytes_written}}")
+dist.destroy_process_group()
+"""
+
+
+def test_under_two_ranks_each_runs_its_schedule_on_its_share_and_the_checkpoint_loads_in_one_process(tmp_path):
+    from .test_distributed import _spawn_two
+
+    out = _spawn_two(_TWO_RANKS.format(directory=str(tmp_path / "c")))
+    found = re.findall(r"rank (\d) plans 1 feasible True late 0 peak (\d+) planned (\d+) hash6 (\w+) wrote (\d+)", out)
+    assert len(found) == 2, out
+    for _, peak, planned, _, _ in found:  # each rank holds at most what its plan holds, of its share
+        assert 0 < int(peak) <= int(planned) + OPTIONS["per_size"]
+    assert found[0][3] == found[1][3]  # replicated
+    b0, b1 = int(found[0][4]), int(found[1][4])
+    assert abs(b0 - b1) < 0.1 * (b0 + b1)  # the replicated state written in halves
+    _keep_only(tmp_path / "c", 6)
+    again = build("gpt2-tiny", seed=1)  # (the data's seed must match; the model's values come from the checkpoint)
+    with Checkpointer(tmp_path / "c", again.model, again.optimizer, scheduler=again.scheduler, data=again.data,
+                      strategy="checkflow", final=False, **OPTIONS) as reader:
+        assert reader.restore() == 6
+    assert everystep.state_hash({"model": again.model.state_dict(), "optimizer": again.optimizer.state_dict()}) \
+        == found[0][3]

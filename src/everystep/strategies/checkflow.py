@@ -18,7 +18,9 @@ Until the plan is ready (and where it is infeasible) the whole state is snapshot
 ``async`` does. When the steps' time (a median of five) strays by more than ``replan`` (a fraction)
 from what it was when the schedule was new, a step is profiled again and re-planned, with a warning. The bytes of snapshots alive are accounted
 (:attr:`Checkflow.peak_snapshot_bytes`) against the plan's (:attr:`Checkflow.planned_snapshot_bytes`).
-One process only, with an optimizer stepped after backward.
+Under several ranks each rank runs the schedule it planned from its own step, on the part of the
+state it writes (its byte range of what data parallelism replicates), and the ranks commit each
+checkpoint together as every full checkpoint is committed. With an optimizer stepped after backward.
 """
 
 from __future__ import annotations
@@ -99,10 +101,32 @@ class _Round:
     skeleton: Any
     shard: ShardPlan
     schedule: _Schedule | None
+    ranges: list[list[tuple[str, int, int]]] = field(default_factory=list)
+    """Per piece of the schedule: the element ranges of it this rank holds, in ``tensors``."""
     done_upto: int = -1
     snapshots: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     """Piece → (snapshot, where in the host buffer it goes), while held."""
     offloaded: set[int] = field(default_factory=set)
+
+
+def _local_ranges(schedule: _Schedule, shard: ShardPlan) -> list[list[tuple[str, int, int]]]:
+    """The schedule's pieces as this rank holds them. Under several ranks each rank writes one byte
+    range of what data parallelism replicates (``shard.pieces``: a flat slice of each key, from its
+    first to its end element), so a piece's range is cut to the slice and moved to its start."""
+    if not shard.pieces:
+        return schedule.ranges
+    local = []
+    for ranges in schedule.ranges:
+        mine = []
+        for key, lo, hi in ranges:
+            if key in shard.pieces:
+                start, end, _ = shard.pieces[key]
+                if max(lo, start) < min(hi, end):
+                    mine.append((key, max(lo, start) - start, min(hi, end) - start))
+            elif key in shard.local:
+                mine.append((key, lo, hi))
+        local.append(mine)
+    return local
 
 
 class Checkflow(Strategy):
@@ -123,8 +147,6 @@ class Checkflow(Strategy):
         """The most bytes of snapshots the plan holds at once."""
 
     def _attach(self) -> None:
-        if self.ctx.ranks.distributed:
-            raise ConfigError("strategy 'checkflow' runs in one process (its schedule covers whole tensors)")
         self._pool = HostBufferPool(2)
         self._persister = Worker("everystep-checkflow-persist", self.errors)
         self._planner = Worker("everystep-checkflow-plan", self.errors)
@@ -163,7 +185,8 @@ class Checkflow(Strategy):
         schedule = None if final else self._schedule
         covered = schedule.keys if schedule is not None else frozenset(self.ctx.stable_keys(tensors))
         snapshot_into(buffer, tensors, [k for k in tensors if k not in covered])  # what changes before the update
-        r = _Round(step, buffer, tensors, skeleton, plan_, schedule)
+        r = _Round(step, buffer, tensors, skeleton, plan_, schedule,
+                   _local_ranges(schedule, plan_) if schedule is not None else [])
         if schedule is None:  # no plan (yet): everything at once, as async does
             snapshot_into(buffer, tensors, [k for k in tensors if k in covered], stream=self._stream)
             self._finish(r)
@@ -217,7 +240,7 @@ class Checkflow(Strategy):
         assert r.schedule is not None
         held = []
         with torch.no_grad():
-            for key, lo, hi in r.schedule.ranges[piece]:
+            for key, lo, hi in r.ranges[piece]:
                 source = r.tensors[key].detach().reshape(-1)[lo:hi]
                 held.append((source.clone(), r.buffer.views[key].view(-1)[lo:hi]))
         r.snapshots[piece] = held
