@@ -150,7 +150,8 @@ with Checkpointer({directory!r}, w.model, w.optimizer, scheduler=w.scheduler, da
     _train(w, ckpt, 6, 7)  # S_6 is taken, by the schedule, during step 7
 s = ckpt.strategy
 print(f"rank {{rank}} plans {{len(s.plans)}} feasible {{s.plans[0].feasible}} late {{s.late}} "
-      f"peak {{s.peak_snapshot_bytes}} planned {{s.planned_snapshot_bytes}} hash6 {{hash6}} wrote {{ckpt.bytes_written}}")
+      f"peak {{s.peak_snapshot_bytes}} planned {{s.planned_snapshot_bytes}} hash6 {{hash6}} "
+      f"wrote {{ckpt.bytes_written}}")
 dist.destroy_process_group()
 """
 

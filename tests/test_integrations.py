@@ -16,7 +16,8 @@ RUNS = Path(__file__).with_name("trainer_runs.py")
 
 
 def train(trainer: str, directory: Path, out: Path, strategy: str, kill_at: str, reference: Path | None = None) -> int:
-    command = [sys.executable, str(RUNS), trainer, str(directory), str(out), "--strategy", strategy, "--kill-at", kill_at]
+    command = [sys.executable, str(RUNS), trainer, str(directory), str(out), "--strategy", strategy,
+               "--kill-at", kill_at]
     if reference is not None:
         command += ["--reference", str(reference)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)

@@ -5,8 +5,8 @@ Step boundaries (:class:`StepHooks`). Three events, in this order for each step 
 - ``step_end``: the update of step t is done — after ``optimizer.step()``, or, when a GradScaler is
   attached, after ``scaler.update()`` (which also runs when the scaler skipped the update).
 - ``activity``: something of step t+1 is about to change the state — the model's next forward, the
-  first gradient of the next backward, or the optimizer's next step, whichever comes first. Until then the user's ``scheduler.step()`` and
-  the like complete S_t.
+  first gradient of the next backward, or the optimizer's next step, whichever comes first. Until
+  then the user's ``scheduler.step()`` and the like complete S_t.
 - ``before_update``: ``optimizer.step()`` of step t+1 is about to modify parameters. When the step
   is given a closure (``optimizer.step(closure)``, as PyTorch Lightning calls it: forward, backward
   and gradient clipping run inside the step), this comes after the closure's first call returns,
@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepHooks", "ReductionTap", "AllReduceHook", "reduction_tap", "after_backward", "register_before_update"]
+__all__ = ["StepHooks", "ReductionTap", "AllReduceHook", "reduction_tap", "after_backward",
+           "register_before_update"]
 
 Observer = Callable[[Any], Callable[[torch.Tensor], None] | None]
 """Called with a ``GradBucket`` as its reduction starts (on the thread running backward); returns

@@ -26,7 +26,8 @@ from ..strategies import STRATEGIES
 from .peers import PEERS
 from .workloads import WORKLOADS, check_device
 
-__all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table", "smallest_interval", "interleaved_order"]
+__all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table",
+           "smallest_interval", "interleaved_order"]
 
 
 @dataclass(kw_only=True)

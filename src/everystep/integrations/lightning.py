@@ -94,9 +94,8 @@ class _LoopPosition:
     step as completed, and before it steps step-interval schedulers; those counts are completed here.
     """
 
-    def __init__(self, trainer: pl.Trainer, sampler: ResumableSampler | None) -> None:
+    def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
-        self.sampler = sampler
         self.live = False
         self.loaded: dict[str, Any] | None = None
 
@@ -166,7 +165,7 @@ class EverystepCallback(pl.Callback):
         if len(trainer.optimizers) != 1:
             raise ConfigError(f"EverystepCallback checkpoints one optimizer; configure_optimizers returned "
                               f"{len(trainer.optimizers)}")
-        self._position = _LoopPosition(trainer, self.sampler)
+        self._position = _LoopPosition(trainer)
         self.checkpointer = Checkpointer(
             self.directory, pl_module, trainer.optimizers[0],
             scheduler=one_scheduler([c.scheduler for c in trainer.lr_scheduler_configs]),
