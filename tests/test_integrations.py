@@ -92,7 +92,7 @@ def test_bench_measures_each_trainer_against_the_trainer_alone(tmp_path):
         runs = [measure({"trainer": trainer, "workload": workload, "strategy": strategy, "steps": 4, "warmup": 1,
                          "every": 1, "seed": 0, "repeat": 0, "scratch": str(tmp_path)})
                 for strategy in ("none", "checkfreq")]
-        assert runs[0]["checkpoints"] == 0 and runs[1]["checkpoints"] >= 3
+        assert runs[0]["stall_per_step_seconds"] == 0 and runs[1]["stall_per_step_seconds"] > 0
         summary = summarise_trainer(runs)
         assert summary["none"]["overhead"] == 0.0
         assert summary["checkfreq"]["overhead"] == runs[1]["mean_step_seconds"] / runs[0]["mean_step_seconds"] - 1

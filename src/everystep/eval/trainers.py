@@ -50,7 +50,13 @@ class _Tokens(torch.nn.Module):
         return {"loss": self._criterion(self.model, tokens)}
 
 
-def _lightning(spec: dict[str, Any], directory: str, marks: list[float]) -> Any:
+def _stall(callback: Any) -> float:
+    """The training thread's time inside everystep so far."""
+    ckpt = getattr(callback, "checkpointer", None)
+    return ckpt.stats.stall_seconds if ckpt is not None else 0.0
+
+
+def _lightning(spec: dict[str, Any], directory: str, marks: list[tuple[float, float]]) -> Any:
     import lightning as L
     from lightning.pytorch.demos import Transformer
     from torch.utils.data import DataLoader, TensorDataset
@@ -79,7 +85,7 @@ def _lightning(spec: dict[str, Any], directory: str, marks: list[float]) -> Any:
 
     class Clock(L.Callback):
         def on_train_batch_end(self, *args: Any) -> None:
-            marks.append(time.perf_counter())
+            marks.append((time.perf_counter(), _stall(callback)))
 
     L.seed_everything(seed, verbose=False)
     tokens, batch = _tokens(workload, spec["steps"] * 8, seed)
@@ -96,7 +102,7 @@ def _lightning(spec: dict[str, Any], directory: str, marks: list[float]) -> Any:
     return callback
 
 
-def _transformers(spec: dict[str, Any], directory: str, marks: list[float]) -> Any:
+def _transformers(spec: dict[str, Any], directory: str, marks: list[tuple[float, float]]) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
     from transformers.utils import logging
 
@@ -107,7 +113,7 @@ def _transformers(spec: dict[str, Any], directory: str, marks: list[float]) -> A
 
     class Clock(TrainerCallback):
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-            marks.append(time.perf_counter())
+            marks.append((time.perf_counter(), _stall(callback)))
 
     set_seed(seed)
     tokens, batch = _tokens(workload, spec["steps"] * 8, seed)
@@ -136,19 +142,18 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     ``steps``, ``warmup``, ``every``, ``seed``, ``repeat`` and ``scratch`` (where the checkpoint
     directory is made, or ``None`` for the system's temporary directory)."""
     torch.set_num_threads(spec.get("threads", 1))
-    marks: list[float] = []
+    marks: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory(prefix="everystep-trainer-", dir=spec.get("scratch")) as scratch:
         run = {"lightning": _lightning, "transformers": _transformers}[spec["trainer"]]
-        callback = run(spec, os.path.join(scratch, "ckpt"), marks)
-        ckpt = callback.checkpointer if callback is not None else None
+        run(spec, os.path.join(scratch, "ckpt"), marks)
     warmup, steps = spec["warmup"], spec["steps"]
     if len(marks) != steps or not 0 < warmup < steps:
         raise RuntimeError(f"{spec['trainer']} ran {len(marks)} of {steps} steps (warm-up {warmup})")
+    (t0, stall0), (t1, stall1) = marks[warmup - 1], marks[-1]
     return {
         **{k: spec[k] for k in ("trainer", "workload", "strategy", "repeat")},
-        "mean_step_seconds": (marks[-1] - marks[warmup - 1]) / (steps - warmup),
-        "stall_seconds": ckpt.stats.stall_seconds if ckpt is not None else 0.0,
-        "checkpoints": ckpt.stats.checkpoints if ckpt is not None else 0,
+        "mean_step_seconds": (t1 - t0) / (steps - warmup),
+        "stall_per_step_seconds": (stall1 - stall0) / (steps - warmup),
     }
 
 
