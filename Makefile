@@ -18,9 +18,10 @@ demo: $(STAMP)
 	$(BIN)/everystep demo
 
 # Two workers: most tests wait on processes they start (ranks, agents, killed runs), so two
-# workers keep a 2-core machine busy; more would crowd the ranks those tests start.
+# workers keep a 2-core machine busy; more would crowd the ranks those tests start. loadgroup: the
+# tests that import PyTorch Lightning and Transformers into the test process share one worker.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

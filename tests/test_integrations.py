@@ -15,15 +15,19 @@ import pytest
 RUNS = Path(__file__).with_name("trainer_runs.py")
 
 
-def train(trainer: str, directory: Path, out: Path, strategy: str, kill_at: str, reference: Path | None = None) -> int:
+IN_PROCESS = pytest.mark.xdist_group("trainers-in-process")
+"""Tests that import the trainers into the test process run on one worker (``--dist loadgroup``), which
+imports them once."""
+
+
+def train(trainer: str, directory: Path, out: Path, strategy: str, kill_at: str, reference: Path) -> list[int]:
+    """Train with a kill, and again until done (each run a forked child of one process); the exit codes."""
     command = [sys.executable, str(RUNS), trainer, str(directory), str(out), "--strategy", strategy,
-               "--kill-at", kill_at]
-    if reference is not None:
-        command += ["--reference", str(reference)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
-    if done.returncode not in (0, -signal.SIGKILL):
-        raise AssertionError(f"{trainer} run failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return done.returncode
+               "--kill-at", kill_at, "--reference", str(reference), "--until-done"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise AssertionError(f"{trainer} runs failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def read(out: Path) -> tuple[list[int], dict[tuple[int, int], set[float]], str | None]:
@@ -44,12 +48,10 @@ def read(out: Path) -> tuple[list[int], dict[tuple[int, int], set[float]], str |
 @pytest.mark.parametrize("trainer", ["lightning", "transformers"])
 def test_killed_and_resumed_equals_the_trainer_alone(tmp_path, trainer, strategy, kill_at, resumes):
     """Killed during step 7 (mid-epoch) or step 11 (the first of an epoch: 5 steps of 2 micro-batches
-    make an epoch), then resumed by running the same script again; the reference is the trainer alone,
-    without everystep (trained first, in the killed run's process)."""
+    make an epoch), then resumed by running the same training again, in a new process; the reference
+    is the trainer alone, without everystep (trained first, in the killed run's process)."""
     out, ref = tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
-    codes = [train(trainer, tmp_path / "run", out, strategy, str(kill_at), reference=ref)]
-    while codes[-1] != 0 and len(codes) < 4:
-        codes.append(train(trainer, tmp_path / "run", out, strategy, str(kill_at)))
+    codes = train(trainer, tmp_path / "run", out, strategy, str(kill_at), ref)
     _, ref_losses, ref_final = read(ref)
     resumed, losses, final = read(out)
     assert codes == [-signal.SIGKILL, 0], codes
@@ -67,6 +69,7 @@ def readme_example(name: str) -> str:
     return found.group(1)
 
 
+@IN_PROCESS
 @pytest.mark.parametrize("name", ["lightning", "transformers"])
 def test_readme_examples_run_as_written(tmp_path, monkeypatch, capsys, name):
     """In this process (the trainers are imported once per worker). Resuming with the same calls is
@@ -81,6 +84,7 @@ def test_readme_examples_run_as_written(tmp_path, monkeypatch, capsys, name):
     assert list((tmp_path / f"ckpt-{name}" / "manifests").iterdir())  # the final checkpoint at least
 
 
+@IN_PROCESS
 def test_bench_measures_each_trainer_against_the_trainer_alone(tmp_path):
     """``everystep bench --trainer``'s runs, in this process: the trainer alone and with checkfreq every
     step, on each trainer's own model and on gpt2-tiny; the summary compares each with the trainer alone."""
@@ -104,6 +108,7 @@ def test_bench_measures_each_trainer_against_the_trainer_alone(tmp_path):
     assert BenchConfig(trainer="lightning").every == 1
 
 
+@IN_PROCESS
 def test_lightning_loop_counters_saved_at_a_step_are_lightnings_own_at_that_batch_end(tmp_path):
     """What the callback stores of Lightning's loops when a step ends (inside optimizer.step) is what
     Lightning's own checkpoint holds at that batch's end — the state its mid-epoch resume starts from —
@@ -146,6 +151,7 @@ def test_lightning_loop_counters_saved_at_a_step_are_lightnings_own_at_that_batc
     assert seen == [(step, True) for step in range(1, 9)]
 
 
+@IN_PROCESS
 def test_a_plain_trainer_checkpoints_with_the_callback_and_refuses_a_directory_it_cannot_resume(tmp_path):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments

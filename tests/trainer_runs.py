@@ -11,12 +11,15 @@ equal bitwise, made in the same process to spare a start of the trainer. ``--kil
 sends SIGKILL to the process during step K+1 for the first K in the list that this process reaches
 after training a whole step, at the forward of the step's last micro-batch — after the step's
 ``optimizer.step()`` has started, so a strategy that writes synchronously has made S_K durable. Run the
-same command again until the hash line appears: each run resumes where the last one died.
+same command again until the hash line appears: each run resumes where the last one died — or give
+``--until-done``: the script then does so itself, each run a child forked after the trainer's import,
+and prints the runs' exit codes (``-9``: killed).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -153,12 +156,35 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--kill-at")
     p.add_argument("--reference")
+    p.add_argument("--until-done", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     run = {"lightning": run_lightning, "transformers": run_transformers}[a.trainer]
-    if a.reference:
-        run(a, None, a.reference)
-    run(a, a.strategy, a.out)
+    if not a.until_done:
+        if a.reference:
+            run(a, None, a.reference)
+        run(a, a.strategy, a.out)
+        return
+    # The trainer is imported once, here; each run is a child forked from this process (a fresh
+    # process in all but the imports), killed or not, and the next resumes where it died.
+    importlib.import_module("lightning.pytorch.demos" if a.trainer == "lightning" else "transformers.trainer")
+    importlib.import_module(f"everystep.integrations.{a.trainer}")
+    codes: list[int] = []
+    while len(codes) < 4 and (not codes or codes[-1] == -signal.SIGKILL):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                if a.reference and not codes:
+                    run(a, None, a.reference)
+                run(a, a.strategy, a.out)
+                code = 0
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    print(json.dumps(codes))
 
 
 if __name__ == "__main__":
