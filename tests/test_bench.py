@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from everystep.eval.bench import BenchConfig, interleaved_order, markdown_table, run_bench, smallest_interval, summarise
+from everystep.strategies.checkfreq import CheckFreqConfig
 
 from .conftest import call_cli
 
@@ -83,7 +84,7 @@ def test_peers_run_in_the_same_comparison_and_the_table_says_what_their_recovery
     assert summary["none"]["overhead"] == 0 and summary["none"]["bytes_per_step"] == 0
     assert summary["none"]["lost_steps_hardware"] == 5  # nothing stored: a failure loses everything
     assert summary["checkfreq"]["bytes_per_step"] > 0 and summary["checkfreq"]["recovery_seconds_disk"] > 0
-    assert summary["checkfreq"]["lost_steps_hardware"] <= 2
+    assert summary["checkfreq"]["lost_steps_hardware"] <= CheckFreqConfig().buffers + 1  # the buffers in flight, one waiting
     assert summary["lowdiff_plus"]["recovery_seconds_memory"] > 0
     for peer in ("torch_save", "dcp", "dcp_async"):
         s = summary[peer]

@@ -110,10 +110,19 @@ def test_a_checkpointer_refuses_what_cannot_follow_updates_in_backward(tmp_path)
         BenchConfig(strategies=("dcp", "lowdiff_plus", "lightcheck"), in_backward=True)
 
 
+_IN_BACKWARD = dict(workload="gpt2-tiny", steps=10, seed=2, in_backward=True, progress=False)
+
+
+@pytest.fixture(scope="module")
+def in_backward_reference() -> dict:
+    """The run without checkpointing, updating in backward."""
+    return run(TrainConfig(strategy="none", **_IN_BACKWARD))
+
+
 @pytest.mark.parametrize("strategy", ["full_sync", "checkfreq"])
-def test_strategies_that_copy_the_whole_state_recover_bitwise_with_updates_in_backward(tmp_path, strategy):
-    common = dict(workload="gpt2-tiny", steps=10, seed=2, in_backward=True, progress=False)
-    reference = run(TrainConfig(strategy="none", **common))
+def test_strategies_that_copy_the_whole_state_recover_bitwise_with_updates_in_backward(tmp_path, strategy,
+                                                                                       in_backward_reference):
+    common, reference = _IN_BACKWARD, in_backward_reference
     s = run(TrainConfig(strategy=strategy, directory=str(tmp_path / "c"), fail_at=(4, 7), **common))
     assert [r["failed_at"] for r in s["recoveries"]] == [4, 7]
     assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]

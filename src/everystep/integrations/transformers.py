@@ -22,7 +22,7 @@ checkpoint that does not verify, and its newest point is at most one step old.
 
 What resume leaves out: ``TrainerState``'s history (``log_history``, ``total_flos``, best metric),
 which logging and reporting keep; the loss logged at the first logging step after resume covers
-only the steps trained since. Scope: one process (``use_cpu=True`` or one GPU), no DeepSpeed or FSDP.
+only the steps trained since. Scope: one process, no DeepSpeed or FSDP; tested on the CPU.
 """
 
 from __future__ import annotations
