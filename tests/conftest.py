@@ -13,6 +13,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+LONG_FIRST = (
+    "test_lowdiff_plus.py::test_sigkill_at_20_random_instants",
+    "test_bench.py::test_peers_run_in_the_same_comparison",
+    "test_integrations.py::test_killed_and_resumed",
+)
+"""The longest tests that share no module fixture: run first, so that the workers finish together
+rather than one running a minute-long test alone at the end."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, name in enumerate(LONG_FIRST) if name in item.nodeid), len(LONG_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     torch.set_num_threads(1)
