@@ -177,3 +177,28 @@ def test_a_plain_trainer_checkpoints_with_the_callback_and_refuses_a_directory_i
     with pytest.raises(ConfigError, match="holds training up to step 3: a plain Trainer cannot resume from it; "
                                           "use everystep.integrations.transformers.EverystepTrainer"):
         again.train()
+
+
+@IN_PROCESS
+def test_a_trainer_resumed_where_training_ended_trains_no_further(tmp_path):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    from transformers.utils import logging
+
+    from everystep.integrations.transformers import EverystepCallback, EverystepTrainer
+
+    logging.set_verbosity_error()
+
+    def train() -> tuple[EverystepTrainer, EverystepCallback]:
+        callback = EverystepCallback(tmp_path / "ckpt", strategy="checkfreq", every=1)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+        dataset = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (16, 8))]
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                                 save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+        trainer = EverystepTrainer(model=model, args=args, train_dataset=dataset, callbacks=[callback])
+        trainer.train()
+        return trainer, callback
+
+    train()
+    again, callback = train()
+    assert callback.resumed_step == 3 and again.state.global_step == 3 and callback.checkpointer.step == 3

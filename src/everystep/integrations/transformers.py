@@ -165,6 +165,8 @@ class EverystepTrainer(Trainer):
         return model, loader
 
     def _run_epoch(self, **kwargs: Any) -> Any:
+        if self.state.global_step >= self.state.max_steps:
+            return None  # resumed where training had ended: the loop would train one step before it checks
         if self._resume is not None:
             epochs, batches = self._resume
             if kwargs["epoch"] < epochs:
