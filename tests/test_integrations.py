@@ -151,29 +151,32 @@ def test_lightning_loop_counters_saved_at_a_step_are_lightnings_own_at_that_batc
     assert seen == [(step, True) for step in range(1, 9)]
 
 
-@IN_PROCESS
-def test_a_plain_trainer_checkpoints_with_the_callback_and_refuses_a_directory_it_cannot_resume(tmp_path):
+def tiny_trainer(tmp_path: Path, cls: type | None = None) -> tuple[object, object]:
+    """A Trainer (``cls``: the plain one by default) of a one-layer GPT-2 for 3 steps, checkpointed every
+    step by checkfreq into ``tmp_path/ckpt``; and its callback."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from transformers.utils import logging
 
-    from everystep.errors import ConfigError
     from everystep.integrations.transformers import EverystepCallback
 
     logging.set_verbosity_error()
+    callback = EverystepCallback(tmp_path / "ckpt", strategy="checkfreq", every=1)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    dataset = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (16, 8))]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    return (cls or Trainer)(model=model, args=args, train_dataset=dataset, callbacks=[callback]), callback
 
-    def trainer() -> tuple[Trainer, EverystepCallback]:
-        callback = EverystepCallback(tmp_path / "ckpt", strategy="checkfreq", every=1)
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-        dataset = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (16, 8))]
-        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
-                                 save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
-        return Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback]), callback
 
-    first, callback = trainer()
+@IN_PROCESS
+def test_a_plain_trainer_checkpoints_with_the_callback_and_refuses_a_directory_it_cannot_resume(tmp_path):
+    from everystep.errors import ConfigError
+
+    first, callback = tiny_trainer(tmp_path)
     first.train()
     assert callback.checkpointer.stats.checkpoints == 3 and callback.checkpointer.stats.last_durable_step == 3
-    again, _ = trainer()
+    again, _ = tiny_trainer(tmp_path)
     with pytest.raises(ConfigError, match="holds training up to step 3: a plain Trainer cannot resume from it; "
                                           "use everystep.integrations.transformers.EverystepTrainer"):
         again.train()
@@ -181,24 +184,9 @@ def test_a_plain_trainer_checkpoints_with_the_callback_and_refuses_a_directory_i
 
 @IN_PROCESS
 def test_a_trainer_resumed_where_training_ended_trains_no_further(tmp_path):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
-    from transformers.utils import logging
+    from everystep.integrations.transformers import EverystepTrainer
 
-    from everystep.integrations.transformers import EverystepCallback, EverystepTrainer
-
-    logging.set_verbosity_error()
-
-    def train() -> tuple[EverystepTrainer, EverystepCallback]:
-        callback = EverystepCallback(tmp_path / "ckpt", strategy="checkfreq", every=1)
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-        dataset = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (16, 8))]
-        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
-                                 save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
-        trainer = EverystepTrainer(model=model, args=args, train_dataset=dataset, callbacks=[callback])
-        trainer.train()
-        return trainer, callback
-
-    train()
-    again, callback = train()
+    tiny_trainer(tmp_path, EverystepTrainer)[0].train()
+    again, callback = tiny_trainer(tmp_path, EverystepTrainer)
+    again.train()
     assert callback.resumed_step == 3 and again.state.global_step == 3 and callback.checkpointer.step == 3

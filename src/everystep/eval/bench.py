@@ -14,7 +14,7 @@ import platform
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -133,20 +133,27 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> list[dict[str, Any]
     return runs
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per strategy: medians over repeats, overhead relative to the same repeat's ``none``."""
+def _by_strategy(runs: list[dict[str, Any]]) -> Iterator[tuple[str, list[dict[str, Any]], list[float]]]:
+    """Per strategy, in the order first run: its runs, and each run's overhead — its mean step time
+    over the same repeat's ``none`` run's, minus one."""
     reference = {r["repeat"]: r["mean_step_seconds"] for r in runs if r["strategy"] == "none"}
-    out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r["strategy"] for r in runs):
         mine = [r for r in runs if r["strategy"] == name]
+        yield name, mine, [r["mean_step_seconds"] / reference[r["repeat"]] - 1 for r in mine]
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per strategy: medians over repeats, overhead relative to the same repeat's ``none``."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, mine, overheads in _by_strategy(runs):
 
         def med(key: str, rows: list[dict[str, Any]] = mine) -> Any:
             values = [r[key] for r in rows if r.get(key) is not None]
             return statistics.median(values) if values else None
 
         out[name] = {
-            "overhead": statistics.median(r["mean_step_seconds"] / reference[r["repeat"]] - 1 for r in mine),
-            "overheads": [r["mean_step_seconds"] / reference[r["repeat"]] - 1 for r in mine],
+            "overhead": statistics.median(overheads),
+            "overheads": overheads,
             "mean_step_seconds": med("mean_step_seconds"),
             "stall_per_checkpoint_seconds": statistics.median(
                 r["stall_seconds"] / r["checkpoints"] if r["checkpoints"] else 0.0 for r in mine
@@ -172,11 +179,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def summarise_trainer(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per strategy, runs in a trainer: the median overhead over the same repeat's trainer alone, and
     the training thread's time inside everystep per timed step."""
-    reference = {r["repeat"]: r["mean_step_seconds"] for r in runs if r["strategy"] == "none"}
     out: dict[str, dict[str, Any]] = {}
-    for name in dict.fromkeys(r["strategy"] for r in runs):
-        mine = [r for r in runs if r["strategy"] == name]
-        overheads = [r["mean_step_seconds"] / reference[r["repeat"]] - 1 for r in mine]
+    for name, mine, overheads in _by_strategy(runs):
         out[name] = {
             "overhead": statistics.median(overheads), "overheads": overheads,
             "mean_step_seconds": statistics.median(r["mean_step_seconds"] for r in mine),

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .workloads import build
+from .workloads import Workload, build
 
 __all__ = ["TRAINERS", "TRAINER_WORKLOADS", "measure"]
 
@@ -29,21 +29,25 @@ TRAINER_WORKLOADS = ("gpt2-tiny", "native")
 _VOCAB, _SEQ, _BATCH = 256, 32, 8
 
 
-def _tokens(workload: str, n: int, seed: int) -> tuple[torch.Tensor, int]:
-    """``n`` samples of ``seq + 1`` tokens, and the batch size."""
-    if workload == "gpt2-tiny":
-        w = build(workload, seed=seed)
+def _tokens(w: Workload | None, n: int, seed: int) -> tuple[torch.Tensor, int]:
+    """``n`` samples of ``seq + 1`` tokens, and the batch size: drawn from ``w``'s data, or, for the
+    native models (``w`` None), at random."""
+    if w is not None:
         batches = [w.data.next() for _ in range(-(-n // w.data.batch_size))]
         return torch.cat(batches)[:n], w.data.batch_size
     return torch.randint(0, _VOCAB, (n, _SEQ + 1), generator=torch.Generator().manual_seed(seed)), _BATCH
 
 
+def _workload(spec: dict[str, Any]) -> Workload | None:
+    """everystep's workload of ``spec`` (its model and data), or None for the trainer's own model."""
+    return None if spec["workload"] == "native" else build(spec["workload"], seed=spec["seed"])
+
+
 class _Tokens(torch.nn.Module):
     """A model of :mod:`~everystep.eval.workloads` whose forward takes the tokens and returns the loss."""
 
-    def __init__(self, workload: str, seed: int) -> None:
+    def __init__(self, w: Workload) -> None:
         super().__init__()
-        w = build(workload, seed=seed)
         self.model, self._criterion = w.model, w.criterion
 
     def forward(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -63,19 +67,19 @@ def _lightning(spec: dict[str, Any], directory: str, marks: list[tuple[float, fl
 
     from ..integrations.lightning import EverystepCallback, ResumableSampler
 
-    workload, seed = spec["workload"], spec["seed"]
+    seed, w = spec["seed"], _workload(spec)
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            if workload == "native":
+            if w is None:
                 self.net = Transformer(vocab_size=_VOCAB, ninp=64, nhead=2, nhid=128, nlayers=2)
             else:
-                self.net = _Tokens(workload, seed)
+                self.net = _Tokens(w)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             (tokens,) = batch
-            if workload != "native":
+            if w is not None:
                 return self.net(tokens)["loss"]
             inputs, target = tokens[:, :-1], tokens[:, 1:]
             return torch.nn.functional.nll_loss(self.net(inputs, target).view(-1, _VOCAB), target.reshape(-1))
@@ -88,7 +92,7 @@ def _lightning(spec: dict[str, Any], directory: str, marks: list[tuple[float, fl
             marks.append((time.perf_counter(), _stall(callback)))
 
     L.seed_everything(seed, verbose=False)
-    tokens, batch = _tokens(workload, spec["steps"] * 8, seed)
+    tokens, batch = _tokens(w, spec["steps"] * 8, seed)
     dataset = TensorDataset(tokens)
     sampler = ResumableSampler(dataset, seed=seed)
     callbacks: list[Any] = [Clock()]
@@ -109,20 +113,20 @@ def _transformers(spec: dict[str, Any], directory: str, marks: list[tuple[float,
     from ..integrations.transformers import EverystepCallback, EverystepTrainer
 
     logging.set_verbosity_error()
-    workload, seed = spec["workload"], spec["seed"]
+    seed, w = spec["seed"], _workload(spec)
 
     class Clock(TrainerCallback):
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
             marks.append((time.perf_counter(), _stall(callback)))
 
     set_seed(seed)
-    tokens, batch = _tokens(workload, spec["steps"] * 8, seed)
-    if workload == "native":
+    tokens, batch = _tokens(w, spec["steps"] * 8, seed)
+    if w is None:
         model: torch.nn.Module = GPT2LMHeadModel(GPT2Config(vocab_size=_VOCAB, n_positions=64, n_embd=64, n_layer=2,
                                                             n_head=2))
         dataset: list[dict[str, torch.Tensor]] = [{"input_ids": t, "labels": t} for t in tokens]
     else:
-        model = _Tokens(workload, seed)
+        model = _Tokens(w)
         dataset = [{"tokens": t} for t in tokens]
     args = TrainingArguments(output_dir=os.path.join(directory, "trainer"), max_steps=spec["steps"],
                              per_device_train_batch_size=batch, learning_rate=1e-3, save_strategy="no", report_to=[],

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import StateMismatchError
+
 __all__ = ["Schedulers"]
 
 
@@ -29,8 +31,6 @@ class Schedulers:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state["schedulers"]
         if len(saved) != len(self.schedulers):
-            from ..errors import StateMismatchError
-
             raise StateMismatchError(f"the checkpoint holds {len(saved)} LR schedulers; this run has "
                                      f"{len(self.schedulers)}")
         for scheduler, s in zip(self.schedulers, saved):

@@ -104,7 +104,7 @@ class _LoopPosition:
             return self.loaded if self.loaded is not None else {"loops": None, "epoch": 0, "samples": 0,
                                                                   "end_of_epoch": False}
         trainer = self.trainer
-        loops = copy.deepcopy(trainer.fit_loop.state_dict())
+        loops = trainer.fit_loop.state_dict()  # new dicts, completed here (the Checkpointer copies the result)
         loops.pop("combined_loader", None)  # a stateful loader's own state counts batches prefetched
         batches = loops["epoch_loop.batch_progress"]
         for count in (batches["total"], batches["current"]):
