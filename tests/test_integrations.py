@@ -39,7 +39,7 @@ def read(out: Path) -> tuple[list[int], dict[tuple[int, int], set[float]], str |
             resumed.append(entry["resumed"])
         elif "final" in entry:
             final = entry["final"]
-        else:
+        elif "killed" not in entry:
             losses.setdefault((entry["step"], entry["batch"]), set()).add(entry["loss"])
     return resumed, losses, final
 

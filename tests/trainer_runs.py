@@ -9,7 +9,8 @@ run's end appends the final state's hash. ``--reference REF`` first trains the t
 everystep (the same sampler in Lightning), recording the same lines into REF: the run the others must
 equal bitwise, made in the same process to spare a start of the trainer. ``--kill-at``
 sends SIGKILL to the process during step K+1 for the first K in the list that this process reaches
-after training a whole step, at the forward of the step's last micro-batch — after the step's
+after training a whole step and that no earlier run was killed at (OUT records each kill as
+``{"killed": K}``), at the forward of the step's last micro-batch — after the step's
 ``optimizer.step()`` has started, so a strategy that writes synchronously has made S_K durable. Run the
 same command again until the hash line appears: each run resumes where the last one died — or give
 ``--until-done``: the script then does so itself, each run a child forked after the trainer's import,
@@ -37,10 +38,15 @@ ACCUMULATE = 2
 
 class Killer:
     """Kills the process at the last micro-batch of step K+1 for each K of ``spec`` (``"6,10"``), once
-    the process has trained a whole step."""
+    the process has trained a whole step — once for each K over all the runs recorded in ``out``: a run
+    that resumed before K (the last point was not yet durable when the kill came) trains through it."""
 
-    def __init__(self, spec: str | None) -> None:
+    def __init__(self, spec: str | None, out: str) -> None:
         self.at = {int(k) for k in spec.split(",")} if spec else set()
+        self.out = out
+        if self.at and os.path.exists(out):
+            with open(out) as f:
+                self.at -= {json.loads(line).get("killed") for line in f}
         self.first: int | None = None
 
     def __call__(self, step: int, last_micro_batch: bool) -> None:
@@ -48,6 +54,7 @@ class Killer:
         if self.first is None:
             self.first = step
         if last_micro_batch and step - 1 in self.at and step > self.first:
+            _record(self.out, {"killed": step - 1})
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -69,7 +76,7 @@ def run_lightning(a: argparse.Namespace, strategy: str | None, out: str) -> None
 
     from everystep.integrations.lightning import EverystepCallback, ResumableSampler
 
-    kill = Killer(a.kill_at if strategy else None)
+    kill = Killer(a.kill_at if strategy else None, out)
 
     class LanguageModel(L.LightningModule):
         def __init__(self) -> None:
@@ -113,7 +120,7 @@ def run_transformers(a: argparse.Namespace, strategy: str | None, out: str) -> N
     from everystep.integrations.transformers import EverystepCallback, EverystepTrainer
 
     logging.set_verbosity_error()
-    kill = Killer(a.kill_at if strategy else None)
+    kill = Killer(a.kill_at if strategy else None, out)
 
     class Resumed(TrainerCallback):
         def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
