@@ -134,3 +134,37 @@ def test_verify_names_each_file_that_is_wrong(tmp_path, capsys):
     assert any("full-000000000003" in p and "is missing" in p for p in problems)
     assert any(p.endswith("stray.bin: no checkpoint names this file") for p in problems)
     assert len(problems) == 3 and "3 problem(s)" in out
+
+
+def test_ranks_forked_from_the_zygote_get_their_environment_and_die_with_it(tmp_path):
+    """Each rank of a supervised run is forked from a zygote that imported torch once: it runs in the
+    environment it was given, not the zygote's (a crash point armed there fires), in a session of its
+    own; and a zygote that dies takes its ranks with it."""
+    import os
+    import select
+    import signal
+    from dataclasses import asdict
+
+    from everystep.eval.train import Journal
+    from everystep.eval.zygote import Zygote
+
+    def spec(**kw) -> str:
+        cfg = TrainConfig(workload="mlp", progress=False, **kw)
+        return json.dumps({"config": {**asdict(cfg), "fail_at": []}, "plan": []})
+
+    journal = tmp_path / "journal.jsonl"
+    with Zygote() as zygote:
+        crashing = zygote.fork({**os.environ, "EVERYSTEP_CRASH": "store.object.mid_write:3"},
+                               [spec(strategy="full_sync", steps=50, directory=str(tmp_path / "c")), str(journal)])
+        assert crashing.wait() == -signal.SIGKILL
+        assert max(r["step"] for r in Journal.read(str(journal)) if r["event"] == "step") < 5
+        child = zygote.fork(dict(os.environ), [spec(strategy="none", steps=10**6), str(journal)])
+        pidfd = os.pidfd_open(child.pid)
+        while not any(r["event"] == "step" and r["step"] > 5 for r in Journal.read(str(journal))):
+            assert child.poll() is None, f"the rank ended with status {child.returncode}"
+            select.select([pidfd], [], [], 0.05)
+        assert os.getsid(child.pid) == child.pid
+        zygote.process.send_signal(signal.SIGKILL)
+        assert select.select([pidfd], [], [], 60)[0], "the rank outlived its zygote"
+        assert child.wait() == -signal.SIGKILL
+        os.close(pidfd)

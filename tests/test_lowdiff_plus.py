@@ -27,6 +27,7 @@ from everystep.background import BackgroundErrors
 from everystep.distributed import Ranks
 from everystep.errors import BackgroundWriteError
 from everystep.eval.train import Journal, TrainConfig, run, summarise, training_state_hash
+from everystep.eval.zygote import Zygote
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
 from everystep.state import state_hash
@@ -152,18 +153,20 @@ def test_sigkill_at_20_random_instants_recovers_from_memory_bit_exactly(tmp_path
     spec = json.dumps({"config": {**asdict(cfg), "fail_at": []}, "plan": []})
     rng = random.Random(0)
     kills = []
-    while True:
-        proc = subprocess.Popen([sys.executable, "-m", "everystep.eval.worker", spec, str(journal)], start_new_session=True)
-        if len(kills) < 20:
-            while proc.poll() is None and not any(r.get("pid") == proc.pid for r in _records(journal) if r["event"] == "start"):
-                time.sleep(0.02)
-            time.sleep(rng.uniform(0.0, 0.15))
-            proc.send_signal(signal.SIGKILL)
-        code = proc.wait()
-        if code == 0:
-            break
-        assert code == -signal.SIGKILL, f"the training process failed with status {code}"
-        kills.append(proc.pid)
+    with Zygote() as zygote:  # each lifetime forked from one process that imported torch (as `everystep train` does)
+        while True:
+            proc = zygote.fork(dict(os.environ), [spec, str(journal)])
+            if len(kills) < 20:
+                while proc.poll() is None and not any(r.get("pid") == proc.pid for r in _records(journal)
+                                                      if r["event"] == "start"):
+                    time.sleep(0.02)
+                time.sleep(rng.uniform(0.0, 0.15))
+                proc.send_signal(signal.SIGKILL)
+            code = proc.wait()
+            if code == 0:
+                break
+            assert code == -signal.SIGKILL, f"the training process failed with status {code}"
+            kills.append(proc.pid)
     assert len(kills) >= 20, f"the run finished after {len(kills)} kills; lengthen it"
     records = Journal.read(str(journal))
     lifetimes = [r for r in records if r["event"] == "start"]

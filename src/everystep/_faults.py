@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["arm", "disarm", "crash_point", "kill_self"]
+__all__ = ["arm", "arm_from_environment", "disarm", "crash_point", "kill_self"]
 
 _lock = threading.Lock()
 _armed: dict[str, tuple[int, Callable[[], None], bool]] = {}
@@ -64,7 +64,11 @@ def disk_full() -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def _arm_from_environment() -> None:
+def arm_from_environment() -> None:
+    """Arm the points the environment names (done at import; again in a process forked after its
+    environment changed, as a rank forked from the supervisor's zygote)."""
+    with _lock:
+        _armed.clear()
     rank = os.environ.get("RANK", "0")
     for variable in ("EVERYSTEP_CRASH", "EVERYSTEP_FAIL", "EVERYSTEP_DELAY"):
         for item in filter(None, (s.strip() for s in os.environ.get(variable, "").split(","))):
@@ -81,4 +85,4 @@ def _arm_from_environment() -> None:
             arm(name, after=int(count) if count else 1, action=action, repeat=repeat)
 
 
-_arm_from_environment()
+arm_from_environment()

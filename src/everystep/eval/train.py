@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from ..strategies import STRATEGIES, create
 from ..compress import parse_spec
 from .faults import FailurePlan, Injector
 from .workloads import OPTIMIZERS, WORKLOADS, build, check_device, needs_ddp
+from .zygote import Forked, Zygote, start_ranks
 
 __all__ = ["TrainConfig", "train", "run_supervised", "training_state_hash"]
 
@@ -427,7 +429,7 @@ FAILURE_GRACE = 10.0
 class _Job:
     """One lifetime of the job's ranks; a stop signal to the supervisor is passed on to each rank."""
 
-    def __init__(self, cfg: TrainConfig, pending: list[int], journals: list[str]) -> None:
+    def __init__(self, cfg: TrainConfig, pending: list[int], journals: list[str], zygote: Zygote | None) -> None:
         spec = {"config": {**asdict(cfg), "fail_at": []}, "plan": pending}
         port = _free_port()
         self.interrupted = False
@@ -435,15 +437,19 @@ class _Job:
         self.journals = journals
         self.started_before = [_starts(j) for j in journals]
         self.held: int | None = None
-        self.procs = []
+        self.procs: list[subprocess.Popen[bytes] | Forked] = []
         for rank, journal in enumerate(journals):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.nproc),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             if cfg.nproc == 1:
                 env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
             env["EVERYSTEP_SUPERVISOR"] = str(os.getpid())
-            cmd = [sys.executable, "-m", "everystep.eval.worker", json.dumps(spec), journal]
-            self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+            argv = [json.dumps(spec), journal]
+            if zygote is not None:
+                self.procs.append(zygote.fork(env, argv))
+            else:
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "everystep.eval.worker", *argv], env=env,
+                                                   start_new_session=True))
 
     def forward(self, signum: int, frame: Any) -> None:
         """Pass a stop signal on to every rank — once every rank has started (its Checkpointer
@@ -521,31 +527,38 @@ def _ranks_with(codes: list[int], code: int) -> str:
 
 
 def run_supervised(cfg: TrainConfig) -> dict[str, Any]:
-    """Run the job's ranks as child processes; after a planned kill, start them all again."""
+    """Run the job's ranks as child processes (forks of a zygote that imported everything once, where
+    the platform allows: :mod:`.zygote`); after a planned kill, start them all again."""
     with tempfile.TemporaryDirectory(prefix="everystep-run-") as tmp:
         journals = [os.path.join(tmp, f"journal-r{r}.jsonl") for r in range(cfg.nproc)]
         pending = list(cfg.fail_at)
-        while True:
-            job = _Job(cfg, pending, journals)
-            previous = {sig: signal.signal(sig, job.forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-            previous[signal.SIGINT] = signal.signal(signal.SIGINT, job.interrupt)
-            try:
-                codes = job.wait()
-            except BaseException:
-                job.kill()  # a second Ctrl-C, or a failure here: leave no rank behind
-                raise
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-            if all(c == 0 for c in codes):
-                return merge_ranks([summarise(cfg, Journal.read(j)) for j in journals])
-            if 2 in codes and -signal.SIGKILL not in codes:
-                raise EverystepError(f"training stopped: {_ranks_with(codes, 2)} reported the error above")
-            if -signal.SIGKILL not in codes or not pending:
-                raise EverystepError(f"the training process failed unexpectedly (exit statuses {codes})")
-            pending.pop(0)
-            if cfg.fail_mode == "hardware":
-                _lose_host_memory(cfg)
+        with start_ranks() or nullcontext() as zygote:
+            return _supervise(cfg, pending, journals, zygote)
+
+
+def _supervise(cfg: TrainConfig, pending: list[int], journals: list[str], zygote: Zygote | None) -> dict[str, Any]:
+    """Each lifetime of the job until it ends (see :func:`run_supervised`)."""
+    while True:
+        job = _Job(cfg, pending, journals, zygote)
+        previous = {sig: signal.signal(sig, job.forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, job.interrupt)
+        try:
+            codes = job.wait()
+        except BaseException:
+            job.kill()  # a second Ctrl-C, or a failure here: leave no rank behind
+            raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if all(c == 0 for c in codes):
+            return merge_ranks([summarise(cfg, Journal.read(j)) for j in journals])
+        if 2 in codes and -signal.SIGKILL not in codes:
+            raise EverystepError(f"training stopped: {_ranks_with(codes, 2)} reported the error above")
+        if -signal.SIGKILL not in codes or not pending:
+            raise EverystepError(f"the training process failed unexpectedly (exit statuses {codes})")
+        pending.pop(0)
+        if cfg.fail_mode == "hardware":
+            _lose_host_memory(cfg)
 
 
 def _lose_host_memory(cfg: TrainConfig) -> None:

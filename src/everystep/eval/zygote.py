@@ -1,0 +1,217 @@
+"""The ranks of a supervised job, forked from one process that imported torch and everystep once.
+
+A new interpreter per rank and per lifetime spends seconds importing torch before it trains a step
+(more when the ranks of a job start together on a machine of a few cores). The supervisor instead
+starts one *zygote* per job: a process that imports the training driver and then only forks. Each
+rank's lifetime is a child forked from it — a new process in all but the imports: its own session
+(as ``start_new_session``), its own environment, stdin on ``/dev/null``. The zygote runs no torch
+operation, so no thread pool is lost in the fork, and it dies with the supervisor (``PR_SET_PDEATHSIG``
+and the end of its request pipe), its children with it (the worker's own ``PR_SET_PDEATHSIG``).
+
+It needs Linux's ``pidfd_open`` (to wait on children and requests together); elsewhere
+:func:`start_ranks` returns ``None`` and the supervisor starts a new interpreter per rank.
+
+Protocol: one JSON line per request on the zygote's stdin (``{"env": {...}, "argv": [...]}``); on
+the reply pipe, ``{"pid": N}`` for each request in order and ``{"exit": N, "code": C}`` as each
+child ends (``C`` as :attr:`subprocess.Popen.returncode`: ``-9`` for SIGKILL).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import traceback
+from typing import Any
+
+from ..errors import EverystepError
+
+__all__ = ["Zygote", "Forked", "start_ranks"]
+
+
+class Forked:
+    """A child of the zygote, with the part of :class:`subprocess.Popen`'s interface the supervisor uses."""
+
+    def __init__(self, zygote: "Zygote", pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.zygote.codes.get(self.pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.zygote.collect(block=False)
+        return self.returncode
+
+    def wait(self) -> int:
+        while (code := self.returncode) is None:
+            self.zygote.collect(block=True)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:  # not yet reaped by the zygote: the pid is still this child's
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """The supervisor's end: :meth:`fork` starts a child; :meth:`close` ends the zygote."""
+
+    def __init__(self) -> None:
+        reply_r, reply_w = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "everystep.eval.zygote", str(reply_w), str(os.getpid())],
+                stdin=subprocess.PIPE, pass_fds=(reply_w,), start_new_session=True)
+        finally:
+            os.close(reply_w)
+        self._replies = reply_r
+        self._pending = b""
+        self._started: list[int] = []
+        self._pids: set[int] = set()
+        self.codes: dict[int, int] = {}
+        """Exit status of each child that ended, by pid."""
+
+    def fork(self, env: dict[str, str], argv: list[str]) -> Forked:
+        """A child that runs ``everystep.eval.train.worker_main(argv)`` in ``env``."""
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(json.dumps({"env": env, "argv": argv}).encode() + b"\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            raise self._gone() from None
+        while not self._started:
+            if not self._read():
+                raise self._gone()
+        return Forked(self, self._started.pop(0))
+
+    def _gone(self) -> EverystepError:
+        return EverystepError(f"the process that starts the training processes ended (exit status {self.process.wait()})")
+
+    def collect(self, *, block: bool) -> None:
+        """Take in the zygote's reports of children that ended (with ``block``, wait for more)."""
+        if block:
+            self._read()
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._replies, selectors.EVENT_READ)
+            while sel.select(0) and self._read():
+                pass
+
+    def _read(self) -> bool:
+        """Read what the zygote sent (waiting for something); False when it is gone (its children
+        were killed with it)."""
+        chunk = os.read(self._replies, 1 << 16)
+        if not chunk:
+            self.codes.update((pid, -signal.SIGKILL) for pid in self._pids if pid not in self.codes)
+            return False
+        *lines, self._pending = (self._pending + chunk).split(b"\n")
+        for line in lines:
+            report = json.loads(line)
+            if "pid" in report:
+                self._started.append(report["pid"])
+                self._pids.add(report["pid"])
+            else:
+                self.codes[report["exit"]] = report["code"]
+        return True
+
+    def __enter__(self) -> "Zygote":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the zygote (its children, if any are left, die with it)."""
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait()
+        os.close(self._replies)
+
+
+def start_ranks() -> Zygote | None:
+    """A zygote for a job's ranks, or None where one cannot run (not Linux)."""
+    if not hasattr(os, "pidfd_open") or not hasattr(selectors, "EpollSelector"):
+        return None
+    return Zygote()
+
+
+def _die_with(parent: int) -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _child(request: dict[str, Any], inherited: list[int]) -> None:
+    """In the forked child: become a rank's process and run it; never returns."""
+    code = 1
+    try:
+        os.setsid()
+        for fd in inherited:
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        from .._faults import arm_from_environment
+        from .train import worker_main
+
+        arm_from_environment()  # read at import, in the zygote's environment: this rank's is another
+
+        code = worker_main(request["argv"])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(argv: list[str]) -> None:
+    reply_fd, supervisor = int(argv[0]), int(argv[1])
+    _die_with(supervisor)
+    importlib.import_module("everystep.eval.train")  # the imports every rank needs, done once
+
+    replies = os.fdopen(reply_fd, "wb", buffering=0)
+    sel = selectors.EpollSelector()
+    sel.register(0, selectors.EVENT_READ)
+    pending = b""
+    while True:
+        for key, _ in sel.select():
+            if key.fd != 0:  # a child's pidfd: it ended
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                _, status = os.waitpid(key.data, 0)
+                replies.write(json.dumps({"exit": key.data, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                continue
+            chunk = os.read(0, 1 << 16)
+            if not chunk:  # the supervisor is done (or gone): children still running die with this process
+                return
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                request = json.loads(line)
+                request["env"]["EVERYSTEP_SUPERVISOR"] = str(os.getpid())
+                inherited = [reply_fd, sel.fileno(), *(k.fd for k in sel.get_map().values() if k.fd != 0)]
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, inherited)
+                sel.register(os.pidfd_open(pid), selectors.EVENT_READ, pid)
+                replies.write(json.dumps({"pid": pid}).encode() + b"\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
