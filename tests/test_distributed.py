@@ -90,6 +90,7 @@ def test_background_commits_never_wait_on_the_training_group(delayed, reference)
     ("lightcheck", None, "software", {"options": {"persist_every": 3}}),
     ("lightcheck", None, "software", {"options": {"persist_every": 3}, "in_backward": True}),
     ("gockpt_o", None, "hardware", {"every": 4, "options": {"parts": 3, "chunk_bytes": 4096}}),
+    ("checkflow", None, "hardware", {}),
 ])
 def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference, strategy, compress, mode, extra):
     # Step 4 kills rank 1 and step 7 rank 0, each in the middle of a checkpoint write (seed 0). With
