@@ -4,6 +4,8 @@ first, so every tensor is naturally aligned and the buffer has no holes."""
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +31,21 @@ class TensorLayout:
 
     @classmethod
     def of(cls, tensors: dict[str, torch.Tensor]) -> "TensorLayout":
-        order = sorted(enumerate(tensors.items()), key=lambda it: (-it[1][1].element_size(), it[0]))
-        entries, offset = [], 0
-        for _, (key, t) in order:
-            n = t.numel() * t.element_size()
-            entries.append(LayoutEntry(key, t.dtype, tuple(t.shape), offset, n))
-            offset += n
-        return cls(tuple(entries), offset)
+        """The layout of ``tensors``; a state checkpointed every step gets the same object back each
+        time (cached by keys, dtypes and shapes: cheaper than building it, and compared by identity
+        first)."""
+        return _layout_of(tuple((k, t.dtype, t.shape) for k, t in tensors.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_of(signature: tuple[tuple[str, torch.dtype, torch.Size], ...]) -> TensorLayout:
+    order = sorted(enumerate(signature), key=lambda it: (-it[1][1].itemsize, it[0]))
+    entries, offset = [], 0
+    for _, (key, dtype, shape) in order:
+        n = math.prod(shape) * dtype.itemsize
+        entries.append(LayoutEntry(key, dtype, tuple(shape), offset, n))
+        offset += n
+    return TensorLayout(tuple(entries), offset)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -272,7 +272,7 @@ def _names(keys: list[str], limit: int = 3) -> str:
 
 def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
     """What makes two tensors the same view of the same memory (tied weights)."""
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), _shape(t), t.stride(), t.dtype)
+    return (t.data_ptr(), t.device, t.shape, t.stride(), t.dtype)  # data_ptr: the storage's, plus the offset
 
 
 def flatten(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
