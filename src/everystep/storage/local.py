@@ -200,7 +200,11 @@ class LocalStore:
 
     def commit(self, manifest: Manifest) -> None:
         crash_point("store.commit.before_manifest")
-        self._atomic_write(self.manifests_dir / f"{manifest.name}.json", manifest.to_bytes(), what="manifest")
+        path = self.manifests_dir / f"{manifest.name}.json"
+        self._atomic_write(path, manifest.to_bytes(), what="manifest")
+        # the writer lists the manifests after each checkpoint (retention): its own need no re-reading
+        st = path.stat()
+        self._parsed[manifest.name] = ((st.st_ino, st.st_size, st.st_mtime_ns), ManifestRecord(manifest.name, manifest))
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -228,6 +232,14 @@ class LocalStore:
         if f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}" != info.checksum:
             raise CorruptCheckpointError(f"object {path} fails its checksum (corrupted on storage?)")
         return data
+
+    def _known(self, path: Path, name: str) -> Manifest | None:
+        """The manifest ``name`` as this store last parsed or wrote it, if its file is the same still."""
+        known = self._parsed.get(name)
+        if known is None or known[1].manifest is None:
+            return None
+        st = path.stat()
+        return known[1].manifest if known[0] == (st.st_ino, st.st_size, st.st_mtime_ns) else None
 
     def manifests(self) -> list[ManifestRecord]:
         """Every manifest, parsed and verified. A manifest this store already parsed and that is the
@@ -263,7 +275,7 @@ class LocalStore:
         self.check_writable()
         path = self.manifests_dir / f"{manifest_name}.json"
         try:
-            manifest = Manifest.from_bytes(path.read_bytes())
+            manifest = self._known(path, manifest_name) or Manifest.from_bytes(path.read_bytes())
             names = {o.name for o in manifest.objects.values()}
         except (OSError, ValueError, KeyError, TypeError):
             names = set()

@@ -7,6 +7,7 @@ through the safetensors library, which parses the header as JSON and never execu
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Iterator
@@ -39,10 +40,16 @@ _DTYPES = {
 
 
 def header_bytes(layout: TensorLayout, metadata: dict[str, str] | None = None) -> bytes:
-    """The length prefix and JSON header of a safetensors file for ``layout``."""
+    """The length prefix and JSON header of a safetensors file for ``layout`` (the same each
+    checkpoint of a state: cached by layout and metadata)."""
+    return _header_bytes(layout, tuple(metadata.items()) if metadata else ())
+
+
+@functools.lru_cache(maxsize=16)
+def _header_bytes(layout: TensorLayout, metadata: tuple[tuple[str, str], ...]) -> bytes:
     header: dict[str, object] = {}
     if metadata:
-        header["__metadata__"] = metadata
+        header["__metadata__"] = dict(metadata)
     for e in layout.entries:
         if e.dtype not in _DTYPES:
             raise TypeError(f"tensor {e.key!r} has dtype {e.dtype}, which the tensor format cannot store")
