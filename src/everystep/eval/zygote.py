@@ -168,10 +168,9 @@ def _child(request: dict[str, Any], inherited: list[int]) -> None:
         from .train import worker_main
 
         arm_from_environment()  # read at import, in the zygote's environment: this rank's is another
-
         code = worker_main(request["argv"])
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:
         traceback.print_exc()
     finally:
