@@ -203,7 +203,10 @@ class LocalStore:
         path = self.manifests_dir / f"{manifest.name}.json"
         self._atomic_write(path, manifest.to_bytes(), what="manifest")
         # the writer lists the manifests after each checkpoint (retention): its own need no re-reading
-        st = path.stat()
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return  # already discarded by another writer thread's retention: nothing to remember
         self._parsed[manifest.name] = ((st.st_ino, st.st_size, st.st_mtime_ns), ManifestRecord(manifest.name, manifest))
 
     # -- reading -----------------------------------------------------------------------------
@@ -244,7 +247,9 @@ class LocalStore:
     def manifests(self) -> list[ManifestRecord]:
         """Every manifest, parsed and verified. A manifest this store already parsed and that is the
         same file still (inode, size, modification time) is not read again: the writer lists the
-        directory after each checkpoint, for retention. A new store (a recovery) reads every one."""
+        directory after each checkpoint, for retention; the manifests it commits are known without a
+        read. A new store (a recovery) reads every one. (A rewrite of the same size within one tick of the
+        file system's clock is not seen by a store that knows the file; a new store sees it.)"""
         records, parsed = [], {}
         for path in sorted(self.manifests_dir.glob("*.json")):
             if _TMP.match(path.name):
