@@ -73,7 +73,6 @@ def _keep_only(directory, step):
 
 _KILLED = """
 import sys, torch
-import everystep
 from everystep import Checkpointer
 from everystep._faults import arm
 from everystep.eval.workloads import build
@@ -133,7 +132,6 @@ def test_options_are_checked():
 
 _TWO_RANKS = """
 import torch, torch.distributed as dist
-import everystep
 import everystep
 from everystep import Checkpointer
 from everystep.eval.workloads import build

@@ -143,22 +143,20 @@ def test_ranks_forked_from_the_zygote_get_their_environment_and_die_with_it(tmp_
     import os
     import select
     import signal
-    from dataclasses import asdict
 
-    from everystep.eval.train import Journal
+    from everystep.eval.train import Journal, worker_argv
     from everystep.eval.zygote import Zygote
 
-    def spec(**kw) -> str:
-        cfg = TrainConfig(workload="mlp", progress=False, **kw)
-        return json.dumps({"config": {**asdict(cfg), "fail_at": []}, "plan": []})
+    def argv(**kw) -> list[str]:
+        return worker_argv(TrainConfig(workload="mlp", progress=False, **kw), str(journal))
 
     journal = tmp_path / "journal.jsonl"
     with Zygote() as zygote:
         crashing = zygote.fork({**os.environ, "EVERYSTEP_CRASH": "store.object.mid_write:3"},
-                               [spec(strategy="full_sync", steps=50, directory=str(tmp_path / "c")), str(journal)])
+                               argv(strategy="full_sync", steps=50, directory=str(tmp_path / "c")))
         assert crashing.wait() == -signal.SIGKILL
         assert max(r["step"] for r in Journal.read(str(journal)) if r["event"] == "step") < 5
-        child = zygote.fork(dict(os.environ), [spec(strategy="none", steps=10**6), str(journal)])
+        child = zygote.fork(dict(os.environ), argv(strategy="none", steps=10**6))
         pidfd = os.pidfd_open(child.pid)
         while not any(r["event"] == "step" and r["step"] > 5 for r in Journal.read(str(journal))):
             assert child.poll() is None, f"the rank ended with status {child.returncode}"

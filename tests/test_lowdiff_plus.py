@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import random
@@ -13,7 +12,6 @@ import threading
 import time
 import types
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ from everystep.agent.session import AgentSession
 from everystep.background import BackgroundErrors
 from everystep.distributed import Ranks
 from everystep.errors import BackgroundWriteError
-from everystep.eval.train import Journal, TrainConfig, run, summarise, training_state_hash
+from everystep.eval.train import Journal, TrainConfig, run, summarise, training_state_hash, worker_argv
 from everystep.eval.zygote import Zygote
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
@@ -150,12 +148,11 @@ def test_sigkill_at_20_random_instants_recovers_from_memory_bit_exactly(tmp_path
     cfg = TrainConfig(workload="mlp", strategy="lowdiff_plus", optimizer="adamw", steps=steps,
                       directory=str(tmp_path / "c"), options={"verify_every": 1, "verify_sample": 0}, progress=False)
     journal = tmp_path / "journal.jsonl"
-    spec = json.dumps({"config": {**asdict(cfg), "fail_at": []}, "plan": []})
     rng = random.Random(0)
     kills = []
     with Zygote() as zygote:  # each lifetime forked from one process that imported torch (as `everystep train` does)
         while True:
-            proc = zygote.fork(dict(os.environ), [spec, str(journal)])
+            proc = zygote.fork(dict(os.environ), worker_argv(cfg, str(journal)))
             if len(kills) < 20:
                 while proc.poll() is None and not any(r.get("pid") == proc.pid for r in _records(journal)
                                                       if r["event"] == "start"):
@@ -218,9 +215,8 @@ def test_failures_in_both_modes_dense_and_compressed(tmp_path, mode, compress):
 def _spawn_trainer(tmp_path: Path, *, steps: int, options: dict, every: int | None = None) -> subprocess.Popen:
     cfg = TrainConfig(workload="mlp", strategy="lowdiff_plus", optimizer="adamw", steps=steps, every=every,
                       directory=str(tmp_path / "c"), options=options, progress=False)
-    spec = json.dumps({"config": {**asdict(cfg), "fail_at": []}, "plan": []})
-    return subprocess.Popen([sys.executable, "-m", "everystep.eval.worker", spec, str(tmp_path / "journal.jsonl")],
-                            start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "everystep.eval.worker",
+                             *worker_argv(cfg, str(tmp_path / "journal.jsonl"))], start_new_session=True)
 
 
 def _wait_for_steps(tmp_path: Path, n: int, proc: subprocess.Popen) -> None:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,7 +39,7 @@ from ..strategies import STRATEGIES, create
 from ..compress import parse_spec
 from .faults import FailurePlan, Injector
 from .workloads import OPTIMIZERS, WORKLOADS, build, check_device, needs_ddp
-from .zygote import Forked, Zygote, start_ranks
+from .zygote import Forked, Zygote, die_with, start_ranks
 
 __all__ = ["TrainConfig", "train", "run_supervised", "training_state_hash"]
 
@@ -430,7 +431,6 @@ class _Job:
     """One lifetime of the job's ranks; a stop signal to the supervisor is passed on to each rank."""
 
     def __init__(self, cfg: TrainConfig, pending: list[int], journals: list[str], zygote: Zygote | None) -> None:
-        spec = {"config": {**asdict(cfg), "fail_at": []}, "plan": pending}
         port = _free_port()
         self.interrupted = False
         self.software = cfg.fail_mode == "software"
@@ -444,7 +444,7 @@ class _Job:
             if cfg.nproc == 1:
                 env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
             env["EVERYSTEP_SUPERVISOR"] = str(os.getpid())
-            argv = [json.dumps(spec), journal]
+            argv = worker_argv(cfg, journal, pending)
             if zygote is not None:
                 self.procs.append(zygote.fork(env, argv))
             else:
@@ -576,14 +576,14 @@ def _die_with_supervisor() -> None:
     """Have the kernel kill this worker when its supervisor dies (Linux: ``PR_SET_PDEATHSIG``), so
     that a killed supervisor leaves no rank training on its own; a supervisor already gone ends it now."""
     supervisor = int(os.environ.pop("EVERYSTEP_SUPERVISOR", "0"))
-    if not supervisor or not sys.platform.startswith("linux"):
-        return
-    import ctypes
+    if supervisor and sys.platform.startswith("linux"):
+        die_with(supervisor)
 
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != supervisor:
-        os._exit(1)
+
+def worker_argv(cfg: TrainConfig, journal: str, pending: Sequence[int] = ()) -> list[str]:
+    """The arguments of :func:`worker_main` that train one lifetime of a rank of ``cfg`` (its
+    failures to come: ``pending``), recording into ``journal``."""
+    return [json.dumps({"config": {**asdict(cfg), "fail_at": []}, "plan": list(pending)}), journal]
 
 
 def worker_main(argv: list[str]) -> int:

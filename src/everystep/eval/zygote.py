@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import EverystepError
 
-__all__ = ["Zygote", "Forked", "start_ranks"]
+__all__ = ["Zygote", "Forked", "die_with", "start_ranks"]
 
 
 class Forked:
@@ -143,7 +143,9 @@ def start_ranks() -> Zygote | None:
     return Zygote()
 
 
-def _die_with(parent: int) -> None:
+def die_with(parent: int) -> None:
+    """Have the kernel kill this process when ``parent`` dies (Linux: ``PR_SET_PDEATHSIG``); a parent
+    already gone (this process reparented) ends it now."""
     import ctypes
 
     PR_SET_PDEATHSIG = 1
@@ -181,7 +183,7 @@ def _child(request: dict[str, Any], inherited: list[int]) -> None:
 
 def main(argv: list[str]) -> None:
     reply_fd, supervisor = int(argv[0]), int(argv[1])
-    _die_with(supervisor)
+    die_with(supervisor)
     importlib.import_module("everystep.eval.train")  # the imports every rank needs, done once
 
     replies = os.fdopen(reply_fd, "wb", buffering=0)

@@ -55,6 +55,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _identity(path: Path) -> tuple[int, int, int]:
+    """What tells a file apart from a rewrite of it: inode, size, modification time."""
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class LocalStore:
     """Objects and manifests in a directory, each write atomic and durable.
 
@@ -204,10 +210,10 @@ class LocalStore:
         self._atomic_write(path, manifest.to_bytes(), what="manifest")
         # the writer lists the manifests after each checkpoint (retention): its own need no re-reading
         try:
-            st = path.stat()
+            identity = _identity(path)
         except FileNotFoundError:
             return  # already discarded by another writer thread's retention: nothing to remember
-        self._parsed[manifest.name] = ((st.st_ino, st.st_size, st.st_mtime_ns), ManifestRecord(manifest.name, manifest))
+        self._parsed[manifest.name] = (identity, ManifestRecord(manifest.name, manifest))
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -241,8 +247,7 @@ class LocalStore:
         known = self._parsed.get(name)
         if known is None or known[1].manifest is None:
             return None
-        st = path.stat()
-        return known[1].manifest if known[0] == (st.st_ino, st.st_size, st.st_mtime_ns) else None
+        return known[1].manifest if known[0] == _identity(path) else None
 
     def manifests(self) -> list[ManifestRecord]:
         """Every manifest, parsed and verified. A manifest this store already parsed and that is the
@@ -256,8 +261,7 @@ class LocalStore:
                 continue
             name = path.name[: -len(".json")]
             try:
-                st = path.stat()
-                identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+                identity = _identity(path)
                 known = self._parsed.get(name)
                 if known is not None and known[0] == identity:
                     record = known[1]
