@@ -182,7 +182,21 @@ def test_lightcheck_copies_by_dma_into_the_registered_region_and_waits_on_events
 
 
 @gpu
-def test_gockpt_refuses_a_model_on_the_gpu_where_its_cpu_reconstruction_would_not_be_exact(tmp_path):
+def test_gockpt_refuses_to_bring_the_parts_forward_on_the_host_of_a_gpu_model(tmp_path):
     w = build("gpt2-tiny", seed=0, device="cuda")
-    with pytest.raises(ConfigError, match="brings the parts forward on the CPU"):
-        Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="gockpt")
+    with pytest.raises(ConfigError, match="reconstruct='host' brings the parts forward on the CPU"):
+        Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="gockpt", reconstruct="host")
+
+
+@gpu
+@pytest.mark.parametrize("strategy, mode", [("gockpt", "software"), ("gockpt_o", "hardware")])
+def test_gockpt_trained_on_the_gpu_brings_its_parts_forward_there_and_recovers_bitwise(tmp_path, strategy, mode):
+    steps = 14
+    ref = _reference(steps=steps)
+    got = run(TrainConfig(workload="gpt2-tiny", strategy=strategy, steps=steps, directory=str(tmp_path / "c"),
+                          fail_at=(9, 13), fail_mode=mode, every=4, options={"parts": 3, "chunk_bytes": 1 << 16},
+                          device="cuda", progress=False))
+    sources = [r["source"] for r in got["recoveries"]]  # (a hardware failure may come before the write is durable)
+    assert "disk (parts brought forward on cuda:0)" in sources and set(sources) <= {"none", "disk (parts brought forward on cuda:0)"}
+    assert got["losses"] == ref["losses"]
+    assert got["final_state_sha256"] == ref["final_state_sha256"]

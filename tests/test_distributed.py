@@ -90,19 +90,24 @@ def test_background_commits_never_wait_on_the_training_group(delayed, reference)
     ("lightcheck", None, "software", {"options": {"persist_every": 3}}),
     ("lightcheck", None, "software", {"options": {"persist_every": 3}, "in_backward": True}),
     ("gockpt_o", None, "hardware", {"every": 4, "options": {"parts": 3, "chunk_bytes": 4096}}),
+    ("gockpt", None, "software", {"every": 2, "fail_at": (5, 9),
+                                  "options": {"parts": 2, "chunk_bytes": 4096, "reconstruct": "device"}}),
     ("checkflow", None, "hardware", {}),
 ])
 def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference, strategy, compress, mode, extra):
-    # Step 4 kills rank 1 and step 7 rank 0, each in the middle of a checkpoint write (seed 0). With
-    # in_backward, each bucket's parameters are updated once its all-reduce completes.
-    summary = _job(tmp_path, strategy, compress=compress, fail_at=(4, 7), fail_mode=mode, **extra)
+    # Step 4 kills rank 1 and step 7 rank 0 (unless ``fail_at``), each in the middle of a checkpoint
+    # write (seed 0). With in_backward, each bucket's parameters are updated once its all-reduce completes.
+    fail_at = extra.get("fail_at", (4, 7))
+    summary = _job(tmp_path, strategy, compress=compress, fail_mode=mode, **{"fail_at": fail_at, **extra})
     ref = reference["in_backward" if extra.get("in_backward") else compress]
-    assert [r["failed_at"] for r in summary["recoveries"]] == [4, 7]
+    assert [r["failed_at"] for r in summary["recoveries"]] == list(fail_at)
     assert summary["rank_state_sha256"] == ref["rank_state_sha256"]
     assert summary["losses"] == ref["losses"]
     if strategy == "lightcheck":  # each rank's region holds its whole state; the ranks agree on a step
         assert [r["source"] for r in summary["recoveries"]] == ["region", "region"]
         assert all(r["resumed_from"] >= r["failed_at"] - 2 for r in summary["recoveries"])  # at most one done step lost
+    if extra.get("options", {}).get("reconstruct") == "device":  # spread checkpoints, brought forward by each rank
+        assert "disk (parts brought forward on cpu)" in [r["source"] for r in summary["recoveries"]]
     if strategy == "lowdiff_plus":  # the agents outlive their training processes; each rank has its own
         assert [r["source"] for r in summary["recoveries"]] == ["memory", "memory"]
         assert all(r["resumed_from"] >= r["failed_at"] - 2 for r in summary["recoveries"])  # at most one done step lost

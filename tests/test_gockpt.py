@@ -17,7 +17,9 @@ from everystep import Checkpointer, ConfigError
 from everystep.eval.workloads import build
 from everystep.policy.parts import ALIGN, PartPlan, Unit, choose_parts
 from everystep.strategies import create
-from everystep.strategies.gockpt import GoCkpt
+from everystep.storage import CheckpointDirectory
+from everystep.strategies import gockpt
+from everystep.strategies.gockpt import SPREAD_KIND, GoCkpt
 
 from .conftest import ROOT
 from .test_checkpointer import live_hash
@@ -76,17 +78,19 @@ def _loop(w, ckpt, start, stop, losses=None, *, scaler=None, inf_at=()):
 
 @pytest.mark.parametrize("strategy", ["gockpt", "gockpt_o"])
 @pytest.mark.parametrize("workload", ["gpt2-tiny", "resnet"])
-def test_the_reconstruction_is_the_live_state_of_its_step_bitwise(tmp_path, strategy, workload):
+@pytest.mark.parametrize("reconstruct", ["host", "device"])
+def test_the_reconstruction_is_the_live_state_of_its_step_bitwise(tmp_path, strategy, workload, reconstruct):
     """The checkpoint started after step 4 is complete at step 7: parts copied at steps 4, 5, 6,
-    brought forward by the gradients of steps 5..7 (1, 2, 3 parts' worth), equal to S_7 bitwise."""
+    brought forward by the gradients of steps 5..7 (1, 2, 3 parts' worth), equal to S_7 bitwise —
+    on the host as they arrive, or (``device``) at recovery, from the parts and gradients written."""
     w, hashes, shipped = build(workload, seed=1), {}, []
-    s = create(strategy, **SPREAD)
+    s = create(strategy, reconstruct=reconstruct, **SPREAD)
     assert isinstance(s, GoCkpt)
     original = s._copy_gradients
 
-    def spy(spread, step, parts, grads, groups):
-        shipped.append((step - spread.start, parts, sorted({c.param for p in spread.shards[:parts] for *_, cs in p for c in cs})))
-        original(spread, step, parts, grads, groups)
+    def spy(spread, step, parts, grads, groups, ready):
+        shipped.append((step - spread.start, parts, sorted({c.param for p in spread.copied[:parts] for c in p})))
+        original(spread, step, parts, grads, groups, ready)
 
     s._copy_gradients = spy
     with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=s,
@@ -95,14 +99,50 @@ def test_the_reconstruction_is_the_live_state_of_its_step_bitwise(tmp_path, stra
         for t in range(1, 10):  # the second checkpoint starts after step 8, and is left unfinished
             _loop(w, ckpt, t - 1, t)
             hashes[t] = live_hash(w, t)
-    assert s.parts_used == [3, 3] and len(s.reconstruct_seconds) == 1
+    assert s.parts_used == [3, 3] and len(s.reconstruct_seconds) == (reconstruct == "host")
     assert [(k, parts) for k, parts, _ in shipped] == [(1, 1), (2, 2), (3, 3), (1, 1)]  # gradients of parts 1..k
     assert set(shipped[0][2]) < set(shipped[2][2])
+    kinds = {r.manifest.kind for r in CheckpointDirectory.open(tmp_path / "c", access="read").store.manifests()}
+    assert kinds == {"full" if reconstruct == "host" else SPREAD_KIND}
     again = build(workload, seed=1)
     with Checkpointer(tmp_path / "c", again.model, again.optimizer, scheduler=again.scheduler, data=again.data,
                       strategy=strategy, **SPREAD) as ckpt:
         assert ckpt.restore() == 7
     assert live_hash(again, 7) == hashes[7]
+
+
+def test_a_spread_checkpoint_is_brought_forward_from_its_parts_and_a_damaged_one_is_skipped(tmp_path, monkeypatch):
+    """Device reconstruction: the parts as written are not S_7 (recovery without the gradients is
+    not), and a spread checkpoint whose gradients are damaged is skipped for the one before."""
+    w, hashes = build("gpt2-tiny", seed=1), {}
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="gockpt",
+                      reconstruct="device", final=False, **SPREAD) as ckpt:
+        for t in range(1, 13):
+            _loop(w, ckpt, t - 1, t)
+            hashes[t] = live_hash(w, t)
+
+    def restored(**patches):
+        again = build("gpt2-tiny", seed=1)
+        with monkeypatch.context() as m:
+            for name, value in patches.items():
+                m.setattr(gockpt, name, value)
+            with Checkpointer(tmp_path / "c", again.model, again.optimizer, scheduler=again.scheduler, data=again.data,
+                              strategy="gockpt", reconstruct="device", final=False, **SPREAD) as ckpt:
+                return ckpt.restore(), live_hash(again, 11)
+
+    assert restored() == (11, hashes[11])
+    with pytest.warns(UserWarning) as caught:
+        assert restored(replay_step=lambda *a, **k: None)[0] == 0  # the parts alone are not a state: both skipped
+    assert [str(w.message).split(":")[0] for w in caught] == [f"skipping the spread checkpoint at step {s}" for s in (11, 7)]
+    assert all("brought forward disagrees with the state of the step on 'step'" in str(w.message) for w in caught)
+    objects = tmp_path / "c" / "objects"
+    newest = max(objects.glob("spread-*"))
+    data = bytearray(newest.read_bytes())
+    data[-5] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="skipping the spread checkpoint at step 11"):
+        step, _ = restored()
+    assert step == 7
 
 
 _KILLED = """
@@ -112,22 +152,22 @@ from everystep._faults import arm
 from everystep.eval.workloads import build
 from tests.test_gockpt import SPREAD, _loop
 torch.set_num_threads(1)
-directory, strategy, point, nth, steps, amp = sys.argv[1:4] + [int(a) for a in sys.argv[4:7]]
+directory, strategy, point, nth, steps, amp, reconstruct = sys.argv[1:4] + [int(a) for a in sys.argv[4:7]] + sys.argv[7:]
 w = build("gpt2-tiny", seed=1)
 scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if amp else None
 arm(point, after=nth)
 with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, scaler=scaler, strategy=strategy,
-                  **SPREAD) as ckpt:
+                  reconstruct=reconstruct, **SPREAD) as ckpt:
     ckpt.restore()
     _loop(w, ckpt, 0, steps, scaler=scaler, inf_at=(6,) if amp else ())
 """
 
 
-def _resume(directory, strategy, amp, losses):
+def _resume(directory, strategy, amp, losses, reconstruct):
     w = build("gpt2-tiny", seed=1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if amp else None
     with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, scaler=scaler,
-                      strategy=strategy, **SPREAD) as ckpt:
+                      strategy=strategy, reconstruct=reconstruct, **SPREAD) as ckpt:
         start = ckpt.restore()
         _loop(w, ckpt, start, STEPS, losses, scaler=scaler, inf_at=(6,) if amp else ())
     return start, live_hash(w, STEPS), w
@@ -146,23 +186,26 @@ def uninterrupted():
 
 
 _POINTS = [("gockpt.copy.chunk", 1, 400), ("gockpt.reconstructed", 1, 2), ("store.object.mid_write", 1, 2)]
-_CASES = [(s, point, random.Random(f"{s}{point}").randint(lo, hi), amp)
+_CASES = [(s, point, random.Random(f"{s}{point}").randint(lo, hi), amp, "host")
           for s, amp in (("gockpt", False), ("gockpt_o", True)) for point, lo, hi in _POINTS]
-_CASES += [("gockpt", "gockpt.copy.chunk", random.Random("amp").randint(1, 400), True)]
+_CASES += [("gockpt", "gockpt.copy.chunk", random.Random("amp").randint(1, 400), True, "host")]
+_CASES += [(s, point, random.Random(f"device{s}{point}").randint(lo, hi), amp, "device")
+           for (s, amp), (point, lo, hi) in zip((("gockpt_o", True), ("gockpt", True), ("gockpt", False)), _POINTS)]
 
 
-@pytest.mark.parametrize("strategy, point, nth, amp", _CASES)
+@pytest.mark.parametrize("strategy, point, nth, amp, reconstruct", _CASES)
 def test_a_kill_in_a_copy_a_reconstruction_or_a_write_leaves_the_previous_checkpoint(tmp_path, strategy, point, nth,
-                                                                                  amp, uninterrupted):
-    """I1, I3: SIGKILL while a part is copied, once the parts are reconstructed, or while the
-    checkpoint is written; recovery takes the previous committed checkpoint, and training goes on
-    to the uninterrupted run's state bitwise — with bf16 autocast, a GradScaler that skips step 6
-    (inside the first spread) and clipping too."""
+                                                                                  amp, reconstruct, uninterrupted):
+    """I1, I3: SIGKILL while a part is copied, once the parts are reconstructed (or, ``device``,
+    their gradients all copied), or while the checkpoint is written; recovery takes the previous
+    committed checkpoint, and training goes on to the uninterrupted run's state bitwise — with
+    bf16 autocast, a GradScaler that skips step 6 (inside the first spread) and clipping too."""
     directory = str(tmp_path / "c")
-    killed = subprocess.run([sys.executable, "-c", _KILLED, directory, strategy, point, str(nth), str(STEPS), str(int(amp))],
+    killed = subprocess.run([sys.executable, "-c", _KILLED, directory, strategy, point, str(nth), str(STEPS), str(int(amp)),
+                             reconstruct],
                             env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}, cwd=ROOT, timeout=300)
     assert killed.returncode == -9
-    start, final, _ = _resume(directory, strategy, amp, losses := [])
+    start, final, _ = _resume(directory, strategy, amp, losses := [], reconstruct)
     assert start in (0, 7, 11)
     ref_losses, ref_final = uninterrupted[amp]
     assert losses == ref_losses[start:] and final == ref_final
@@ -171,6 +214,8 @@ def test_a_kill_in_a_copy_a_reconstruction_or_a_write_leaves_the_previous_checkp
 def test_mistakes_are_refused_with_what_to_do(tmp_path):
     with pytest.raises(ConfigError, match=r"parts must lie in 1..every \(4\)"):
         create("gockpt", every=4, parts=5)
+    with pytest.raises(ConfigError, match="reconstruct must be 'host' or 'device'"):
+        create("gockpt", reconstruct="gpu")
     w = build("mlp", seed=0)
     w.optimizer = torch.optim.LBFGS(w.model.parameters())
     with pytest.raises(ConfigError, match="updates each element from its own gradient and state .* got LBFGS"):

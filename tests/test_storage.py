@@ -250,6 +250,12 @@ def test_retention_keeps_what_recoverable_points_require():
     assert "full-000000000010" not in plan_retention(ms, keep=1)
 
 
+def test_retention_counts_a_spread_checkpoint_as_a_point_that_recovers_on_its_own():
+    ms = [_m("full", 4), _m("spread", 7), _m("spread", 11), _m("diff", 6, ("full-000000000004",))]
+    assert plan_retention(ms, keep=2) == ["full-000000000004", "diff-000000000006"]
+    assert plan_retention(ms, keep=1) == ["full-000000000004", "diff-000000000006", "spread-000000000007"]
+
+
 dtypes = st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool])
 
 

@@ -149,12 +149,12 @@ def recover_run(directory: str) -> dict[str, Any]:
 def _recover_read(store: CheckpointDirectory, directory: str) -> dict[str, Any]:
     run = store.marker.get("run")
     if run is None:
+        if any(r.manifest and r.manifest.kind != "full" for r in store.store.manifests()):
+            raise EverystepError(f"{directory} holds differentials or spread checkpoints but no record of the model they "
+                                 "replay into; restore it with Checkpointer.restore() in the training script")
         found = recover(store)
         if found is None:
             return {"step": 0, "state_sha256": None, "source": "none"}
-        if any(r.manifest and r.manifest.kind != "full" for r in store.store.manifests()):
-            raise EverystepError(f"{directory} holds differentials but no record of the model they replay into; "
-                                 "restore it with Checkpointer.restore() in the training script")
         return {"step": found.step, "state_sha256": training_state_hash(found.tree), "source": found.source,
                 "recovery_seconds": found.seconds}
     device = run.get("device", "cpu") if torch.cuda.is_available() else "cpu"  # the state is the same on either

@@ -4,25 +4,30 @@ from __future__ import annotations
 
 from .base import Manifest
 
-__all__ = ["plan_retention"]
+__all__ = ["plan_retention", "POINTS"]
+
+POINTS = ("full", "spread")
+"""Kinds of checkpoint that recover on their own (a ``spread`` one: GoCkpt's parts with their
+gradients); the other kinds are differentials on top of one."""
 
 
 def plan_retention(manifests: list[Manifest], *, keep: int) -> list[str]:
-    """Names of manifests to discard so that the newest ``keep`` full checkpoints, the
-    differentials newer than the newest full checkpoint, and everything those require, remain.
+    """Names of manifests to discard so that the newest ``keep`` checkpoints that recover on their
+    own (:data:`POINTS`), the differentials newer than the newest of them, and everything those
+    require, remain.
 
-    Ordered by step number, never by name or time. A differential no newer than the newest full
+    Ordered by step number, never by name or time. A differential no newer than the newest such
     checkpoint leads to no point that checkpoint does not already give, and goes.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    fulls = sorted((m for m in manifests if m.kind == "full"), key=lambda m: m.step, reverse=True)
-    if not fulls:
+    points = sorted((m for m in manifests if m.kind in POINTS), key=lambda m: m.step, reverse=True)
+    if not points:
         return []
-    newest = fulls[0].step
+    newest = points[0].step
     by_name = {m.name: m for m in manifests}
-    live = {m.name for m in fulls[:keep]}
-    live |= {m.name for m in manifests if m.kind != "full" and m.step > newest}
+    live = {m.name for m in points[:keep]}
+    live |= {m.name for m in manifests if m.kind not in POINTS and m.step > newest}
     stack = list(live)
     while stack:
         for dep in by_name[stack.pop()].requires:

@@ -26,17 +26,30 @@ last part is copied. ``parts`` (K) defaults to the smallest number of parts whos
 step (measured: the steps before the first checkpoint, and timed warm copies of 16 MiB), at most 7
 (:func:`~everystep.policy.parts.choose_parts`).
 
-Exactness (I1): on the CPU the reconstruction is bitwise — the same optimizer class, the same
-kernels, and updates element by element, which do not depend on where a chunk starts (chunk
-boundaries fall on whole SIMD vectors besides). On CUDA the CPU's arithmetic would differ from the
-GPU's, so these strategies refuse a model on a GPU.
+Exactness (I1) and ``reconstruct``: on the CPU the reconstruction is bitwise — the same optimizer
+class, the same kernels, and updates element by element, which do not depend on where a chunk
+starts (chunk boundaries fall on whole SIMD vectors besides). On a GPU the CPU's arithmetic rounds
+otherwise than the GPU's, so there (``reconstruct="device"``, the default for a model on a GPU) the
+gradients are not applied on the host: the parts are persisted as copied, each at its own version,
+with the gradients that bring them forward, as a checkpoint of kind ``spread``; recovery loads the
+parts into the live model and optimizer and applies those gradients there, on the training device,
+with the training optimizer's class and settings — the updates of training again, so bitwise. Its
+cost: the gradients of parts 1..j for every step N+j are written too, (K+1)/2 times the parameters'
+bytes more than a full checkpoint, and recovery applies up to K steps to part of the state. A
+``spread`` checkpoint is read by these strategies only; the other everystep strategies and tools
+read the full checkpoints (``everystep verify`` checks a spread one's objects). Copies from a GPU
+run on a stream of their own into pinned host memory, after an event recorded on the training
+stream.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
+import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -45,19 +58,24 @@ import torch
 
 from .._faults import crash_point
 from ..background import Worker, settled
-from ..errors import ConfigError, EverystepError
+from ..errors import ConfigError, CorruptCheckpointError, EverystepError
 from ..layout import TensorLayout
 from ..policy.interval import due
 from ..policy.parts import ALIGN, MAX_PARTS, PartPlan, Unit, choose_parts
+from ..recovery import Recovered, recover
 from ..replay import replay_step
-from ..state import group_scalars
+from ..state import group_scalars, unflatten
+from ..storage.base import Manifest
 from ..storage.full import write_full
-from ..storage.sharded import ShardPlan
+from ..storage.sharded import ShardPlan, commit_parts, commit_tensors, read_parts
 from ..storage.tensorfile import tensor_chunks
 from ..transport.host import copy_bandwidth
 from .base import Strategy, StrategyConfig
 
-__all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig"]
+__all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig", "SPREAD_KIND"]
+
+SPREAD_KIND = "spread"
+"""The manifest kind of a checkpoint whose parts are brought forward at recovery."""
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
@@ -76,7 +94,12 @@ class GoCkptConfig(StrategyConfig):
     chunk_bytes: int = 4 << 20
     """A parameter and its state are copied in chunks of about this many bytes."""
     threads: int = 4
-    """Threads that apply the gradients to the parts copied."""
+    """Threads that apply the gradients to the parts copied (``reconstruct="host"``)."""
+    reconstruct: str | None = None
+    """Where the parts are brought forward: ``"host"`` (as they arrive, by ``threads`` threads; the
+    checkpoint written is a full one) or ``"device"`` (at recovery, on the training device; the
+    parts are written with their gradients). ``None``: ``"device"`` for a model on a GPU, else
+    ``"host"``."""
 
     def __post_init__(self) -> None:
         StrategyConfig.__post_init__(self)
@@ -87,6 +110,9 @@ class GoCkptConfig(StrategyConfig):
             raise ConfigError(f"chunk_bytes must be at least {ALIGN * 4}, got {self.chunk_bytes}")
         if self.threads < 1:
             raise ConfigError(f"threads must be at least 1, got {self.threads}")
+        if self.reconstruct not in (None, "host", "device"):
+            raise ConfigError(f"reconstruct must be 'host' or 'device' (or None: by where the model is), got "
+                              f"{self.reconstruct!r}")
 
 
 @dataclass(eq=False)
@@ -106,11 +132,14 @@ class _Param:
 class _Chunk:
     """A chunk's copy, brought forward by its shard's optimizer (whose state it is)."""
 
+    index: int
+    """The chunk's place in the plan, parts in order."""
     param: int
     start: int
     stop: int
     view: torch.Tensor
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Host: the state the chunk's optimizer brings forward. Device: the state as copied."""
 
 
 @dataclass(eq=False)
@@ -124,11 +153,19 @@ class _Spread:
     host: dict[str, torch.Tensor]
     """Host tensors, full shape, for each parameter and each of its element-wise state tensors."""
     copies: list[Future[Any]] = field(default_factory=list)
+    copied: list[list[_Chunk]] = field(default_factory=list)
+    """Per part copied, its chunks."""
     shards: list[list[tuple[torch.optim.Optimizer, list[int], list[_Chunk]]]] = field(default_factory=list)
-    """Per part copied: per shard, its optimizer, the groups it has, its chunks."""
+    """Host: per part copied, per shard, its optimizer, the groups it has, its chunks."""
     applied: list[Future[Any]] = field(default_factory=list)
     gradients: Future[Any] | None = None
     """gockpt_o: the copy of the last update's gradients."""
+    gradient_copies: list[Future[Any]] = field(default_factory=list)
+    """gockpt_o: every copy of gradients made for this checkpoint."""
+    records: list[tuple[dict[str, Any], dict[int, torch.Tensor]]] = field(default_factory=list)
+    """Device: per update, its step and group settings, and the gradients kept, by chunk index."""
+    events: list[Any] = field(default_factory=list)
+    """CUDA: events that complete with the copies of gradients on the copy stream."""
     apply_seconds: list[float] = field(default_factory=list)
 
     @property
@@ -164,16 +201,21 @@ class GoCkpt(Strategy):
             raise ConfigError(f"strategy {self.name!r} brings each part of a parameter forward on its own, which needs "
                               f"an optimizer that updates each element from its own gradient and state ({names}); "
                               f"got {type(optimizer).__name__}")
-        if any(p.is_cuda for g in optimizer.param_groups for p in g["params"]):
-            raise ConfigError(f"strategy {self.name!r} brings the parts forward on the CPU, whose arithmetic differs "
-                              "from the GPU's: recovery would not be exact; use checkfreq, lightcheck or lowdiff_plus "
-                              "on a GPU")
+        on_gpu = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
+        if on_gpu and self.config.reconstruct == "host":
+            raise ConfigError(f"strategy {self.name!r} with reconstruct='host' brings the parts forward on the CPU, whose "
+                              "arithmetic differs from the GPU's: recovery would not be exact; use "
+                              "reconstruct='device' (the default on a GPU)")
+        self.on_device = self.config.reconstruct == "device" or (self.config.reconstruct is None and on_gpu)
+        """The parts are brought forward at recovery, on the training device."""
+        self._stream = torch.cuda.Stream() if on_gpu else None
         self._params: list[_Param] | None = None
         self._spread: _Spread | None = None
         self._last = -1
         self._step_times: list[float] = []
         self._copier = Worker(f"everystep-{self.name}-copy", self.errors)
-        self._appliers = [Worker(f"everystep-{self.name}-apply-{i}", self.errors) for i in range(self.config.threads)]
+        self._appliers = [] if self.on_device else [Worker(f"everystep-{self.name}-apply-{i}", self.errors)
+                                                     for i in range(self.config.threads)]
         self._persister = Worker(f"everystep-{self.name}-persist", self.errors)
         self._grad_buffers: queue.Queue[dict[int, torch.Tensor]] = queue.Queue()
         self._grad_buffers_made = 0
@@ -223,15 +265,35 @@ class GoCkpt(Strategy):
         self.ctx.waited(time.perf_counter() - t0)
         self.errors.raise_pending()
         groups = group_scalars(self.ctx.components.optimizer)
-        needed = {c.param for part in spread.shards[:j] for _, _, share in part for c in share}
+        needed = {c.param for part in spread.copied[:j] for c in part}
         grads = {i: (g, g._version if g is not None else 0) for i in needed for g in (spread.params[i].tensor.grad,)}
+        ready = self._event()
         if self.overlap_gradients:
             spread.gradients = self._copier.submit(f"copy of the gradients of step {step}", self._copy_gradients,
-                                                   spread, step, j, grads, groups)
+                                                   spread, step, j, grads, groups, ready)
+            spread.gradient_copies.append(spread.gradients)
         else:
             t2 = time.perf_counter()
-            self._copy_gradients(spread, step, j, grads, groups)
+            self._copy_gradients(spread, step, j, grads, groups, ready)
             self.gradient_seconds += time.perf_counter() - t2
+
+    def _event(self) -> Any:
+        """CUDA: an event recorded now on the training thread's stream (what a copy waits for)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    @contextlib.contextmanager
+    def _copy_stream(self, ready: Any) -> Iterator[None]:
+        """CUDA: the copies issued inside run on the copy stream, after ``ready``."""
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            yield
 
     # -- a checkpoint's parts --------------------------------------------------------------------
 
@@ -244,7 +306,7 @@ class GoCkpt(Strategy):
                  for p in params]
         k = self.config.parts or self._choose_parts(units, tensors)
         plan = PartPlan.of(units, k, self.config.chunk_bytes)
-        host = {key: torch.empty_like(tensors[key], device="cpu", memory_format=torch.contiguous_format)
+        host = {key: torch.empty(tensors[key].shape, dtype=tensors[key].dtype, pin_memory=self._stream is not None)
                 for p in params for key in (p.key, *p.elementwise.values())}
         self._spread = _Spread(step, params, plan, host)
         self.parts_used.append(len(plan.parts))
@@ -275,27 +337,39 @@ class GoCkpt(Strategy):
 
     def _copy_part(self, spread: _Spread, index: int) -> None:
         spread.copies.append(self._copier.submit(f"copy of part {index + 1} of the checkpoint started at step "
-                                                 f"{spread.start}", self._copy_chunks, spread, index))
+                                                 f"{spread.start}", self._copy_chunks, spread, index, self._event()))
 
-    def _copy_chunks(self, spread: _Spread, index: int) -> None:
-        """Copier thread: part ``index`` from the live state, then the optimizers that bring it forward."""
+    def _copy_chunks(self, spread: _Spread, index: int, ready: Any) -> None:
+        """Copier thread: part ``index`` from the live state (on CUDA, once the training stream has
+        reached ``ready``), then (host) the optimizers that bring it forward."""
         optimizer = self.ctx.components.optimizer
+        first = sum(len(part) for part in spread.plan.parts[:index])
         chunks = []
-        with torch.no_grad():
-            for c in spread.plan.parts[index]:
+        with torch.no_grad(), self._copy_stream(ready):
+            for n, c in enumerate(spread.plan.parts[index]):
                 p = spread.params[c.unit]
                 view = spread.host[p.key].view(-1)[c.start:c.stop]
-                view.copy_(p.tensor.detach().reshape(-1)[c.start:c.stop])
-                chunk = _Chunk(c.unit, c.start, c.stop, view)
+                view.copy_(p.tensor.detach().reshape(-1)[c.start:c.stop], non_blocking=True)
+                chunk = _Chunk(first + n, c.unit, c.start, c.stop, view)
                 for name, value in optimizer.state.get(p.tensor, {}).items():
                     if name in p.elementwise:
                         chunk.state[name] = spread.host[p.elementwise[name]].view(-1)[c.start:c.stop]
-                        chunk.state[name].copy_(value.reshape(-1)[c.start:c.stop])
-                    else:  # each chunk brings its own copy forward
+                        chunk.state[name].copy_(value.reshape(-1)[c.start:c.stop], non_blocking=True)
+                    elif name in p.whole:  # each chunk brings its own copy forward
                         chunk.state[name] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+                    else:
+                        raise EverystepError(
+                            f"the optimizer made state {name!r} for {p.key!r} after the checkpoint of step "
+                            f"{spread.start} began (its first update with a gradient): {self.name} cannot bring "
+                            f"that parameter forward; start the run with every parameter updated at step 1, or set "
+                            f"every so that no checkpoint begins before")
                 chunks.append(chunk)
                 crash_point("gockpt.copy.chunk")
-        spread.shards.append(self._shards(spread.params, chunks))
+        if self._stream is not None:
+            self._stream.synchronize()
+        spread.copied.append(chunks)
+        if not self.on_device:
+            spread.shards.append(self._shards(spread.params, chunks))
 
     def _shards(self, params: list[_Param], chunks: list[_Chunk]) -> list[tuple[torch.optim.Optimizer, list[int],
                                                                                list[_Chunk]]]:
@@ -322,23 +396,39 @@ class GoCkpt(Strategy):
     # -- gradients -----------------------------------------------------------------------------
 
     def _copy_gradients(self, spread: _Spread, step: int, parts: int, grads: dict[int, tuple[torch.Tensor | None, int]],
-                        groups: list[dict[str, Any]]) -> None:
-        """The gradients of the parts 1..``parts`` consumed by the update of ``step`` into a host
-        buffer, then handed to the threads that apply them."""
-        buffer = self._grad_buffer()
-        with torch.no_grad():
-            for part in spread.shards[:parts]:
-                for _, _, share in part:
-                    for c in share:
-                        grad, _ = grads.get(c.param, (None, 0))
-                        if grad is not None:
-                            buffer[c.param].view(-1)[c.start:c.stop].copy_(grad.reshape(-1)[c.start:c.stop])
+                        groups: list[dict[str, Any]], ready: Any) -> None:
+        """The gradients of the parts 1..``parts`` consumed by the update of ``step`` into host
+        memory (on CUDA, once the training stream has reached ``ready``); then, host: handed to the
+        threads that apply them; device: kept for the checkpoint."""
+        kept: dict[int, torch.Tensor] = {}
+        buffer = kept if self.on_device else self._grad_buffer()
+        with torch.no_grad(), self._copy_stream(ready):
+            for part in spread.copied[:parts]:
+                for c in part:
+                    grad, _ = grads.get(c.param, (None, 0))
+                    if grad is None:
+                        continue
+                    if self.on_device:
+                        target = kept[c.index] = torch.empty(c.stop - c.start, dtype=grad.dtype,
+                                                             pin_memory=self._stream is not None)
+                    else:
+                        target = buffer[c.param].view(-1)[c.start:c.stop]
+                    target.copy_(grad.reshape(-1)[c.start:c.stop], non_blocking=True)
+            if self._stream is not None:
+                for grad, _ in grads.values():
+                    if grad is not None:
+                        grad.record_stream(self._stream)  # zero_grad may free it before the copy is done
+                spread.events.append(self._event())
         for i, (grad, version) in grads.items():
             if grad is not None and grad._version != version:
                 raise EverystepError(
                     f"the gradient of {spread.params[i].key!r} changed in place before {self.name} "
                     "copied it (optimizer.zero_grad(set_to_none=False)?): call zero_grad() with set_to_none=True, "
                     "PyTorch's default, or use strategy gockpt")
+        if self.on_device:
+            with self._lock:
+                spread.records.append(({"step": step, "groups": groups}, kept))
+            return
         present = {i for i, (g, _) in grads.items() if g is not None}
         futures = [self._appliers[s].submit(f"apply the gradients of step {step}", self._apply, spread, part[s],
                                             buffer, present, groups)
@@ -375,26 +465,27 @@ class GoCkpt(Strategy):
         write the checkpoint in the background."""
         self._spread, self._finished = None, step
         tensors, skeleton = self.ctx.flatten_state(step)
-        ours = {k for p in spread.params for k in (p.key, *p.elementwise.values(), *p.whole.values())}
+        ours = {k for p in spread.params for k in (p.key, *p.elementwise.values(), *(() if self.on_device else p.whole.values()))}
+        replicated = self.ctx.replicated_keys(tensors)
         with torch.no_grad():
-            rest = {k: t.detach().clone() for k, t in tensors.items() if k not in ours}
-        self._persister.post(f"background write of the checkpoint at step {step}", self._write, spread, step, tensors,
-                             rest, skeleton)
+            rest = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items() if k not in ours}
+        write = self._write_spread if self.on_device else self._write
+        self._persister.post(f"background write of the checkpoint at step {step}", write, spread, step, tensors,
+                             rest, skeleton, replicated)
 
     def _write(self, spread: _Spread, step: int, live: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
-               skeleton: Any) -> None:
+               skeleton: Any, replicated: set[str]) -> None:
         settled(spread.gradients)
         settled(*spread.applied)
         if any(f.exception() is not None for f in (*spread.applied, *([spread.gradients] if spread.gradients else []))):
             assert self.ctx.store is not None
             failed = EverystepError(f"the checkpoint of step {step} was not reconstructed: applying the gradients failed")
-            plan = ShardPlan.of(live, self.ctx.replicated_keys(live), self.ctx.ranks, split=self.ctx.full_format != "dcp")
+            plan = ShardPlan.of(live, replicated, self.ctx.ranks, split=self.ctx.full_format != "dcp")
             write_full(self.ctx.store, step, None, skeleton, plan=plan, error=failed)  # raises, on every rank
         self.reconstruct_seconds.append(sum(spread.apply_seconds))
         crash_point("gockpt.reconstructed")
         tensors = dict(rest)
-        chunks = sorted((c for part in spread.shards for _, _, share in part for c in share),
-                        key=lambda c: (c.param, c.start))
+        chunks = sorted((c for part in spread.copied for c in part), key=lambda c: (c.param, c.start))
         for i, p in enumerate(spread.params):
             tensors[p.key] = spread.host[p.key]
             tensors.update({k: spread.host[k] for k in p.elementwise.values()})
@@ -407,12 +498,55 @@ class GoCkpt(Strategy):
                     raise EverystepError(f"the chunks of {p.key!r} disagree on {name!r} after reconstruction")
                 tensors[key] = values[0]
         tensors = {k: tensors[k] for k in live}  # (state the optimizer made after S_start is in ``rest``)
-        self._persist(step, tensors, skeleton)
+        self._persist(step, tensors, skeleton, replicated)
 
-    def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any) -> None:
+    def _write_spread(self, spread: _Spread, step: int, live: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
+                      skeleton: Any, replicated: set[str]) -> None:
+        """Device: the parts as copied, the state of S_step that is not a part, and the gradients
+        that bring each part to S_step, as one checkpoint of kind ``spread``."""
+        assert self.ctx.store is not None and self.ctx.directory is not None
+        settled(*spread.gradient_copies)
+        for event in spread.events:
+            event.synchronize()
+        failed = next((f.exception() for f in spread.gradient_copies if f.exception() is not None), None)
+        if failed is not None:  # raised on every rank, nothing committed
+            commit_parts(self.ctx.store, "full", kind=SPREAD_KIND, step=step, chunks=None, plan=ShardPlan({}, {}),
+                         meta={}, rank_meta={}, error=failed)
+        crash_point("gockpt.reconstructed")
+        tensors = {k: rest[k] if k in rest else spread.host[k] for k in live}
+        chunks = [c for part in spread.copied for c in part]
+        scalars: dict[str, Any] = {}
+        for c in chunks:
+            for name, value in c.state.items():
+                if name in spread.params[c.param].whole:
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"spread/state/{c.index}/{name}"] = value.to("cpu")
+                    else:
+                        scalars[f"{c.index}/{name}"] = value
+        records = []
+        for record, kept in spread.records:
+            records.append({**record, "chunks": sorted(kept)})
+            tensors.update({f"spread/grad/{record['step']}/{i}": g for i, g in kept.items()})
+        description = {
+            "start": spread.start,
+            "params": [{"key": p.key, "group": p.group, "elementwise": p.elementwise, "whole": p.whole}
+                       for p in spread.params],
+            "chunks": [[k, c.param, c.start, c.stop] for k, part in enumerate(spread.copied) for c in part],
+            "records": records,
+            "scalars": scalars,
+        }
+        if self.ctx.ranks.distributed:  # the gradients are the all-reduced ones, the same on every rank
+            replicated = replicated | {k for k in tensors if k.startswith("spread/")}
+        t0 = time.perf_counter()
+        commit_tensors(self.ctx.store, "full", kind=SPREAD_KIND, step=step, tensors=tensors, replicated=replicated,
+                       meta={}, rank_meta={"skeleton": skeleton, "spread": description})
+        self.ctx.committed(step, seconds=time.perf_counter() - t0)
+        self.ctx.directory.retain(self.config.keep)
+
+    def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replicated: set[str]) -> None:
         assert self.ctx.store is not None and self.ctx.directory is not None
         split = self.ctx.full_format != "dcp"
-        plan = ShardPlan.of(tensors, self.ctx.replicated_keys(tensors), self.ctx.ranks, split=split)
+        plan = ShardPlan.of(tensors, replicated, self.ctx.ranks, split=split)
         t0 = time.perf_counter()
         write_full(self.ctx.store, step, tensor_chunks(TensorLayout.of(plan.local), plan.local), skeleton, plan=plan,
                    tensors=plan.local, format=self.ctx.full_format)
@@ -423,16 +557,94 @@ class GoCkpt(Strategy):
         """At close: the state as it is, copied now and written (a spread in flight is dropped)."""
         self._finished = step
         tensors, skeleton = self.ctx.flatten_state(step)
+        replicated = self.ctx.replicated_keys(tensors)
         with torch.no_grad():
-            copies = {k: t.detach().clone() for k, t in tensors.items()}
+            copies = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
         settled(self._persister.submit(f"write of the last checkpoint at step {step}", self._persist, step, copies,
-                                       skeleton))
+                                       skeleton, replicated))
 
     def _abandon_spread(self) -> None:
         spread, self._spread = self._spread, None
         if spread is not None:
-            for f in [*spread.copies, *spread.applied, *([spread.gradients] if spread.gradients else [])]:
-                settled(f)
+            settled(*spread.copies, *spread.applied, *spread.gradient_copies)
+
+    # -- recovery ------------------------------------------------------------------------------
+
+    def _restore(self) -> Recovered | None:
+        """The newest checkpoint that verifies, full or spread; a spread one's parts are brought
+        forward here, on the training device."""
+        directory = self.ctx.directory
+        assert directory is not None
+        t0 = time.perf_counter()
+        records = directory.store.manifests()
+        newest_full = max((r.manifest.step for r in records if r.manifest and r.manifest.kind == "full"), default=-1)
+        spreads = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == SPREAD_KIND
+                          and r.manifest.step > newest_full), key=lambda m: -m.step)
+        for manifest in spreads:
+            try:
+                tree, tensors, description = _read_spread(directory.store, manifest)
+                self.ctx.components.restore(tree)
+                device = self._bring_forward(manifest, tensors, description)
+            except CorruptCheckpointError as e:  # (the next one restored replaces all the state)
+                warnings.warn(f"skipping the spread checkpoint at step {manifest.step}: {e}", stacklevel=4)
+                continue
+            return Recovered(step=manifest.step, tree={}, source=f"disk (parts brought forward on {device})",
+                             manifest=manifest, seconds=time.perf_counter() - t0)
+        found = recover(directory)
+        if found is not None:
+            self.ctx.components.restore(found.tree)
+        return found
+
+    def _bring_forward(self, manifest: Manifest, tensors: dict[str, torch.Tensor], description: dict[str, Any]) -> str:
+        """Apply the gradients a spread checkpoint holds to its parts, in the live model and
+        optimizer (which hold the parts as copied): each chunk by the updates after its copy, with
+        the training optimizer's class and each update's group settings. Returns the device."""
+        optimizer = self.ctx.components.optimizer
+        live, _ = self.ctx.flatten_state(manifest.step)
+        trained = {found.key: found.param for found in self.ctx.optimizer_keys(live) if found.key is not None}
+        what = f"the spread checkpoint at step {manifest.step}"
+        params = []
+        for d in description["params"]:
+            if d["key"] not in trained:
+                raise CorruptCheckpointError(f"{what} brings forward {d['key']!r}, which the optimizer does not train")
+            params.append((trained[d["key"]], d))
+        chunks = description["chunks"]
+        views: list[torch.Tensor] = []
+        states: list[dict[str, Any]] = []
+        with torch.no_grad():
+            for index, (_, i, start, stop) in enumerate(chunks):
+                p, d = params[i]
+                held = optimizer.state.get(p, {})
+                views.append(p.detach().view(-1)[start:stop])
+                state = {name: held[name].view(-1)[start:stop] for name in d["elementwise"]}
+                for name in d["whole"]:
+                    value = tensors.get(f"spread/state/{index}/{name}", description["scalars"].get(f"{index}/{name}"))
+                    if isinstance(value, torch.Tensor) and isinstance(held.get(name), torch.Tensor):
+                        value = value.to(device=held[name].device, dtype=held[name].dtype)
+                    state[name] = value
+                states.append(state)
+        for record in description["records"]:
+            j = record["step"] - description["start"]  # parts 1..j were copied before this update
+            active = [x for x, chunk in enumerate(chunks) if chunk[0] < j]
+            groups = sorted({params[chunks[x][1]][1]["group"] for x in active})
+            made = type(optimizer)([{**{k: v for k, v in optimizer.param_groups[g].items() if k != "params"},
+                                     "params": [views[x] for x in active if params[chunks[x][1]][1]["group"] == g]}
+                                    for g in groups])
+            for x in active:
+                made.state[views[x]] = states[x]
+            present = set(record["chunks"])
+            replay_step(made, [record["groups"][g] for g in groups],
+                        ((views[x], tensors[f"spread/grad/{record['step']}/{x}"].to(views[x].device) if x in present
+                          else None) for x in active))
+        for x, (_, i, _, _) in enumerate(chunks):
+            p, d = params[i]
+            for name in d["whole"]:
+                value, held = states[x][name], optimizer.state.get(p, {}).get(name)
+                same = torch.equal(value.cpu(), held.cpu()) if isinstance(value, torch.Tensor) else value == held
+                if not same:
+                    raise CorruptCheckpointError(f"{what}: the part of {d['key']!r} brought forward disagrees with the "
+                                                 f"state of the step on {name!r}")
+        return str(views[0].device) if views else "cpu"
 
     # -- end -----------------------------------------------------------------------------------
 
@@ -445,6 +657,24 @@ class GoCkpt(Strategy):
     def _close(self) -> None:
         for worker in (self._copier, *self._appliers, self._persister):
             worker.close()
+
+
+def _read_spread(store: Any, manifest: Manifest) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """A spread checkpoint's state tree (its parts as copied), all its tensors, and its description;
+    CorruptCheckpointError when it does not verify."""
+    tensors, meta = read_parts(store, manifest)
+    try:
+        tree = unflatten(meta["skeleton"], tensors)
+        description = meta["spread"]
+    except KeyError as e:
+        raise CorruptCheckpointError(f"checkpoint {manifest.name}: lacks {e.args[0]}") from None
+    if tree.get("step") != manifest.step:
+        raise CorruptCheckpointError(f"checkpoint {manifest.name} holds step {tree.get('step')}, not {manifest.step}")
+    missing = [f"spread/grad/{r['step']}/{x}" for r in description["records"] for x in r["chunks"]
+               if f"spread/grad/{r['step']}/{x}" not in tensors]
+    if missing:
+        raise CorruptCheckpointError(f"checkpoint {manifest.name} lacks the gradient {missing[0]!r}")
+    return tree, tensors, description
 
 
 class GoCkptO(GoCkpt):
