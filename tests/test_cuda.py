@@ -200,3 +200,14 @@ def test_gockpt_trained_on_the_gpu_brings_its_parts_forward_there_and_recovers_b
     assert "disk (parts brought forward on cuda:0)" in sources and set(sources) <= {"none", "disk (parts brought forward on cuda:0)"}
     assert got["losses"] == ref["losses"]
     assert got["final_state_sha256"] == ref["final_state_sha256"]
+
+
+@gpu
+def test_checkfreq_with_a_writer_process_snapshots_into_registered_shared_memory_and_recovers_bitwise(tmp_path):
+    steps = 10
+    ref = _reference(steps=steps)
+    got = run(TrainConfig(workload="gpt2-tiny", strategy="checkfreq", steps=steps, directory=str(tmp_path / "c"),
+                          fail_at=(4, 8), fail_mode="software", options={"persist": "process"}, device="cuda",
+                          progress=False))
+    assert got["losses"] == ref["losses"]
+    assert got["final_state_sha256"] == ref["final_state_sha256"]

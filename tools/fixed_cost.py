@@ -9,6 +9,8 @@ for outside the timing.
 
     python tools/fixed_cost.py --strategies checkfreq,lowdiff,lowdiff_plus [--src DIR]
 
+A strategy may carry options after ``+``: ``checkfreq+persist=process``.
+
 ``--src`` measures another checkout's ``src`` (an earlier commit) with the same method.
 """
 
@@ -21,7 +23,7 @@ import tempfile
 import time
 
 
-def measure(strategy: str, workload: str, compress: str, blocks: int, steps: int) -> list[float]:
+def measure(spec: str, workload: str, compress: str, blocks: int, steps: int) -> list[float]:
     import torch
 
     from everystep import Checkpointer
@@ -29,12 +31,14 @@ def measure(strategy: str, workload: str, compress: str, blocks: int, steps: int
     from everystep.eval.workloads import build
 
     torch.set_num_threads(1)
+    strategy, *given = spec.split("+")
+    options = {k: v for k, _, v in (o.partition("=") for o in given)}
     plain, checked = (build(workload, seed=0, compress=compress) for _ in range(2))
     every = {} if strategy in ("lowdiff", "naive_diff", "lowdiff_plus") else {"every": 1}
     ratios = []
     with tempfile.TemporaryDirectory() as d:
         with Checkpointer(f"{d}/c", checked.model, checked.optimizer, scheduler=checked.scheduler, data=checked.data,
-                          compression=checked.compression, strategy=strategy, **every) as ckpt:
+                          compression=checked.compression, strategy=strategy, **every, **options) as ckpt:
             ckpt.restore()
             for _ in range(3):
                 _step(plain), _step(checked)

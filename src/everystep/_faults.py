@@ -20,14 +20,24 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["arm", "arm_from_environment", "disarm", "crash_point", "kill_self"]
+__all__ = ["arm", "arm_from_environment", "disarm", "crash_point", "kill_self", "crash_with"]
 
 _lock = threading.Lock()
 _armed: dict[str, tuple[int, Callable[[], None], bool]] = {}
+_with: int | None = None
 
 
 def kill_self() -> None:
+    if _with is not None:
+        os.kill(_with, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_with(pid: int) -> None:
+    """A crash in this process kills process ``pid`` first: a helper process (the checkpoint
+    writer) is part of the training process it serves, and a fault injected in it crashes both."""
+    global _with
+    _with = pid
 
 
 def arm(name: str, *, after: int = 1, action: Callable[[], None] = kill_self, repeat: bool = False) -> None:

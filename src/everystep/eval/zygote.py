@@ -28,6 +28,7 @@ import sys
 import traceback
 from typing import Any
 
+from .._process import die_with
 from ..errors import EverystepError
 
 __all__ = ["Zygote", "Forked", "die_with", "start_ranks"]
@@ -141,17 +142,6 @@ def start_ranks() -> Zygote | None:
     if not hasattr(os, "pidfd_open") or not hasattr(selectors, "EpollSelector"):
         return None
     return Zygote()
-
-
-def die_with(parent: int) -> None:
-    """Have the kernel kill this process when ``parent`` dies (Linux: ``PR_SET_PDEATHSIG``); a parent
-    already gone (this process reparented) ends it now."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def _child(request: dict[str, Any], inherited: list[int]) -> None:

@@ -51,6 +51,7 @@ from .._faults import crash_point
 from ..distributed import Ranks
 from ..errors import CorruptCheckpointError, DirectoryInUseError, EverystepError, ReadOnlyStoreError
 from ..layout import LayoutEntry
+from ..transport.host import register_host, unregister_host
 from .base import CHECKSUM_ALGORITHM, Access, Manifest, ManifestRecord, ObjectInfo
 
 __all__ = ["RegionStore", "RegionLayout", "RegionSlot", "SlotWriter", "ALIGN", "on_volatile_memory"]
@@ -171,14 +172,12 @@ class _Area:
         """Pin the mapping for DMA from the GPU (False where the driver refuses)."""
         if not self._tried and torch.cuda.is_available():
             self._tried = True
-            rc = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.nbytes, 0)
-            self.registered = int(getattr(rc, "value", rc)) == 0
+            self.registered = register_host(self.bytes[:self.nbytes])
         return self.registered
 
     def close(self) -> None:
         if self.registered:
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+            unregister_host(self.bytes)
             self.registered = False
         del self.bytes
         try:

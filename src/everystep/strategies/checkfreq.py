@@ -24,7 +24,9 @@ from ..policy.interval import due
 from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import buffer_chunks
+from ..storage.writer import WriterProcess
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
+from ..transport.shared import SharedRegion
 from .base import Strategy, StrategyConfig
 
 __all__ = ["CheckFreq", "CheckFreqConfig", "AsyncSnapshot"]
@@ -34,11 +36,17 @@ __all__ = ["CheckFreq", "CheckFreqConfig", "AsyncSnapshot"]
 class CheckFreqConfig(StrategyConfig):
     buffers: int = 2
     """Host buffers: 1 is the paper's design (a snapshot waits for the previous persist)."""
+    persist: str = "thread"
+    """Where the snapshots are written: ``"thread"``, a thread of the training process, or
+    ``"process"``, a writer process that maps the buffers (:mod:`everystep.storage.writer`; one
+    process, checkpoints in everystep's own format)."""
 
     def __post_init__(self) -> None:
         StrategyConfig.__post_init__(self)
         if self.buffers < 1:
             raise ConfigError(f"buffers must be at least 1, got {self.buffers}")
+        if self.persist not in ("thread", "process"):
+            raise ConfigError(f"persist must be 'thread' or 'process', got {self.persist!r}")
 
 
 class CheckFreq(Strategy):
@@ -60,10 +68,33 @@ class CheckFreq(Strategy):
     def _attach(self) -> None:
         self._last = -1
         self._staging: Future[Any] | None = None
-        self._pool = HostBufferPool(self.config.buffers)
+        self._writer: WriterProcess | None = None
+        self._regions: dict[int, SharedRegion] = {}
+        if self.config.persist == "process":
+            if self.ctx.ranks.distributed or self.ctx.full_format != "safetensors":
+                raise ConfigError(f"strategy {self.name!r} with persist='process' writes and commits each checkpoint in "
+                                  "the writer process, which serves one training process writing everystep's own "
+                                  "format: use persist='thread' under several processes or with full_format='dcp'")
+            assert self.ctx.directory is not None
+            self._writer = WriterProcess(self.ctx.directory.root, keep=self.config.keep)
+            self._pool = HostBufferPool(self.config.buffers, make=self._shared_buffer, dropped=self._drop_buffer)
+        else:
+            self._pool = HostBufferPool(self.config.buffers)
         self._snapshotter = Worker("everystep-snapshot", self.errors)
         self._persister = Worker("everystep-persist", self.errors)
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    def _shared_buffer(self, layout: TensorLayout) -> HostBuffer:
+        """A host buffer in memory the writer process maps (pinned on a GPU where the driver allows)."""
+        region, buffer = SharedRegion.holding(layout)
+        region.register()
+        self._regions[id(buffer)] = region
+        return buffer
+
+    def _drop_buffer(self, buffer: HostBuffer) -> None:
+        assert self._writer is not None
+        self._writer.drop(buffer)
+        self._regions.pop(id(buffer)).close()
 
     def _on_state_ready(self, step: int, final: bool) -> None:
         if step == self._last or not due(step, self.config.every, final=final):
@@ -97,12 +128,17 @@ class CheckFreq(Strategy):
             if staging.exception() is not None:
                 write_full(self.ctx.store, step, None, skeleton, plan=plan, error=staging.exception())  # raises, on every rank
             t0 = time.perf_counter()
-            manifest = write_full(self.ctx.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton,
-                                  plan=plan, tensors=buffer.views, format=self.ctx.full_format)
+            if self._writer is not None:  # written, committed and retained there
+                self._writer.share(buffer, self._regions[id(buffer)])
+                nbytes = self._writer.write(step, buffer, skeleton).nbytes
+                self.ctx.store.count_written_elsewhere(nbytes)
+            else:
+                nbytes = write_full(self.ctx.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton,
+                                    plan=plan, tensors=buffer.views, format=self.ctx.full_format).nbytes
+                self.ctx.directory.retain(self.config.keep)
             seconds = time.perf_counter() - t0
-            self.write_bandwidth = manifest.nbytes / max(seconds, 1e-9)
+            self.write_bandwidth = nbytes / max(seconds, 1e-9)
             self.ctx.committed(step, seconds=seconds)
-            self.ctx.directory.retain(self.config.keep)
         finally:
             self._pool.release(buffer)
 
@@ -126,6 +162,10 @@ class CheckFreq(Strategy):
     def _close(self) -> None:
         self._snapshotter.close()
         self._persister.close()
+        if self._writer is not None:
+            self._writer.close()
+        for region in self._regions.values():
+            region.close()
 
 
 class AsyncSnapshot(CheckFreq):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
 from ..layout import LayoutEntry, TensorLayout, tensor_bytes
 
 __all__ = ["LayoutEntry", "TensorLayout", "HostBuffer", "HostBufferPool", "snapshot_into", "tensor_bytes",
-           "copy_bandwidth"]
+           "copy_bandwidth", "register_host", "unregister_host"]
 
 
 class HostBuffer:
@@ -71,18 +72,26 @@ def snapshot_into(
 
 
 class HostBufferPool:
-    """A bounded set of reusable host buffers. ``acquire`` blocks while all are in use."""
+    """A bounded set of reusable host buffers. ``acquire`` blocks while all are in use.
 
-    def __init__(self, capacity: int = 2, *, pin: bool | None = None) -> None:
+    ``make`` allocates a buffer for a layout (default: a :class:`HostBuffer`, pinned if ``pin``);
+    ``dropped`` is told of each buffer the pool lets go (a stale layout)."""
+
+    def __init__(self, capacity: int = 2, *, pin: bool | None = None,
+                 make: Callable[[TensorLayout], HostBuffer] | None = None,
+                 dropped: Callable[[HostBuffer], None] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"a buffer pool needs capacity >= 1, got {capacity}")
         self.capacity = capacity
         self.pin = torch.cuda.is_available() if pin is None else pin
+        self._make = make or (lambda layout: HostBuffer(layout, pin=self.pin))
+        self._dropped = dropped
         self._free: list[HostBuffer] = []
         self._outstanding = 0
         self._cond = threading.Condition()
 
     def acquire(self, layout: TensorLayout) -> HostBuffer:
+        stale = None
         with self._cond:
             while self._outstanding >= self.capacity:
                 self._cond.wait()
@@ -91,8 +100,10 @@ class HostBufferPool:
                 if buf.layout == layout:
                     return self._free.pop(i)
             if self._free:
-                self._free.pop(0)  # a stale layout: drop it and allocate anew
-        return HostBuffer(layout, pin=self.pin)
+                stale = self._free.pop(0)  # a stale layout: drop it and allocate anew
+        if stale is not None and self._dropped is not None:
+            self._dropped(stale)
+        return self._make(layout)
 
     def release(self, buffer: HostBuffer) -> None:
         with self._cond:
@@ -120,3 +131,18 @@ def copy_bandwidth(device: torch.device, nbytes: int = 16 << 20) -> float:
         if attempt:
             best = min(best, time.perf_counter() - t0)
     return source.numel() * source.element_size() / max(best, 1e-9)
+
+
+def register_host(data: torch.Tensor) -> bool:
+    """Pin memory allocated elsewhere (a mapping) for DMA from a GPU, in place; False where there is
+    no GPU or the driver refuses."""
+    if not torch.cuda.is_available() or not data.numel():
+        return False
+    rc = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel() * data.element_size(), 0)
+    return int(getattr(rc, "value", rc)) == 0
+
+
+def unregister_host(data: torch.Tensor) -> None:
+    """Undo :func:`register_host`, once the GPU's work that may use the memory is done."""
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(data.data_ptr())

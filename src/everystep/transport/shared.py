@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from .host import HostBuffer, TensorLayout
+from .host import HostBuffer, TensorLayout, register_host, unregister_host
 
 __all__ = ["SharedRegion"]
 
@@ -27,6 +27,7 @@ class SharedRegion:
             fd = _anonymous_file()
             os.ftruncate(fd, max(nbytes, 1))
         self.fd, self.nbytes = fd, nbytes
+        self.registered = False
         self._map = mmap.mmap(fd, max(nbytes, 1))
         self.data = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
 
@@ -36,8 +37,17 @@ class SharedRegion:
         region = cls(layout.nbytes, fd=fd)
         return region, HostBuffer(layout, data=region.data)
 
+    def register(self) -> bool:
+        """Pin the mapping for DMA from a GPU (False where there is none, or the driver refuses)."""
+        if not self.registered:
+            self.registered = register_host(self.data)
+        return self.registered
+
     def close(self) -> None:
-        """Give up the descriptor; the mapping goes when the last tensor over it does."""
+        """Give up the descriptor (and the pinning); the mapping goes when the last tensor over it does."""
+        if self.registered:
+            unregister_host(self.data)
+            self.registered = False
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

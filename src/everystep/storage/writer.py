@@ -1,0 +1,181 @@
+"""A process that writes a training process's full checkpoints from shared memory.
+
+A strategy that persists in a thread of the training process (``checkfreq``, ``async``) runs the
+Python of every write there — building the object's header, hashing, the manifest, the retention
+of older checkpoints. With ``persist="process"`` those strategies hand each snapshot to a
+:class:`WriterProcess` instead: a child process (:func:`main`, in a fresh interpreter, never a fork
+of a process that may hold a CUDA context) that maps the host buffers — shared memory,
+:class:`~everystep.transport.shared.SharedRegion` — and writes, commits and retains there, exactly
+as the thread would (:func:`~everystep.storage.full.write_full`, ``retain``). The training
+process's persist thread only sends the request and waits for the answer, without the GIL. (On a
+2-core machine this measured no faster than the thread: the README's "Measured" says why.)
+
+The two talk over a socket pair made before the child starts: nothing else can reach it, so there
+is no one to authenticate. Messages are JSON (:mod:`everystep.agent.channel`'s encoding, never
+pickle); buffer descriptors pass alongside (``SCM_RIGHTS``). The child dies with its parent
+(``PR_SET_PDEATHSIG``), so a killed training process leaves no write behind it — as a killed
+thread would — and a crash point that fires in the child kills the training process too, so a
+fault injected mid-write means what it means with a thread.
+
+Messages: training → writer ``buffer`` (+ descriptor), ``drop``, ``write``, ``close``; writer →
+training ``written`` or ``failed``, in the order of the writes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing import connection
+from pathlib import Path
+from typing import Any
+
+from ..errors import BackgroundWriteError
+from ..layout import TensorLayout
+from ..transport.host import HostBuffer
+from ..transport.shared import SharedRegion
+
+__all__ = ["WriterProcess", "Written"]
+
+_MAIN = "import sys; from everystep.storage.writer import main; sys.exit(main(sys.argv[1:]))"
+
+
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint the writer committed."""
+
+    step: int
+    nbytes: int
+    seconds: float
+
+
+class WriterProcess:
+    """The training side: starts the writer, shares buffers with it, and has it write them."""
+
+    def __init__(self, directory: Path, *, keep: int) -> None:
+        from ..agent.channel import recv, send, send_fds  # (the channel imports torch: not at module import)
+
+        self._send, self._recv, self._send_fds = send, recv, send_fds
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _MAIN, str(theirs.fileno()), str(directory), str(keep)],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self._conn = connection.Connection(ours.detach())
+        self._shared: dict[int, HostBuffer] = {}
+        self._lock = threading.Lock()
+
+    def share(self, buffer: HostBuffer, region: SharedRegion) -> None:
+        """Map ``buffer`` (whose memory is ``region``) in the writer, once."""
+        with self._lock:
+            if id(buffer) in self._shared:
+                return
+            self._shared[id(buffer)] = buffer
+            self._call(lambda: (self._send(self._conn, {"kind": "buffer", "id": id(buffer), "nbytes": region.nbytes,
+                                                        "layout": buffer.layout}),
+                                self._send_fds(self._conn, [region.fd])))
+
+    def drop(self, buffer: HostBuffer) -> None:
+        """The writer forgets ``buffer`` (its mapping goes)."""
+        with self._lock:
+            if self._shared.pop(id(buffer), None) is not None:
+                self._call(lambda: self._send(self._conn, {"kind": "drop", "id": id(buffer)}))
+
+    def write(self, step: int, buffer: HostBuffer, skeleton: Any) -> Written:
+        """Have the writer write ``buffer`` as the full checkpoint of ``step``, commit it and apply
+        retention; returns once it is committed. Raises :class:`BackgroundWriteError` with the
+        writer's reason when the write failed, or when the writer is gone."""
+        with self._lock:
+            self._call(lambda: self._send(self._conn, {"kind": "write", "id": id(buffer), "step": step,
+                                                       "skeleton": skeleton}))
+            answer = self._call(lambda: self._recv(self._conn))
+        if answer["kind"] == "failed":
+            raise BackgroundWriteError(f"{answer['error']} (in the checkpoint writer process, pid {self.process.pid})")
+        return Written(answer["step"], answer["nbytes"], answer["seconds"])
+
+    def close(self) -> None:
+        """Ask the writer to exit and wait for it (every write asked for has been answered)."""
+        with self._lock:
+            try:
+                self._send(self._conn, {"kind": "close"})
+            except OSError:
+                pass
+            self._conn.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def _call(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except (EOFError, OSError) as e:
+            status = self.process.poll()
+            how = f"exited with status {status}" if status is not None else f"cannot be reached ({e})"
+            raise BackgroundWriteError(f"the checkpoint writer process (pid {self.process.pid}) {how}") from None
+
+
+def _serve(conn: connection.Connection, directory: Path, keep: int) -> None:
+    from ..agent.channel import recv, recv_fds, send
+    from ..storage.directory import CheckpointDirectory
+    from ..storage.full import write_full
+    from ..storage.tensorfile import buffer_chunks
+
+    checkpoints = CheckpointDirectory.open(directory, strategy=None, create=False, access="shared")
+    buffers: dict[int, tuple[SharedRegion, HostBuffer]] = {}
+    try:
+        while True:
+            msg = recv(conn)
+            kind = msg["kind"]
+            if kind == "buffer":
+                (fd,) = recv_fds(conn, 1)
+                layout: TensorLayout = msg["layout"]
+                buffers[msg["id"]] = SharedRegion.holding(layout, fd=fd)
+            elif kind == "drop":
+                region, _ = buffers.pop(msg["id"])
+                region.close()
+            elif kind == "write":
+                _, buffer = buffers[msg["id"]]
+                t0 = time.perf_counter()
+                try:
+                    manifest = write_full(checkpoints.store, msg["step"], buffer_chunks(buffer.layout, buffer.memoryview()),
+                                          msg["skeleton"])
+                    checkpoints.retain(keep)
+                except Exception as e:
+                    send(conn, {"kind": "failed", "step": msg["step"], "error": f"{type(e).__name__}: {e}"})
+                    continue
+                send(conn, {"kind": "written", "step": msg["step"], "nbytes": manifest.nbytes,
+                            "seconds": time.perf_counter() - t0})
+            elif kind == "close":
+                return
+    finally:
+        for region, _ in buffers.values():
+            region.close()
+        checkpoints.close()
+
+
+def main(argv: list[str]) -> int:
+    from .. import _faults
+    from .._process import die_with
+
+    fd, directory, keep = int(argv[0]), Path(argv[1]), int(argv[2])
+    parent = os.getppid()
+    die_with(parent)
+    _faults.crash_with(parent)  # a fault injected here kills the training process, as in its own thread
+    conn = connection.Connection(fd)
+    try:
+        _serve(conn, directory, keep)
+    except (EOFError, ConnectionError):
+        return 0  # the training process is gone: nothing to answer
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
