@@ -220,3 +220,18 @@ def test_mistakes_are_refused_with_what_to_do(tmp_path):
     w.optimizer = torch.optim.LBFGS(w.model.parameters())
     with pytest.raises(ConfigError, match="updates each element from its own gradient and state .* got LBFGS"):
         Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="gockpt")
+
+
+@pytest.mark.parametrize("strategy, mode", [("gockpt", "software"), ("gockpt_o", "hardware")])
+def test_the_training_driver_recovers_from_spread_checkpoints_bitwise(tmp_path, strategy, mode):
+    """The parts brought forward at recovery, by the training driver's restarts (software: the
+    process killed; hardware: what was not durable lost too), as on a GPU where this is the default."""
+    from everystep.eval.train import TrainConfig, run
+
+    ref = run(TrainConfig(workload="gpt2-tiny", strategy="none", steps=14, progress=False))
+    got = run(TrainConfig(workload="gpt2-tiny", strategy=strategy, steps=14, directory=str(tmp_path / "c"),
+                          fail_at=(9, 13), fail_mode=mode, every=4, progress=False,
+                          options={"parts": 3, "chunk_bytes": 1 << 16, "reconstruct": "device"}))
+    sources = [r["source"] for r in got["recoveries"]]
+    assert "disk (parts brought forward on cpu)" in sources and set(sources) <= {"none", "disk (parts brought forward on cpu)"}
+    assert got["losses"] == ref["losses"] and got["final_state_sha256"] == ref["final_state_sha256"]

@@ -48,10 +48,10 @@ import torch
 import xxhash
 
 from .._faults import crash_point
+from .._memory import register_host, unregister_host
 from ..distributed import Ranks
 from ..errors import CorruptCheckpointError, DirectoryInUseError, EverystepError, ReadOnlyStoreError
 from ..layout import LayoutEntry
-from ..transport.host import register_host, unregister_host
 from .base import CHECKSUM_ALGORITHM, Access, Manifest, ManifestRecord, ObjectInfo
 
 __all__ = ["RegionStore", "RegionLayout", "RegionSlot", "SlotWriter", "ALIGN", "on_volatile_memory"]

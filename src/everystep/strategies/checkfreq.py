@@ -24,7 +24,7 @@ from ..policy.interval import due
 from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import buffer_chunks
-from ..storage.writer import WriterProcess
+from ..agent.writer import WriterProcess
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from ..transport.shared import SharedRegion
 from .base import Strategy, StrategyConfig
@@ -38,7 +38,7 @@ class CheckFreqConfig(StrategyConfig):
     """Host buffers: 1 is the paper's design (a snapshot waits for the previous persist)."""
     persist: str = "thread"
     """Where the snapshots are written: ``"thread"``, a thread of the training process, or
-    ``"process"``, a writer process that maps the buffers (:mod:`everystep.storage.writer`; one
+    ``"process"``, a writer process that maps the buffers (:mod:`everystep.agent.writer`; one
     process, checkpoints in everystep's own format)."""
 
     def __post_init__(self) -> None:

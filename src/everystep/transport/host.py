@@ -17,7 +17,7 @@ import torch
 from ..layout import LayoutEntry, TensorLayout, tensor_bytes
 
 __all__ = ["LayoutEntry", "TensorLayout", "HostBuffer", "HostBufferPool", "snapshot_into", "tensor_bytes",
-           "copy_bandwidth", "register_host", "unregister_host"]
+           "copy_bandwidth"]
 
 
 class HostBuffer:
@@ -132,17 +132,3 @@ def copy_bandwidth(device: torch.device, nbytes: int = 16 << 20) -> float:
             best = min(best, time.perf_counter() - t0)
     return source.numel() * source.element_size() / max(best, 1e-9)
 
-
-def register_host(data: torch.Tensor) -> bool:
-    """Pin memory allocated elsewhere (a mapping) for DMA from a GPU, in place; False where there is
-    no GPU or the driver refuses."""
-    if not torch.cuda.is_available() or not data.numel():
-        return False
-    rc = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel() * data.element_size(), 0)
-    return int(getattr(rc, "value", rc)) == 0
-
-
-def unregister_host(data: torch.Tensor) -> None:
-    """Undo :func:`register_host`, once the GPU's work that may use the memory is done."""
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaHostUnregister(data.data_ptr())

@@ -14,7 +14,8 @@ import tempfile
 
 import torch
 
-from .host import HostBuffer, TensorLayout, register_host, unregister_host
+from .._memory import register_host, unregister_host
+from .host import HostBuffer, TensorLayout
 
 __all__ = ["SharedRegion"]
 

@@ -11,7 +11,7 @@ process's persist thread only sends the request and waits for the answer, withou
 2-core machine this measured no faster than the thread: the README's "Measured" says why.)
 
 The two talk over a socket pair made before the child starts: nothing else can reach it, so there
-is no one to authenticate. Messages are JSON (:mod:`everystep.agent.channel`'s encoding, never
+is no one to authenticate. Messages are JSON (:mod:`.channel`'s encoding, never
 pickle); buffer descriptors pass alongside (``SCM_RIGHTS``). The child dies with its parent
 (``PR_SET_PDEATHSIG``), so a killed training process leaves no write behind it — as a killed
 thread would — and a crash point that fires in the child kills the training process too, so a
@@ -42,7 +42,7 @@ from ..transport.shared import SharedRegion
 
 __all__ = ["WriterProcess", "Written"]
 
-_MAIN = "import sys; from everystep.storage.writer import main; sys.exit(main(sys.argv[1:]))"
+_MAIN = "import sys; from everystep.agent.writer import main; sys.exit(main(sys.argv[1:]))"
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class WriterProcess:
     """The training side: starts the writer, shares buffers with it, and has it write them."""
 
     def __init__(self, directory: Path, *, keep: int) -> None:
-        from ..agent.channel import recv, send, send_fds  # (the channel imports torch: not at module import)
+        from .channel import recv, send, send_fds  # (the channel imports torch: not at module import)
 
         self._send, self._recv, self._send_fds = send, recv, send_fds
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -124,7 +124,7 @@ class WriterProcess:
 
 
 def _serve(conn: connection.Connection, directory: Path, keep: int) -> None:
-    from ..agent.channel import recv, recv_fds, send
+    from .channel import recv, recv_fds, send
     from ..storage.directory import CheckpointDirectory
     from ..storage.full import write_full
     from ..storage.tensorfile import buffer_chunks
