@@ -2,7 +2,9 @@
 
 At each checkpoint the state is copied to a host buffer — tensors the next forward may change
 (BatchNorm statistics, RNG) at once, parameters and optimizer state on a snapshot thread that
-overlaps the next forward and backward — and a persist thread writes the buffer to storage.
+overlaps the next forward and backward — and a persist thread writes the buffer to storage (with
+``persist="process"``, has a writer process write it from shared memory:
+:mod:`everystep.agent.writer`).
 The next ``optimizer.step()`` waits only while that snapshot is still being taken; the wait is
 recorded as ``snapshot_wait_seconds``. Two host buffers let one snapshot proceed while the
 previous one is still being persisted; with both busy, the next snapshot waits for a buffer.
@@ -17,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..agent.writer import WriterProcess
 from ..background import SaveResponse, Worker, settled
 from ..errors import ConfigError
 from ..layout import TensorLayout
@@ -24,7 +27,6 @@ from ..policy.interval import due
 from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import buffer_chunks
-from ..agent.writer import WriterProcess
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from ..transport.shared import SharedRegion
 from .base import Strategy, StrategyConfig
