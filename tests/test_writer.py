@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from everystep import BackgroundWriteError, Checkpointer, ConfigError
+from everystep.eval.train import TrainConfig
 from everystep.eval.workloads import build
 from everystep.storage import CheckpointDirectory
 
@@ -53,6 +54,7 @@ def test_the_writer_process_writes_what_the_thread_writes_and_recovery_is_bitwis
 _KILLED = """
 import sys, torch
 from everystep import Checkpointer
+from everystep.eval.train import TrainConfig
 from everystep.eval.workloads import build
 from tests.test_checkpointer import loop
 torch.set_num_threads(1)
@@ -123,6 +125,10 @@ def test_persist_mistakes_are_refused_naming_the_option(tmp_path):
         Checkpointer(tmp_path / "a", *_model(), strategy="checkfreq", persist="disk")
     with pytest.raises(ConfigError, match="persist='process' .* use persist='thread' .* full_format='dcp'"):
         Checkpointer(tmp_path / "b", *_model(), strategy="checkfreq", persist="process", full_format="dcp")
+    with pytest.raises(ConfigError, match="--option persist=process serves one training process .* --nproc above 1"):
+        TrainConfig(workload="mlp", strategy="checkfreq", steps=3, directory=str(tmp_path / "c"), nproc=2,
+                    options={"persist": "process"}, max_nproc=2)
+    assert not (tmp_path / "c").exists()
 
 
 def _model():

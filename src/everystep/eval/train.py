@@ -119,7 +119,10 @@ class TrainConfig:
             raise ConfigError(f"--nproc {self.nproc} is more ranks than this machine runs at once ({limit}, its usable "
                               "cores); raise the limit with --max-nproc if you mean it")
         given = {k: v for k, v in (("every", self.every), ("keep", self.keep)) if v is not None}
-        create(self.strategy, **given, **self.options)  # validates the options before any process starts
+        made = create(self.strategy, **given, **self.options)  # validates the options before any process starts
+        if getattr(made.config, "persist", "thread") == "process" and (self.nproc > 1 or self.full_format != "safetensors"):
+            raise ConfigError("--option persist=process serves one training process writing everystep's own format: "
+                              "drop it with --nproc above 1 or --full-format dcp")
 
 
 def usable_cores() -> int:
