@@ -145,6 +145,28 @@ def test_a_spread_checkpoint_is_brought_forward_from_its_parts_and_a_damaged_one
     assert step == 7
 
 
+
+def test_a_damaged_full_checkpoint_falls_back_to_the_spread_one_before_it(tmp_path):
+    """The last checkpoint of a run is a full one (written at close, step 12); damaged, recovery
+    takes the spread checkpoint of step 11, not nothing."""
+    w, hashes = build("gpt2-tiny", seed=1), {}
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="gockpt",
+                      reconstruct="device", **SPREAD) as ckpt:
+        for t in range(1, 13):
+            _loop(w, ckpt, t - 1, t)
+            hashes[t] = live_hash(w, t)
+    full = tmp_path / "c" / "objects" / "full-000000000012.safetensors"
+    data = bytearray(full.read_bytes())
+    data[-5] ^= 0xFF
+    full.write_bytes(bytes(data))
+    again = build("gpt2-tiny", seed=1)
+    with pytest.warns(UserWarning, match="skipping the checkpoint at step 12: .* fails its checksum"):
+        with Checkpointer(tmp_path / "c", again.model, again.optimizer, scheduler=again.scheduler, data=again.data,
+                          strategy="gockpt", reconstruct="device", final=False, **SPREAD) as ckpt:
+            assert ckpt.restore() == 11
+    assert live_hash(again, 11) == hashes[11]
+
+
 _KILLED = """
 import sys, torch
 from everystep import Checkpointer

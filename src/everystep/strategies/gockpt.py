@@ -58,7 +58,7 @@ import torch
 
 from .._faults import crash_point
 from ..background import Worker, settled
-from ..errors import ConfigError, CorruptCheckpointError, EverystepError
+from ..errors import ConfigError, CorruptCheckpointError, EverystepError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..policy.interval import due
 from ..policy.parts import ALIGN, MAX_PARTS, PartPlan, Unit, choose_parts
@@ -578,22 +578,37 @@ class GoCkpt(Strategy):
         t0 = time.perf_counter()
         records = directory.store.manifests()
         newest_full = max((r.manifest.step for r in records if r.manifest and r.manifest.kind == "full"), default=-1)
-        spreads = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == SPREAD_KIND
-                          and r.manifest.step > newest_full), key=lambda m: -m.step)
-        for manifest in spreads:
+        spreads = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == SPREAD_KIND),
+                         key=lambda m: -m.step)
+        found = self._restore_spread([m for m in spreads if m.step > newest_full], t0)
+        if found is not None:
+            return found
+        failed: NoValidCheckpointError | None = None
+        try:
+            full = recover(directory)  # the newest full checkpoint that verifies, warning about the others
+        except NoValidCheckpointError as e:  # none does: a spread one older than them may
+            full, failed = None, e
+        above = full.step if full is not None else -1
+        found = self._restore_spread([m for m in spreads if above < m.step <= newest_full], t0)  # (a newer full failed)
+        if found is None and failed is not None:
+            raise failed
+        if found is None and full is not None:
+            self.ctx.components.restore(full.tree)
+        return found or full
+
+    def _restore_spread(self, manifests: list[Manifest], t0: float) -> Recovered | None:
+        """The first of ``manifests`` (newest first) that verifies and comes forward, restored."""
+        for manifest in manifests:
             try:
-                tree, tensors, description = _read_spread(directory.store, manifest)
+                tree, tensors, description = _read_spread(self.ctx.store, manifest)
                 self.ctx.components.restore(tree)
                 device = self._bring_forward(manifest, tensors, description)
             except CorruptCheckpointError as e:  # (the next one restored replaces all the state)
-                warnings.warn(f"skipping the spread checkpoint at step {manifest.step}: {e}", stacklevel=4)
+                warnings.warn(f"skipping the spread checkpoint at step {manifest.step}: {e}", stacklevel=5)
                 continue
             return Recovered(step=manifest.step, tree={}, source=f"disk (parts brought forward on {device})",
                              manifest=manifest, seconds=time.perf_counter() - t0)
-        found = recover(directory)
-        if found is not None:
-            self.ctx.components.restore(found.tree)
-        return found
+        return None
 
     def _bring_forward(self, manifest: Manifest, tensors: dict[str, torch.Tensor], description: dict[str, Any]) -> str:
         """Apply the gradients a spread checkpoint holds to its parts, in the live model and
