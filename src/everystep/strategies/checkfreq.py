@@ -137,10 +137,11 @@ class CheckFreq(Strategy):
             else:
                 nbytes = write_full(self.ctx.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton,
                                     plan=plan, tensors=buffer.views, format=self.ctx.full_format).nbytes
-                self.ctx.directory.retain(self.config.keep)
             seconds = time.perf_counter() - t0
             self.write_bandwidth = nbytes / max(seconds, 1e-9)
-            self.ctx.committed(step, seconds=seconds)
+            self.ctx.committed(step, seconds=seconds)  # (before retention: what is durable is known at once)
+            if self._writer is None:
+                self.ctx.directory.retain(self.config.keep)
         finally:
             self._pool.release(buffer)
 
