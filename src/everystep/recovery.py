@@ -25,7 +25,7 @@ from .storage.directory import CheckpointDirectory
 from .state import TrainingComponents, unflatten
 from .storage.sharded import read_parts
 
-__all__ = ["Recovered", "Link", "read_full", "latest_full", "recover", "read_differential", "chain", "recover_chain", "common_step"]
+__all__ = ["Recovered", "Link", "read_full", "read_state", "latest_full", "recover", "read_differential", "chain", "recover_chain", "common_step"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +41,13 @@ class Recovered:
 
 def read_full(directory: CheckpointDirectory, manifest: Manifest) -> dict[str, Any]:
     """Read, verify and rebuild the state tree of a full checkpoint."""
+    return read_state(directory, manifest)[0]
+
+
+def read_state(directory: CheckpointDirectory, manifest: Manifest) -> tuple[dict[str, Any], dict[str, torch.Tensor],
+                                                                             dict[str, Any]]:
+    """Read and verify a checkpoint that holds a whole state (a full one, or GoCkpt's spread one):
+    its state tree, all its tensors (the tree's and any others) and its meta."""
     tensors, meta = read_parts(directory.store, manifest, full_format=directory.full_format)
     if "skeleton" not in meta:
         raise CorruptCheckpointError(f"manifest {manifest.name} lacks the skeleton of its state tree")
@@ -50,7 +57,7 @@ def read_full(directory: CheckpointDirectory, manifest: Manifest) -> dict[str, A
         raise CorruptCheckpointError(f"checkpoint {manifest.name}: {e.args[0]}") from None
     if tree.get("step") != manifest.step:
         raise CorruptCheckpointError(f"checkpoint {manifest.name} holds step {tree.get('step')}, not {manifest.step}")
-    return tree
+    return tree, tensors, meta
 
 
 def latest_full(directory: CheckpointDirectory) -> tuple[Manifest, dict[str, Any]] | None:

@@ -26,7 +26,7 @@ from .compress.base import Compressed, decompress
 from .compress.hook import parameter_names
 from .state import group_scalars
 
-__all__ = ["StepRecord", "Replayer", "replay_step", "group_scalars"]
+__all__ = ["StepRecord", "Replayer", "replay_step", "optimizer_like", "group_scalars"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +53,19 @@ def replay_step(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = None
+
+
+def optimizer_like(optimizer: torch.optim.Optimizer,
+                   groups: dict[int, list[tuple[torch.Tensor, dict[str, Any]]]]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class over other tensors: for each group index of ``groups``,
+    in order, that param group's settings and the given tensors, each with the given state (the same
+    dict, not a copy: its updates land there)."""
+    made = type(optimizer)([{**{k: v for k, v in optimizer.param_groups[g].items() if k != "params"},
+                             "params": [t for t, _ in members]} for g, members in groups.items()])
+    for members in groups.values():
+        for t, state in members:
+            made.state[t] = state
+    return made
 
 
 class Replayer:
@@ -118,14 +131,9 @@ class _Shard:
             by_group.setdefault(gi, []).append((name, p))
         self.group_index = list(by_group)
         self.params = [by_group[gi] for gi in self.group_index]
-        groups = [
-            {**{k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}, "params": [p for _, p in ps]}
-            for gi, ps in zip(self.group_index, self.params)
-        ]
-        self.optimizer = type(optimizer)(groups)
-        for ps in self.params:
-            for _, p in ps:
-                self.optimizer.state[p] = optimizer.state[p]  # the same dict: updates land in the original
+        # the same state dicts: updates land in the original
+        self.optimizer = optimizer_like(optimizer, {gi: [(p, optimizer.state[p]) for _, p in ps]
+                                                    for gi, ps in zip(self.group_index, self.params)})
 
     def apply(self, record: StepRecord) -> None:
         if record.skipped:

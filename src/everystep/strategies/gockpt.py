@@ -62,12 +62,12 @@ from ..errors import ConfigError, CorruptCheckpointError, EverystepError, NoVali
 from ..layout import TensorLayout
 from ..policy.interval import due
 from ..policy.parts import ALIGN, MAX_PARTS, PartPlan, Unit, choose_parts
-from ..recovery import Recovered, recover
-from ..replay import replay_step
-from ..state import group_scalars, unflatten
+from ..recovery import Recovered, read_state, recover
+from ..replay import optimizer_like, replay_step
+from ..state import group_scalars
 from ..storage.base import Manifest
 from ..storage.full import write_full
-from ..storage.sharded import ShardPlan, commit_parts, commit_tensors, read_parts
+from ..storage.sharded import ShardPlan, commit_parts, commit_tensors
 from ..storage.tensorfile import tensor_chunks
 from ..transport.host import copy_bandwidth
 from .base import Strategy, StrategyConfig
@@ -158,10 +158,9 @@ class _Spread:
     shards: list[list[tuple[torch.optim.Optimizer, list[int], list[_Chunk]]]] = field(default_factory=list)
     """Host: per part copied, per shard, its optimizer, the groups it has, its chunks."""
     applied: list[Future[Any]] = field(default_factory=list)
-    gradients: Future[Any] | None = None
-    """gockpt_o: the copy of the last update's gradients."""
     gradient_copies: list[Future[Any]] = field(default_factory=list)
-    """gockpt_o: every copy of gradients made for this checkpoint."""
+    """gockpt_o: the copies of gradients made for this checkpoint, one per update (the next update
+    waits for the last)."""
     records: list[tuple[dict[str, Any], dict[int, torch.Tensor]]] = field(default_factory=list)
     """Device: per update, its step and group settings, and the gradients kept, by chunk index."""
     events: list[Any] = field(default_factory=list)
@@ -254,9 +253,8 @@ class GoCkpt(Strategy):
         if spread is None:
             return
         t0 = time.perf_counter()
-        if spread.gradients is not None:  # gockpt_o: the previous update's gradients
-            settled(spread.gradients)
-            spread.gradients = None
+        if spread.gradient_copies:  # gockpt_o: the previous update's gradients
+            settled(spread.gradient_copies[-1])
         self.gradient_seconds += time.perf_counter() - t0
         j = step - spread.start  # parts 1..j are copied (part j from S_{step-1})
         t1 = time.perf_counter()
@@ -269,9 +267,9 @@ class GoCkpt(Strategy):
         grads = {i: (g, g._version if g is not None else 0) for i in needed for g in (spread.params[i].tensor.grad,)}
         ready = self._event()
         if self.overlap_gradients:
-            spread.gradients = self._copier.submit(f"copy of the gradients of step {step}", self._copy_gradients,
-                                                   spread, step, j, grads, groups, ready)
-            spread.gradient_copies.append(spread.gradients)
+            spread.gradient_copies.append(self._copier.submit(f"copy of the gradients of step {step}",
+                                                              self._copy_gradients, spread, step, j, grads, groups,
+                                                              ready))
         else:
             t2 = time.perf_counter()
             self._copy_gradients(spread, step, j, grads, groups, ready)
@@ -385,11 +383,8 @@ class GoCkpt(Strategy):
         found = []
         for share in shares:
             groups = sorted({params[c.param].group for c in share})
-            made = type(optimizer)([{**{k: v for k, v in optimizer.param_groups[g].items() if k != "params"},
-                                     "params": [c.view for c in share if params[c.param].group == g]}
-                                    for g in groups])
-            for c in share:
-                made.state[c.view] = c.state
+            made = optimizer_like(optimizer, {g: [(c.view, c.state) for c in share if params[c.param].group == g]
+                                              for g in groups})
             found.append((made, groups, share))
         return found
 
@@ -475,9 +470,9 @@ class GoCkpt(Strategy):
 
     def _write(self, spread: _Spread, step: int, live: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
                skeleton: Any, replicated: set[str]) -> None:
-        settled(spread.gradients)
+        settled(*spread.gradient_copies)
         settled(*spread.applied)
-        if any(f.exception() is not None for f in (*spread.applied, *([spread.gradients] if spread.gradients else []))):
+        if any(f.exception() is not None for f in (*spread.applied, *spread.gradient_copies)):
             assert self.ctx.store is not None
             failed = EverystepError(f"the checkpoint of step {step} was not reconstructed: applying the gradients failed")
             plan = ShardPlan.of(live, replicated, self.ctx.ranks, split=self.ctx.full_format != "dcp")
@@ -600,7 +595,7 @@ class GoCkpt(Strategy):
         """The first of ``manifests`` (newest first) that verifies and comes forward, restored."""
         for manifest in manifests:
             try:
-                tree, tensors, description = _read_spread(self.ctx.store, manifest)
+                tree, tensors, description = _read_spread(self.ctx.directory, manifest)
                 self.ctx.components.restore(tree)
                 device = self._bring_forward(manifest, tensors, description)
             except CorruptCheckpointError as e:  # (the next one restored replaces all the state)
@@ -638,15 +633,13 @@ class GoCkpt(Strategy):
                         value = value.to(device=held[name].device, dtype=held[name].dtype)
                     state[name] = value
                 states.append(state)
+        group_of = [params[i][1]["group"] for _, i, _, _ in chunks]
         for record in description["records"]:
             j = record["step"] - description["start"]  # parts 1..j were copied before this update
             active = [x for x, chunk in enumerate(chunks) if chunk[0] < j]
-            groups = sorted({params[chunks[x][1]][1]["group"] for x in active})
-            made = type(optimizer)([{**{k: v for k, v in optimizer.param_groups[g].items() if k != "params"},
-                                     "params": [views[x] for x in active if params[chunks[x][1]][1]["group"] == g]}
-                                    for g in groups])
-            for x in active:
-                made.state[views[x]] = states[x]
+            groups = sorted({group_of[x] for x in active})
+            made = optimizer_like(optimizer, {g: [(views[x], states[x]) for x in active if group_of[x] == g]
+                                              for g in groups})
             present = set(record["chunks"])
             replay_step(made, [record["groups"][g] for g in groups],
                         ((views[x], tensors[f"spread/grad/{record['step']}/{x}"].to(views[x].device) if x in present
@@ -674,17 +667,13 @@ class GoCkpt(Strategy):
             worker.close()
 
 
-def _read_spread(store: Any, manifest: Manifest) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+def _read_spread(directory: Any, manifest: Manifest) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """A spread checkpoint's state tree (its parts as copied), all its tensors, and its description;
     CorruptCheckpointError when it does not verify."""
-    tensors, meta = read_parts(store, manifest)
-    try:
-        tree = unflatten(meta["skeleton"], tensors)
-        description = meta["spread"]
-    except KeyError as e:
-        raise CorruptCheckpointError(f"checkpoint {manifest.name}: lacks {e.args[0]}") from None
-    if tree.get("step") != manifest.step:
-        raise CorruptCheckpointError(f"checkpoint {manifest.name} holds step {tree.get('step')}, not {manifest.step}")
+    tree, tensors, meta = read_state(directory, manifest)
+    if "spread" not in meta:
+        raise CorruptCheckpointError(f"checkpoint {manifest.name}: lacks spread")
+    description = meta["spread"]
     missing = [f"spread/grad/{r['step']}/{x}" for r in description["records"] for x in r["chunks"]
                if f"spread/grad/{r['step']}/{x}" not in tensors]
     if missing:
