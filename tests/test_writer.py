@@ -135,3 +135,34 @@ def _model():
     w = build("mlp", seed=0)
     return w.model, w.optimizer
 
+
+
+def test_a_dropped_buffer_is_forgotten_and_a_new_one_shared_with_the_next_write(tmp_path):
+    """A host buffer pool drops a buffer whose layout went stale: the writer process forgets it and
+    maps the new one, in order, with the next write."""
+    from everystep.agent.writer import WriterProcess
+    from everystep.layout import TensorLayout
+    from everystep.recovery import read_full
+    from everystep.state import flatten
+
+    directory = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
+    writer = WriterProcess(directory.root, keep=5)
+    buffer = None
+    try:
+        for step, n in ((1, 8), (2, 8), (3, 16)):  # step 3's layout is another: a new buffer
+            x = torch.arange(n, dtype=torch.float32) * step
+            tensors, skeleton = flatten({"step": step, "x": x})
+            layout = TensorLayout.of(tensors)
+            if buffer is None or buffer.layout != layout:
+                if buffer is not None:
+                    writer.drop(buffer)
+                buffer = writer.buffer(layout)
+            buffer.views["/x"].copy_(x)
+            assert writer.write(step, buffer, skeleton).step == step
+    finally:
+        writer.close()
+    assert writer.process.returncode == 0
+    store = CheckpointDirectory.open(tmp_path / "c", access="read")
+    found = {r.manifest.step: read_full(store, r.manifest)["x"] for r in store.store.manifests()}
+    assert sorted(found) == [1, 2, 3]
+    assert all(torch.equal(x, torch.arange(len(x), dtype=torch.float32) * s) for s, x in found.items())

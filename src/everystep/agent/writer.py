@@ -55,7 +55,11 @@ class Written:
 
 
 class WriterProcess:
-    """The training side: starts the writer, shares buffers with it, and has it write them."""
+    """The training side: starts the writer, allocates the buffers it maps, and has it write them.
+
+    :meth:`buffer` and :meth:`drop` (the training thread's, through a host buffer pool) touch no
+    socket; a new buffer is shared, and a dropped one forgotten, with the next :meth:`write` (the
+    persist thread's), which alone talks to the writer."""
 
     def __init__(self, directory: Path, *, keep: int) -> None:
         from .channel import recv, send, send_fds  # (the channel imports torch: not at module import)
@@ -69,30 +73,47 @@ class WriterProcess:
         finally:
             theirs.close()
         self._conn = connection.Connection(ours.detach())
-        self._shared: dict[int, HostBuffer] = {}
-        self._lock = threading.Lock()
+        self._regions: dict[int, SharedRegion] = {}
+        """Each buffer allocated and not dropped (by ``id``), with the memory behind it."""
+        self._shared: set[int] = set()
+        """The buffers the writer maps."""
+        self._forget: list[int] = []
+        """Buffers dropped that the writer still maps."""
+        self._state = threading.Lock()
+        self._talk = threading.Lock()
 
-    def share(self, buffer: HostBuffer, region: SharedRegion) -> None:
-        """Map ``buffer`` (whose memory is ``region``) in the writer, once."""
-        with self._lock:
-            if id(buffer) in self._shared:
-                return
-            self._shared[id(buffer)] = buffer
-            self._call(lambda: (self._send(self._conn, {"kind": "buffer", "id": id(buffer), "nbytes": region.nbytes,
-                                                        "layout": buffer.layout}),
-                                self._send_fds(self._conn, [region.fd])))
+    def buffer(self, layout: TensorLayout) -> HostBuffer:
+        """A host buffer for ``layout`` in memory the writer can map (pinned for DMA from a GPU where
+        the driver allows)."""
+        region, buffer = SharedRegion.holding(layout)
+        region.register()
+        with self._state:
+            self._regions[id(buffer)] = region
+        return buffer
 
     def drop(self, buffer: HostBuffer) -> None:
-        """The writer forgets ``buffer`` (its mapping goes)."""
-        with self._lock:
-            if self._shared.pop(id(buffer), None) is not None:
-                self._call(lambda: self._send(self._conn, {"kind": "drop", "id": id(buffer)}))
+        """Give up ``buffer``; the writer forgets it at the next write."""
+        with self._state:
+            region = self._regions.pop(id(buffer))
+            if id(buffer) in self._shared:
+                self._shared.remove(id(buffer))
+                self._forget.append(id(buffer))
+        region.close()
 
     def write(self, step: int, buffer: HostBuffer, skeleton: Any) -> Written:
         """Have the writer write ``buffer`` as the full checkpoint of ``step``, commit it and apply
         retention; returns once it is committed. Raises :class:`BackgroundWriteError` with the
         writer's reason when the write failed, or when the writer is gone."""
-        with self._lock:
+        with self._talk:
+            with self._state:
+                forget, self._forget = self._forget, []
+                region = None if id(buffer) in self._shared else self._regions[id(buffer)]
+                self._shared.add(id(buffer))
+            for key in forget:
+                self._call(lambda: self._send(self._conn, {"kind": "drop", "id": key}))
+            if region is not None:
+                self._call(lambda: (self._send(self._conn, {"kind": "buffer", "id": id(buffer), "layout": buffer.layout}),
+                                    self._send_fds(self._conn, [region.fd])))
             self._call(lambda: self._send(self._conn, {"kind": "write", "id": id(buffer), "step": step,
                                                        "skeleton": skeleton}))
             answer = self._call(lambda: self._recv(self._conn))
@@ -101,8 +122,9 @@ class WriterProcess:
         return Written(answer["step"], answer["nbytes"], answer["seconds"])
 
     def close(self) -> None:
-        """Ask the writer to exit and wait for it (every write asked for has been answered)."""
-        with self._lock:
+        """Ask the writer to exit and wait for it (every write asked for has been answered), then
+        give up the buffers' memory."""
+        with self._talk:
             try:
                 self._send(self._conn, {"kind": "close"})
             except OSError:
@@ -113,6 +135,10 @@ class WriterProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        with self._state:
+            regions, self._regions = list(self._regions.values()), {}
+        for region in regions:
+            region.close()
 
     def _call(self, fn: Any) -> Any:
         try:

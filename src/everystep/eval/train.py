@@ -36,10 +36,12 @@ from ..state import state_hash
 from ..storage.region import on_volatile_memory
 from ..strategies.lightcheck import region_path
 from ..strategies import STRATEGIES, create
+from ..strategies.checkfreq import CheckFreqConfig
 from ..compress import parse_spec
 from .faults import FailurePlan, Injector
 from .workloads import OPTIMIZERS, WORKLOADS, build, check_device, needs_ddp
-from .zygote import Forked, Zygote, die_with, start_ranks
+from .._process import die_with
+from .zygote import Forked, Zygote, start_ranks
 
 __all__ = ["TrainConfig", "train", "run_supervised", "training_state_hash"]
 
@@ -120,7 +122,7 @@ class TrainConfig:
                               "cores); raise the limit with --max-nproc if you mean it")
         given = {k: v for k, v in (("every", self.every), ("keep", self.keep)) if v is not None}
         made = create(self.strategy, **given, **self.options)  # validates the options before any process starts
-        if getattr(made.config, "persist", "thread") == "process" and (self.nproc > 1 or self.full_format != "safetensors"):
+        if isinstance(made.config, CheckFreqConfig) and not made.config.persist_serves(self.nproc, self.full_format):
             raise ConfigError("--option persist=process serves one training process writing everystep's own format: "
                               "drop it with --nproc above 1 or --full-format dcp")
 

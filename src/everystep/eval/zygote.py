@@ -31,7 +31,7 @@ from typing import Any
 from .._process import die_with
 from ..errors import EverystepError
 
-__all__ = ["Zygote", "Forked", "die_with", "start_ranks"]
+__all__ = ["Zygote", "Forked", "start_ranks"]
 
 
 class Forked:

@@ -28,7 +28,6 @@ from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import buffer_chunks
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
-from ..transport.shared import SharedRegion
 from .base import Strategy, StrategyConfig
 
 __all__ = ["CheckFreq", "CheckFreqConfig", "AsyncSnapshot"]
@@ -49,6 +48,11 @@ class CheckFreqConfig(StrategyConfig):
             raise ConfigError(f"buffers must be at least 1, got {self.buffers}")
         if self.persist not in ("thread", "process"):
             raise ConfigError(f"persist must be 'thread' or 'process', got {self.persist!r}")
+
+    def persist_serves(self, world: int, full_format: str) -> bool:
+        """Whether ``persist`` serves a job of ``world`` processes writing full checkpoints in
+        ``full_format`` (the writer process serves one, in everystep's own format)."""
+        return self.persist == "thread" or (world == 1 and full_format == "safetensors")
 
 
 class CheckFreq(Strategy):
@@ -71,32 +75,19 @@ class CheckFreq(Strategy):
         self._last = -1
         self._staging: Future[Any] | None = None
         self._writer: WriterProcess | None = None
-        self._regions: dict[int, SharedRegion] = {}
         if self.config.persist == "process":
-            if self.ctx.ranks.distributed or self.ctx.full_format != "safetensors":
+            if not self.config.persist_serves(self.ctx.ranks.world, self.ctx.full_format):
                 raise ConfigError(f"strategy {self.name!r} with persist='process' writes and commits each checkpoint in "
                                   "the writer process, which serves one training process writing everystep's own "
                                   "format: use persist='thread' under several processes or with full_format='dcp'")
             assert self.ctx.directory is not None
             self._writer = WriterProcess(self.ctx.directory.root, keep=self.config.keep)
-            self._pool = HostBufferPool(self.config.buffers, make=self._shared_buffer, dropped=self._drop_buffer)
+            self._pool = HostBufferPool(self.config.buffers, make=self._writer.buffer, dropped=self._writer.drop)
         else:
             self._pool = HostBufferPool(self.config.buffers)
         self._snapshotter = Worker("everystep-snapshot", self.errors)
         self._persister = Worker("everystep-persist", self.errors)
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-
-    def _shared_buffer(self, layout: TensorLayout) -> HostBuffer:
-        """A host buffer in memory the writer process maps (pinned on a GPU where the driver allows)."""
-        region, buffer = SharedRegion.holding(layout)
-        region.register()
-        self._regions[id(buffer)] = region
-        return buffer
-
-    def _drop_buffer(self, buffer: HostBuffer) -> None:
-        assert self._writer is not None
-        self._writer.drop(buffer)
-        self._regions.pop(id(buffer)).close()
 
     def _on_state_ready(self, step: int, final: bool) -> None:
         if step == self._last or not due(step, self.config.every, final=final):
@@ -131,7 +122,6 @@ class CheckFreq(Strategy):
                 write_full(self.ctx.store, step, None, skeleton, plan=plan, error=staging.exception())  # raises, on every rank
             t0 = time.perf_counter()
             if self._writer is not None:  # written, committed and retained there
-                self._writer.share(buffer, self._regions[id(buffer)])
                 nbytes = self._writer.write(step, buffer, skeleton).nbytes
                 self.ctx.store.count_written_elsewhere(nbytes)
             else:
@@ -167,8 +157,6 @@ class CheckFreq(Strategy):
         self._persister.close()
         if self._writer is not None:
             self._writer.close()
-        for region in self._regions.values():
-            region.close()
 
 
 class AsyncSnapshot(CheckFreq):
