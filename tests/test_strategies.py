@@ -208,3 +208,35 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before_it(tmp_path, 
     assert 0 <= step < 6
     if strategy not in LOSSY:
         assert live_hash(w2, step) == (hashes[step] if step else live_hash(make("mlp", 0, strategy), 0))
+
+
+def test_the_stable_keys_kept_between_checkpoints_are_those_a_fresh_look_finds():
+    """What only ``optimizer.step()`` changes is asked at every checkpoint and kept between them;
+    a parameter group added later changes the answer, and the kept one follows."""
+    import torch
+
+    from everystep.state import TrainingComponents
+    from everystep.strategies import CheckpointStats
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model[0].parameters(), lr=0.1)
+
+    def context() -> StrategyContext:
+        return StrategyContext(TrainingComponents(model=model, optimizer=opt), None, CheckpointStats())
+
+    def step() -> None:
+        model(torch.randn(8, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    kept = context()
+    step()
+    first = kept.stable_keys(kept.flatten_state(1)[0])
+    assert "/model/0.weight" in first and "/model/2.weight" not in first and "/model/1.running_mean" not in first
+    assert kept.stable_keys(kept.flatten_state(1)[0]) is first  # asked again: kept
+    opt.add_param_group({"params": list(model[2].parameters())})
+    step()
+    tensors = kept.flatten_state(2)[0]
+    fresh = context().stable_keys(tensors)
+    assert kept.stable_keys(tensors) == fresh and "/model/2.weight" in fresh and "/model/1.running_mean" not in fresh

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,13 @@ class TensorLayout:
 
     entries: tuple[LayoutEntry, ...]
     nbytes: int
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.entries, self.nbytes)))
+
+    def __hash__(self) -> int:  # hashed by every cache keyed on a layout, once per checkpoint: computed once
+        return self._hash
 
     @classmethod
     def of(cls, tensors: dict[str, torch.Tensor]) -> "TensorLayout":

@@ -124,6 +124,7 @@ class StrategyContext:
         self.full_format = "safetensors"
         """How full checkpoints are stored: ``safetensors`` (everystep's own) or ``dcp``."""
         self._lock = threading.Lock()
+        self._stable: tuple[Any, frozenset[str]] | None = None
 
     def state_tree(self, step: int) -> dict[str, Any]:
         """S_step as a tree referencing live tensors (valid until the next update)."""
@@ -147,18 +148,27 @@ class StrategyContext:
     def _keys_in(tensors: dict[str, torch.Tensor], ptrs: set[int]) -> set[str]:
         return {k for k, t in tensors.items() if t.numel() and t.untyped_storage().data_ptr() in ptrs}
 
-    def stable_keys(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+    def stable_keys(self, tensors: dict[str, torch.Tensor]) -> frozenset[str]:
         """Keys of tensors that only ``optimizer.step()`` modifies: parameters and optimizer state.
 
         Everything else (BatchNorm statistics, RNG, counters) may change in the next forward and
-        must be copied before it starts.
+        must be copied before it starts. A state checkpointed every step asks with the same tensors
+        each time: the answer is kept while the same keys name the same memory (each tensor's data
+        pointer). What could change beneath that (a parameter group added, whose tensors get optimizer
+        state, so new keys, only at their first update) leaves a tensor counted volatile, copied at
+        once, which is always correct.
         """
+        signature = (tuple(tensors), tuple(t.data_ptr() for t in tensors.values()))
+        if self._stable is not None and self._stable[0] == signature:
+            return self._stable[1]  # the same tensors under the same keys as last time: the same answer
         ptrs = self._optimizer_storages()
         compression = self.components.compression
         if compression is not None and getattr(compression, "immutable_tensors", False):
             tensors_, _ = flatten(compression.state_dict())
             ptrs |= {t.untyped_storage().data_ptr() for t in tensors_.values() if t.numel()}
-        return self._keys_in(tensors, ptrs)
+        stable = frozenset(self._keys_in(tensors, ptrs))
+        self._stable = (signature, stable)
+        return stable
 
     def optimizer_keys(self, tensors: dict[str, torch.Tensor]) -> list[ParamKeys]:
         """Each parameter the optimizer updates, in its groups' order, with its key in ``tensors``
