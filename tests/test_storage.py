@@ -123,6 +123,39 @@ def test_discard_removes_manifest_then_unshared_objects(store):
     assert (store.root / "objects" / m2.objects["data"].name).exists()
 
 
+def test_the_file_of_a_discarded_object_is_written_over_by_the_next_and_deleted_at_close(store):
+    """Retention at every checkpoint would free one file's blocks and allocate another's: the file
+    of the object a discarded checkpoint alone used is kept, named as a leftover (so that garbage
+    collection after a crash removes it), and the next object is written over it, shorter or
+    longer; ``close`` deletes what is kept."""
+    m1, m2 = _commit(store, 1, b"a" * 5000), _commit(store, 2, b"b" * 5000)
+    objects = store.root / "objects"
+    inode = (objects / m1.objects["data"].name).stat().st_ino
+    store.discard(m1.name)
+    assert store.object_names() == [m2.objects["data"].name]
+    assert [final for _, final in store.interrupted_writes()] == [m1.objects["data"].name]
+    m3 = _commit(store, 3, b"c" * 100)
+    assert (objects / m3.objects["data"].name).stat().st_ino == inode
+    assert bytes(store.read_object(m3.objects["data"])) == b"c" * 100 and store.interrupted_writes() == []
+    store.discard(m2.name)
+    m4 = _commit(store, 4, b"d" * 9000)
+    assert bytes(store.read_object(m4.objects["data"])) == b"d" * 9000
+    store.discard(m3.name)
+    store.discard(m4.name)  # a spare is kept already: this one is deleted
+    assert len(store.interrupted_writes()) == 1
+    store.close()
+    assert list(objects.iterdir()) == [] and store.manifests() == []
+
+
+def test_a_spare_file_left_by_a_crash_is_collected_at_the_next_open(tmp_path):
+    d = CheckpointDirectory.open(tmp_path / "ckpt", strategy="test")
+    m1, m2 = _commit(d.store, 1), _commit(d.store, 2)
+    d.store.discard(m1.name)  # then the process dies: close() never runs
+    [(token, _)] = d.store.interrupted_writes()
+    assert d.collect_garbage() == [token]  # what open() runs
+    assert d.store.interrupted_writes() == [] and d.store.object_names() == [m2.objects["data"].name]
+
+
 def test_an_object_may_be_a_directory_written_in_place_then_installed_whole(store):
     def fill(folder: Path) -> int:
         folder.mkdir()

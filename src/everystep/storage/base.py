@@ -186,6 +186,10 @@ class Store(Protocol):
 
     def discard(self, manifest_name: str) -> None: ...
 
+    def close(self) -> None:
+        """Delete what the store keeps to write over (the store may still be read)."""
+        ...
+
     def stored_files(self) -> list[str]:
         """Every file of every object, as an object name (``verify`` compares it with the manifests)."""
         ...

@@ -291,6 +291,8 @@ class CheckpointDirectory:
 
     def close(self) -> None:
         """Give the directory up for writing (release its lock). The store may still be read."""
+        if self.access != "read":
+            self.store.close()
         if self._owner is not None:
             self._owner.release()
             self._owner = None

@@ -11,7 +11,9 @@ Layout of a checkpoint directory (the marker and the lock belong to
 
 A write goes to ``.tmp-<name>-<random>`` beside its final name and is renamed into place when it
 is durable; what an interrupted write leaves is listed by :meth:`LocalStore.interrupted_writes`.
-A store opened with ``access="read"`` creates, renames and deletes nothing.
+The file of an object a discarded checkpoint alone used is kept (as ``.tmp-<its name>-<random>``)
+and written over by the next object, instead of deleted and allocated anew; :meth:`LocalStore.close`
+deletes it. A store opened with ``access="read"`` creates, renames and deletes nothing.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class LocalStore:
         self._lock = threading.Lock()
         self._bytes_written = 0
         self._parsed: dict[str, tuple[tuple[int, int, int], ManifestRecord]] = {}
+        self._spare: Path | None = None
+        """The file of a discarded object, for the next object to be written over (see :meth:`discard`)."""
 
     def prepare(self) -> None:
         """Create the store's folders (a writer, at open)."""
@@ -123,12 +127,15 @@ class LocalStore:
         self._write_chunks(final, [memoryview(data)], hasher=None, what=what)
 
     def _write_chunks(self, final: Path, chunks: Iterable[bytes | memoryview], hasher: Any, what: str) -> int:
-        """Write ``final`` atomically; crash points are ``store.<what>.mid_write`` and ``.before_rename``."""
+        """Write ``final`` atomically; crash points are ``store.<what>.mid_write`` and ``.before_rename``.
+        An object is written over the spare file, when there is one."""
         self.check_writable()
         tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         total = 0
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = self._open_spare(tmp) if what == "object" else None
+            if fd is None:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 for i, chunk in enumerate(chunks):
                     view = memoryview(chunk).cast("B")
@@ -141,6 +148,8 @@ class LocalStore:
                         self._count(n)
                     if i == 0:
                         crash_point(f"store.{what}.mid_write")  # once per write: part written, not durable
+                if os.fstat(fd).st_size != total:
+                    os.ftruncate(fd, total)  # a spare file longer than the object
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -157,6 +166,25 @@ class LocalStore:
             hint = " — free space or choose another --dir" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
             raise StoreWriteError(e.errno, f"writing {final} failed: {e.strerror or e}{hint}") from e
         return total
+
+    def _open_spare(self, tmp: Path) -> int | None:
+        """The spare file renamed to ``tmp`` and opened for writing over, if there is one.
+
+        Writing over a file keeps its blocks: no allocation now and no freeing at its deletion,
+        which on a small state checkpointed every step cost more than the data's own write. No
+        checkpoint names the spare (its manifest's removal was durable before it became one).
+        """
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        try:
+            os.rename(spare, tmp)
+            return os.open(tmp, os.O_WRONLY)
+        except OSError:
+            for path in (spare, tmp):
+                path.unlink(missing_ok=True)
+            return None
 
     def _os_write(self, fd: int, view: memoryview) -> int:
         """One write(2); a seam for fault-injection tests."""
@@ -280,7 +308,8 @@ class LocalStore:
     # -- removing ----------------------------------------------------------------------------
 
     def discard(self, manifest_name: str) -> None:
-        """Uncommit a checkpoint (its manifest goes first), then delete the objects only it used."""
+        """Uncommit a checkpoint (its manifest goes first, durably), then delete the objects only it
+        used — but one file, kept as the spare for the next object to be written over."""
         self.check_writable()
         path = self.manifests_dir / f"{manifest_name}.json"
         try:
@@ -291,11 +320,35 @@ class LocalStore:
         path.unlink(missing_ok=True)
         fsync_dir(self.manifests_dir)
         still_used = self._referenced()
-        for name in names - still_used:
-            (self.objects_dir / name).unlink(missing_ok=True)
+        for name in sorted(names - still_used):
+            self._retire(self.objects_dir / name)
         for folder in {name.split("/", 1)[0] for name in names if "/" in name}:
             if not any(n.startswith(folder + "/") for n in still_used):
                 shutil.rmtree(self.objects_dir / folder, ignore_errors=True)
+
+    def _retire(self, path: Path) -> None:
+        """Keep the file of a discarded object as the spare, or delete it when there is one already."""
+        if self._spare is not None or path.parent != self.objects_dir:  # (read unlocked: a hint)
+            path.unlink(missing_ok=True)
+            return
+        spare = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, spare)
+        except OSError:
+            path.unlink(missing_ok=True)
+            return
+        with self._lock:
+            if self._spare is None:
+                self._spare, spare = spare, None
+        if spare is not None:
+            spare.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Delete the spare file (the store may still be read)."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.unlink(missing_ok=True)
 
     def committed(self, manifest_name: str) -> bool:
         """Whether the checkpoint ``manifest_name`` is still committed (a writer may discard it
