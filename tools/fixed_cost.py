@@ -1,11 +1,12 @@
 """The fixed cost of a checkpoint on a short step, measured in one process against ``none``.
 
-Two copies of a workload train side by side, one under the strategy (a checkpoint every step,
-or the strategy's own interval for the differential ones), one with no checkpointing; blocks of
-steps alternate between them, and each block pair gives one overhead ratio. One process, one
-machine state: the slow drifts of a noisy machine cancel in each pair, where separate processes
-(``everystep bench``) see them as spread. Work still in flight at the end of a block is waited
-for outside the timing.
+One copy of the workload trains with no checkpointing and one under each strategy (a checkpoint
+every step, or the strategy's own interval for the differential ones), all in one process; blocks
+of steps go round the copies, in a rotated order, and each round gives every strategy one
+overhead ratio against the ``none`` block of that round. One process, one machine state: the slow
+drifts of a noisy machine cancel within a round, where separate processes (``everystep bench``)
+see them as spread, and strategies measured together are compared under the same drifts. Work
+still in flight at the end of a block is waited for outside the timing.
 
     python tools/fixed_cost.py --strategies checkfreq,lowdiff,lowdiff_plus [--src DIR]
 
@@ -17,13 +18,16 @@ A strategy may carry options after ``+``: ``checkfreq+persist=process``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 
-def measure(spec: str, workload: str, compress: str, blocks: int, steps: int) -> list[float]:
+def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: int) -> dict[str, list[float]]:
+    """Each strategy's overhead ratio over ``none``, one per round of blocks."""
     import torch
 
     from everystep import Checkpointer
@@ -31,26 +35,38 @@ def measure(spec: str, workload: str, compress: str, blocks: int, steps: int) ->
     from everystep.eval.workloads import build
 
     torch.set_num_threads(1)
-    strategy, *given = spec.split("+")
-    options = {k: v for k, _, v in (o.partition("=") for o in given)}
-    plain, checked = (build(workload, seed=0, compress=compress) for _ in range(2))
-    every = {} if strategy in ("lowdiff", "naive_diff", "lowdiff_plus") else {"every": 1}
-    ratios = []
-    with tempfile.TemporaryDirectory() as d:
-        with Checkpointer(f"{d}/c", checked.model, checked.optimizer, scheduler=checked.scheduler, data=checked.data,
-                          compression=checked.compression, strategy=strategy, **every, **options) as ckpt:
+    arms: list[tuple[str, Any, Any]] = []  # (name, workload, checkpointer or None)
+    ratios: dict[str, list[float]] = {spec: [] for spec in specs}
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
+        arms.append(("none", build(workload, seed=0, compress=compress), None))
+        for i, spec in enumerate(specs):
+            strategy, *given = spec.split("+")
+            options = {k: v for k, _, v in (o.partition("=") for o in given)}
+            every = {} if strategy in ("lowdiff", "naive_diff", "lowdiff_plus") else {"every": 1}
+            w = build(workload, seed=0, compress=compress)
+            ckpt = stack.enter_context(Checkpointer(f"{d}/c{i}", w.model, w.optimizer, scheduler=w.scheduler,
+                                                    data=w.data, compression=w.compression, strategy=strategy,
+                                                    **every, **options))
             ckpt.restore()
+            arms.append((spec, w, ckpt))
+        for _, w, ckpt in arms:
             for _ in range(3):
-                _step(plain), _step(checked)
-            for _ in range(blocks):
-                times: dict[int, list[float]] = {0: [], 1: []}
-                for arm, w in enumerate((plain, checked)):
-                    for _ in range(steps):
-                        t0 = time.perf_counter()
-                        _step(w)
-                        times[arm].append(time.perf_counter() - t0)
+                _step(w)
+            if ckpt is not None:
                 ckpt.wait()
-                ratios.append(statistics.median(times[1]) / statistics.median(times[0]) - 1)
+        for b in range(blocks):
+            medians = {}
+            for name, w, ckpt in arms[b % len(arms):] + arms[: b % len(arms)]:
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    _step(w)
+                    times.append(time.perf_counter() - t0)
+                if ckpt is not None:
+                    ckpt.wait()
+                medians[name] = statistics.median(times)
+            for spec in specs:
+                ratios[spec].append(medians[spec] / medians["none"] - 1)
     return ratios
 
 
@@ -59,16 +75,16 @@ def main() -> None:
     parser.add_argument("--strategies", default="checkfreq,lowdiff,lowdiff_plus")
     parser.add_argument("--workload", default="gpt2-tiny")
     parser.add_argument("--compress", default="topk:0.01")
-    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--blocks", type=int, default=16, help="rounds of blocks")
     parser.add_argument("--steps", type=int, default=10, help="steps per block")
     parser.add_argument("--src", help="import everystep from this source directory")
     args = parser.parse_args()
     if args.src:
         sys.path.insert(0, args.src)
-    for strategy in args.strategies.split(","):
-        ratios = measure(strategy, args.workload, args.compress, args.blocks, args.steps)
+    for spec, ratios in measure(args.strategies.split(","), args.workload, args.compress, args.blocks,
+                                args.steps).items():
         q = statistics.quantiles(ratios, n=4)
-        print(f"{strategy}: overhead {statistics.median(ratios):+.1%} (median of {len(ratios)} block pairs; "
+        print(f"{spec}: overhead {statistics.median(ratios):+.1%} (median of {len(ratios)} rounds; "
               f"quartiles {q[0]:+.1%} to {q[2]:+.1%})", flush=True)
 
 
