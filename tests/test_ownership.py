@@ -71,12 +71,14 @@ def test_readers_work_beside_a_live_writer_and_change_nothing(tmp_path, capsys):
         before = files_of(directory)
         assert call_cli(capsys, "recover", "--dir", str(directory))[0] == 0
         assert call_cli(capsys, "inspect", str(directory))[0] == 0
-        assert call_cli(capsys, "verify", str(directory))[0] == 1  # the leftover is named, not removed
+        assert call_cli(capsys, "verify", str(directory))[0] == 0  # the writer's temporary: a write in progress
         assert recover_run(str(directory))["step"] == 3
         assert files_of(directory) == before
     finally:
         holder.kill()
         holder.wait()
+    code, out, _ = call_cli(capsys, "verify", str(directory))  # no writer: a crash's leftover, named, not removed
+    assert code == 1 and f"{leftover}: no checkpoint names this file" in out and leftover.exists()
     reader = CheckpointDirectory.open(directory, create=False, access="read")
     with pytest.raises(ReadOnlyStoreError):
         reader.store.write_object("full-000000000009.safetensors", [b"x"])

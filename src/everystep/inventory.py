@@ -90,13 +90,18 @@ def _read_each(store: Store, manifest: Any) -> list[str]:
 def verify_store(directory: CheckpointDirectory, rows: list[dict[str, Any]] | None = None) -> list[str]:
     """Every problem in a checkpoint directory, each naming the file: checkpoints (and lightcheck's
     region slots) that fail to verify (checksum, size, missing object, unreadable manifest), and
-    files that no checkpoint names (left by a crash, or copied in). An empty list means all is
-    well. ``rows``: what :func:`inspect_store` already returned."""
+    files that no checkpoint names (left by a crash, or copied in). While a process holds the
+    directory for writing, its temporaries are its writes in progress (and the file its store keeps
+    to write over), not problems. An empty list means all is well. ``rows``: what
+    :func:`inspect_store` already returned."""
     store = directory.store
     rows = inspect_store(directory) if rows is None else rows
     problems = [f"{row['name']}: {row['reason']}" for row in rows if not row["valid"]]
     named = {o.name for r in store.manifests() if r.manifest for o in r.manifest.objects.values()}
+    in_progress = set()
+    if CheckpointDirectory.owner(directory.root) is not None:
+        in_progress = {token.split("/", 1)[1] for token, _ in store.interrupted_writes()}
     for name in store.stored_files():
-        if name not in named:
+        if name not in named and name.split("/", 1)[0] not in in_progress:
             problems.append(f"{store.object_path(name)}: no checkpoint names this file")
     return problems
