@@ -8,6 +8,12 @@ drifts of a noisy machine cancel within a round, where separate processes (``eve
 see them as spread, and strategies measured together are compared under the same drifts. Work
 still in flight at the end of a block is waited for outside the timing.
 
+With each overhead it prints where the time goes, per step of the strategy's blocks: the training
+thread's time inside everystep (its hooks, waits included), and the CPU time (user and system,
+from ``/proc``) of the threads the strategy started in this process (not of another process:
+``lowdiff_plus``'s agent, the writer of ``persist=process``) — the rest of what a strategy costs is
+interference: background work competing with training for the GIL and the cores.
+
     python tools/fixed_cost.py --strategies checkfreq,lowdiff,lowdiff_plus [--src DIR]
 
 A strategy may carry options after ``+``: ``checkfreq+persist=process``.
@@ -19,15 +25,36 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
 
-def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: int) -> dict[str, list[float]]:
-    """Each strategy's overhead ratio over ``none``, one per round of blocks."""
+def _thread_cpu(tids: set[int]) -> float:
+    """CPU seconds (user and system) the threads ``tids`` of this process have used so far."""
+    ticks = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _tids() -> set[int]:
+    return {t.native_id for t in threading.enumerate() if t.native_id is not None}
+
+
+def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: int,
+            profile: dict[str, dict[str, float]] | None = None) -> dict[str, list[float]]:
+    """Each strategy's overhead ratio over ``none``, one per round of blocks; ``profile`` gets, per
+    strategy, the training thread's seconds inside everystep and its threads' CPU seconds, per step."""
     import torch
 
     from everystep import Checkpointer
@@ -37,6 +64,9 @@ def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: 
     torch.set_num_threads(1)
     arms: list[tuple[str, Any, Any]] = []  # (name, workload, checkpointer or None)
     ratios: dict[str, list[float]] = {spec: [] for spec in specs}
+    threads: dict[str, set[int]] = {}
+    inside = {spec: 0.0 for spec in specs}
+    cpu = {spec: 0.0 for spec in specs}
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         arms.append(("none", build(workload, seed=0, compress=compress), None))
         for i, spec in enumerate(specs):
@@ -44,10 +74,13 @@ def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: 
             options = {k: v for k, _, v in (o.partition("=") for o in given)}
             every = {} if strategy in ("lowdiff", "naive_diff", "lowdiff_plus") else {"every": 1}
             w = build(workload, seed=0, compress=compress)
+            before = _tids()
             ckpt = stack.enter_context(Checkpointer(f"{d}/c{i}", w.model, w.optimizer, scheduler=w.scheduler,
                                                     data=w.data, compression=w.compression, strategy=strategy,
                                                     **every, **options))
             ckpt.restore()
+            _step(w)  # (threads a strategy starts at its first step)
+            threads[spec] = _tids() - before
             arms.append((spec, w, ckpt))
         for _, w, ckpt in arms:
             for _ in range(3):
@@ -58,15 +91,22 @@ def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: 
             medians = {}
             for name, w, ckpt in arms[b % len(arms):] + arms[: b % len(arms)]:
                 times = []
+                if ckpt is not None:
+                    stall, used = ckpt.stats.stall_seconds, _thread_cpu(threads[name])
                 for _ in range(steps):
                     t0 = time.perf_counter()
                     _step(w)
                     times.append(time.perf_counter() - t0)
                 if ckpt is not None:
                     ckpt.wait()
+                    inside[name] += ckpt.stats.stall_seconds - stall
+                    cpu[name] += _thread_cpu(threads[name]) - used
                 medians[name] = statistics.median(times)
             for spec in specs:
                 ratios[spec].append(medians[spec] / medians["none"] - 1)
+    if profile is not None:
+        for spec in specs:
+            profile[spec] = {"inside": inside[spec] / (blocks * steps), "threads_cpu": cpu[spec] / (blocks * steps)}
     return ratios
 
 
@@ -81,11 +121,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.src:
         sys.path.insert(0, args.src)
+    profile: dict[str, dict[str, float]] = {}
     for spec, ratios in measure(args.strategies.split(","), args.workload, args.compress, args.blocks,
-                                args.steps).items():
+                                args.steps, profile).items():
         q = statistics.quantiles(ratios, n=4)
         print(f"{spec}: overhead {statistics.median(ratios):+.1%} (median of {len(ratios)} rounds; "
-              f"quartiles {q[0]:+.1%} to {q[2]:+.1%})", flush=True)
+              f"quartiles {q[0]:+.1%} to {q[2]:+.1%}); per step: {profile[spec]['inside'] * 1e3:.2f} ms of the "
+              f"training thread inside everystep, {profile[spec]['threads_cpu'] * 1e3:.2f} ms CPU of its threads",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,10 @@ class ParamKeys:
     state: dict[str, str]
 
 
+_COMPRESSION = "/compression/"
+"""Where a gradient compression's state lies in the flat state (:meth:`TrainingComponents.capture`)."""
+
+
 class StrategyContext:
     """What a strategy may use: the live components, the checkpoint directory and its store, the
     boundary capture, stats."""
@@ -149,26 +153,28 @@ class StrategyContext:
         return {k for k, t in tensors.items() if t.numel() and t.untyped_storage().data_ptr() in ptrs}
 
     def stable_keys(self, tensors: dict[str, torch.Tensor]) -> frozenset[str]:
-        """Keys of tensors that only ``optimizer.step()`` modifies: parameters and optimizer state.
+        """Keys of tensors that only ``optimizer.step()`` modifies: parameters and optimizer state,
+        and the state of a gradient compression that replaces its tensors rather than modifying them
+        (``immutable_tensors``: its residuals, new objects at every step).
 
         Everything else (BatchNorm statistics, RNG, counters) may change in the next forward and
         must be copied before it starts. A state checkpointed every step asks with the same tensors
-        each time: the answer is kept while the same keys name the same memory (each tensor's data
-        pointer). What could change beneath that (a parameter group added, whose tensors get optimizer
-        state, so new keys, only at their first update) leaves a tensor counted volatile, copied at
-        once, which is always correct.
+        each time: the answer for the model's and the optimizer's part of it is kept while the same
+        keys name the same memory (each tensor's data pointer). What could change beneath that (a parameter group
+        added, whose tensors get optimizer state, so new keys, only at their first update) leaves a
+        tensor counted volatile, copied at once, which is always correct.
         """
-        signature = (tuple(tensors), tuple(t.data_ptr() for t in tensors.values()))
-        if self._stable is not None and self._stable[0] == signature:
-            return self._stable[1]  # the same tensors under the same keys as last time: the same answer
-        ptrs = self._optimizer_storages()
         compression = self.components.compression
-        if compression is not None and getattr(compression, "immutable_tensors", False):
-            tensors_, _ = flatten(compression.state_dict())
-            ptrs |= {t.untyped_storage().data_ptr() for t in tensors_.values() if t.numel()}
-        stable = frozenset(self._keys_in(tensors, ptrs))
-        self._stable = (signature, stable)
-        return stable
+        replaced = compression is not None and getattr(compression, "immutable_tensors", False)
+        fresh = tuple(f"/{name}/" for name in self.boundary)  # copies taken at the step's end: volatile
+        rest = [k for k in tensors if not k.startswith(fresh) and not (replaced and k.startswith(_COMPRESSION))]
+        signature = (rest, [tensors[k].data_ptr() for k in rest])
+        if self._stable is None or self._stable[0] != signature:
+            self._stable = (signature, frozenset(self._keys_in({k: tensors[k] for k in rest},
+                                                               self._optimizer_storages())))
+        if not replaced:
+            return self._stable[1]
+        return self._stable[1] | {k for k in tensors if k.startswith(_COMPRESSION) and tensors[k].numel()}
 
     def optimizer_keys(self, tensors: dict[str, torch.Tensor]) -> list[ParamKeys]:
         """Each parameter the optimizer updates, in its groups' order, with its key in ``tensors``
