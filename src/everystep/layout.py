@@ -55,12 +55,22 @@ def _layout_of(signature: tuple[tuple[str, torch.dtype, torch.Size], ...]) -> Te
     return TensorLayout(tuple(entries), offset)
 
 
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
+"""Dtypes NumPy has: their bytes come by way of ``numpy()`` alone, with no view (a differential
+batch holds hundreds of small tensors; the views cost more than the bytes)."""
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor, without a copy when it is contiguous."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    if not t.is_contiguous():
+        t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
+    if t.dtype in _NUMPY_DTYPES:
+        return memoryview(t.numpy()).cast("B")
     return memoryview(t.view(-1).view(torch.uint8).numpy())

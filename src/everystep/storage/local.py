@@ -57,9 +57,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _identity(path: Path) -> tuple[int, int, int]:
+def _identity(path: Path | str) -> tuple[int, int, int]:
     """What tells a file apart from a rewrite of it: inode, size, modification time."""
-    st = path.stat()
+    st = os.stat(path)
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -284,17 +284,22 @@ class LocalStore:
         read. A new store (a recovery) reads every one. (A rewrite of the same size within one tick of the
         file system's clock is not seen by a store that knows the file; a new store sees it.)"""
         records, parsed = [], {}
-        for path in sorted(self.manifests_dir.glob("*.json")):
-            if _TMP.match(path.name):
-                continue
-            name = path.name[: -len(".json")]
+        folder = str(self.manifests_dir)  # (strings, not paths: listed after every checkpoint)
+        try:
+            with os.scandir(folder) as entries:
+                filenames = sorted(e.name for e in entries if e.name.endswith(".json") and not _TMP.match(e.name))
+        except FileNotFoundError:
+            filenames = []
+        for filename in filenames:
+            name, path = filename[: -len(".json")], os.path.join(folder, filename)
             try:
                 identity = _identity(path)
                 known = self._parsed.get(name)
                 if known is not None and known[0] == identity:
                     record = known[1]
                 else:
-                    record = ManifestRecord(name, Manifest.from_bytes(path.read_bytes()))
+                    with open(path, "rb") as f:
+                        record = ManifestRecord(name, Manifest.from_bytes(f.read()))
             except FileNotFoundError:
                 continue  # discarded since the listing (a reader beside a live writer)
             except (OSError, ValueError, KeyError, TypeError) as e:
