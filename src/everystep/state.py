@@ -324,7 +324,7 @@ def flatten(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
         if isinstance(node, torch.Tensor):
             return tensor(node, path)
         if isinstance(node, dict):
-            if all(type(k) is str for k in node) or all(isinstance(k, str) for k in node):
+            if all(isinstance(k, str) for k in node):
                 return {k: v if type(v) in _PLAIN else walk(v, f"{path}/{k}") for k, v in node.items()}
             if all(isinstance(k, int) for k in node):
                 return {_INTKEYS: [[k, v if type(v) in _PLAIN else walk(v, f"{path}/{k}")] for k, v in node.items()]}
