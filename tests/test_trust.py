@@ -159,6 +159,9 @@ def test_messages_are_json_and_a_pickle_on_the_socket_is_refused_without_running
     skeleton = {"model": {"w": {"__tensor__": "/model/w"}}, "groups": [{"lr": 0.1, "betas": {"__tuple__": [0.9, 0.99]}}]}
     send(a, message("step", skeleton=Plain(skeleton), betas=(0.9, 0.99)))  # plain JSON goes as it is
     assert recv(b) == {"kind": "step", "skeleton": skeleton, "betas": (0.9, 0.99)}
+    tagged = {"$tuple": [1, 2], "$layout": "x", "$plain": {}, "inner": [{"$tuple": []}]}  # a state's own keys
+    send(a, message("step", skeleton=Plain(tagged)))
+    assert recv(b) == {"kind": "step", "skeleton": tagged}  # read back as they are, none taken for a tag
 
 
 def test_agent_json_is_created_private_and_never_through_a_planted_link(tmp_path):

@@ -274,14 +274,16 @@ def recv(conn: connection.Connection) -> dict[str, Any]:
 class Plain:
     """A message field that is plain JSON already — dicts with string keys, lists, scalars, no
     tuples or layouts, as a state's skeleton is — sent as it is, without the walk that tags tuples
-    (the skeleton goes with every step, on the training thread)."""
+    and checks keys (a skeleton goes with every checkpoint, from a thread of the training process),
+    and read back as it is, without the walk that untags them: whatever keys it holds, none of it
+    is taken for a tag."""
 
     value: Any
 
 
 def _encode(value: Any) -> Any:
     if isinstance(value, Plain):
-        return value.value
+        return {"$plain": value.value}
     if isinstance(value, TensorLayout):
         return {"$layout": [[e.key, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset, e.nbytes]
                             for e in value.entries], "nbytes": value.nbytes}
@@ -303,6 +305,8 @@ def _decode(value: Any) -> Any:
         return [_decode(v) for v in value]
     if not isinstance(value, dict):
         return value
+    if "$plain" in value:
+        return value["$plain"]
     if "$tuple" in value:
         return tuple(_decode(v) for v in value["$tuple"])
     if "$layout" in value:

@@ -62,9 +62,9 @@ class WriterProcess:
     persist thread's), which alone talks to the writer."""
 
     def __init__(self, directory: Path, *, keep: int) -> None:
-        from .channel import recv, send, send_fds  # (the channel imports torch: not at module import)
+        from .channel import Plain, recv, send, send_fds  # (the channel imports torch: not at module import)
 
-        self._send, self._recv, self._send_fds = send, recv, send_fds
+        self._send, self._recv, self._send_fds, self._plain = send, recv, send_fds, Plain
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.process = subprocess.Popen(
@@ -115,7 +115,7 @@ class WriterProcess:
                 self._call(lambda: (self._send(self._conn, {"kind": "buffer", "id": id(buffer), "layout": buffer.layout}),
                                     self._send_fds(self._conn, [region.fd])))
             self._call(lambda: self._send(self._conn, {"kind": "write", "id": id(buffer), "step": step,
-                                                       "skeleton": skeleton}))
+                                                       "skeleton": self._plain(skeleton)}))
             answer = self._call(lambda: self._recv(self._conn))
         if answer["kind"] == "failed":
             raise BackgroundWriteError(f"{answer['error']} (in the checkpoint writer process, pid {self.process.pid})")
