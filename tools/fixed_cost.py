@@ -71,8 +71,8 @@ def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: 
         arms.append(("none", build(workload, seed=0, compress=compress), None))
         for i, spec in enumerate(specs):
             strategy, *given = spec.split("+")
-            options = {k: v for k, _, v in (o.partition("=") for o in given)}
-            every = {} if strategy in ("lowdiff", "naive_diff", "lowdiff_plus") else {"every": 1}
+            options = {k: int(v) if v.isdigit() else v for k, _, v in (o.partition("=") for o in given)}
+            every = {} if strategy in ("lowdiff", "naive_diff", "lowdiff_plus") or "every" in options else {"every": 1}
             w = build(workload, seed=0, compress=compress)
             before = _tids()
             ckpt = stack.enter_context(Checkpointer(f"{d}/c{i}", w.model, w.optimizer, scheduler=w.scheduler,
