@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from everystep.demo import stalls
 from everystep.eval.bench import BenchConfig, interleaved_order, markdown_table, run_bench, smallest_interval, summarise
 from everystep.strategies.checkfreq import CheckFreqConfig
 
@@ -13,6 +14,15 @@ from .conftest import call_cli
 def test_interleaving_rotates_the_order_every_repeat():
     order = interleaved_order(("none", "a", "b"), 3)
     assert order == [(0, "none"), (0, "a"), (0, "b"), (1, "a"), (1, "b"), (1, "none"), (2, "b"), (2, "none"), (2, "a")]
+
+
+def test_the_demo_lists_each_strategy_s_wait_per_checkpoint_from_the_least_against_the_step():
+    summary = {"none": {"mean_step_seconds": 0.0085, "stall_per_checkpoint_seconds": 0.0},
+               "full_sync": {"mean_step_seconds": 0.015, "stall_per_checkpoint_seconds": 0.0062},
+               "checkfreq": {"mean_step_seconds": 0.011, "stall_per_checkpoint_seconds": 0.0011},
+               "gockpt": {"mean_step_seconds": 0.009, "stall_per_checkpoint_seconds": None}}
+    first = stalls(summary).splitlines()[0]
+    assert first == "   a step takes 8.5 ms; the training thread waits per checkpoint: checkfreq 1.1 ms, full_sync 6.2 ms."
 
 
 def test_max_frequency_search_takes_the_first_interval_within_budget():
