@@ -71,6 +71,26 @@ def test_slots_alternate_and_the_newest_complete_one_is_read_back(tmp_path):
     region.close()
 
 
+@pytest.mark.parametrize("flush", [True, False])
+def test_a_commit_flushes_the_slot_marked_writing_then_its_area_then_its_header(tmp_path, monkeypatch, flush):
+    import everystep.storage.region as region_module
+
+    tensors = _tensors()
+    region = RegionStore.open(tmp_path / "r.bin", flush=flush)
+    _write(region, 1, tensors)
+    seen, flush_pages = [], region_module._flush
+
+    def recorded(view, offset, nbytes):
+        seen.append([(s.slot, s.step) for s in region.slots(warn=False)])
+        flush_pages(view, offset, nbytes)
+
+    monkeypatch.setattr(region_module, "_flush", recorded)
+    _write(region, 2, tensors)
+    # marked writing (slot 1 not a checkpoint), the area before its header, then the header
+    assert seen == ([[(0, 1)], [(0, 1)], [(1, 2), (0, 1)]] if flush else [])
+    region.close()
+
+
 @pytest.mark.parametrize("damage", ["flip a data byte", "flip a metadata byte", "tear the header", "truncate"])
 def test_a_damaged_slot_is_skipped_with_a_warning_naming_it(tmp_path, damage):
     """I3/I4: the newest slot damaged in each way; recovery takes the other slot and says which was skipped."""
