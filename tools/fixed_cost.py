@@ -9,10 +9,12 @@ see them as spread, and strategies measured together are compared under the same
 still in flight at the end of a block is waited for outside the timing.
 
 With each overhead it prints where the time goes, per step of the strategy's blocks: the training
-thread's time inside everystep (its hooks, waits included), and the CPU time (user and system,
-from ``/proc``) of the threads the strategy started in this process (not of another process:
-``lowdiff_plus``'s agent, the writer of ``persist=process``) — the rest of what a strategy costs is
-interference: background work competing with training for the GIL and the cores.
+thread's time inside everystep (its hooks, waits included), the CPU time (user and system, from
+``/proc``) of the threads the strategy started in this process (not of another process:
+``lowdiff_plus``'s agent, the writer of ``persist=process``), and the machine's inter-processor
+interrupts of two kinds (``/proc/interrupts``: function calls, which a thread woken on another core
+costs, and TLB shootdowns) — the rest of what a strategy costs is interference: background work
+competing with training for the GIL and the cores (``tools/interference.py`` measures it by kind).
 
     python tools/fixed_cost.py --strategies checkfreq,lowdiff,lowdiff_plus [--src DIR]
 
@@ -47,6 +49,19 @@ def _thread_cpu(tids: set[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def _ipis() -> int:
+    """Inter-processor interrupts so far, machine-wide, of the kinds background work causes: function
+    calls (a thread woken on another core: a GIL or queue hand-over) and TLB shootdowns (pages
+    unmapped or write-protected while another thread of the process runs)."""
+    total = 0
+    with contextlib.suppress(OSError), open("/proc/interrupts") as f:
+        for line in f:
+            name, _, counts = line.partition(":")
+            if name.strip() in ("CAL", "TLB"):
+                total += sum(int(c) for c in counts.split() if c.isdigit())
+    return total
+
+
 def _tids() -> set[int]:
     return {t.native_id for t in threading.enumerate() if t.native_id is not None}
 
@@ -67,6 +82,7 @@ def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: 
     threads: dict[str, set[int]] = {}
     inside = {spec: 0.0 for spec in specs}
     cpu = {spec: 0.0 for spec in specs}
+    ipis = {spec: 0 for spec in ["none", *specs]}
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         arms.append(("none", build(workload, seed=0, compress=compress), None))
         for i, spec in enumerate(specs):
@@ -93,12 +109,15 @@ def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: 
                 times = []
                 if ckpt is not None:
                     stall, used = ckpt.stats.stall_seconds, _thread_cpu(threads[name])
+                interrupts = _ipis()
                 for _ in range(steps):
                     t0 = time.perf_counter()
                     _step(w)
                     times.append(time.perf_counter() - t0)
                 if ckpt is not None:
                     ckpt.wait()
+                ipis[name] += _ipis() - interrupts
+                if ckpt is not None:
                     inside[name] += ckpt.stats.stall_seconds - stall
                     cpu[name] += _thread_cpu(threads[name]) - used
                 medians[name] = statistics.median(times)
@@ -106,7 +125,8 @@ def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: 
                 ratios[spec].append(medians[spec] / medians["none"] - 1)
     if profile is not None:
         for spec in specs:
-            profile[spec] = {"inside": inside[spec] / (blocks * steps), "threads_cpu": cpu[spec] / (blocks * steps)}
+            profile[spec] = {"inside": inside[spec] / (blocks * steps), "threads_cpu": cpu[spec] / (blocks * steps),
+                             "ipis": ipis[spec] / (blocks * steps), "ipis_none": ipis["none"] / (blocks * steps)}
     return ratios
 
 
@@ -127,7 +147,8 @@ def main() -> None:
         q = statistics.quantiles(ratios, n=4)
         print(f"{spec}: overhead {statistics.median(ratios):+.1%} (median of {len(ratios)} rounds; "
               f"quartiles {q[0]:+.1%} to {q[2]:+.1%}); per step: {profile[spec]['inside'] * 1e3:.2f} ms of the "
-              f"training thread inside everystep, {profile[spec]['threads_cpu'] * 1e3:.2f} ms CPU of its threads",
+              f"training thread inside everystep, {profile[spec]['threads_cpu'] * 1e3:.2f} ms CPU of its threads, "
+              f"{profile[spec]['ipis']:.1f} inter-processor interrupts (none: {profile[spec]['ipis_none']:.1f})",
               flush=True)
 
 
