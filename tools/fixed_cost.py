@@ -69,16 +69,18 @@ def _tids() -> set[int]:
 def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: int,
             profile: dict[str, dict[str, float]] | None = None) -> dict[str, list[float]]:
     """Each strategy's overhead ratio over ``none``, one per round of blocks; ``profile`` gets, per
-    strategy, the training thread's seconds inside everystep and its threads' CPU seconds, per step."""
+    strategy, the training thread's seconds inside everystep, its threads' CPU seconds and the
+    inter-processor interrupts (its own and ``none``'s), per step."""
     import torch
 
     from everystep import Checkpointer
+    from everystep.eval.bench import interleaved_order
     from everystep.eval.measure import _step
     from everystep.eval.workloads import build
 
     torch.set_num_threads(1)
     arms: list[tuple[str, Any, Any]] = []  # (name, workload, checkpointer or None)
-    ratios: dict[str, list[float]] = {spec: [] for spec in specs}
+    medians: list[dict[str, float]] = [{} for _ in range(blocks)]  # per round, each arm's median step
     threads: dict[str, set[int]] = {}
     inside = {spec: 0.0 for spec in specs}
     cpu = {spec: 0.0 for spec in specs}
@@ -103,31 +105,28 @@ def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: 
                 _step(w)
             if ckpt is not None:
                 ckpt.wait()
-        for b in range(blocks):
-            medians = {}
-            for name, w, ckpt in arms[b % len(arms):] + arms[: b % len(arms)]:
-                times = []
-                if ckpt is not None:
-                    stall, used = ckpt.stats.stall_seconds, _thread_cpu(threads[name])
-                interrupts = _ipis()
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    _step(w)
-                    times.append(time.perf_counter() - t0)
-                if ckpt is not None:
-                    ckpt.wait()
-                ipis[name] += _ipis() - interrupts
-                if ckpt is not None:
-                    inside[name] += ckpt.stats.stall_seconds - stall
-                    cpu[name] += _thread_cpu(threads[name]) - used
-                medians[name] = statistics.median(times)
-            for spec in specs:
-                ratios[spec].append(medians[spec] / medians["none"] - 1)
+        by_name = {name: (w, ckpt) for name, w, ckpt in arms}
+        for b, name in interleaved_order(list(by_name), blocks):
+            w, ckpt = by_name[name]
+            times = []
+            if ckpt is not None:
+                stall, used = ckpt.stats.stall_seconds, _thread_cpu(threads[name])
+            interrupts = _ipis()
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                _step(w)
+                times.append(time.perf_counter() - t0)
+            if ckpt is not None:
+                ckpt.wait()
+                inside[name] += ckpt.stats.stall_seconds - stall
+                cpu[name] += _thread_cpu(threads[name]) - used
+            ipis[name] += _ipis() - interrupts
+            medians[b][name] = statistics.median(times)
     if profile is not None:
         for spec in specs:
             profile[spec] = {"inside": inside[spec] / (blocks * steps), "threads_cpu": cpu[spec] / (blocks * steps),
                              "ipis": ipis[spec] / (blocks * steps), "ipis_none": ipis["none"] / (blocks * steps)}
-    return ratios
+    return {spec: [m[spec] / m["none"] - 1 for m in medians] for spec in specs}
 
 
 def main() -> None:

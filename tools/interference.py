@@ -7,10 +7,10 @@ thread) of one kind, in a thread of the training process or in another process â
 - ``python``: a loop of Python bytecode, which holds the GIL (serialisation, JSON, bookkeeping);
 - ``copy``: ``Tensor.copy_`` of 16 MiB, which releases the GIL (a snapshot, a hash, ``fsync``).
 
-Blocks of steps go round the arms in a rotated order, as ``tools/fixed_cost.py`` does. For each
-arm it prints the overhead over the bare step and the training time lost per millisecond of
-background work: above 1, the work delays training by more than it takes (GIL hand-overs); below
-1, training only shares the cores, caches and memory bandwidth with it.
+Blocks of steps go round the arms in a rotated order, as ``everystep bench`` interleaves its
+repeats. For each arm it prints the overhead over the bare step and the training time lost per
+millisecond of background work: above 1, the work delays training by more than it takes (GIL
+hand-overs); below 1, training only shares the cores, caches and memory bandwidth with it.
 
     python tools/interference.py [--workload gpt2-tiny] [--compress topk:0.01] [--ms 2] [--blocks 10] [--steps 10]
 """
@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps per block")
     args = parser.parse_args()
 
+    from everystep.eval.bench import interleaved_order
     from everystep.eval.measure import _step
     from everystep.eval.workloads import build
 
@@ -125,20 +126,21 @@ def main() -> None:
     arms: list[tuple[str, Background | None]] = [("none", None)]
     arms += [(f"{kind} in a {where}", Background(where, kind, args.ms))
              for where in ("thread", "process") for kind in WORK]
-    medians: dict[str, list[float]] = {name: [] for name, _ in arms}
+    by_name = dict(arms)
+    medians: dict[str, list[float]] = {name: [] for name in by_name}  # each round's median step, per arm
     try:
-        for b in range(args.blocks):
-            for name, background in arms[b % len(arms):] + arms[: b % len(arms)]:
-                times = []
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    if background is not None:
-                        background.start()
-                    _step(w)
-                    times.append(time.perf_counter() - t0)
-                    if background is not None:
-                        background.finish()  # (outside the timing: work longer than a step is not counted)
-                medians[name].append(statistics.median(times))
+        for _, name in interleaved_order(list(by_name), args.blocks):
+            background = by_name[name]
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                if background is not None:
+                    background.start()
+                _step(w)
+                times.append(time.perf_counter() - t0)
+                if background is not None:
+                    background.finish()  # (outside the timing: work longer than a step is not counted)
+            medians[name].append(statistics.median(times))
     finally:
         for _, background in arms:
             if background is not None:
@@ -148,10 +150,9 @@ def main() -> None:
           f"CPU a step:")
     for name, _ in arms[1:]:
         ratios = [x / y - 1 for x, y in zip(medians[name], medians["none"])]
-        overhead = statistics.median(ratios)
-        print(f"  {name}: overhead {overhead:+.1%} (quartiles {statistics.quantiles(ratios, n=4)[0]:+.1%} to "
-              f"{statistics.quantiles(ratios, n=4)[2]:+.1%}); {overhead * base * 1e3 / args.ms:.2f} ms of training "
-              "lost per ms of work")
+        overhead, q = statistics.median(ratios), statistics.quantiles(ratios, n=4)
+        print(f"  {name}: overhead {overhead:+.1%} (quartiles {q[0]:+.1%} to {q[2]:+.1%}); "
+              f"{overhead * base * 1e3 / args.ms:.2f} ms of training lost per ms of work")
 
 
 if __name__ == "__main__":
