@@ -16,6 +16,7 @@ from everystep import Checkpointer
 from everystep.errors import EverystepError
 from everystep.eval.faults import FailurePlan
 from everystep.eval.train import TrainConfig, run
+from everystep.state import state_hash
 from everystep.recovery import Recovered
 from everystep.storage import CheckpointDirectory
 from everystep.storage.region import RegionStore
@@ -240,3 +241,70 @@ def test_the_stable_keys_kept_between_checkpoints_are_those_a_fresh_look_finds()
     tensors = kept.flatten_state(2)[0]
     fresh = context().stable_keys(tensors)
     assert kept.stable_keys(tensors) == fresh and "/model/2.weight" in fresh and "/model/1.running_mean" not in fresh
+
+
+class GeneratorData:
+    """A resumable data source as users write them: it keeps its own ``torch.Generator``, whose
+    state is its ``state_dict()`` and which ``load_state_dict()`` gives back to ``set_state``."""
+
+    def __init__(self, inner: Any) -> None:
+        import torch
+
+        self.inner = inner
+        self.gen = torch.Generator().manual_seed(1)
+
+    def next(self) -> Any:
+        import torch
+
+        x, y = self.inner.next()
+        return x + 0.1 * torch.randn(x.shape, generator=self.gen), y
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.inner.state_dict(), "generator": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state["position"])
+        self.gen.set_state(state["generator"])
+
+
+def _with_generator_data(seed: int, strategy: str) -> Any:
+    w = make("mlp", seed, strategy)
+    w.data = GeneratorData(w.data)
+    return w
+
+
+STORES = [(name, {}) for name in DISK] + [("checkfreq", {"persist": "process"}), ("full_sync", {"full_format": "dcp"})]
+"""Every strategy, and the stores a strategy may read from besides its default one."""
+
+
+@pytest.mark.parametrize(("strategy", "options"), STORES, ids=[f"{s}-{'-'.join(map(str, o.values()))}".rstrip("-")
+                                                               for s, o in STORES])
+def test_a_restored_state_is_the_saved_one_whole_and_owned_by_the_users_objects(tmp_path, strategy, options):
+    """I1 for every strategy and what it reads from (directory, region, agent, writer process): the
+    state restored at step k is S_k whole (every key of the optimizer's ``state_dict()`` included,
+    at step 0 too), and a data source holding a generator takes its state (``Generator.set_state``
+    reads a state tensor from the start of its memory: it must be given memory of its own)."""
+    every = {"lowdiff": 3, "naive_diff": 3}.get(strategy, 1)
+    fresh = _with_generator_data(0, strategy)
+    hashes, positions = {0: live_hash(fresh, 0)}, {0: state_hash(fresh.data.state_dict())}
+    for steps in (0, 4):  # a run that stopped before its first step, then one that took four
+        root = tmp_path / f"c{steps}"
+        w = _with_generator_data(0, strategy)
+        with attach(w, root, strategy, every=every, final=False, **options) as ckpt:
+            assert ckpt.restore() == 0
+            for t in range(1, steps + 1):
+                loop(w, ckpt, t - 1, t)
+                hashes[t], positions[t] = live_hash(w, t), state_hash(w.data.state_dict())
+        w2 = _with_generator_data(99, strategy)  # other initial values: all must come from the checkpoint
+        w2.data.inner.seed = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # an agent's replica behind storage, by design
+            with attach(w2, root, strategy, final=False, **options) as again:
+                step = again.restore()
+        assert 0 <= step <= steps
+        if again.recovered is None:  # nothing was stored: nothing to compare
+            assert step == 0
+            continue
+        if step == 0 or strategy not in LOSSY:
+            assert live_hash(w2, step) == hashes[step], f"restored at step {step}"
+        assert state_hash(w2.data.state_dict()) == positions[step]  # lossy strategies too

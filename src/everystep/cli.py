@@ -396,6 +396,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _preflight(args: argparse.Namespace) -> None:
+    """What can be refused before any work: a figure that could not be drawn."""
+    if getattr(args, "plot", None):
+        from .eval.plotting import check_plotting
+
+        check_plotting()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -403,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.formatwarning = lambda msg, cat, *a, **k: f"everystep: warning: {msg}\n"  # type: ignore[assignment]
+            _preflight(args)
             return int(args.func(args))
     except EverystepError as e:
         print(f"everystep: error: {e}", file=sys.stderr)

@@ -131,9 +131,11 @@ class _Shard:
             by_group.setdefault(gi, []).append((name, p))
         self.group_index = list(by_group)
         self.params = [by_group[gi] for gi in self.group_index]
-        # the same state dicts: updates land in the original
-        self.optimizer = optimizer_like(optimizer, {gi: [(p, optimizer.state[p]) for _, p in ps]
+        self.optimizer = optimizer_like(optimizer, {gi: [(p, {}) for _, p in ps]
                                                     for gi, ps in zip(self.group_index, self.params)})
+        # The original's own state: updates land there, and an entry appears where the update makes
+        # one (reading the defaultdict here would give every parameter an empty entry training lacks).
+        self.optimizer.state = optimizer.state
 
     def apply(self, record: StepRecord) -> None:
         if record.skipped:

@@ -31,6 +31,7 @@ __all__ = [
     "state_error",
     "storage_key",
     "group_scalars",
+    "owned",
 ]
 
 _TENSOR = "__tensor__"
@@ -175,14 +176,10 @@ class TrainingComponents:
                 )
         self.module.load_state_dict(tree["model"])
         self.optimizer.load_state_dict(tree["optimizer"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(tree["scheduler"])
-        if self.scaler is not None:
-            self.scaler.load_state_dict(tree["scaler"])
-        if self.data is not None:
-            self.data.load_state_dict(tree["data"])
-        if self.compression is not None:
-            self.compression.load_state_dict(tree["compression"])
+        for name in self.OPTIONAL:
+            component = getattr(self, name)
+            if component is not None:
+                component.load_state_dict(owned(tree[name]))
         restore_rng(tree["rng"])
 
     def end_state(self, boundary: dict[str, Any], step: int, *,
@@ -209,11 +206,34 @@ class TrainingComponents:
         self.module.load_state_dict(end["buffers"], strict=False)
         for group, saved in zip(self.optimizer.param_groups, end["groups"]):
             group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-        for name in ("scheduler", "scaler", "data", "compression"):
+        for name in self.OPTIONAL:
             component = getattr(self, name)
             if component is not None and name in end:
-                component.load_state_dict(end[name])
+                component.load_state_dict(owned(end[name]))
         restore_rng(end["rng"])
+
+
+def owns_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` is contiguous and alone in its storage, from its start."""
+    return t.storage_offset() == 0 and t.is_contiguous() and \
+        t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def owned(tree: Any) -> Any:
+    """``tree`` with every tensor that is not alone in its memory (a view into a buffer read from a
+    region, shared memory or a mapped file) replaced by a contiguous copy of its own.
+
+    What a user's ``load_state_dict`` receives goes through it: some consumers read a state tensor
+    from the start of its storage (``Generator.set_state``), and a view would keep the whole buffer
+    alive in the user's object.
+    """
+    if isinstance(tree, torch.Tensor):
+        return tree if owns_memory(tree) else tree.clone(memory_format=torch.contiguous_format)
+    if isinstance(tree, dict):
+        return {k: owned(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(owned(v) for v in tree) if type(tree) in (list, tuple) else tree
+    return tree
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:

@@ -25,6 +25,7 @@ from ..errors import ConfigError, EverystepError
 from ..strategies import STRATEGIES
 from .peers import PEERS
 from .workloads import WORKLOADS, check_device
+from .plotting import pyplot
 
 __all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table",
            "smallest_interval", "interleaved_order"]
@@ -266,10 +267,7 @@ def max_frequency(cfg: BenchConfig, budget: float, candidates: Sequence[int] = (
 
 
 def plot(summary: dict[str, dict[str, Any]], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(summary)
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))

@@ -8,6 +8,7 @@ from typing import Any
 from ..capture.profile import profile_step
 from ..policy.checkflow import StepProfile, coarsen, plan
 from .workloads import build
+from .plotting import pyplot
 
 __all__ = ["plan_workload"]
 
@@ -46,10 +47,7 @@ def plan_workload(workload: str, *, bandwidth: float, per_size: int, memory_limi
 def plot_schedule(result: dict[str, Any], path: str) -> None:
     """The schedule over the time steps: bytes alive without checkpointing, snapshots held on top,
     and the bytes offloaded in each time step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     resident = [r / 2**20 for r in result["profile"]["resident"]]
     steps = range(len(resident))

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .simulate import StrategyCosts, analytic_ratio, simulate
+from .plotting import pyplot
 
 __all__ = ["main", "costs_from_bench", "parse_costs"]
 
@@ -79,10 +80,7 @@ def _asdict(c: StrategyCosts) -> dict[str, Any]:
 
 
 def _plot(rows: list[dict[str, Any]], sweep: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, data, key, label in ((axes[0], sweep, "mtbf_seconds", "MTBF (s)"), (axes[1], rows, "gpus", "GPUs")):

@@ -1,0 +1,105 @@
+"""What ``pip install everystep`` alone gives a user: every strategy runs with the runtime
+dependencies, and nothing that only an extra brings is needed for it."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import re
+import subprocess
+import sys
+import textwrap
+
+from packaging.requirements import Requirement
+
+from everystep.strategies import STRATEGIES
+
+from .conftest import ROOT
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def runtime_distributions() -> set[str]:
+    """everystep's runtime dependencies and theirs, transitively (no extras), as canonical names."""
+    found, todo = set(), ["everystep"]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for text in metadata.requires(name) or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                try:
+                    metadata.distribution(req.name)
+                except metadata.PackageNotFoundError:
+                    continue  # an optional requirement of another platform
+                todo.append(_canonical(req.name))
+    return found
+
+
+def modules_of_extras() -> set[str]:
+    """Top-level modules that only distributions outside the runtime closure provide here."""
+    runtime = runtime_distributions()
+    return {module for module, dists in metadata.packages_distributions().items()
+            if module.isidentifier() and module not in sys.stdlib_module_names
+            and not any(_canonical(d) in runtime for d in dists)}
+
+
+_BLOCKER = '''
+import sys
+
+BLOCKED = {blocked!r}
+
+
+class _RuntimeOnly:
+    """A finder that does not find what only an extra installs, as where it is absent."""
+
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            return None
+        return self.finder.find_spec(name, path, target)
+
+    def invalidate_caches(self):
+        getattr(self.finder, "invalidate_caches", lambda: None)()
+
+
+sys.meta_path[:] = [_RuntimeOnly(f) if hasattr(f, "find_spec") else f for f in sys.meta_path]
+'''
+
+_RUN_EVERY_STRATEGY = '''
+import sys, tempfile
+from everystep.eval.train import TrainConfig, run
+
+try:
+    import matplotlib  # an extra's: must be out of reach here
+except ModuleNotFoundError:
+    pass
+else:
+    sys.exit("the extras are within reach: this environment proves nothing")
+for name in sys.argv[1:]:
+    with tempfile.TemporaryDirectory() as d:
+        s = run(TrainConfig(workload="mlp", strategy=name, steps=8, every=2, directory=None if name == "none" else d,
+                            compress="topk:0.05" if name == "lowdiff" else None, progress=False))
+        print(name, len(s["losses"]), flush=True)
+'''
+
+
+def test_every_strategy_runs_with_the_runtime_dependencies_alone(tmp_path):
+    """In a process where everything that only the extras (bench, lightning, transformers, test)
+    install cannot be imported, as after ``pip install everystep``, every strategy trains, writes and
+    commits; the checkpoint agent and the writer process inherit the same restriction."""
+    blocked = modules_of_extras()
+    assert {"matplotlib", "lightning", "transformers", "hypothesis"} <= blocked
+    assert "scipy" not in blocked and "torch" not in blocked
+    (tmp_path / "sitecustomize.py").write_text(_BLOCKER.format(blocked=sorted(blocked)))
+    names = sorted(STRATEGIES)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_RUN_EVERY_STRATEGY), *names], cwd=ROOT,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{tmp_path}:{ROOT / 'src'}"},
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [w for name in names for w in (name, "8")]
