@@ -179,7 +179,7 @@ def test_an_object_may_be_a_directory_written_in_place_then_installed_whole(stor
 
 def test_what_an_interrupted_write_leaves_is_listed_under_its_final_name_and_can_be_removed(store):
     _commit(store, 1)
-    leftover = store.object_path(".tmp-full-000000000002.bin-0123abcd")
+    leftover = store.objects_dir / ".tmp-full-000000000002.bin-0123abcd"
     leftover.write_bytes(b"half")
     [(token, final)] = store.interrupted_writes()
     assert final == "full-000000000002.bin" and store.object_names() == ["full-000000000001.bin"]

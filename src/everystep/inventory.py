@@ -103,5 +103,5 @@ def verify_store(directory: CheckpointDirectory, rows: list[dict[str, Any]] | No
         in_progress = {token.split("/", 1)[1] for token, _ in store.interrupted_writes()}
     for name in store.stored_files():
         if name not in named and name.split("/", 1)[0] not in in_progress:
-            problems.append(f"{store.object_path(name)}: no checkpoint names this file")
+            problems.append(f"{store.root / 'objects' / name}: no checkpoint names this file")
     return problems

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .errors import CorruptCheckpointError, NoValidCheckpointError
-from .storage.base import Manifest, Store
+from .storage.base import Manifest, Store, malformed
 from .storage.directory import CheckpointDirectory
 from .state import TrainingComponents, unflatten
 from .storage.sharded import read_parts
@@ -51,12 +51,10 @@ def read_state(directory: CheckpointDirectory, manifest: Manifest) -> tuple[dict
     tensors, meta = read_parts(directory.store, manifest, full_format=directory.full_format)
     if "skeleton" not in meta:
         raise CorruptCheckpointError(f"manifest {manifest.name} lacks the skeleton of its state tree")
-    try:
+    with malformed(f"checkpoint {manifest.name}"):
         tree = unflatten(meta["skeleton"], tensors)
-    except KeyError as e:
-        raise CorruptCheckpointError(f"checkpoint {manifest.name}: {e.args[0]}") from None
-    if tree.get("step") != manifest.step:
-        raise CorruptCheckpointError(f"checkpoint {manifest.name} holds step {tree.get('step')}, not {manifest.step}")
+        if not isinstance(tree, dict) or tree.get("step") != manifest.step:
+            raise ValueError(f"it holds step {tree.get('step') if isinstance(tree, dict) else None}, not {manifest.step}")
     return tree, tensors, meta
 
 
@@ -132,10 +130,10 @@ def _first(manifest: Manifest) -> int:
 def read_differential(store: Store, manifest: Manifest) -> Link:
     """Read and verify a differential; raises CorruptCheckpointError if it fails to verify."""
     tensors, meta = read_parts(store, manifest)
-    try:
+    with malformed(f"differential {manifest.name}"):
         end = unflatten(meta["end"], {k[len("end"):]: v for k, v in tensors.items() if k.startswith("end/")})
-    except KeyError as e:
-        raise CorruptCheckpointError(f"differential {manifest.name}: {e.args[0]}") from None
+        if not isinstance(end, dict) or end.get("step") != manifest.step:
+            raise ValueError(f"its end state is not that of step {manifest.step}")
     return Link(manifest, tensors, end)
 
 
@@ -146,7 +144,9 @@ def chain(store: Store, full: Manifest, kind: str) -> Iterator[Link]:
     for r in store.manifests():
         m = r.manifest
         if m is not None and m.kind == kind and m.meta.get("base") == full.step:
-            links[_first(m)] = m
+            first = m.meta.get("first", m.step)
+            if type(first) is int and full.step < first <= m.step:  # else malformed: never reached
+                links[first] = m
     step = full.step
     while (m := links.get(step + 1)) is not None:
         try:

@@ -32,6 +32,7 @@ __all__ = [
     "storage_key",
     "group_scalars",
     "owned",
+    "check_skeleton",
 ]
 
 _TENSOR = "__tensor__"
@@ -379,6 +380,41 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, list):
         return [unflatten(v, tensors) for v in skeleton]
     return skeleton
+
+
+MAX_DEPTH = 64
+"""How deeply a stored skeleton may nest (a training state is a few levels deep)."""
+
+
+def check_skeleton(skeleton: Any, keys: set[str]) -> None:
+    """Raise ValueError unless ``skeleton`` is one :func:`flatten` could have made over tensors
+    named ``keys``: JSON values, tagged nodes of the right shape, references to ``keys`` only, at
+    most :data:`MAX_DEPTH` levels deep."""
+    stack = [(skeleton, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"it nests deeper than {MAX_DEPTH} levels")
+        if isinstance(node, dict):
+            if _TENSOR in node:
+                if len(node) != 1 or node[_TENSOR] not in keys:
+                    raise ValueError(f"it refers to tensor {node[_TENSOR]!r}, which it does not store")
+            elif _TUPLE in node:
+                if len(node) != 1 or not isinstance(node[_TUPLE], list):
+                    raise ValueError("a tuple of it is not a list")
+                stack.extend((v, depth + 1) for v in node[_TUPLE])
+            elif _INTKEYS in node:
+                pairs = node[_INTKEYS]
+                if len(node) != 1 or not isinstance(pairs, list) or \
+                        not all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int for p in pairs):
+                    raise ValueError("a dict of it with integer keys is not a list of [key, value] pairs")
+                stack.extend((v, depth + 1) for _, v in pairs)
+            else:
+                stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+        elif not (node is None or isinstance(node, (bool, int, float, str))):
+            raise ValueError(f"it holds a {type(node).__name__}")
 
 
 def state_hash(tree: Any) -> str:

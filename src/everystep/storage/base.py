@@ -20,17 +20,21 @@ the listing and deletion calls at the end of the protocol.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import xxhash
 
+from ..errors import CorruptCheckpointError
+
 if TYPE_CHECKING:
     from ..distributed import Ranks
 
-__all__ = ["ObjectInfo", "Manifest", "ManifestRecord", "Store", "Access", "new_hasher", "CHECKSUM_ALGORITHM"]
+__all__ = ["malformed", "MALFORMED", "ObjectInfo", "Manifest", "check_object_name", "check_manifest_name", "MAX_STEP", "ManifestRecord", "Store", "Access", "new_hasher", "CHECKSUM_ALGORITHM"]
 
 Access = Literal["write", "shared", "read"]
 """``write``: the directory's one writer; ``shared``: a process writing on the writer's behalf (its
@@ -61,7 +65,9 @@ class ObjectInfo:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ObjectInfo":
-        return cls(name=str(d["name"]), nbytes=int(d["nbytes"]), checksum=str(d["checksum"]))
+        """Raises ValueError when a field is missing, of another type, or a name everystep does not write."""
+        return cls(name=check_object_name(_field(d, "name", str)), nbytes=_count(_field(d, "nbytes", int), "nbytes", 1 << 62),
+                   checksum=_field(d, "checksum", str))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,25 +115,108 @@ class Manifest:
         return canonical[:-1] + b',"checksum":' + json.dumps(checksum(canonical)).encode() + b"}\n"
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Manifest":
-        """Parse and verify a manifest; raises ValueError naming what is wrong."""
+    def from_bytes(cls, data: bytes, *, name: str | None = None) -> "Manifest":
+        """Parse and verify a manifest; raises ValueError naming what is wrong.
+
+        IMPORTANT: everything a manifest names becomes a path (its objects, its kind in its own
+        name, what it requires), and a checksum proves nothing about who wrote it: each is checked
+        against what everystep writes before anything uses it. ``name``: the name the manifest is
+        stored under, which must be its own.
+        """
         try:
-            body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            body = json.loads(data, parse_constant=_no_constant)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ValueError(f"manifest is not valid JSON ({e})") from None
         if not isinstance(body, dict) or body.get("format") != "everystep-manifest":
             raise ValueError("not an everystep manifest")
         stored = body.pop("checksum", None)
         if stored != checksum(_canonical(body)):
             raise ValueError("manifest checksum mismatch")
-        return cls(
-            kind=body["kind"],
-            step=int(body["step"]),
-            rank=int(body.get("rank", 0)),
-            objects={k: ObjectInfo.from_json(v) for k, v in body["objects"].items()},
-            meta=body["meta"],
-            requires=tuple(body["requires"]),
+        objects, requires = _field(body, "objects", dict), _field(body, "requires", list)
+        manifest = cls(
+            kind=_kind(_field(body, "kind", str)),
+            step=_count(_field(body, "step", int), "step", MAX_STEP),
+            rank=_count(body.get("rank", 0), "rank", MAX_RANK),
+            objects={_text(k, "object key"): ObjectInfo.from_json(_field({"object": v}, "object", dict))
+                     for k, v in objects.items()},
+            meta=_field(body, "meta", dict),
+            requires=tuple(check_manifest_name(r) for r in requires),
         )
+        if name is not None and manifest.name != name:
+            raise ValueError(f"it is stored as {name} but names itself {manifest.name}")
+        return manifest
+
+
+MAX_STEP = 10**12 - 1
+"""The largest step a manifest may name (its name holds twelve digits)."""
+MAX_RANK = 1 << 20
+_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}|\.metadata")
+_MANIFEST_NAME = re.compile(r"(?P<kind>[a-z][a-z0-9_]{0,31})-(?P<step>[0-9]{12})(?:-r(?P<rank>[1-9][0-9]{0,6}))?")
+
+
+def check_object_name(name: str) -> str:
+    """``name`` if it is an object name everystep writes — a file, or a file in one folder
+    (``full-….dcp/__0_0.distcp``), never absolute, never ``..`` — else ValueError."""
+    parts = name.split("/")
+    if len(parts) > 2 or not all(_PART.fullmatch(p) and p not in (".", "..") for p in parts) \
+            or parts[0].startswith("."):
+        raise ValueError(f"object name {name!r} is not one everystep writes")
+    return name
+
+
+def check_manifest_name(name: Any) -> str:
+    """``name`` if it is a manifest name everystep writes (``full-000000000012``, ``diff-…-r3``), else ValueError."""
+    if not isinstance(name, str) or not _MANIFEST_NAME.fullmatch(name):
+        raise ValueError(f"manifest name {name!r} is not one everystep writes")
+    return name
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a number JSON allows")
+
+
+def _field(body: dict[str, Any], key: str, kind: type) -> Any:
+    if key not in body:
+        raise ValueError(f"its field {key!r} is missing")
+    value = body[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"its field {key!r} is a {type(value).__name__}, not a {kind.__name__}")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"its {what} is a {type(value).__name__}, not a str")
+    return value
+
+
+def _count(value: Any, what: str, most: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        raise ValueError(f"its {what} {value!r} is not an integer from 0 to {most}")
+    return value
+
+
+def _kind(kind: str) -> str:
+    if not _KIND.fullmatch(kind):
+        raise ValueError(f"its kind {kind!r} is not one everystep writes")
+    return kind
+
+
+MALFORMED = (KeyError, ValueError, TypeError, IndexError, AttributeError, RecursionError, OverflowError)
+"""What reading a malformed value raises: of something read from storage, it means corrupt."""
+
+
+@contextmanager
+def malformed(what: str) -> Iterator[None]:
+    """Turn what a malformed value read from storage raises into :class:`CorruptCheckpointError`
+    naming ``what``, so that the reader skips it and falls back, as for a failed checksum."""
+    try:
+        yield
+    except CorruptCheckpointError:
+        raise
+    except MALFORMED as e:
+        raise CorruptCheckpointError(f"{what} is malformed ({type(e).__name__}: {e})") from None
 
 
 def _canonical(body: dict[str, Any]) -> bytes:

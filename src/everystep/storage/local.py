@@ -22,8 +22,10 @@ import errno
 import os
 import re
 import shutil
+import stat
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,7 +38,16 @@ from ..errors import (
     EverystepError,
     ReadOnlyStoreError,
 )
-from .base import CHECKSUM_ALGORITHM, Access, Manifest, ManifestRecord, ObjectInfo, new_hasher
+from .base import (
+    CHECKSUM_ALGORITHM,
+    Access,
+    Manifest,
+    ManifestRecord,
+    ObjectInfo,
+    check_manifest_name,
+    check_object_name,
+    new_hasher,
+)
 
 __all__ = ["LocalStore", "StoreWriteError", "fsync_dir"]
 
@@ -135,7 +146,7 @@ class LocalStore:
         try:
             fd = self._open_spare(tmp) if what == "object" else None
             if fd is None:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
                 for i, chunk in enumerate(chunks):
                     view = memoryview(chunk).cast("B")
@@ -178,13 +189,24 @@ class LocalStore:
             spare, self._spare = self._spare, None
         if spare is None:
             return None
+        fd = None
         try:
             os.rename(spare, tmp)
-            return os.open(tmp, os.O_WRONLY)
-        except OSError:
-            for path in (spare, tmp):
-                path.unlink(missing_ok=True)
-            return None
+            fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                return fd
+            os.close(fd)
+            warnings.warn(f"{tmp} was replaced by a file everystep did not write (a hard link): not written over, "
+                          "deleted", stacklevel=4)
+        except OSError as e:
+            if fd is not None:
+                os.close(fd)
+            if e.errno == errno.ELOOP:
+                warnings.warn(f"{tmp} was replaced by a symbolic link: not followed, deleted", stacklevel=4)
+        for path in (spare, tmp):
+            path.unlink(missing_ok=True)
+        return None
 
     def _os_write(self, fd: int, view: memoryview) -> int:
         """One write(2); a seam for fault-injection tests."""
@@ -209,6 +231,9 @@ class LocalStore:
         if not _OBJECT_NAME.match(name):
             raise ValueError(f"invalid object name {name!r}")
         tmp, final = self.objects_dir / f".tmp-{name}", self.objects_dir / name
+        if tmp.is_symlink():
+            raise StoreWriteError(errno.ELOOP, f"writing {final} failed: {tmp} is a symbolic link, which everystep "
+                                  "never makes; delete it")
         if self.ranks.rank != 0:
             return fill(tmp)
         try:
@@ -229,8 +254,12 @@ class LocalStore:
         return result
 
     def object_path(self, name: str) -> Path:
-        """Where the object ``name`` lies (formats that read by path: DCP)."""
-        return self.objects_dir / name
+        """Where the object ``name`` lies (formats that read by path: DCP); ValueError for a name
+        everystep does not write (absolute, climbing out), which would lie elsewhere."""
+        path = self.objects_dir / check_object_name(name)
+        if os.path.commonpath([os.path.normpath(path), self.objects_dir]) != str(self.objects_dir):
+            raise ValueError(f"object name {name!r} lies outside {self.objects_dir}")
+        return path
 
     def commit(self, manifest: Manifest) -> None:
         crash_point("store.commit.before_manifest")
@@ -246,7 +275,10 @@ class LocalStore:
     # -- reading -----------------------------------------------------------------------------
 
     def read_object(self, info: ObjectInfo) -> bytearray:
-        path = self.objects_dir / info.name
+        try:
+            path = self.object_path(info.name)
+        except ValueError as e:
+            raise CorruptCheckpointError(str(e)) from None
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -299,7 +331,7 @@ class LocalStore:
                     record = known[1]
                 else:
                     with open(path, "rb") as f:
-                        record = ManifestRecord(name, Manifest.from_bytes(f.read()))
+                        record = ManifestRecord(name, Manifest.from_bytes(f.read(), name=name))
             except FileNotFoundError:
                 continue  # discarded since the listing (a reader beside a live writer)
             except (OSError, ValueError, KeyError, TypeError) as e:
@@ -316,9 +348,9 @@ class LocalStore:
         """Uncommit a checkpoint (its manifest goes first, durably), then delete the objects only it
         used — but one file, kept as the spare for the next object to be written over."""
         self.check_writable()
-        path = self.manifests_dir / f"{manifest_name}.json"
+        path = self.manifests_dir / f"{check_manifest_name(manifest_name)}.json"
         try:
-            manifest = self._known(path, manifest_name) or Manifest.from_bytes(path.read_bytes())
+            manifest = self._known(path, manifest_name) or Manifest.from_bytes(path.read_bytes(), name=manifest_name)
             names = {o.name for o in manifest.objects.values()}
         except (OSError, ValueError, KeyError, TypeError):
             names = set()
@@ -326,10 +358,10 @@ class LocalStore:
         fsync_dir(self.manifests_dir)
         still_used = self._referenced()
         for name in sorted(names - still_used):
-            self._retire(self.objects_dir / name)
+            self._retire(self.object_path(name))
         for folder in {name.split("/", 1)[0] for name in names if "/" in name}:
             if not any(n.startswith(folder + "/") for n in still_used):
-                shutil.rmtree(self.objects_dir / folder, ignore_errors=True)
+                self._remove(self.object_path(folder))
 
     def _retire(self, path: Path) -> None:
         """Keep the file of a discarded object as the spare, or delete it when there is one already."""
@@ -392,6 +424,9 @@ class LocalStore:
         return self._remove(path)
 
     def _remove(self, path: Path) -> str:
+        """Delete ``path``, a file or folder of this store (a symbolic link is removed, not followed)."""
+        if os.path.commonpath([os.path.normpath(path), self.root]) != str(self.root) or path == self.root:
+            raise ValueError(f"{path} is not inside {self.root}: not deleted")
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:

@@ -37,6 +37,7 @@ is a manifest of kind ``full`` whose objects are its tensors. Writing goes throu
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
@@ -57,11 +58,19 @@ import xxhash
 from .._faults import crash_point
 from .._memory import register_host, unregister_host
 from ..distributed import Ranks
-from ..errors import CorruptCheckpointError, DirectoryInUseError, EverystepError, ReadOnlyStoreError
+from ..errors import (
+    CheckpointDirectoryError,
+    CorruptCheckpointError,
+    DirectoryInUseError,
+    EverystepError,
+    ReadOnlyStoreError,
+)
+from ..files import untrusted_file, untrusted_folder
 from ..layout import LayoutEntry
-from .base import CHECKSUM_ALGORITHM, Access, Manifest, ManifestRecord, ObjectInfo
+from ..state import check_skeleton
+from .base import CHECKSUM_ALGORITHM, MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo
 
-__all__ = ["RegionStore", "RegionLayout", "RegionSlot", "SlotWriter", "ALIGN", "on_volatile_memory"]
+__all__ = ["RegionStore", "UntrustedRegionError", "UnreadableRegionError", "RegionLayout", "RegionSlot", "SlotWriter", "ALIGN", "on_volatile_memory"]
 
 ALIGN = 128
 """Tensors of more than this many bytes start at multiples of it."""
@@ -78,6 +87,18 @@ _PARALLEL_HASH = 1 << 20
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+
+
+class UntrustedRegionError(CheckpointDirectoryError):
+    """The region, or its folder, could be written by someone else than this user."""
+
+
+class UnreadableRegionError(CorruptCheckpointError):
+    """A file at the region's path is not a region everystep can read (its header does not parse)."""
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a number JSON allows")
 
 
 def _digest(data: bytes | memoryview) -> bytes:
@@ -143,16 +164,25 @@ class RegionLayout:
 
     @classmethod
     def from_json(cls, rows: list[list[Any]], data_nbytes: int) -> tuple["RegionLayout", dict[str, str]]:
+        """Parse :meth:`to_json`'s rows; ValueError for anything but what it writes."""
         entries, sums = [], {}
-        for key, dtype, shape, offset, nbytes, digest in rows:
+        if not isinstance(rows, list):
+            raise ValueError("its tensors are not a list")
+        for row in rows:
+            if not isinstance(row, list) or len(row) != 6:
+                raise ValueError(f"{row!r} does not describe a tensor")
+            key, dtype, shape, offset, nbytes, digest = row
+            if not isinstance(key, str) or not isinstance(digest, str) or key in sums:
+                raise ValueError(f"{row!r} does not describe a tensor of its own")
             if dtype not in _DTYPES:
                 raise ValueError(f"tensor {key!r} has an unknown dtype {dtype!r}")
-            dt, shape = _DTYPES[dtype], tuple(int(s) for s in shape)
-            if int(nbytes) != math.prod(shape) * dt.itemsize or int(offset) < 0 or int(offset) + int(nbytes) > data_nbytes \
-                    or int(offset) % dt.itemsize:
+            if not isinstance(shape, list) or not all(type(v) is int and v >= 0 for v in (*shape, offset, nbytes)):
+                raise ValueError(f"tensor {key!r} has a shape, offset or size that is not whole numbers")
+            dt, shape = _DTYPES[dtype], tuple(shape)
+            if nbytes != math.prod(shape) * dt.itemsize or offset + nbytes > data_nbytes or offset % dt.itemsize:
                 raise ValueError(f"tensor {key!r} does not fit its slot ({offset}+{nbytes} of {data_nbytes} bytes)")
-            entries.append(LayoutEntry(str(key), dt, shape, int(offset), int(nbytes)))
-            sums[str(key)] = str(digest)
+            entries.append(LayoutEntry(key, dt, shape, offset, nbytes))
+            sums[key] = digest
         return cls(tuple(entries), data_nbytes), sums
 
 
@@ -257,37 +287,59 @@ class RegionStore:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, access: Access = "write", ranks: Ranks | None = None,
-             flush: bool | None = None, owner: str = "") -> "RegionStore":
+             flush: bool | None = None, owner: str = "", remake: bool = False) -> "RegionStore":
         """Open (a writer: create) the region at ``path``. ``flush``: ``None`` flushes unless the file
         lies on tmpfs/ramfs, where a flush cannot make it outlive the host. ``owner``: up to 32
-        ASCII characters recorded when the file is made (what it belongs to; :attr:`owner` reads it back)."""
+        ASCII characters recorded when the file is made (what it belongs to; :attr:`owner` reads it back).
+
+        Refused with :class:`UntrustedRegionError`: a file or folder another user could write, a
+        symbolic link. Raises :class:`UnreadableRegionError` for a file whose header does not parse;
+        a writer makes such a file anew only when told to (``remake``), never on its own."""
         path = Path(path)
-        if access == "read":
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        folder = untrusted_folder(path.parent)
+        if folder is not None and access != "read" and not os.path.lexists(path.parent):
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder = untrusted_folder(path.parent)
+        if folder is not None:
+            raise UntrustedRegionError(f"the region's folder {path.parent} cannot be trusted: {folder}; "
+                                       "give region= a folder of your own (or /dev/shm)")
         try:
+            if access == "read":
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            else:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UntrustedRegionError(f"the region {path} cannot be trusted: it is a symbolic link") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            problem = untrusted_file(st)
+            if problem is not None:
+                raise UntrustedRegionError(f"the region {path} cannot be trusted: {problem}; a region is this user's "
+                                           "own file, mode -rw------- (delete it, or give region= another path)")
             if access != "read":
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     raise DirectoryInUseError(f"the region {path} is in use by another process: one writer per region "
                                               "(give each run its own region=)", None) from None
-            size = os.fstat(fd).st_size
+            size = st.st_size
             head = os.pread(fd, _FILE_HEADER.size, 0)
-            if access != "read" and head.strip(b"\0") == b"":  # new, or its making was cut short
+            unmade = size == 0 or (size == _AREAS_START and not any(os.pread(fd, _AREAS_START, 0)))
+            if access != "read" and (unmade or remake):  # new, or its making was cut short
+                os.ftruncate(fd, 0)  # (remade: no slot header survives)
                 os.ftruncate(fd, _AREAS_START)
                 head = _FILE_HEADER.pack(_MAGIC, _VERSION, PAGE, owner.encode("ascii"))
                 os.pwrite(fd, head, 0)
                 os.fsync(fd)
                 size = _AREAS_START
             if len(head) < _FILE_HEADER.size or size < _AREAS_START:
-                raise CorruptCheckpointError(f"{path} is not an everystep region (it is {size} bytes)")
+                raise UnreadableRegionError(f"{path} is not an everystep region (it is {size} bytes)")
             magic, version, page, stored_owner = _FILE_HEADER.unpack(head)
             if magic != _MAGIC or version != _VERSION or page != PAGE:
-                raise CorruptCheckpointError(f"{path} is not an everystep region of version {_VERSION} "
-                                             f"with {PAGE}-byte pages")
+                raise UnreadableRegionError(f"{path} is not an everystep region of version {_VERSION} "
+                                            f"with {PAGE}-byte pages")
             if flush is None:
                 flush = not on_volatile_memory(path)
             region = cls(path, fd, access=access, ranks=ranks or Ranks(), flush=flush)
@@ -447,7 +499,7 @@ class RegionStore:
     def _read_area(self, slot: RegionSlot) -> _Area:
         size = os.fstat(self._fd).st_size
         if slot.area_offset % PAGE or slot.area_offset < _AREAS_START or slot.area_offset + slot.area_nbytes > size \
-                or slot.meta_nbytes > slot.area_nbytes:
+                or slot.meta_nbytes > slot.area_nbytes or slot.area_nbytes <= 0:
             raise CorruptCheckpointError(f"slot {slot.slot} of {self.path}: its area lies outside the file ({size} bytes)")
         mine = self._areas.get(slot.slot)
         if mine is not None and mine.offset == slot.area_offset and mine.nbytes == slot.area_nbytes:
@@ -463,15 +515,20 @@ class RegionStore:
         if _digest(raw) != slot.meta_digest:
             raise CorruptCheckpointError(f"{where}: its metadata fails its checksum")
         try:
-            meta = json.loads(raw)
-            if meta.get("format") != "everystep-region-slot" or meta.get("step") != slot.step:
+            meta = json.loads(raw, parse_constant=_no_constant)
+            if not isinstance(meta, dict) or meta.get("format") != "everystep-region-slot" \
+                    or meta.get("step") != slot.step or not isinstance(meta.get("meta"), dict):
                 raise ValueError("not the metadata of this slot")
-            base, data_nbytes = int(meta["meta_section"]), int(meta["data_nbytes"])
-            if base < slot.meta_nbytes or base + data_nbytes > area.nbytes:
+            base, data_nbytes = meta["meta_section"], meta["data_nbytes"]
+            if type(base) is not int or type(data_nbytes) is not int or base < slot.meta_nbytes or data_nbytes < 0 \
+                    or base + data_nbytes > area.nbytes:
                 raise ValueError("its data outgrows its area")
             layout, sums = RegionLayout.from_json(meta["tensors"], data_nbytes)
-        except (ValueError, KeyError, TypeError) as e:
-            raise CorruptCheckpointError(f"{where}: unreadable metadata ({e})") from None
+            check_skeleton(meta["skeleton"], set(sums))
+            if not isinstance(meta["skeleton"], dict) or meta["skeleton"].get("step") != slot.step:
+                raise ValueError(f"its state is not that of step {slot.step}")
+        except MALFORMED as e:
+            raise CorruptCheckpointError(f"{where}: unreadable metadata ({type(e).__name__}: {e})") from None
         return _SlotMeta(where, area, meta, base, layout, sums)
 
     def read_slot(self, slot: RegionSlot, *, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -29,7 +29,7 @@ import torch
 
 from ..distributed import Ranks
 from ..errors import CorruptCheckpointError
-from .base import Manifest, ObjectInfo, Store
+from .base import Manifest, ObjectInfo, Store, malformed
 from ..layout import TensorLayout
 from .tensorfile import load_tensors, tensor_chunks
 
@@ -188,7 +188,8 @@ def read_parts(store: Store, manifest: Manifest, *, full_format: str = "safetens
         if info is None:
             raise CorruptCheckpointError(f"{what} lacks its tensor object")
         return load_tensors(store.read_object(info), what=f"object {info.name}"), manifest.meta
-    parts = manifest.meta["parts"]
+    with malformed(what):
+        parts = _check_parts(manifest.meta["parts"])
     world = len(parts)
     mine = store.ranks.rank % world
     tensors: dict[str, torch.Tensor] = {}
@@ -206,11 +207,38 @@ def read_parts(store: Store, manifest: Manifest, *, full_format: str = "safetens
             if whole is None:
                 whole = flat[key] = torch.empty(math.prod(shape), dtype=piece.dtype)
                 tensors[key] = whole.view(shape)
+            if whole.dtype != piece.dtype:
+                raise CorruptCheckpointError(f"{what}: the parts of {key!r} differ in dtype")
             whole[start:end] = piece
         if r == mine:
             tensors.update(loaded)
-    covered = {k: sum(p["pieces"][k][1] - p["pieces"][k][0] for p in parts if k in p["pieces"]) for k in flat}
-    short = [k for k, n in covered.items() if n != flat[k].numel()]
-    if short:
-        raise CorruptCheckpointError(f"{what}: the parts do not cover {short[0]!r}")
     return tensors, parts[mine]["meta"]
+
+
+def _check_parts(parts: Any) -> list[dict[str, Any]]:
+    """The ``parts`` of a manifest, checked before anything is allocated from them: each a dict with
+    ``pieces`` (key → [start, end, shape]) and ``meta``; each key's pieces, over the parts, cover
+    its elements once, in order (so what is allocated is what the parts hold)."""
+    if not isinstance(parts, list) or not parts:
+        raise ValueError("its parts are not a non-empty list")
+    spans: dict[str, list[tuple[int, int]]] = {}
+    shapes: dict[str, list[int]] = {}
+    for part in parts:
+        if not isinstance(part, dict) or not isinstance(part.get("pieces"), dict) or not isinstance(part.get("meta"), dict):
+            raise ValueError("a part is not a dict with pieces and meta")
+        for key, piece in part["pieces"].items():
+            start, end, shape = piece
+            if not all(type(v) is int for v in (start, end, *shape)) or not 0 <= start <= end or min(shape, default=0) < 0:
+                raise ValueError(f"the piece {piece!r} of {key!r} is not [start, end, shape] in whole numbers")
+            if shapes.setdefault(key, list(shape)) != list(shape):
+                raise ValueError(f"the parts give {key!r} two shapes")
+            spans.setdefault(key, []).append((start, end))
+    for key, found in spans.items():
+        at = 0
+        for start, end in sorted(found):
+            if start != at:
+                raise ValueError(f"the parts do not cover {key!r} once (a gap or an overlap at element {at})")
+            at = end
+        if at != math.prod(shapes[key]):
+            raise ValueError(f"the parts do not cover {key!r}")
+    return parts

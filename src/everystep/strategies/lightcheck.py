@@ -33,6 +33,7 @@ ranks agree on the newest step every rank's region holds (else on the disk's).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
@@ -46,14 +47,14 @@ import torch
 
 from .._faults import crash_point
 from ..background import Worker, settled
-from ..errors import CheckpointDirectoryError, ConfigError
+from ..errors import CheckpointDirectoryError, ConfigError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
 from ..policy.interval import due
 from ..recovery import Recovered, recover
 from ..state import bare_module, flatten, unflatten
 from ..storage.full import write_full
-from ..storage.region import RegionLayout, RegionStore, SlotWriter
+from ..storage.region import RegionLayout, RegionStore, SlotWriter, UnreadableRegionError, UntrustedRegionError
 from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import buffer_chunks
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
@@ -105,7 +106,7 @@ def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: 
     claim = directory.root / f"region-r{rank}.owner"
     token = claim.read_text().strip() if claim.exists() else None
     if directory.access == "read":
-        if not path.exists():
+        if not os.path.lexists(path):
             return None
         found = RegionStore.open(path, access="read", ranks=ranks)
         if found.owner != token:
@@ -114,10 +115,24 @@ def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: 
                           stacklevel=3)
             return None
         return found
+    claimed = token is None
     if token is None:
         token = uuid.uuid4().hex
         directory.store.put_file(claim.name, token.encode())  # before the region: a region is always claimed
-    found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token)
+    try:
+        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token)
+    except UntrustedRegionError:
+        if claimed:
+            claim.unlink(missing_ok=True)  # the directory stays as it was found
+        raise
+    except UnreadableRegionError as e:
+        if not any(r.manifest and r.manifest.kind == "full" for r in directory.store.manifests()):
+            raise CheckpointDirectoryError(
+                f"{e}; nothing was changed, since it may hold checkpoints that no full checkpoint in "
+                f"{directory.root} replaces: to start over, delete {path}") from None
+        warnings.warn(f"{e}: training resumes from the full checkpoints of {directory.root}, and the region is "
+                      "made anew", stacklevel=3)
+        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token, remake=True)
     if found.owner != token:
         found.close()
         raise CheckpointDirectoryError(
@@ -227,7 +242,13 @@ class LightCheck(Strategy):
     def _attach(self) -> None:
         directory = self.ctx.directory
         assert directory is not None
-        self.region = open_region(directory, self.config.region, flush=self.config.flush)
+        self._damaged: str | None = None
+        """Why the region holds no checkpoint that verifies, where it holds a damaged one."""
+        try:
+            self.region = open_region(directory, self.config.region, flush=self.config.flush)
+        except UnreadableRegionError as e:  # a reader's: a writer remakes it or refuses
+            warnings.warn(f"skipping {e}", stacklevel=2)
+            self.region, self._damaged = None, str(e)
         self._last = -1
         self._pending: _Copy | None = None
         self._slot = self.region.next_slot() if self.region is not None and directory.access != "read" else 0
@@ -268,12 +289,15 @@ class LightCheck(Strategy):
         if self.region is None:
             return found
         t0 = time.perf_counter()
+        complete = self.region.slots(warn=False)
         for slot, tensors, meta in self.region.verified(copy=True):
             found[slot.step] = Recovered(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region",
                                          manifest=None, seconds=time.perf_counter() - t0)
             if not every:
                 break
             t0 = time.perf_counter()
+        if complete and not found:
+            self._damaged = f"none of the {len(complete)} complete slot(s) of the region {self.region.path} verifies"
         return found
 
     def _restore(self) -> Recovered | None:
@@ -283,6 +307,9 @@ class LightCheck(Strategy):
         chosen, self._chosen = self._chosen, None  # read and verified while agreeing
         disk = recover(self.ctx.directory) if self._use_disk else None
         found = chosen if chosen is not None and (disk is None or disk.step < chosen.step) else disk
+        if found is None and self._damaged is not None:
+            raise NoValidCheckpointError(f"no valid checkpoint for {self.ctx.directory.root}: {self._damaged}, and the "
+                                         "directory holds no full checkpoint")
         if found is not None:
             self.ctx.components.restore(found.tree)
         return found

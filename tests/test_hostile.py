@@ -1,0 +1,283 @@
+"""I8 and I9 against a hostile or careless user who can write the checkpoint directory or the
+region: nothing outside the directory is deleted or written, no foreign region is trusted, a
+malformed record is skipped for the one before it, never a traceback or a wrong state.
+
+Each attack is run as the attacker would run it: a manifest re-signed (its checksum proves nothing
+about who wrote it), a file swapped for a link, a region made by someone else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from everystep import Checkpointer, NoValidCheckpointError
+from everystep.errors import CheckpointDirectoryError
+from everystep.eval.workloads import build
+from everystep.state import TrainingComponents, state_hash
+from everystep.storage import CheckpointDirectory
+from everystep.storage.base import Manifest, ObjectInfo, checksum
+from everystep.storage.region import RegionStore, UntrustedRegionError
+
+from .conftest import files_of
+
+
+def _train(directory: Path, start_expected: int | None, steps: int, strategy: str = "full_sync", **options):
+    """Train the mlp to ``steps`` in ``directory`` (resuming), one checkpoint a step; the workload."""
+    w = build("mlp", seed=0)
+    with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=strategy,
+                      **options) as ckpt:
+        start = ckpt.restore()
+        if start_expected is not None:
+            assert start == start_expected
+        for _ in range(start, steps):
+            w.loss(w.data.next()).backward()
+            w.optimizer.step()
+            w.optimizer.zero_grad()
+            w.scheduler.step()
+    return w
+
+
+def _resign(directory: Path, filename: str, body: dict) -> None:
+    """Store ``body`` as the manifest ``filename``, its checksum recomputed as an attacker would."""
+    body = {k: v for k, v in body.items() if k != "checksum"}
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    body["checksum"] = checksum(raw)
+    (directory / "manifests" / filename).write_text(json.dumps(body))
+
+
+def _body(directory: Path, step: int) -> dict:
+    return json.loads((directory / "manifests" / f"full-{step:012d}.json").read_text())
+
+
+@pytest.mark.parametrize("attack", ["absolute", "climbing", "kind"])
+def test_a_resigned_manifest_naming_paths_outside_makes_nothing_outside_deleted(tmp_path, attack):
+    """Item 1: an old manifest re-signed with an object named ``/abs/victim`` or ``../../victim``,
+    or a kind ``../../victim/k``, is skipped with a warning; the next run's retention deletes
+    nothing outside the directory and no kept checkpoint."""
+    root = tmp_path / "c"
+    _train(root, 0, 3, keep=3)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_bytes(b"keep me")
+    (victim / "k-000000000001.json").write_bytes(b"keep me too")
+    body = _body(root, 1)
+    if attack == "absolute":
+        body["objects"]["tensors"]["name"] = str(victim / "precious")
+    elif attack == "climbing":
+        body["objects"]["tensors"]["name"] = "../../victim/precious"
+    else:
+        body["kind"] = "../../victim/k"
+    _resign(root, "full-000000000001.json", body)
+    outside = files_of(victim)
+    with pytest.warns(UserWarning, match="not one everystep writes"):
+        _train(root, 3, 6, keep=1)
+    assert files_of(victim) == outside
+    assert (root / "manifests" / "full-000000000006.json").exists()
+    assert _train(root, 6, 6, keep=1) is not None  # the kept checkpoint restores
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"keep me" * 100)
+    return victim
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+@pytest.mark.parametrize("strategy,options", [("full_sync", {}), ("checkfreq", {"persist": "process"})])
+def test_an_object_swapped_for_a_link_is_never_written_through(tmp_path, link, strategy, options):
+    """Item 2: the file of a checkpoint that retention will discard is swapped for a link to a file
+    outside; retention keeps discarded files to write over, and the next write refuses the link
+    (a warning names it) instead of writing the checkpoint's bytes into its target."""
+    root, victim = tmp_path / "c", _victim(tmp_path)
+    before = victim.read_bytes()
+    w = build("mlp", seed=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Checkpointer(root, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=strategy, keep=1,
+                          **options) as ckpt:
+            ckpt.restore()
+            for step in range(1, 7):
+                w.loss(w.data.next()).backward()
+                w.optimizer.step()
+                w.optimizer.zero_grad()
+                w.scheduler.step()
+                ckpt.wait()
+                for path in (root / "objects").iterdir():
+                    if not path.name.startswith(".") and not path.is_symlink() and path.stat().st_nlink == 1:
+                        path.unlink()
+                        if link == "symbolic":
+                            path.symlink_to(victim)
+                        else:
+                            os.link(victim, path)
+    assert victim.read_bytes() == before
+    if "persist" not in options:  # (the writer process warns in its own process)
+        assert any(("not followed" if link == "symbolic" else "hard link") in str(m.message) for m in seen)
+
+
+def _region_attack(tmp_path: Path, mode: int) -> Path:
+    region = tmp_path / "shm" / "region.bin"
+    region.parent.mkdir()
+    region.touch()
+    os.chmod(region, mode)
+    return region
+
+
+def test_a_region_others_can_write_is_refused_by_name(tmp_path):
+    """Item 3: a region file that others can write (pre-created 0666, as another user would in
+    /dev/shm), or a symbolic link, is refused, naming the file and what is wrong; so is a
+    ``region/`` folder that is a link out of the directory."""
+    region = _region_attack(tmp_path, 0o666)
+    with pytest.raises(UntrustedRegionError, match=r"region\.bin cannot be trusted: its mode -rw-rw-rw-"):
+        _train(tmp_path / "c", 0, 2, strategy="lightcheck", region=str(region))
+    region.unlink()
+    region.symlink_to(tmp_path / "elsewhere.bin")
+    with pytest.raises(UntrustedRegionError, match="symbolic link"):
+        _train(tmp_path / "c", 0, 2, strategy="lightcheck", region=str(region))
+    assert not (tmp_path / "elsewhere.bin").exists()
+    root = tmp_path / "d"
+    _train(root, 0, 2, strategy="lightcheck")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for f in (root / "region").iterdir():
+        f.unlink()
+    (root / "region").rmdir()
+    (root / "region").symlink_to(outside)
+    with pytest.raises(UntrustedRegionError, match="is a symbolic link"):
+        _train(root, None, 4, strategy="lightcheck")
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_region_of_another_user_is_refused(tmp_path):
+    region = _region_attack(tmp_path, 0o600)
+    os.chown(region, 65534, 65534)
+    with pytest.raises(UntrustedRegionError, match="owned by uid 65534"):
+        _train(tmp_path / "c", 0, 2, strategy="lightcheck", region=str(region))
+
+
+def _region_of(root: Path) -> Path:
+    return root / "region" / "rank-0.bin"
+
+
+def test_a_zeroed_region_header_is_never_made_anew_silently(tmp_path):
+    """Item 5: a region whose header does not parse is not overwritten: with no full checkpoint in
+    the directory the writer refuses (saying how to start over), file untouched; with one, it
+    resumes from it with a warning and makes the region anew."""
+    root = tmp_path / "c"
+    _train(root, 0, 4, strategy="lightcheck", persist_every=0, final=False)
+    path = _region_of(root)
+    raw = bytearray(path.read_bytes())
+    raw[:64] = bytes(64)
+    path.write_bytes(raw)
+    with pytest.raises(CheckpointDirectoryError, match="to start over, delete"):
+        _train(root, None, 6, strategy="lightcheck")
+    assert path.read_bytes() == raw
+    _train(tmp_path / "d", 0, 3, strategy="lightcheck", persist_every=2, final=False)
+    other = _region_of(tmp_path / "d")
+    other.write_bytes(bytes(4096) + other.read_bytes()[4096:])
+    with pytest.warns(UserWarning, match="resumes from the full checkpoints"):
+        _train(tmp_path / "d", 2, 5, strategy="lightcheck")
+
+
+def _damage_slots(path: Path, which: list[int]) -> None:
+    region = RegionStore.open(path, access="read")
+    spans = []
+    try:
+        for slot in region.slots(warn=False):
+            if slot.slot in which:
+                spans.append((slot.area_offset, slot.meta_nbytes))
+    finally:
+        region.close()
+    raw = bytearray(path.read_bytes())
+    for offset, n in spans:
+        raw[offset + n // 2] ^= 0xFF
+    path.write_bytes(raw)
+
+
+def test_both_region_slots_damaged_and_no_full_checkpoint_is_an_error_not_step_0(tmp_path):
+    """Item 7: as a directory whose every checkpoint fails: NoValidCheckpointError, not step 0."""
+    root = tmp_path / "c"
+    _train(root, 0, 3, strategy="lightcheck", persist_every=0, final=False)
+    _damage_slots(_region_of(root), [0, 1])
+    with pytest.warns(UserWarning, match="skipping"), pytest.raises(NoValidCheckpointError, match="complete slot"):
+        _train(root, None, 5, strategy="lightcheck")
+
+
+def _rewrite_slot_meta(path: Path, edit) -> int:
+    """Rewrite the metadata of the newest slot with ``edit(meta)``, its digests recomputed (the
+    metadata's in its header, the header's own), as someone with the file would."""
+    import xxhash
+
+    from everystep.storage import region as rg
+
+    store = RegionStore.open(path, access="read")
+    try:
+        newest = store.slots(warn=False)[0]
+    finally:
+        store.close()
+    raw = bytearray(path.read_bytes())
+    start = newest.area_offset
+    meta = json.loads(bytes(raw[start:start + newest.meta_nbytes]))
+    body = json.dumps(edit(meta)).encode()
+    raw[start:start + len(body)] = body
+    at = (1 + newest.slot) * rg.PAGE
+    header = rg._SLOT.pack(rg._SLOT_MAGIC, rg._COMPLETE, newest.slot, newest.step, newest.generation,
+                           newest.area_offset, newest.area_nbytes, len(body), xxhash.xxh3_128_digest(body))
+    raw[at:at + len(header) + 16] = header + xxhash.xxh3_128_digest(header)
+    path.write_bytes(raw)
+    return newest.step
+
+
+def _relabel(meta):
+    meta["skeleton"]["step"] -= 1
+    return meta
+
+
+def _missing_tensor(meta):
+    meta["tensors"] = meta["tensors"][1:]
+    return meta
+
+
+def _deep(meta):
+    node = meta["skeleton"]["data"] = []
+    for _ in range(200):
+        node.append([])
+        node = node[0]
+    return meta
+
+
+@pytest.mark.parametrize("edit", [_relabel, _missing_tensor, _deep, lambda m: [m], lambda m: "slot",
+                                  lambda m: {**m, "data_nbytes": -5}, lambda m: {**m, "tensors": [[1, 2]]}],
+                         ids=["relabelled", "missing-tensor", "deep", "list", "string", "negative", "short-row"])
+def test_malformed_region_metadata_falls_back_to_the_older_slot(tmp_path, edit):
+    """Items 6 and 8: metadata that passes its checksum but is malformed (or names another step than
+    its state holds) makes the slot unreadable, with a warning, and the older slot is restored,
+    bitwise S_{k-1}."""
+    root = tmp_path / "c"
+    hashes = {}
+    w = build("mlp", seed=0)
+    with Checkpointer(root, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="lightcheck",
+                      persist_every=0, final=False) as ckpt:
+        ckpt.restore()
+        for step in range(1, 5):
+            w.loss(w.data.next()).backward()
+            w.optimizer.step()
+            w.optimizer.zero_grad()
+            w.scheduler.step()
+            c = TrainingComponents(model=w.model, optimizer=w.optimizer, scheduler=w.scheduler, data=w.data)
+            hashes[step] = state_hash({**c.capture(), **c.capture_boundary()})  # S_step, as restore builds it
+    newest = _rewrite_slot_meta(_region_of(root), edit)
+    w2 = build("mlp", seed=5)
+    w2.data.seed = 0
+    with pytest.warns(UserWarning, match="slot"):
+        with Checkpointer(root, w2.model, w2.optimizer, scheduler=w2.scheduler, data=w2.data, strategy="lightcheck",
+                          final=False) as again:
+            assert again.restore() == newest - 1
+    c = TrainingComponents(model=w2.model, optimizer=w2.optimizer, scheduler=w2.scheduler, data=w2.data)
+    assert state_hash({**c.capture(), **c.capture_boundary()}) == hashes[newest - 1]
