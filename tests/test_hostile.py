@@ -281,3 +281,54 @@ def test_malformed_region_metadata_falls_back_to_the_older_slot(tmp_path, edit):
             assert again.restore() == newest - 1
     c = TrainingComponents(model=w2.model, optimizer=w2.optimizer, scheduler=w2.scheduler, data=w2.data)
     assert state_hash({**c.capture(), **c.capture_boundary()}) == hashes[newest - 1]
+
+
+def _find(node, key):
+    """The first value under ``key`` anywhere in a JSON tree."""
+    if isinstance(node, dict):
+        if key in node:
+            return node[key]
+        node = list(node.values())
+    if isinstance(node, list):
+        for v in node:
+            found = _find(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def test_a_rejected_spread_checkpoint_leaves_nothing_in_the_live_objects(tmp_path):
+    """Item 4: spread checkpoints re-signed with one update fewer to bring their parts forward fail
+    the check of its counters; with no other checkpoint, restore() gives step 0 and the live model,
+    optimizer, RNG and data position are exactly what they were (a fresh start), bitwise."""
+    from .test_checkpointer import live_hash
+
+    options = {"every": 4, "parts": 3, "chunk_bytes": 4096, "reconstruct": "device", "final": False}
+    w = build("gpt2-tiny", seed=1)
+    root = tmp_path / "c"
+    with Checkpointer(root, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="gockpt",
+                      **options) as ckpt:
+        for _ in range(12):
+            w.loss(w.data.next()).backward()
+            w.optimizer.step()
+            w.optimizer.zero_grad()
+            w.scheduler.step()
+    for path in (root / "manifests").iterdir():
+        body = json.loads(path.read_text())
+        if body["kind"] == "full":
+            path.unlink()  # no other checkpoint to fall back to
+            continue
+        records = _find(body["meta"], "records")
+        assert records, "a spread checkpoint brings its parts forward by the updates it records"
+        records.pop()
+        _resign(root, path.name, body)
+    torch.manual_seed(123)
+    fresh, again = build("gpt2-tiny", seed=2), build("gpt2-tiny", seed=2)
+    fresh.data.seed = again.data.seed = 1  # the checkpoint's data position would load
+    before = live_hash(fresh, 0)
+    assert live_hash(again, 0) == before
+    with pytest.warns(UserWarning, match="skipping the spread checkpoint at step 11"):
+        with Checkpointer(root, again.model, again.optimizer, scheduler=again.scheduler, data=again.data,
+                          strategy="gockpt", **options) as ckpt:
+            assert ckpt.restore() == 0
+            assert live_hash(again, 0) == before

@@ -65,7 +65,7 @@ from ..policy.parts import ALIGN, MAX_PARTS, PartPlan, Unit, choose_parts
 from ..recovery import Recovered, read_state, recover
 from ..replay import optimizer_like, replay_step
 from ..state import group_scalars
-from ..storage.base import Manifest
+from ..storage.base import Manifest, malformed
 from ..storage.full import write_full
 from ..storage.sharded import ShardPlan, commit_parts, commit_tensors
 from ..storage.tensorfile import tensor_chunks
@@ -596,36 +596,52 @@ class GoCkpt(Strategy):
         for manifest in manifests:
             try:
                 tree, tensors, description = _read_spread(self.ctx.directory, manifest)
-                self.ctx.components.restore(tree)
-                device = self._bring_forward(manifest, tensors, description)
-            except CorruptCheckpointError as e:  # (the next one restored replaces all the state)
+                with malformed(f"the spread checkpoint at step {manifest.step}"):
+                    device = self._bring_forward(manifest, tree, tensors, description)
+            except CorruptCheckpointError as e:
                 warnings.warn(f"skipping the spread checkpoint at step {manifest.step}: {e}", stacklevel=5)
                 continue
+            # IMPORTANT: the live objects receive a candidate only once it is brought forward and checked.
+            self.ctx.components.restore(tree)
             return Recovered(step=manifest.step, tree={}, source=f"disk (parts brought forward on {device})",
                              manifest=manifest, seconds=time.perf_counter() - t0)
         return None
 
-    def _bring_forward(self, manifest: Manifest, tensors: dict[str, torch.Tensor], description: dict[str, Any]) -> str:
-        """Apply the gradients a spread checkpoint holds to its parts, in the live model and
-        optimizer (which hold the parts as copied): each chunk by the updates after its copy, with
-        the training optimizer's class and each update's group settings. Returns the device."""
+    def _bring_forward(self, manifest: Manifest, tree: dict[str, Any], tensors: dict[str, torch.Tensor],
+                       description: dict[str, Any]) -> str:
+        """Apply the gradients a spread checkpoint holds to its parts, in ``tree`` (its state as
+        copied, read from storage; the parts it trains moved to the training device): each chunk by
+        the updates after its copy, with the training optimizer's class and each update's group
+        settings. Raises :class:`CorruptCheckpointError` when a part brought forward disagrees with
+        the state of the step. Returns the device."""
         optimizer = self.ctx.components.optimizer
         live, _ = self.ctx.flatten_state(manifest.step)
-        trained = {found.key: found.param for found in self.ctx.optimizer_keys(live) if found.key is not None}
+        trained = {found.key: found for found in self.ctx.optimizer_keys(live) if found.key is not None}
         what = f"the spread checkpoint at step {manifest.step}"
-        params = []
+        params, held_states = [], []
         for d in description["params"]:
-            if d["key"] not in trained:
+            found = trained.get(d["key"])
+            if found is None or not d["key"].startswith("/model/"):
                 raise CorruptCheckpointError(f"{what} brings forward {d['key']!r}, which the optimizer does not train")
-            params.append((trained[d["key"]], d))
+            device = found.param.device
+            model, key = tree["model"], d["key"][len("/model/"):]
+            stored = model[key]
+            moved = stored.to(device)
+            for name, value in model.items():  # tied weights stay one tensor
+                if value is stored:
+                    model[name] = moved
+            held = tree["optimizer"]["state"].get(found.index, {})
+            held.update({k: v.to(device) for k, v in held.items() if isinstance(v, torch.Tensor) and v.dim()})
+            params.append((model[key], d))
+            held_states.append(held)
         chunks = description["chunks"]
         views: list[torch.Tensor] = []
         states: list[dict[str, Any]] = []
         with torch.no_grad():
             for index, (_, i, start, stop) in enumerate(chunks):
                 p, d = params[i]
-                held = optimizer.state.get(p, {})
-                views.append(p.detach().view(-1)[start:stop])
+                held = held_states[i]
+                views.append(p.view(-1)[start:stop])
                 state = {name: held[name].view(-1)[start:stop] for name in d["elementwise"]}
                 for name in d["whole"]:
                     value = tensors.get(f"spread/state/{index}/{name}", description["scalars"].get(f"{index}/{name}"))
@@ -645,9 +661,9 @@ class GoCkpt(Strategy):
                         ((views[x], tensors[f"spread/grad/{record['step']}/{x}"].to(views[x].device) if x in present
                           else None) for x in active))
         for x, (_, i, _, _) in enumerate(chunks):
-            p, d = params[i]
+            _, d = params[i]
             for name in d["whole"]:
-                value, held = states[x][name], optimizer.state.get(p, {}).get(name)
+                value, held = states[x][name], held_states[i].get(name)
                 same = torch.equal(value.cpu(), held.cpu()) if isinstance(value, torch.Tensor) else value == held
                 if not same:
                     raise CorruptCheckpointError(f"{what}: the part of {d['key']!r} brought forward disagrees with the "
@@ -674,8 +690,9 @@ def _read_spread(directory: Any, manifest: Manifest) -> tuple[dict[str, Any], di
     if "spread" not in meta:
         raise CorruptCheckpointError(f"checkpoint {manifest.name}: lacks spread")
     description = meta["spread"]
-    missing = [f"spread/grad/{r['step']}/{x}" for r in description["records"] for x in r["chunks"]
-               if f"spread/grad/{r['step']}/{x}" not in tensors]
+    with malformed(f"checkpoint {manifest.name}"):
+        missing = [f"spread/grad/{r['step']}/{x}" for r in description["records"] for x in r["chunks"]
+                   if f"spread/grad/{r['step']}/{x}" not in tensors]
     if missing:
         raise CorruptCheckpointError(f"checkpoint {manifest.name} lacks the gradient {missing[0]!r}")
     return tree, tensors, description
