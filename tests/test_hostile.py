@@ -332,3 +332,144 @@ def test_a_rejected_spread_checkpoint_leaves_nothing_in_the_live_objects(tmp_pat
                           strategy="gockpt", **options) as ckpt:
             assert ckpt.restore() == 0
             assert live_hash(again, 0) == before
+
+
+# -- fuzzing: any value in any field, re-signed ------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from everystep.errors import EverystepError  # noqa: E402
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats(allow_nan=False)
+    | st.sampled_from([1e30, -1.0, 0, 10**12, "..", "/abs/victim", "../../victim", "full", "x" * 300]) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6)
+
+
+def _paths(node, path=()):
+    """Every path to a node of a JSON tree (dict keys and list indexes)."""
+    yield path
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        yield from _paths(v, (*path, k))
+
+
+def _replace(node, path, value):
+    if not path:
+        return value
+    node[path[0]] = _replace(node[path[0]], path[1:], value)
+    return node
+
+
+_FUZZED = {"full_sync": {}, "lowdiff": {"every": 3}, "gockpt": {"every": 2, "parts": 2, "chunk_bytes": 2048,
+                                                               "reconstruct": "device"}}
+
+
+@pytest.fixture(scope="module")
+def fuzz_dirs(tmp_path_factory):
+    """A small run of each kind of checkpoint (full, differential chain, spread), made once."""
+    from .test_checkpointer import make
+
+    made = {}
+    for strategy, options in _FUZZED.items():
+        root = tmp_path_factory.mktemp(strategy) / "c"
+        w = make("mlp", 0, strategy)
+        with Checkpointer(root, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
+                          strategy=strategy, final=False, keep=5, **options) as ckpt:
+            ckpt.restore()
+            for _ in range(6):
+                w.loss(w.data.next()).backward()
+                w.optimizer.step()
+                w.optimizer.zero_grad()
+                w.scheduler.step()
+        made[strategy] = root
+    return made
+
+
+def _restore_after(root: Path, strategy: str):
+    """Restore a copy of ``root`` with a fresh workload: the step, or the EverystepError raised."""
+    from .test_checkpointer import make
+
+    w = make("mlp", 0, strategy)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Checkpointer(root, w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                              compression=w.compression, strategy=strategy, final=False, **_FUZZED[strategy]) as ckpt:
+                return ckpt.restore()
+    except EverystepError as e:
+        return e
+
+
+@pytest.mark.parametrize("strategy", sorted(_FUZZED))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_value_in_any_manifest_field_ends_in_a_fallback_or_one_clear_error(tmp_path_factory, fuzz_dirs, strategy,
+                                                                               data):
+    """Every field of a committed manifest (full, differential, spread) replaced by a random JSON
+    value and re-signed: restore() falls back to an older point or raises one EverystepError,
+    never another exception; and nothing outside the directory is touched."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("fuzz") / "c"
+    shutil.copytree(fuzz_dirs[strategy], root, symlinks=True)
+    names = sorted(p.name for p in (root / "manifests").iterdir())
+    name = data.draw(st.sampled_from(names), label="manifest")
+    body = json.loads((root / "manifests" / name).read_text())
+    body.pop("checksum")
+    path = data.draw(st.sampled_from([p for p in _paths(body) if p]), label="field")
+    _resign(root, name, _replace(body, path, data.draw(_JSON, label="value")))
+    outside = files_of(root.parent.parent)
+    result = _restore_after(root, strategy)
+    assert isinstance(result, (int, EverystepError)), result
+    if isinstance(result, int):
+        assert 0 <= result <= 6
+    after = files_of(root.parent.parent)
+    assert {k: v for k, v in after.items() if not k.startswith("c/")} == \
+        {k: v for k, v in outside.items() if not k.startswith("c/")}
+
+
+@pytest.fixture(scope="module")
+def fuzz_region(tmp_path_factory):
+    root = tmp_path_factory.mktemp("region") / "c"
+    _train(root, 0, 4, strategy="lightcheck", persist_every=0, final=False)
+    return root
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_value_in_any_region_metadata_field_falls_back_to_the_older_slot(tmp_path_factory, fuzz_region, data):
+    """Every field of the newest slot's metadata replaced by a random JSON value, its digests
+    recomputed: the slot is restored only if it still reads as a state of its step, else the older
+    slot is; never another exception than an EverystepError."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("fuzzr") / "c"
+    shutil.copytree(fuzz_region, root, symlinks=True)
+    value = data.draw(_JSON, label="value")
+    chosen = []
+
+    def edit(meta):
+        path = data.draw(st.sampled_from([p for p in _paths(meta) if p]), label="field")
+        chosen.append(path)
+        return _replace(meta, path, value)
+
+    newest = _rewrite_slot_meta(_region_of(root), edit)
+    result = _restore_after(root, "lightcheck") if "lightcheck" in _FUZZED else _restore_lightcheck(root)
+    assert isinstance(result, (int, EverystepError)), result
+    if isinstance(result, int):
+        assert result in (newest, newest - 1)
+
+
+def _restore_lightcheck(root: Path):
+    w = build("mlp", seed=0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Checkpointer(root, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="lightcheck",
+                              final=False) as ckpt:
+                return ckpt.restore()
+    except EverystepError as e:
+        return e

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, NoValidCheckpointError
+from .errors import CorruptCheckpointError, NoValidCheckpointError, StateMismatchError
 from .storage.base import Manifest, Store, malformed
 from .storage.directory import CheckpointDirectory
 from .state import TrainingComponents, unflatten
@@ -137,9 +137,11 @@ def read_differential(store: Store, manifest: Manifest) -> Link:
     return Link(manifest, tensors, end)
 
 
-def chain(store: Store, full: Manifest, kind: str) -> Iterator[Link]:
+def chain(store: Store, full: Manifest, kind: str,
+          check: Callable[[dict[str, Any]], None] | None = None) -> Iterator[Link]:
     """The differentials of ``kind`` whose base is ``full``, in order from the step after it, each
-    read and verified as it is reached; ends at a gap or, with a warning, at one that fails."""
+    read and verified as it is reached (``check``: its end state too, raising an EverystepError);
+    ends at a gap or, with a warning, at one that fails."""
     links = {}
     for r in store.manifests():
         m = r.manifest
@@ -151,7 +153,9 @@ def chain(store: Store, full: Manifest, kind: str) -> Iterator[Link]:
     while (m := links.get(step + 1)) is not None:
         try:
             link = read_differential(store, m)
-        except CorruptCheckpointError as e:
+            if check is not None:
+                check(link.end)
+        except (CorruptCheckpointError, StateMismatchError) as e:
             warnings.warn(f"the differential chain from step {full.step} ends at step {step}: {e}", stacklevel=3)
             return
         yield link
@@ -172,7 +176,7 @@ def recover_chain(directory: CheckpointDirectory, components: TrainingComponents
     applied: list[Link] = []
 
     def tracked() -> Iterator[Link]:
-        for link in chain(directory.store, full, kind):
+        for link in chain(directory.store, full, kind, components.check_end_state):
             yield link
             applied.append(link)  # reached only once ``apply`` asks for the next link, or at the end
 

@@ -163,9 +163,16 @@ class TrainingComponents:
         return tree
 
     def restore(self, tree: dict[str, Any]) -> None:
-        """Load a captured state into the live objects, checking every shape first."""
-        check_model(self.module, tree["model"])
-        check_optimizer(self.optimizer, tree["optimizer"])
+        """Load a captured state into the live objects.
+
+        IMPORTANT: everything is checked before anything is loaded — each shape, the optimizer's
+        settings and state, the random generators' — and should a component's own
+        ``load_state_dict`` still fail, every live object is put back as it was before the error
+        is raised: a failed restore leaves the live objects untouched.
+        """
+        check_model(self.module, tree.get("model"))
+        check_optimizer(self.optimizer, tree.get("optimizer"))
+        check_rng(tree.get("rng"))
         for name in self.OPTIONAL:
             component = getattr(self, name)
             if (component is None) != (name not in tree):
@@ -175,6 +182,25 @@ class TrainingComponents:
                     f"the checkpoint {have} {name} state but the Checkpointer {given}; "
                     f"attach the same components that wrote it"
                 )
+        before = self._saved()
+        try:
+            self._load(tree)
+        except Exception as e:
+            self._load(before)
+            raise StateMismatchError(f"the checkpoint's state could not be loaded ({type(e).__name__}: {e}); the model, "
+                                     "optimizer and other components are as they were") from e
+
+    def _saved(self) -> dict[str, Any]:
+        """Copies of every live object's state, to put back (:meth:`restore`)."""
+        saved: dict[str, Any] = {"model": {k: v.detach().clone() for k, v in self.module.state_dict().items()},
+                                 "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": capture_rng()}
+        for name in self.OPTIONAL:
+            component = getattr(self, name)
+            if component is not None:
+                saved[name] = copy.deepcopy(component.state_dict())
+        return saved
+
+    def _load(self, tree: dict[str, Any]) -> None:
         self.module.load_state_dict(tree["model"])
         self.optimizer.load_state_dict(tree["optimizer"])
         for name in self.OPTIONAL:
@@ -202,16 +228,41 @@ class TrainingComponents:
                 tree[name] = component.state_dict()
         return flatten(tree)
 
+    def check_end_state(self, end: Any) -> None:
+        """Raise :class:`StateMismatchError` unless ``end`` is an :meth:`end_state` these objects
+        could have made: the model's buffers by name and shape, each group's settings, the random
+        generators', and the optional components this Checkpointer has."""
+        if not isinstance(end, dict) or not isinstance(end.get("buffers"), dict):
+            raise StateMismatchError("the end state is not a dict with the model's buffers")
+        live = dict(self.module.named_buffers())
+        for key, value in end["buffers"].items():
+            if key not in live or not isinstance(value, torch.Tensor) or _shape(value) != _shape(live[key]):
+                raise StateMismatchError(f"the end state's buffer {key!r} is not one of the model's, of its shape")
+        check_group_settings(self.optimizer, end.get("groups"), partial=True)
+        check_rng(end.get("rng"))
+        for name in ("scheduler", "scaler", "data"):
+            if name in end and getattr(self, name) is None:
+                raise StateMismatchError(f"the end state has {name} state but the Checkpointer was not given one")
+
     def apply_end_state(self, end: dict[str, Any]) -> None:
-        """Load an :meth:`end_state` (as a tree) into the live objects."""
-        self.module.load_state_dict(end["buffers"], strict=False)
-        for group, saved in zip(self.optimizer.param_groups, end["groups"]):
-            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-        for name in self.OPTIONAL:
-            component = getattr(self, name)
-            if component is not None and name in end:
-                component.load_state_dict(owned(end[name]))
-        restore_rng(end["rng"])
+        """Load an :meth:`end_state` (as a tree) into the live objects, checked first
+        (:meth:`check_end_state`); should a component's ``load_state_dict`` fail, every live object
+        is put back as it was before the error is raised."""
+        self.check_end_state(end)
+        before = self._saved()
+        try:
+            self.module.load_state_dict(end["buffers"], strict=False)
+            for group, saved in zip(self.optimizer.param_groups, end["groups"]):
+                group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+            for name in self.OPTIONAL:
+                component = getattr(self, name)
+                if component is not None and name in end:
+                    component.load_state_dict(owned(end[name]))
+            restore_rng(end["rng"])
+        except Exception as e:
+            self._load(before)
+            raise StateMismatchError(f"the end state could not be loaded ({type(e).__name__}: {e}); the model, "
+                                     "optimizer and other components are as they were") from e
 
 
 def owns_memory(t: torch.Tensor) -> bool:
@@ -241,8 +292,10 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def check_model(model: torch.nn.Module, stored: dict[str, Any]) -> None:
+def check_model(model: torch.nn.Module, stored: Any) -> None:
     """Raise :class:`StateMismatchError` naming the first key or shape that differs."""
+    if not isinstance(stored, dict):
+        raise StateMismatchError(f"the checkpoint's model state is a {type(stored).__name__}, not a dict of tensors")
     live = model.state_dict()
     missing = sorted(set(live) - set(stored))
     unexpected = sorted(set(stored) - set(live))
@@ -257,6 +310,8 @@ def check_model(model: torch.nn.Module, stored: dict[str, Any]) -> None:
         )
     for key, tensor in live.items():
         other = stored[key]
+        if isinstance(tensor, torch.Tensor) and not isinstance(other, torch.Tensor):
+            raise StateMismatchError(f"model entry {key!r} is a tensor; the checkpoint has a {type(other).__name__}")
         if isinstance(tensor, torch.Tensor) and _shape(tensor) != _shape(other):
             raise StateMismatchError(
                 f"model parameter {key!r} has shape {_shape(tensor)}; the checkpoint has {_shape(other)} "
@@ -264,27 +319,122 @@ def check_model(model: torch.nn.Module, stored: dict[str, Any]) -> None:
             )
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, stored: dict[str, Any]) -> None:
-    """Check parameter counts per group and the shapes of per-parameter state tensors."""
+def _kind(value: Any) -> str:
+    """What a setting or state value is, for comparing one stored with one live."""
+    if isinstance(value, torch.Tensor):
+        return "a 0-d tensor" if value.dim() == 0 else "a tensor"
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return type(value).__name__
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, (list, tuple)):
+        return f"a sequence of ({', '.join(_kind(v) for v in value)})"
+    return type(value).__name__
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, stored: Any) -> None:
+    """Check the optimizer's kind by its settings, the parameter counts per group, and per-parameter
+    state: the same names for every parameter that has state, each a tensor of its parameter's
+    shape, a 0-d tensor, a number or None, alike across parameters."""
+    if not isinstance(stored, dict) or not isinstance(stored.get("param_groups"), list) \
+            or not isinstance(stored.get("state"), dict):
+        raise StateMismatchError("the checkpoint's optimizer state is not a dict of state and param_groups")
     groups = optimizer.param_groups
-    stored_groups = stored.get("param_groups", [])
+    stored_groups = stored["param_groups"]
     if len(groups) != len(stored_groups):
         raise StateMismatchError(
             f"the optimizer has {len(groups)} parameter groups; the checkpoint has {len(stored_groups)}"
         )
+    check_group_settings(optimizer, stored_groups)
+    known = set()
     for gi, (group, sgroup) in enumerate(zip(groups, stored_groups)):
+        indexes = sgroup.get("params")
+        if not isinstance(indexes, list) or not all(type(i) is int for i in indexes) or len(set(indexes)) != len(indexes):
+            raise StateMismatchError(f"the checkpoint's optimizer parameter group {gi} has no list of parameter indexes")
         if len(group["params"]) != len(sgroup["params"]):
             raise StateMismatchError(
                 f"optimizer parameter group {gi} has {len(group['params'])} parameters; "
                 f"the checkpoint has {len(sgroup['params'])} — was it written by another model or optimizer?"
             )
         for param, index in zip(group["params"], sgroup["params"]):
-            for name, value in stored.get("state", {}).get(index, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and _shape(value) != _shape(param):
-                    raise StateMismatchError(
-                        f"optimizer state {name!r} of parameter {index} has shape {_shape(value)}; "
-                        f"the parameter has {_shape(param)} — was it written by another model configuration?"
-                    )
+            known.add(index)
+            _check_param_state(stored["state"].get(index, {}), param, index)
+    kinds = {name: _kind(v) for st in stored["state"].values() for name, v in st.items()}
+    for index, state in stored["state"].items():
+        if index not in known:
+            raise StateMismatchError(f"the checkpoint holds optimizer state for parameter {index!r}, which no group has")
+        if state and ({n: _kind(v) for n, v in state.items()} != kinds):
+            raise StateMismatchError(f"the optimizer state of parameter {index} differs in its entries from the others' "
+                                     f"({_names(sorted(state), 99)} against {_names(sorted(kinds), 99)})")
+
+
+def check_group_settings(optimizer: torch.optim.Optimizer, stored: Any, *, partial: bool = False) -> None:
+    """Raise :class:`StateMismatchError` unless ``stored`` holds, for each param group, the settings
+    this optimizer's groups have (``partial``: the plain-valued ones, as :func:`group_scalars`
+    gives), each of the same kind: another optimizer's settings are named as such."""
+    groups = optimizer.param_groups
+    if not isinstance(stored, list) or len(stored) != len(groups):
+        raise StateMismatchError(f"the optimizer has {len(groups)} parameter groups; the checkpoint's settings "
+                                 f"are not a list of {len(groups)}")
+    for gi, (group, sgroup) in enumerate(zip(groups, stored)):
+        if not isinstance(sgroup, dict):
+            raise StateMismatchError(f"the checkpoint's settings of optimizer parameter group {gi} are not a dict")
+        live = group_scalars(optimizer)[gi] if partial else {k: v for k, v in group.items() if k != "params"}
+        settings, stored_settings = set(live), set(sgroup) - {"params"}
+        if settings != stored_settings:
+            raise StateMismatchError(
+                f"the optimizer ({type(optimizer).__name__}) has the settings {_names(sorted(settings), 99)}; the "
+                f"checkpoint's has {_names(sorted(stored_settings), 99)} — was it written with another optimizer?")
+        for name in sorted(settings):
+            if _kind(live[name]) != _kind(sgroup[name]) and live[name] is not None and sgroup[name] is not None:
+                raise StateMismatchError(f"optimizer setting {name!r} of group {gi} is {_kind(live[name])}; the "
+                                         f"checkpoint's is {_kind(sgroup[name])}")
+
+
+def _check_param_state(state: Any, param: torch.Tensor, index: Any) -> None:
+    if not isinstance(state, dict):
+        raise StateMismatchError(f"the optimizer state of parameter {index} is not a dict")
+    for name, value in state.items():
+        if _kind(value) not in ("a tensor", "a 0-d tensor", "a number", "NoneType"):
+            raise StateMismatchError(f"optimizer state {name!r} of parameter {index} is {_kind(value)}")
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and _shape(value) != _shape(param):
+            raise StateMismatchError(
+                f"optimizer state {name!r} of parameter {index} has shape {_shape(value)}; "
+                f"the parameter has {_shape(param)} — was it written by another model configuration?"
+            )
+
+
+def check_rng(stored: Any) -> None:
+    """Raise :class:`StateMismatchError` unless ``stored`` has the structure :func:`capture_rng` gives."""
+    live = capture_rng()
+    problem = _differs(live, stored, "rng")
+    if problem:
+        raise StateMismatchError(f"the checkpoint's random generator state is malformed: {problem}")
+
+
+def _differs(live: Any, stored: Any, path: str) -> str | None:
+    if isinstance(live, dict):
+        if not isinstance(stored, dict):
+            return f"{path} is {_kind(stored)}, not a dict"
+        for key in live:
+            if key not in stored:
+                if key == "torch_cuda":
+                    continue  # written without CUDA
+                return f"{path}/{key} is missing"
+            problem = _differs(live[key], stored[key], f"{path}/{key}")
+            if problem:
+                return problem
+        return None
+    if isinstance(live, torch.Tensor):
+        if not isinstance(stored, torch.Tensor) or stored.dtype != live.dtype or stored.shape != live.shape:
+            return f"{path} is not a {live.dtype} tensor of shape {tuple(live.shape)}"
+        return None
+    if isinstance(live, list):
+        return None if isinstance(stored, list) and all(isinstance(t, torch.Tensor) for t in stored) else \
+            f"{path} is not a list of tensors"
+    if _kind(live) != _kind(stored) and not (live is None or stored is None):
+        return f"{path} is {_kind(stored)}, not {_kind(live)}"
+    return None
 
 
 def _names(keys: list[str], limit: int = 3) -> str:

@@ -635,6 +635,11 @@ class GoCkpt(Strategy):
             params.append((model[key], d))
             held_states.append(held)
         chunks = description["chunks"]
+        for chunk in chunks:
+            _, i, start, stop = chunk
+            if not all(type(v) is int for v in chunk) or not 0 <= i < len(params) \
+                    or not 0 <= start <= stop <= params[i][0].numel():
+                raise ValueError(f"its chunk {chunk!r} is not a range of a parameter it brings forward")
         views: list[torch.Tensor] = []
         states: list[dict[str, Any]] = []
         with torch.no_grad():

@@ -26,12 +26,13 @@ import torch
 
 from ..background import Worker
 from ..compress import decompress, parameter_names
-from ..errors import ConfigError
+from ..errors import ConfigError, EverystepError
 from ..policy import LowDiffCosts, lowdiff_integer_optimum
 from ..policy.interval import due
 from ..recovery import Link, Recovered, recover_chain
 from ..replay import Replayer, StepRecord
-from ..state import group_scalars
+from ..state import check_group_settings, group_scalars
+from ..storage.base import malformed
 from ..storage.sharded import ShardPlan, commit_tensors
 from .base import Strategy, StrategyConfig
 from .checkfreq import CheckFreq, CheckFreqConfig
@@ -273,8 +274,8 @@ class LowDiff(Strategy):
             t_replay = time.perf_counter()
             for link in links:
                 try:
-                    records = _records(link)
-                except KeyError as e:
+                    records = _records(link, c.optimizer, set(parameter_names(c.model).values()))
+                except EverystepError as e:
                     warnings.warn(f"the differential chain from step {link.manifest.meta['base']} ends at step "
                                   f"{link.first - 1}: {e}", stacklevel=5)
                     break
@@ -302,11 +303,22 @@ class LowDiff(Strategy):
                         p.sub_(r.grads[name]["dense"].to(p.device).view_as(p))
 
 
-def _records(link: Link) -> list[StepRecord]:
-    """The step records of a LowDiff batch; KeyError if one lacks a parameter it names."""
-    return [StepRecord(step=s["step"], skipped=s["skipped"], groups=s["groups"],
-                       grads={n: _compressed(link.tensors, s["step"], n) for n in s["params"]})
-            for s in link.manifest.meta["steps"]]
+def _records(link: Link, optimizer: torch.optim.Optimizer, names: set[str]) -> list[StepRecord]:
+    """The step records of a LowDiff batch, checked before any is applied: consecutive steps from
+    its first to its own, each with this optimizer's settings and gradients of parameters it has;
+    raises an EverystepError naming what is wrong."""
+    what = f"differential {link.manifest.name}"
+    with malformed(what):
+        records = [StepRecord(step=s["step"], skipped=s["skipped"], groups=s["groups"],
+                              grads={n: _compressed(link.tensors, s["step"], n) for n in s["params"]})
+                   for s in link.manifest.meta["steps"]]
+        steps = [link.manifest.step] if link.manifest.meta.get("summed") else list(range(link.first, link.manifest.step + 1))
+        if [r.step for r in records] != steps or \
+                not all(type(r.skipped) is bool and set(r.grads) <= names for r in records):
+            raise ValueError("its records are not those of its steps, of this model's parameters")
+    for r in records:
+        check_group_settings(optimizer, r.groups, partial=True)
+    return records
 
 
 def _compressed(tensors: dict[str, torch.Tensor], step: int, name: str) -> dict[str, torch.Tensor]:
