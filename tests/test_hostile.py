@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from everystep import Checkpointer, NoValidCheckpointError
+from everystep import Checkpointer, NoValidCheckpointError, StateMismatchError
 from everystep.errors import CheckpointDirectoryError
 from everystep.eval.workloads import build
 from everystep.state import TrainingComponents, state_hash
@@ -359,7 +360,7 @@ def _paths(node, path=()):
 def _replace(node, path, value):
     if not path:
         return value
-    node[path[0]] = _replace(node[path[0]], path[1:], value)
+    node[path[0]] = value if len(path) == 1 else _replace(node[path[0]], path[1:], value)
     return node
 
 
@@ -473,3 +474,49 @@ def _restore_lightcheck(root: Path):
                 return ckpt.restore()
     except EverystepError as e:
         return e
+
+
+# -- items 9, 15, 18: wrong types and kinds, one clear error -----------------------------------
+
+@pytest.mark.parametrize("field,value", [(("meta",), []), (("meta", "skeleton"), 7), (("meta", "parts"), 7),
+                                         (("step",), 10**30), (("objects",), "x")])
+def test_a_resigned_manifest_with_a_field_of_another_type_is_skipped_for_the_one_before(tmp_path, field, value):
+    """Item 9: the newest manifest re-signed with a field of a wrong type (or a step of 10^30) is
+    skipped with a warning and the checkpoint before it restored."""
+    root = tmp_path / "c"
+    _train(root, 0, 3, keep=3)
+    body = _body(root, 3)
+    body.pop("checksum")
+    _resign(root, "full-000000000003.json", _replace(body, field, value))
+    with pytest.warns(UserWarning, match="skipping"):
+        _train(root, 2, 2)
+
+
+def test_an_optimizer_of_another_kind_is_refused_at_restore_naming_both(tmp_path):
+    """Item 15: an AdamW checkpoint restored into SGD (and the reverse) is refused at restore(),
+    nothing loaded, instead of a KeyError in the first step."""
+    root = tmp_path / "c"
+    _train(root, 0, 2)
+    w = build("mlp", seed=0)
+    sgd = torch.optim.SGD(w.model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(StateMismatchError, match=r"the optimizer \(SGD\) has the settings .*'momentum'.*another optimizer"):
+        with Checkpointer(root, w.model, sgd, data=w.data, scheduler=None, strategy="full_sync", final=False) as c:
+            c.restore()
+
+
+def test_arguments_of_a_wrong_type_are_named():
+    """Item 18: the Checkpointer names the Python argument of a wrong type; strategy options too."""
+    w = build("mlp", seed=0)
+    cases = [({"model": "x"}, "model must be a torch.nn.Module"),
+             ({"optimizer": None}, "optimizer must be a torch.optim.Optimizer"),
+             ({"scheduler": 3}, "scheduler must have state_dict"),
+             ({"every": "3"}, "every must be a whole number, got '3'"),
+             ({"every": 2.5}, "every must be a whole number"),
+             ({"keep": 1.5}, "keep must be a whole number"),
+             ({"final": "yes"}, "final must be True or False"),
+             ({"deadline": float("nan")}, "deadline must be a finite number"),
+             ({"strategy": "lightcheck", "flush": "maybe"}, "flush must be True or False or None")]
+    for extra, message in cases:
+        args = {"model": w.model, "optimizer": w.optimizer, "strategy": "none", **extra}
+        with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+            Checkpointer(None, **args)

@@ -17,6 +17,7 @@ Step boundaries come from the optimizer's step hooks (see :mod:`everystep.captur
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -43,6 +44,30 @@ from .storage.directory import CheckpointDirectory
 from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, create
 
 __all__ = ["Checkpointer"]
+
+
+def _check_arguments(*, model: Any, optimizer: Any, final: Any, deadline: Any, k1: Any, k2: Any, stop_signals: Any,
+                     stagger: Any, full_format: Any, **stateful: Any) -> None:
+    """Raise TypeError naming the first argument of the Checkpointer that has a wrong type."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    for name, value in stateful.items():
+        if value is not None and not isinstance(value, Stateful):
+            raise TypeError(f"{name} must have state_dict() and load_state_dict(); got {type(value).__name__}")
+    if not isinstance(final, bool):
+        raise TypeError(f"final must be True or False, got {final!r}")
+    for name, value in (("deadline", deadline), ("k1", k1), ("k2", k2)):
+        if (value is not None or name != "deadline") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                                            or not math.isfinite(value)):
+            raise TypeError(f"{name} must be a finite number{' or None' if name == 'deadline' else ''}, got {value!r}")
+    if isinstance(stop_signals, (str, bytes)) or not all(isinstance(s, int) for s in stop_signals):
+        raise TypeError(f"stop_signals must be a sequence of signal numbers (signal.SIGTERM, …), got {stop_signals!r}")
+    if stagger is not None and (isinstance(stagger, bool) or not isinstance(stagger, int)):
+        raise TypeError(f"stagger must be a whole number of ranks or None, got {stagger!r}")
+    if not isinstance(full_format, str):
+        raise TypeError(f"full_format must be 'safetensors' or 'dcp', got {full_format!r}")
 
 
 class Checkpointer:
@@ -105,8 +130,9 @@ class Checkpointer:
         **options: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
-        if data is not None and not isinstance(data, Stateful):
-            raise TypeError(f"data must have state_dict() and load_state_dict(); got {type(data).__name__}")
+        _check_arguments(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data,
+                         compression=compression, final=final, deadline=deadline, k1=k1, k2=k2,
+                         stop_signals=stop_signals, stagger=stagger, full_format=full_format)
         given = {k: v for k, v in (("every", every), ("keep", keep)) if v is not None}
         if not isinstance(strategy, (str, Strategy)):
             raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}")

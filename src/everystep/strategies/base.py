@@ -32,8 +32,10 @@ raised once by the next lifecycle call.
 
 from __future__ import annotations
 
+import math
 import threading
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -52,6 +54,10 @@ if TYPE_CHECKING:
 __all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "ParamKeys"]
 
 
+_PLAIN = {int: "a whole number", float: "a finite number", bool: "True or False", str: "a string",
+          type(None): "None"}
+
+
 @dataclass(kw_only=True, slots=True)
 class StrategyConfig:
     """Options every strategy shares."""
@@ -62,9 +68,27 @@ class StrategyConfig:
     """Full checkpoints to keep; older ones, and what only they need, are deleted."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         self._check_every()
         if self.keep < 1:
             raise ConfigError(f"keep must be at least 1 so that a checkpoint survives, got {self.keep}")
+
+    def _check_types(self) -> None:
+        """Each option of a plain type (int, float, bool, str, or None where allowed) has that type:
+        a bool is not an int, an int is a float, a float is finite."""
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            allowed = typing.get_args(hints[f.name]) or (hints[f.name],)
+            if not all(a in _PLAIN for a in allowed):
+                continue
+            value = getattr(self, f.name)
+            ok = (value is None and type(None) in allowed) or (type(value) is bool and bool in allowed) or \
+                (type(value) is int and (int in allowed or float in allowed)) or \
+                (type(value) is float and float in allowed and math.isfinite(value)) or \
+                (type(value) is str and str in allowed)
+            if not ok:
+                names = " or ".join(_PLAIN[a] for a in allowed)
+                raise ConfigError(f"{f.name} must be {names}, got {value!r}")
 
     def _check_every(self) -> None:
         if self.every < 1:
