@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from everystep.capture.profile import profile_step
 from everystep.cli import main
 from everystep.eval.workloads import build
-from everystep.policy.checkflow import Schedule, StepProfile, Tensor, check, coarsen, plan, solve, split
+from everystep.policy.checkflow import Schedule, StepProfile, Tensor, check, coarsen, drifted, plan, solve, split
 
 
 def _brute_force(profile: StepProfile, bandwidth: float) -> int | None:
@@ -78,6 +78,27 @@ def test_a_memory_limit_that_cannot_be_met_is_relaxed():
     profile = StepProfile((1.0,) * 4, (50, 10, 10, 50), (Tensor("w", 20, 3),))
     found = plan(profile, bandwidth=100, per_size=100, memory_limit=40)
     assert found.feasible and found.peak == 50 and found.memory_limit >= 50  # the activations alone reach 50
+
+
+def test_limits_and_pieces_that_would_never_end_are_bounded():
+    """A memory limit of 0 bytes (or 1) is refused or relaxed from the bytes alive, never a quarter
+    of nothing at a time; pieces so small that the ILP would hold thousands of tensors end the plan
+    as infeasible, naming why."""
+    profile = StepProfile((1.0,) * 4, (50, 10, 10, 50), (Tensor("w", 20, 3),))
+    with pytest.raises(ValueError, match="memory_limit must be a positive finite number, got 0"):
+        plan(profile, bandwidth=100, per_size=100, memory_limit=0)
+    for bad in (float("nan"), float("inf"), 0, -5):
+        with pytest.raises(ValueError, match="bandwidth must be a positive finite number"):
+            plan(profile, bandwidth=bad, per_size=100)
+    assert plan(profile, bandwidth=100, per_size=100, memory_limit=1).feasible
+    tiny = plan(StepProfile((1.0,) * 3, (0,) * 3, (Tensor("big", 30_000, 2),)), bandwidth=1, per_size=1)
+    assert not tiny.feasible and "more than the 4096 the planner takes" in tiny.reason
+
+
+def test_a_schedule_is_replanned_when_steps_get_twice_as_slow_or_twice_as_fast():
+    assert not drifted(1.9, 1.0, 1.0) and drifted(2.1, 1.0, 1.0)
+    assert not drifted(0.51, 1.0, 1.0) and drifted(0.49, 1.0, 1.0)  # faster counts too
+    assert drifted(1.3, 1.0, 0.25) and drifted(0.79, 1.0, 0.25) and not drifted(0.81, 1.0, 0.25)
 
 
 def test_splitting_keeps_every_byte_in_nearly_equal_pieces():

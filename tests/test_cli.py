@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -102,7 +103,7 @@ def test_crash_inside_a_write_leaves_the_previous_checkpoint(tmp_path, capsys):
         (["train", "--strategy", "full_sync", "--dir", "{tmp}/foreign"], "is not empty and is not an everystep checkpoint"),
         (["recover", "--dir", "{tmp}/missing"], "no everystep checkpoint directory at"),
         (["inspect", "{tmp}/missing"], "no everystep checkpoint directory at"),
-        (["train", "--strategy", "full_sync", "--every", "0", "--dir", "{tmp}/c"], "every must be a positive number of steps"),
+        (["train", "--strategy", "full_sync", "--every", "0", "--dir", "{tmp}/c"], "argument --every: must be at least 1"),
     ],
 )
 def test_user_mistakes_get_one_clear_line_and_status_2(tmp_path, capsys, args, message):
@@ -166,3 +167,44 @@ def test_ranks_forked_from_the_zygote_get_their_environment_and_die_with_it(tmp_
         assert select.select([pidfd], [], [], 60)[0], "the rank outlived its zygote"
         assert child.wait() == -signal.SIGKILL
         os.close(pidfd)
+
+
+def _bad_arguments(tmp: "Path") -> list[tuple[str, ...]]:
+    """Bad arguments for every subcommand; each must end in one line on stderr and exit status 2."""
+    a_file = tmp / "a-file"
+    a_file.write_text("not a folder")
+    (tmp / "bad.json").write_text('{"config": 1}')
+    d = str(tmp / "d")
+    train = ("train", "--workload", "mlp", "--steps", "2", "--dir", d)
+    return [
+        (*train, "--threads", "100000"), (*train, "--seed", "-1"), (*train, "--steps", "0"), (*train, "--every", "0"),
+        (*train, "--keep", "0"), (*train, "--nproc", "0"), (*train, "--deadline", "nan"), (*train, "--stagger", "x"),
+        (*train, "--option", "every=abc"), (*train, "--option", "every=2.5"), (*train, "--option", "keep=null"),
+        (*train, "--strategy", "lightcheck", "--option", "flush=maybe"),
+        (*train, "--strategy", "lightcheck", "--option", f"region={a_file}/r.bin"),
+        (*train, "--strategy", "checkflow", "--option", "memory_limit=0"),
+        (*train, "--json", f"{a_file}/out.json"), (*train, "--json", str(tmp)), (*train, "--option", "nope=1"),
+        ("recover", "--dir", str(a_file)), ("inspect", str(tmp / "missing")), ("verify", str(a_file)),
+        ("bench", "--steps", "0"), ("bench", "--repeats", "0"), ("bench", "--threads", "0"), ("bench", "--budget", "-1"),
+        ("bench", "--strategies", "none,nope", "--steps", "1"),
+        ("simulate", "--mtbf", "0", "--strategy", "a:1:1:1:0:1"), ("simulate", "--mtbf", "nan"),
+        ("simulate", "--gpus", "0"), ("simulate", "--trials", "0"), ("simulate", "--from-bench", str(tmp / "bad.json")),
+        ("simulate", "--from-bench", str(tmp / "missing.json")), ("simulate", "--strategy", "a:1:1"),
+        ("simulate", "--mtbf", "1e-9", "--strategy", "a:1:1:1:0:1", "--trials", "1"),
+        ("plan", "--step-seconds", "1", "--mtbf", "inf"), ("plan", "--step-seconds", "1", "--mtbf", "10", "--bandwidth", "0"),
+        ("plan", "--checkflow", "--workload", "mlp", "--bandwidth", "1e9", "--memory-limit", "0"),
+        ("plan", "--checkflow", "--workload", "mlp", "--bandwidth", "1", "--per-size", "1e-6"),
+        ("plan", "--checkflow", "--workload", "mlp", "--bandwidth", "nan"), ("plan", "--time-steps", "1"),
+        ("demo", "--steps", "0"), ("nope",),
+    ]
+
+
+def test_every_bad_argument_gets_one_line_and_exit_status_2(tmp_path, capsys):
+    """Item 16 of the hostile users' second round: each subcommand over a table of bad arguments."""
+    failures = []
+    for args in _bad_arguments(tmp_path):
+        code, out, err = call_cli(capsys, *args)
+        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("everystep: warning")]
+        if code != 2 or len(lines) != 1 or "Traceback" in err:
+            failures.append(f"everystep {' '.join(args)} -> exit {code}, stderr {err!r}")
+    assert not failures, "\n".join(failures)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -113,15 +115,63 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _whole(least: int, most: int | None = None, what: str = "") -> Any:
+    """An argparse type: a whole number from ``least`` (to ``most``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number; got {text!r}") from None
+        top = most() if callable(most) else most
+        if value < least or (top is not None and value > top):
+            span = f"from {least} to {top}{what}" if top is not None else f"at least {least}"
+            raise argparse.ArgumentTypeError(f"must be {span}; got {value}")
+        return value
+
+    return parse
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+_THREADS = _whole(1, _cores, " (the cores this process may run on)")
+
+
+def _number(least: float, *, above: bool, what: str = "") -> Any:
+    """An argparse type: a finite number above (or from) ``least``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number; got {text!r}") from None
+        if not math.isfinite(value) or value < least or (above and value == least):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'above' if above else 'of at least'} "
+                                             f"{least:g}{what}; got {text}")
+        return value
+
+    return parse
+
+
+_positive = _number(0, above=True)
+_not_negative = _number(0, above=False)
+
+
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
 def _ints(text: str) -> tuple[int, ...]:
+    """Comma-separated whole numbers, each at least 1."""
     try:
-        return tuple(int(s) for s in _csv(text))
+        values = tuple(int(s) for s in _csv(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers of at least 1; got {text!r}")
+    return values
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -262,42 +312,49 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo(Path(args.dir), steps=args.steps)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments get one line on stderr (naming the flag) and exit status 2."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .eval.workloads import OPTIMIZERS, WORKLOADS
     from .strategies import STRATEGIES
 
-    p = argparse.ArgumentParser(prog="everystep", description="Checkpointing every training step, with exact recovery.")
+    p = _Parser(prog="everystep", description="Checkpointing every training step, with exact recovery.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a workload with a checkpointing strategy, optionally killing it")
     t.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-tiny")
     t.add_argument("--strategy", choices=sorted(STRATEGIES), default="checkfreq")
-    t.add_argument("--steps", type=int, default=20)
+    t.add_argument("--steps", type=_whole(1), default=20)
     t.add_argument("--dir", help="checkpoint directory (needed by every strategy but none)")
-    t.add_argument("--every", type=int, help="checkpoint every K steps (default: the strategy's own; 1 for full_sync "
+    t.add_argument("--every", type=_whole(1), help="checkpoint every K steps (default: the strategy's own; 1 for full_sync "
                    "and checkfreq, 50 for lowdiff and naive_diff, from the write bandwidth for lowdiff_plus)")
-    t.add_argument("--keep", type=int, default=2, help="full checkpoints to keep (default 2)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--threads", type=int, default=1, help="intra-op threads for training (default 1)")
+    t.add_argument("--keep", type=_whole(1), default=2, help="full checkpoints to keep (default 2)")
+    t.add_argument("--seed", type=_whole(0, 2**31 - 1), default=0)
+    t.add_argument("--threads", type=_THREADS, default=1, help="intra-op threads for training (default 1)")
     t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     t.add_argument("--fail-at", type=_steps_list, default=(), metavar="STEPS", help="kill the training during these steps, e.g. 7,19")
     t.add_argument("--fail-mode", choices=["software", "hardware"], default="software")
     t.add_argument("--compress", metavar="SPEC", help="train with gradient compression: topk:0.01, quant8 or powersgd:rank=4 "
                    "(under --nproc in DDP's communication hook)")
-    t.add_argument("--batch", type=int, help="lowdiff: steps per differential write (b)")
+    t.add_argument("--batch", type=_whole(1), help="lowdiff: steps per differential write (b)")
     t.add_argument("--option", type=_option, action="append", default=[], metavar="NAME=VALUE",
                    help="a strategy option, e.g. verify_every=1 or grace=5 (repeatable)")
-    t.add_argument("--nproc", type=int, default=1, help="training processes (ranks) on this machine, each a "
+    t.add_argument("--nproc", type=_whole(1), default=1, help="training processes (ranks) on this machine, each a "
                    "DistributedDataParallel replica over gloo (default 1; under torchrun its own ranks are used)")
-    t.add_argument("--max-nproc", type=int, metavar="N", help="the most ranks --nproc may start (default: the "
+    t.add_argument("--max-nproc", type=_whole(1), metavar="N", help="the most ranks --nproc may start (default: the "
                    "cores this process may run on)")
-    t.add_argument("--deadline", type=float, metavar="SECONDS", help="stop with a final checkpoint before this many "
+    t.add_argument("--deadline", type=_positive, metavar="SECONDS", help="stop with a final checkpoint before this many "
                    "seconds from now have passed (default: SLURM_JOB_END_TIME when set); SIGTERM and SIGUSR1 stop "
                    "the same way at any time")
     t.add_argument("--full-format", choices=["safetensors", "dcp"], default="safetensors",
                    help="how full checkpoints are stored: everystep's safetensors parts (default) or a "
                    "torch.distributed.checkpoint directory that plain DCP calls load")
-    t.add_argument("--stagger", type=int, metavar="K", help="at most K ranks read a checkpoint at once when they "
+    t.add_argument("--stagger", type=_whole(1), metavar="K", help="at most K ranks read a checkpoint at once when they "
                    "restore (default: all)")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="train on the CPU (default) or on CUDA, a GPU per rank, with deterministic kernels")
@@ -325,18 +382,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="native: with --trainer, the trainer's own small model")
     b.add_argument("--strategies", type=_csv, default=("none", "full_sync", "checkfreq"), help="comma-separated: "
                    "everystep strategies and the peers torch_save, dcp, dcp_async")
-    b.add_argument("--steps", type=int, default=20)
-    b.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (default 3)")
-    b.add_argument("--every", type=int, help="checkpoint interval for every strategy (default: each strategy's own)")
+    b.add_argument("--steps", type=_whole(1), default=20)
+    b.add_argument("--warmup", type=_whole(0), default=3, help="steps left out of the timing (default 3)")
+    b.add_argument("--every", type=_whole(1), help="checkpoint interval for every strategy (default: each strategy's own)")
     b.add_argument("--compress", metavar="SPEC", help="gradient compression for every strategy, none included")
-    b.add_argument("--batch", type=int, help="lowdiff: steps per differential write")
+    b.add_argument("--batch", type=_whole(1), help="lowdiff: steps per differential write")
     b.add_argument("--option", type=_strategy_option, action="append", default=[], metavar="STRATEGY.NAME=VALUE",
                    help="an option of one strategy, repeatable (e.g. lowdiff_plus.layerwise=true)")
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--threads", type=int, default=1)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--repeats", type=_whole(1), default=3)
+    b.add_argument("--threads", type=_THREADS, default=1)
+    b.add_argument("--seed", type=_whole(0, 2**31 - 1), default=0)
     b.add_argument("--max-frequency", action="store_true", help="find each strategy's smallest interval within --budget")
-    b.add_argument("--budget", type=float, default=0.035, help="overhead budget for --max-frequency (default 0.035)")
+    b.add_argument("--budget", type=_positive, default=0.035, help="overhead budget for --max-frequency (default 0.035)")
     b.add_argument("--region-layout", action="store_true", help="write throughput of lightcheck's region layout "
                    "against metadata interleaved with data, on the workload's state")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every run trains (default cpu)")
@@ -355,53 +412,82 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--from-bench", metavar="JSON", help="per-strategy costs measured by `everystep bench --json`")
     sm.add_argument("--strategy", action="append", default=[], metavar="NAME:STEP_S:BASE_S:INTERVAL:LAG:RECOVERY_S",
                     help="costs given by hand; repeatable")
-    sm.add_argument("--mtbf", type=float, default=3600.0, help="mean time between failures of one GPU, seconds")
+    sm.add_argument("--mtbf", type=_positive, default=3600.0, help="mean time between failures of one GPU, seconds")
     sm.add_argument("--gpus", type=_ints, default=(1,), help="GPU counts; the job's MTBF is --mtbf divided by each")
     sm.add_argument("--mtbf-sweep", type=_ints, default=(), help="MTBF values (s) for the ratio-against-MTBF figure")
-    sm.add_argument("--job-steps", type=int, default=10_000)
-    sm.add_argument("--trials", type=int, default=200)
-    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--job-steps", type=_whole(1), default=10_000)
+    sm.add_argument("--trials", type=_whole(1), default=200)
+    sm.add_argument("--seed", type=_whole(0, 2**31 - 1), default=0)
     sm.add_argument("--json", metavar="PATH")
     sm.add_argument("--plot", metavar="PATH", help="PNG: ratio against MTBF and against GPUs")
     sm.set_defaults(func=cmd_simulate)
 
     pl = sub.add_parser("plan", help="optimal checkpoint interval (Young/Daly) and LowDiff's (F*, b*); with "
                         "--checkflow, Checkflow's snapshot and offload schedule for a workload")
-    pl.add_argument("--step-seconds", type=float)
-    pl.add_argument("--ckpt-seconds", type=float, help="training stall per full checkpoint")
-    pl.add_argument("--size-bytes", type=float, help="full checkpoint size (with --bandwidth, instead of --ckpt-seconds)")
-    pl.add_argument("--bandwidth", type=float, help="write bandwidth, bytes/s")
-    pl.add_argument("--mtbf", type=float, help="mean time between failures, seconds")
-    pl.add_argument("--load-seconds", type=float, default=0.0)
-    pl.add_argument("--merge-seconds", type=float, help="time to merge one batched differential (LowDiff)")
+    pl.add_argument("--step-seconds", type=_positive)
+    pl.add_argument("--ckpt-seconds", type=_positive, help="training stall per full checkpoint")
+    pl.add_argument("--size-bytes", type=_positive, help="full checkpoint size (with --bandwidth, instead of --ckpt-seconds)")
+    pl.add_argument("--bandwidth", type=_positive, help="write bandwidth, bytes/s")
+    pl.add_argument("--mtbf", type=_positive, help="mean time between failures, seconds")
+    pl.add_argument("--load-seconds", type=_not_negative, default=0.0)
+    pl.add_argument("--merge-seconds", type=_positive, help="time to merge one batched differential (LowDiff)")
     pl.add_argument("--checkflow", action="store_true", help="profile one step of --workload and plan Checkflow's "
                     "snapshots and offloads (--bandwidth: the device-to-host link, bytes/s)")
     pl.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-small")
     pl.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     pl.add_argument("--in-backward", action="store_true", help="updates in backward (each layer's own deadline)")
-    pl.add_argument("--batch", type=int, help="samples per step (default: the workload's own)")
+    pl.add_argument("--batch", type=_whole(1), help="samples per step (default: the workload's own)")
     pl.add_argument("--plot", metavar="PATH", help="draw the schedule (a PNG): memory per time step, offloads")
-    pl.add_argument("--memory-limit", type=float, metavar="MiB", help="device memory limit (relaxed if it cannot be met)")
-    pl.add_argument("--per-size", type=float, default=16.0, metavar="MiB", help="the pieces a tensor is split into "
+    pl.add_argument("--memory-limit", type=_positive, metavar="MiB", help="device memory limit (relaxed if it cannot be met)")
+    pl.add_argument("--per-size", type=_number(64 / 2**20, above=False, what=" MiB (64 bytes)"), default=16.0, metavar="MiB", help="the pieces a tensor is split into "
                     "when the link cannot move it in one time step (default 16)")
-    pl.add_argument("--time-steps", type=int, default=48, help="operators are merged into at most about this many "
+    pl.add_argument("--time-steps", type=_whole(2), default=48, help="operators are merged into at most about this many "
                     "time steps (default 48)")
     pl.add_argument("--json", metavar="PATH")
     pl.set_defaults(func=cmd_plan)
 
     d = sub.add_parser("demo", help="train gpt2-tiny, kill it twice, recover, and compare with an uninterrupted run")
     d.add_argument("--dir", default="demo-out")
-    d.add_argument("--steps", type=int, default=30)
+    d.add_argument("--steps", type=_whole(1), default=30)
     d.set_defaults(func=cmd_demo)
     return p
 
 
 def _preflight(args: argparse.Namespace) -> None:
-    """What can be refused before any work: a figure that could not be drawn."""
+    """What can be refused before any work: a file that could not be written at the end (a run's
+    summary would be lost), a figure that could not be drawn."""
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        if path:
+            problem = _unwritable(Path(path))
+            if problem:
+                raise ConfigError(f"--{flag} {path}: {problem}")
     if getattr(args, "plot", None):
         from .eval.plotting import check_plotting
 
         check_plotting()
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why ``path`` could not be written (its folders made as needed), or None."""
+    if path.is_dir():
+        return "is a folder"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "cannot be written (permission denied)"
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} cannot be written (permission denied)"
+
+
+def _one_line(e: BaseException) -> str:
+    """An error's message on one line (a message that quotes another tool's traceback keeps its last line)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else type(e).__name__
+    return f"{lines[0]} … {lines[-1]}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,7 +500,11 @@ def main(argv: list[str] | None = None) -> int:
             _preflight(args)
             return int(args.func(args))
     except EverystepError as e:
-        print(f"everystep: error: {e}", file=sys.stderr)
+        print(f"everystep: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file or folder that cannot be read or written: the system's own words
+        where = f": {e.filename}" if e.filename and str(e.filename) not in str(e.strerror) else ""
+        print(f"everystep: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("everystep: interrupted", file=sys.stderr)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ConfigError
+
 __all__ = ["StrategyCosts", "simulate", "analytic_ratio", "exact_expected_seconds"]
 
 
@@ -38,6 +40,10 @@ def _durable(reached: int, start: int, c: StrategyCosts) -> int:
     return max(start, newest)
 
 
+MAX_FAILURES = 100_000
+"""A simulated job that fails more often than this has no useful ratio to report."""
+
+
 def simulate(c: StrategyCosts, *, mtbf_seconds: float, job_steps: int, trials: int = 200, seed: int = 0) -> dict[str, float]:
     """Monte Carlo over ``trials`` jobs of ``job_steps`` steps; returns mean wall time and ratios."""
     if mtbf_seconds <= 0 or job_steps < 1 or trials < 1:
@@ -58,6 +64,9 @@ def simulate(c: StrategyCosts, *, mtbf_seconds: float, job_steps: int, trials: i
             reached = done + int(next_failure // c.step_seconds)
             wall += next_failure
             n_fail += 1
+            if n_fail > MAX_FAILURES:
+                raise ConfigError(f"a simulated job of {job_steps} steps failed {MAX_FAILURES} times without finishing "
+                                  f"at an MTBF of {mtbf_seconds:g} s: give a longer MTBF (or fewer GPUs)")
             done = _durable(reached, done, c)
             # recover; a failure during recovery restarts it
             while True:
@@ -68,6 +77,9 @@ def simulate(c: StrategyCosts, *, mtbf_seconds: float, job_steps: int, trials: i
                     break
                 wall += next_failure
                 n_fail += 1
+                if n_fail > MAX_FAILURES:
+                    raise ConfigError(f"a simulated recovery of {c.recovery_seconds:g} s failed {MAX_FAILURES} times "
+                                      f"at an MTBF of {mtbf_seconds:g} s: give a longer MTBF (or fewer GPUs)")
         walls[i], failures[i] = wall, n_fail
     useful = job_steps * c.base_step_seconds
     mean_wall = float(walls.mean())

@@ -46,7 +46,11 @@ def costs_from_bench(report: dict[str, Any]) -> list[StrategyCosts]:
 def main(args: argparse.Namespace) -> int:
     costs = [parse_costs(s) for s in args.strategy]
     if args.from_bench:
-        costs += costs_from_bench(json.loads(Path(args.from_bench).read_text()))
+        try:
+            costs += costs_from_bench(json.loads(Path(args.from_bench).read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"--from-bench {args.from_bench} is not a report of `everystep bench --json` "
+                              f"({type(e).__name__}: {e})") from None
     if not costs:
         raise ConfigError("give --from-bench JSON or at least one --strategy")
     rows = []

@@ -120,6 +120,9 @@ class TrainConfig:
         if self.nproc > limit:
             raise ConfigError(f"--nproc {self.nproc} is more ranks than this machine runs at once ({limit}, its usable "
                               "cores); raise the limit with --max-nproc if you mean it")
+        flagged = sorted(set(self.options) & {"every", "keep"})
+        if flagged:
+            raise ConfigError(f"--option {flagged[0]}=…: give --{flagged[0]} instead")
         given = {k: v for k, v in (("every", self.every), ("keep", self.keep)) if v is not None}
         made = create(self.strategy, **given, **self.options)  # validates the options before any process starts
         if isinstance(made.config, CheckFreqConfig) and not made.config.persist_serves(self.nproc, self.full_format):

@@ -207,10 +207,27 @@ def split(profile: StepProfile, per_size: int) -> StepProfile:
     return replace(profile, tensors=tuple(pieces))
 
 
+MAX_PIECES = 4096
+"""Splitting stops before the ILP would hold more tensors than this (its size grows with them)."""
+
+
+def drifted(recent: float, baseline: float, replan: float) -> bool:
+    """Whether a step time of ``recent`` seconds strays from ``baseline`` by more than the factor
+    ``1 + replan``, slower or faster (``replan`` 1: twice as slow, or half the time)."""
+    return recent > baseline * (1 + replan) or recent * (1 + replan) < baseline
+
+
 def plan(profile: StepProfile, *, bandwidth: float, per_size: int, memory_limit: int | None = None,
          relax: float = 1.25, time_limit: float = 60.0) -> Plan:
     """Algorithm 1: solve; split on a bandwidth infeasibility, relax the memory limit on a memory
-    one; infeasible when splitting changes nothing any more."""
+    one; infeasible when splitting changes nothing any more, or would make more than
+    :data:`MAX_PIECES` pieces."""
+    for name, value in (("bandwidth", bandwidth), ("per_size", per_size), ("relax", relax - 1),
+                        ("memory_limit", 1 if memory_limit is None else memory_limit)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if memory_limit is not None:  # under the bytes alive without checkpointing, no schedule can be
+        memory_limit = max(memory_limit, max(profile.resident))
     t0, splits = time.perf_counter(), 0
     while True:
         status, schedule, peak = solve(profile, bandwidth=bandwidth, memory_limit=memory_limit, time_limit=time_limit)
@@ -220,9 +237,14 @@ def plan(profile: StepProfile, *, bandwidth: float, per_size: int, memory_limit:
             return Plan(False, profile, None, None, splits, memory_limit, time.perf_counter() - t0,
                         f"the solver stopped without a schedule ({status}, time limit {time_limit:g} s)")
         if memory_limit is not None and solve(profile, bandwidth=bandwidth, time_limit=time_limit)[0] == "optimal":
-            memory_limit = int(memory_limit * relax)  # the limit, not the link, is what fails
+            memory_limit = max(int(memory_limit * relax), memory_limit + 1)  # the limit, not the link, is what fails
             continue
         finer = split(profile, per_size)
+        if len(finer.tensors) > MAX_PIECES:
+            return Plan(False, profile, None, None, splits, memory_limit, time.perf_counter() - t0,
+                        f"the link ({bandwidth / 1e9:.3g} GB/s) cannot offload every snapshot within the step in "
+                        f"pieces of {len(profile.tensors)} or fewer, and pieces of {per_size} bytes would make "
+                        f"{len(finer.tensors)}, more than the {MAX_PIECES} the planner takes")
         if len(finer.tensors) == len(profile.tensors):
             return Plan(False, profile, None, None, splits, memory_limit, time.perf_counter() - t0,
                         f"the link ({bandwidth / 1e9:.3g} GB/s) cannot offload every snapshot within the step, "

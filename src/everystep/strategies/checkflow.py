@@ -39,7 +39,7 @@ from ..background import Worker, settled
 from ..capture.profile import OperatorHooks, StepRecorder
 from ..errors import ConfigError
 from ..layout import TensorLayout
-from ..policy.checkflow import Plan, StepProfile, coarsen, plan
+from ..policy.checkflow import Plan, StepProfile, coarsen, drifted, plan
 from ..policy.interval import due
 from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
@@ -70,6 +70,8 @@ class CheckflowConfig(StrategyConfig):
         StrategyConfig.__post_init__(self)
         if self.bandwidth is not None and self.bandwidth <= 0:
             raise ConfigError(f"bandwidth must be a positive number of bytes per second, got {self.bandwidth}")
+        if self.memory_limit is not None and self.memory_limit <= 0:
+            raise ConfigError(f"memory_limit must be a positive number of bytes (or None), got {self.memory_limit}")
         if self.per_size < 64 or self.time_steps < 2 or self.replan <= 0:
             raise ConfigError(f"per_size must be at least 64 bytes, time_steps at least 2 and replan positive; got "
                               f"{self.per_size}, {self.time_steps}, {self.replan}")
@@ -226,7 +228,7 @@ class Checkflow(Strategy):
             recent = statistics.median(self._times[-_WINDOW:])
             if len(self._times) == _WINDOW:  # the first steps run with this schedule (the profiled one ran slower)
                 self._baseline = recent
-            elif self._baseline is not None and abs(recent / self._baseline - 1) > self.config.replan:
+            elif self._baseline is not None and drifted(recent, self._baseline, self.config.replan):
                 warnings.warn(f"checkflow: steps now take {recent:.3g} s (median of {_WINDOW}), against "
                               f"{self._baseline:.3g} s when the schedule was new: profiling the next step to plan again",
                               stacklevel=2)
