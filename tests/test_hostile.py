@@ -520,3 +520,37 @@ def test_arguments_of_a_wrong_type_are_named():
         args = {"model": w.model, "optimizer": w.optimizer, "strategy": "none", **extra}
         with pytest.raises((TypeError, ValueError), match=re.escape(message)):
             Checkpointer(None, **args)
+
+
+def test_a_damaged_newest_dcp_checkpoint_is_skipped_and_its_step_written_again(tmp_path):
+    """Item 12: the newest DCP checkpoint fails to verify; the run resumes from the one before and
+    writes that step again over the damaged one's files (no 'Directory not empty')."""
+    root = tmp_path / "c"
+    _train(root, 0, 3, full_format="dcp", keep=3)
+    [data] = sorted((root / "objects" / "full-000000000003.dcp").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(raw)
+    with pytest.warns(UserWarning, match="skipping the checkpoint at step 3"):
+        _train(root, 2, 5, full_format="dcp", keep=3)
+    assert _train(root, 5, 5, full_format="dcp", keep=3) is not None
+
+
+def test_a_stopped_writer_process_ends_training_with_an_error_not_a_wait(tmp_path):
+    """Item 14: the writer process stopped (SIGSTOP): the write goes unanswered for writer_timeout
+    seconds, then training fails naming the writer and the option, and close() does not hang."""
+    import signal
+
+    from everystep.errors import BackgroundWriteError
+
+    w = build("mlp", seed=0)
+    with pytest.raises(BackgroundWriteError, match=r"has not answered the write of step \d+ in 1 s.*writer_timeout"):
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, data=w.data, strategy="checkfreq", persist="process",
+                          writer_timeout=1.0) as ckpt:
+            ckpt.restore()
+            os.kill(ckpt.strategy._writer.process.pid, signal.SIGSTOP)
+            for _ in range(4):
+                w.loss(w.data.next()).backward()
+                w.optimizer.step()
+                w.optimizer.zero_grad()
+            ckpt.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .errors import CorruptCheckpointError
@@ -97,11 +98,19 @@ def verify_store(directory: CheckpointDirectory, rows: list[dict[str, Any]] | No
     store = directory.store
     rows = inspect_store(directory) if rows is None else rows
     problems = [f"{row['name']}: {row['reason']}" for row in rows if not row["valid"]]
-    named = {o.name for r in store.manifests() if r.manifest for o in r.manifest.objects.values()}
-    in_progress = set()
-    if CheckpointDirectory.owner(directory.root) is not None:
-        in_progress = {token.split("/", 1)[1] for token, _ in store.interrupted_writes()}
-    for name in store.stored_files():
-        if name not in named and name.split("/", 1)[0] not in in_progress:
-            problems.append(f"{store.root / 'objects' / name}: no checkpoint names this file")
+    live = CheckpointDirectory.owner(directory.root) is not None
+    files = store.stored_files()  # before the manifests: a writer renames an object into place, then commits
+    records = [r.manifest for r in store.manifests() if r.manifest]
+    named = {o.name for m in records for o in m.objects.values()}
+    newest = max((m.step for m in records), default=-1)
+    in_progress = {token.split("/", 1)[1] for token, _ in store.interrupted_writes()} if live else set()
+    for name in files:
+        top = name.split("/", 1)[0]
+        step = _STEP.match(top)
+        if name in named or top in in_progress or (live and step is not None and int(step[1]) > newest):
+            continue  # named, or a live writer's write in progress (its manifest not committed yet)
+        problems.append(f"{store.root / 'objects' / name}: no checkpoint names this file")
     return problems
+
+
+_STEP = re.compile(r"^[a-z_]+-(\d{12})")

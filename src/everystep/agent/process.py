@@ -121,6 +121,7 @@ class Agent:
                 listener.close()
             self._finish_persist()
             self._writer.close()
+            self.checkpoints.close()  # the file it kept to write over goes too
             me.withdraw(self.directory, self.config.discovery)
 
     def _session(self, conn: connection.Connection) -> str:

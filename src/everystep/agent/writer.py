@@ -61,7 +61,7 @@ class WriterProcess:
     socket; a new buffer is shared, and a dropped one forgotten, with the next :meth:`write` (the
     persist thread's), which alone talks to the writer."""
 
-    def __init__(self, directory: Path, *, keep: int) -> None:
+    def __init__(self, directory: Path, *, keep: int, timeout: float = 600.0) -> None:
         from .channel import Plain, recv, send, send_fds  # (the channel imports torch: not at module import)
 
         self._send, self._recv, self._send_fds, self._plain = send, recv, send_fds, Plain
@@ -73,6 +73,9 @@ class WriterProcess:
         finally:
             theirs.close()
         self._conn = connection.Connection(ours.detach())
+        self.timeout = timeout
+        """Seconds a write may go unanswered before :meth:`write` gives up on the writer."""
+        self._hung = False
         self._regions: dict[int, SharedRegion] = {}
         """Each buffer allocated and not dropped (by ``id``), with the memory behind it."""
         self._shared: set[int] = set()
@@ -116,6 +119,7 @@ class WriterProcess:
                                     self._send_fds(self._conn, [region.fd])))
             self._call(lambda: self._send(self._conn, {"kind": "write", "id": id(buffer), "step": step,
                                                        "skeleton": self._plain(skeleton)}))
+            self._await_answer(step)
             answer = self._call(lambda: self._recv(self._conn))
         if answer["kind"] == "failed":
             raise BackgroundWriteError(f"{answer['error']} (in the checkpoint writer process, pid {self.process.pid})")
@@ -131,6 +135,8 @@ class WriterProcess:
                 pass
             self._conn.close()
         try:
+            if self._hung:
+                raise subprocess.TimeoutExpired(self.process.args, 0)  # it answered nothing in time: no more waiting
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.kill()
@@ -139,6 +145,20 @@ class WriterProcess:
             regions, self._regions = list(self._regions.values()), {}
         for region in regions:
             region.close()
+
+    def _await_answer(self, step: int) -> None:
+        """Block until the writer answers (the socket is readable), it exits, or :attr:`timeout`
+        passes with no answer: a stopped or hung writer ends in an error, not a training that waits."""
+        deadline = time.monotonic() + self.timeout
+        while not self._conn.poll(max(0.0, min(1.0, deadline - time.monotonic()))):
+            if self.process.poll() is not None:
+                return  # the read that follows reports how it exited
+            if time.monotonic() >= deadline:
+                self._hung = True
+                raise BackgroundWriteError(
+                    f"the checkpoint writer process (pid {self.process.pid}) has not answered the write of step {step} "
+                    f"in {self.timeout:g} s (stopped, or hung on storage?); raise writer_timeout if its writes take "
+                    "that long")
 
     def _call(self, fn: Any) -> Any:
         try:

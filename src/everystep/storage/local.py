@@ -244,8 +244,14 @@ class LocalStore:
                 else:
                     with open(path, "rb") as f:
                         os.fsync(f.fileno())
+            old = None
+            if final.exists():  # this step's checkpoint, written before and skipped at restore: replaced
+                old = self.objects_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+                os.rename(final, old)
             os.rename(tmp, final)
             fsync_dir(self.objects_dir)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError) and not isinstance(e, StoreWriteError):
@@ -435,4 +441,7 @@ class LocalStore:
 
     def stored_files(self) -> list[str]:
         """Every file under ``objects/``, as an object name (``a.safetensors``, ``full-….dcp/__0_0.distcp``)."""
-        return sorted(str(p.relative_to(self.objects_dir)) for p in self.objects_dir.rglob("*") if not p.is_dir())
+        found = []  # (os.walk passes over a folder deleted while it walks: a reader beside a live writer)
+        for folder, _, files in os.walk(self.objects_dir):
+            found += [os.path.relpath(os.path.join(folder, f), self.objects_dir) for f in files]
+        return sorted(found)

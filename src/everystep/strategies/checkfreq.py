@@ -41,9 +41,14 @@ class CheckFreqConfig(StrategyConfig):
     """Where the snapshots are written: ``"thread"``, a thread of the training process, or
     ``"process"``, a writer process that maps the buffers (:mod:`everystep.agent.writer`; one
     process, checkpoints in everystep's own format)."""
+    writer_timeout: float = 600.0
+    """``persist="process"``: seconds a write may go unanswered (a writer stopped or hung) before
+    training fails with an error saying so."""
 
     def __post_init__(self) -> None:
         StrategyConfig.__post_init__(self)
+        if self.writer_timeout <= 0:
+            raise ConfigError(f"writer_timeout must be a positive number of seconds, got {self.writer_timeout}")
         if self.buffers < 1:
             raise ConfigError(f"buffers must be at least 1, got {self.buffers}")
         if self.persist not in ("thread", "process"):
@@ -81,7 +86,8 @@ class CheckFreq(Strategy):
                                   "the writer process, which serves one training process writing everystep's own "
                                   "format: use persist='thread' under several processes or with full_format='dcp'")
             assert self.ctx.directory is not None
-            self._writer = WriterProcess(self.ctx.directory.root, keep=self.config.keep)
+            self._writer = WriterProcess(self.ctx.directory.root, keep=self.config.keep,
+                                         timeout=self.config.writer_timeout)
             self._pool = HostBufferPool(self.config.buffers, make=self._writer.buffer, dropped=self._writer.drop)
         else:
             self._pool = HostBufferPool(self.config.buffers)
