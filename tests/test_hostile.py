@@ -554,3 +554,31 @@ def test_a_stopped_writer_process_ends_training_with_an_error_not_a_wait(tmp_pat
                 w.optimizer.step()
                 w.optimizer.zero_grad()
             ckpt.wait()
+
+
+def test_verify_beside_a_live_writer_reports_only_what_is_wrong(tmp_path):
+    """Item 11: an object renamed into place whose manifest is not committed yet is a write in
+    progress while its writer holds the directory, and a leftover once it is gone."""
+    from everystep.inventory import verify_store
+
+    root = tmp_path / "c"
+    _train(root, 0, 2)
+    writer = CheckpointDirectory.open(root, strategy="full_sync")
+    try:
+        writer.store.write_object("full-000000000003.safetensors", [b"not committed yet"])
+        reader = CheckpointDirectory.open(root, create=False, access="read")
+        assert verify_store(reader) == []
+    finally:
+        writer.close()
+    reader = CheckpointDirectory.open(root, create=False, access="read")
+    assert [p.split(": ")[1] for p in verify_store(reader)] == ["no checkpoint names this file"]
+
+
+def test_a_clean_lowdiff_plus_run_leaves_nothing_verify_objects_to(tmp_path):
+    """Item 13: the agent closes its store when it exits: no file kept to write over stays behind."""
+    from everystep.inventory import verify_store
+
+    root = tmp_path / "c"
+    _train(root, 0, 6, strategy="lowdiff_plus", every=2)
+    assert not [p.name for p in (root / "objects").iterdir() if p.name.startswith(".tmp-")]
+    assert verify_store(CheckpointDirectory.open(root, create=False, access="read")) == []
