@@ -37,11 +37,16 @@ def _train(directory: Path, start_expected: int | None, steps: int, strategy: st
         if start_expected is not None:
             assert start == start_expected
         for _ in range(start, steps):
-            w.loss(w.data.next()).backward()
-            w.optimizer.step()
-            w.optimizer.zero_grad()
-            w.scheduler.step()
+            _step(w)
     return w
+
+
+def _step(w) -> None:
+    """One training step of the workload ``w``."""
+    w.loss(w.data.next()).backward()
+    w.optimizer.step()
+    w.optimizer.zero_grad()
+    w.scheduler.step()
 
 
 def _resign(directory: Path, filename: str, body: dict) -> None:
@@ -104,10 +109,7 @@ def test_an_object_swapped_for_a_link_is_never_written_through(tmp_path, link, s
                           **options) as ckpt:
             ckpt.restore()
             for step in range(1, 7):
-                w.loss(w.data.next()).backward()
-                w.optimizer.step()
-                w.optimizer.zero_grad()
-                w.scheduler.step()
+                _step(w)
                 ckpt.wait()
                 for path in (root / "objects").iterdir():
                     if not path.name.startswith(".") and not path.is_symlink() and path.stat().st_nlink == 1:
@@ -267,10 +269,7 @@ def test_malformed_region_metadata_falls_back_to_the_older_slot(tmp_path, edit):
                       persist_every=0, final=False) as ckpt:
         ckpt.restore()
         for step in range(1, 5):
-            w.loss(w.data.next()).backward()
-            w.optimizer.step()
-            w.optimizer.zero_grad()
-            w.scheduler.step()
+            _step(w)
             c = TrainingComponents(model=w.model, optimizer=w.optimizer, scheduler=w.scheduler, data=w.data)
             hashes[step] = state_hash({**c.capture(), **c.capture_boundary()})  # S_step, as restore builds it
     newest = _rewrite_slot_meta(_region_of(root), edit)
@@ -310,10 +309,7 @@ def test_a_rejected_spread_checkpoint_leaves_nothing_in_the_live_objects(tmp_pat
     with Checkpointer(root, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="gockpt",
                       **options) as ckpt:
         for _ in range(12):
-            w.loss(w.data.next()).backward()
-            w.optimizer.step()
-            w.optimizer.zero_grad()
-            w.scheduler.step()
+            _step(w)
     for path in (root / "manifests").iterdir():
         body = json.loads(path.read_text())
         if body["kind"] == "full":
@@ -381,10 +377,7 @@ def fuzz_dirs(tmp_path_factory):
                           strategy=strategy, final=False, keep=5, **options) as ckpt:
             ckpt.restore()
             for _ in range(6):
-                w.loss(w.data.next()).backward()
-                w.optimizer.step()
-                w.optimizer.zero_grad()
-                w.scheduler.step()
+                _step(w)
         made[strategy] = root
     return made
 
