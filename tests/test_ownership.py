@@ -183,7 +183,7 @@ def test_the_api_names_its_argument_and_a_failed_constructor_leaves_the_director
 
 @pytest.mark.parametrize("args, message", [
     (["--nproc", "100000"], "--nproc 100000 is more ranks than this machine runs at once"),
-    (["--deadline", "-10"], "--deadline must be a positive number of seconds"),
+    (["--deadline", "-10"], "argument --deadline: must be a finite number above 0"),
     (["--strategy", "lowdiff"], "--strategy lowdiff reuses compressed gradients: add --compress"),
 ])
 def test_bad_arguments_get_one_line_and_start_nothing(tmp_path, capsys, args, message):
