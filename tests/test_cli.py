@@ -208,3 +208,18 @@ def test_every_bad_argument_gets_one_line_and_exit_status_2(tmp_path, capsys):
         if code != 2 or len(lines) != 1 or "Traceback" in err:
             failures.append(f"everystep {' '.join(args)} -> exit {code}, stderr {err!r}")
     assert not failures, "\n".join(failures)
+
+
+def test_an_error_that_quotes_a_traceback_is_printed_on_one_line(capsys, monkeypatch):
+    """Item 12: an error carrying another tool's traceback (DCP's, on a full disk) is one line."""
+    from everystep import cli
+    from everystep.errors import BackgroundWriteError
+
+    def failing(args):
+        raise BackgroundWriteError("writing the checkpoint failed:\nTraceback (most recent call last):\n  File x\n"
+                                   "OSError: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(cli, "cmd_recover", failing)
+    code, _, err = call_cli(capsys, "recover", "--dir", "x")
+    assert code == 2 and err.count("\n") == 1
+    assert "writing the checkpoint failed: … OSError: [Errno 28] No space left on device" in err
