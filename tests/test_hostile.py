@@ -492,7 +492,7 @@ def test_an_optimizer_of_another_kind_is_refused_at_restore_naming_both(tmp_path
     _train(root, 0, 2)
     w = build("mlp", seed=0)
     sgd = torch.optim.SGD(w.model.parameters(), lr=0.1, momentum=0.9)
-    with pytest.raises(StateMismatchError, match=r"the optimizer \(SGD\) has the settings .*'momentum'.*another optimizer"):
+    with pytest.raises(StateMismatchError, match=r"the optimizer \(SGD\) has the settings .*lack .*'momentum'.*another optimizer"):
         with Checkpointer(root, w.model, sgd, data=w.data, scheduler=None, strategy="full_sync", final=False) as c:
             c.restore()
 
@@ -575,3 +575,38 @@ def test_a_clean_lowdiff_plus_run_leaves_nothing_verify_objects_to(tmp_path):
     _train(root, 0, 6, strategy="lowdiff_plus", every=2)
     assert not [p.name for p in (root / "objects").iterdir() if p.name.startswith(".tmp-")]
     assert verify_store(CheckpointDirectory.open(root, create=False, access="read")) == []
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda ps: torch.optim.Adafactor(ps, lr=0.01),  # its entries differ by the parameter's shape
+    lambda ps: torch.optim.Adam([{"params": ps[:1], "amsgrad": True}, {"params": ps[1:]}], lr=0.01),
+    lambda ps: torch.optim.SGD([{"params": ps[:1], "momentum": 0.9}, {"params": ps[1:]}], lr=0.01)],
+    ids=["adafactor", "adam-amsgrad-in-one-group", "sgd-momentum-in-one-group"])
+def test_the_checks_before_loading_refuse_no_real_optimizer_state(tmp_path, make_optimizer):
+    """What restore checks before loading holds for states real optimizers make: entries that
+    differ by the parameter's shape or by group, a 0-d parameter, a scheduler made after restore."""
+    def parts():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+        model.register_parameter("temperature", torch.nn.Parameter(torch.tensor(1.0)))
+        return model, make_optimizer(list(model.parameters()))
+
+    def step(model, opt):
+        (model(torch.randn(2, 4)) * model.temperature).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = parts()
+    with Checkpointer(tmp_path / "c", model, opt, strategy="full_sync") as ckpt:
+        ckpt.restore()
+        step(model, opt)
+        step(model, opt)
+    saved = state_hash(opt.state_dict())
+    model2, opt2 = parts()
+    with Checkpointer(tmp_path / "c", model2, opt2, strategy="full_sync", final=False) as ckpt:
+        assert ckpt.restore() == 2
+    assert state_hash(opt2.state_dict()) == saved
+    torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)  # adds initial_lr to the groups
+    model3, opt3 = parts()
+    with Checkpointer(tmp_path / "c", model3, opt3, strategy="full_sync", final=False) as ckpt:
+        assert ckpt.restore() == 2

@@ -191,13 +191,13 @@ class TrainingComponents:
                                      "optimizer and other components are as they were") from e
 
     def _saved(self) -> dict[str, Any]:
-        """Copies of every live object's state, to put back (:meth:`restore`)."""
-        saved: dict[str, Any] = {"model": {k: v.detach().clone() for k, v in self.module.state_dict().items()},
-                                 "optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": capture_rng()}
+        """Copies of every live object's state in host memory, to put back (:meth:`restore`)."""
+        saved: dict[str, Any] = {"model": _host_copy(self.module.state_dict()),
+                                 "optimizer": _host_copy(self.optimizer.state_dict()), "rng": capture_rng()}
         for name in self.OPTIONAL:
             component = getattr(self, name)
             if component is not None:
-                saved[name] = copy.deepcopy(component.state_dict())
+                saved[name] = _host_copy(component.state_dict())
         return saved
 
     def _load(self, tree: dict[str, Any]) -> None:
@@ -263,6 +263,17 @@ class TrainingComponents:
             self._load(before)
             raise StateMismatchError(f"the end state could not be loaded ({type(e).__name__}: {e}); the model, "
                                      "optimizer and other components are as they were") from e
+
+
+def _host_copy(tree: Any) -> Any:
+    """A copy of ``tree`` whose tensors are copies in host memory (the device's stays free)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _host_copy(v) for k, v in tree.items()}
+    if type(tree) in (list, tuple):
+        return type(tree)(_host_copy(v) for v in tree)
+    return copy.deepcopy(tree)
 
 
 def owns_memory(t: torch.Tensor) -> bool:
@@ -359,19 +370,28 @@ def check_optimizer(optimizer: torch.optim.Optimizer, stored: Any) -> None:
         for param, index in zip(group["params"], sgroup["params"]):
             known.add(index)
             _check_param_state(stored["state"].get(index, {}), param, index)
-    kinds = {name: _kind(v) for st in stored["state"].values() for name, v in st.items()}
-    for index, state in stored["state"].items():
+        kinds: dict[str, set[str]] = {}  # an entry is of one kind in a group (entries may differ by shape: Adafactor)
+        for index in sgroup["params"]:
+            for name, value in stored["state"].get(index, {}).items():
+                kinds.setdefault(name, set()).add(_state_kind(value))
+        mixed = sorted(name for name, found in kinds.items() if len(found) > 1)
+        if mixed:
+            raise StateMismatchError(f"optimizer state {mixed[0]!r} is of several kinds in parameter group {gi} "
+                                     f"({', '.join(sorted(kinds[mixed[0]]))})")
+    for index in stored["state"]:
         if index not in known:
             raise StateMismatchError(f"the checkpoint holds optimizer state for parameter {index!r}, which no group has")
-        if state and ({n: _kind(v) for n, v in state.items()} != kinds):
-            raise StateMismatchError(f"the optimizer state of parameter {index} differs in its entries from the others' "
-                                     f"({_names(sorted(state), 99)} against {_names(sorted(kinds), 99)})")
+
+
+def _state_kind(value: Any) -> str:
+    return "a tensor" if isinstance(value, torch.Tensor) else _kind(value)
 
 
 def check_group_settings(optimizer: torch.optim.Optimizer, stored: Any, *, partial: bool = False) -> None:
-    """Raise :class:`StateMismatchError` unless ``stored`` holds, for each param group, the settings
-    this optimizer's groups have (``partial``: the plain-valued ones, as :func:`group_scalars`
-    gives), each of the same kind: another optimizer's settings are named as such."""
+    """Raise :class:`StateMismatchError` unless ``stored`` holds, for each param group, every setting
+    this optimizer class defines (``partial``: those of plain values, as :func:`group_scalars`
+    gives them), each of the kind the live group's is: another optimizer's settings are named as
+    such. Settings others add (a scheduler's ``initial_lr``) may be there or not."""
     groups = optimizer.param_groups
     if not isinstance(stored, list) or len(stored) != len(groups):
         raise StateMismatchError(f"the optimizer has {len(groups)} parameter groups; the checkpoint's settings "
@@ -380,12 +400,14 @@ def check_group_settings(optimizer: torch.optim.Optimizer, stored: Any, *, parti
         if not isinstance(sgroup, dict):
             raise StateMismatchError(f"the checkpoint's settings of optimizer parameter group {gi} are not a dict")
         live = group_scalars(optimizer)[gi] if partial else {k: v for k, v in group.items() if k != "params"}
-        settings, stored_settings = set(live), set(sgroup) - {"params"}
-        if settings != stored_settings:
+        defined = {k for k in optimizer.defaults if k in live}
+        missing = sorted(defined - set(sgroup))
+        if missing:
             raise StateMismatchError(
-                f"the optimizer ({type(optimizer).__name__}) has the settings {_names(sorted(settings), 99)}; the "
-                f"checkpoint's has {_names(sorted(stored_settings), 99)} — was it written with another optimizer?")
-        for name in sorted(settings):
+                f"the optimizer ({type(optimizer).__name__}) has the settings {_names(sorted(defined), 99)}; the "
+                f"checkpoint's lack {_names(missing, 99)} and are {_names(sorted(set(sgroup) - {'params'}), 99)} — "
+                "was it written with another optimizer?")
+        for name in sorted(set(live) & set(sgroup)):
             if _kind(live[name]) != _kind(sgroup[name]) and live[name] is not None and sgroup[name] is not None:
                 raise StateMismatchError(f"optimizer setting {name!r} of group {gi} is {_kind(live[name])}; the "
                                          f"checkpoint's is {_kind(sgroup[name])}")
@@ -397,11 +419,17 @@ def _check_param_state(state: Any, param: torch.Tensor, index: Any) -> None:
     for name, value in state.items():
         if _kind(value) not in ("a tensor", "a 0-d tensor", "a number", "NoneType"):
             raise StateMismatchError(f"optimizer state {name!r} of parameter {index} is {_kind(value)}")
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and _shape(value) != _shape(param):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and not _fits(_shape(value), _shape(param)):
             raise StateMismatchError(
                 f"optimizer state {name!r} of parameter {index} has shape {_shape(value)}; "
                 f"the parameter has {_shape(param)} — was it written by another model configuration?"
             )
+
+
+def _fits(state: tuple[int, ...], param: tuple[int, ...]) -> bool:
+    """Whether a state tensor of shape ``state`` belongs to a parameter of shape ``param``: the same
+    shape, or a factored one (Adafactor's row and column statistics: 1 where it averages)."""
+    return state == param or (len(state) == len(param) and all(s in (p, 1) for s, p in zip(state, param)))
 
 
 def check_rng(stored: Any) -> None:
