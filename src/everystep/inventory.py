@@ -98,12 +98,13 @@ def verify_store(directory: CheckpointDirectory, rows: list[dict[str, Any]] | No
     store = directory.store
     rows = inspect_store(directory) if rows is None else rows
     problems = [f"{row['name']}: {row['reason']}" for row in rows if not row["valid"]]
-    live = CheckpointDirectory.owner(directory.root) is not None
+    held = CheckpointDirectory.owner(directory.root) is not None
+    live = held and directory.access == "read"  # a writer other than the caller (which may hold it itself)
     files = store.stored_files()  # before the manifests: a writer renames an object into place, then commits
     records = [r.manifest for r in store.manifests() if r.manifest]
     named = {o.name for m in records for o in m.objects.values()}
     newest = max((m.step for m in records), default=-1)
-    in_progress = {token.split("/", 1)[1] for token, _ in store.interrupted_writes()} if live else set()
+    in_progress = {token.split("/", 1)[1] for token, _ in store.interrupted_writes()} if held else set()
     for name in files:
         top = name.split("/", 1)[0]
         step = _STEP.match(top)
