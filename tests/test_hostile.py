@@ -609,3 +609,23 @@ def test_the_checks_before_loading_refuse_no_real_optimizer_state(tmp_path, make
     model3, opt3 = parts()
     with Checkpointer(tmp_path / "c", model3, opt3, strategy="full_sync", final=False) as ckpt:
         assert ckpt.restore() == 2
+
+
+def test_dcp_metadata_resigned_with_a_huge_tensor_allocates_nothing(tmp_path):
+    """A DCP checkpoint's metadata (admitted by the restricted unpickler) re-signed to describe a
+    tensor of 10^12 elements is refused before anything is allocated from it, and the checkpoint
+    before it restored."""
+    import pickle
+
+    from everystep.storage.dcp import load_metadata
+
+    from .test_trust import _poison_dcp
+
+    root = tmp_path / "c"
+    _train(root, 0, 3, full_format="dcp", keep=3)
+    metadata = load_metadata(root / "objects" / "full-000000000003.dcp" / ".metadata")
+    key = next(k for k, md in metadata.state_dict_metadata.items() if hasattr(md, "size"))
+    metadata.state_dict_metadata[key].size = torch.Size([10**12])
+    _poison_dcp(root, 3, pickle.dumps(metadata))
+    with pytest.warns(UserWarning, match="describes more bytes than its"):
+        _train(root, 2, 2, full_format="dcp", keep=3)

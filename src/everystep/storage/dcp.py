@@ -21,6 +21,7 @@ import a callable — is refused before it can run.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import warnings
 from pathlib import Path
@@ -151,14 +152,20 @@ def read_dcp(store: Store, manifest: Manifest, rank: int) -> tuple[dict[str, tor
     directory = store.object_path(names.pop())
     reader = _Reader(directory)
     own = _rank_key(mine, "")
-    template: dict[str, torch.Tensor] = {}
+    wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for key, md in reader.read_metadata().state_dict_metadata.items():
         if key.startswith("rank") and not key.startswith(own + "/"):
             continue
         size, dtype = getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None)
-        if size is None or dtype is None:
+        if size is None or not isinstance(dtype, torch.dtype) or not all(type(n) is int and n >= 0 for n in size):
             raise CorruptCheckpointError(f"checkpoint {manifest.name}: entry {key!r} is not a tensor")
-        template[key] = torch.empty(tuple(size), dtype=dtype)
+        wanted[key] = (tuple(size), dtype)
+    stored = sum(info.nbytes for info in manifest.objects.values())
+    if sum(math.prod(size) * dtype.itemsize for size, dtype in wanted.values()) > stored:
+        # IMPORTANT: nothing is allocated from the metadata's sizes beyond what the files hold.
+        raise CorruptCheckpointError(f"checkpoint {manifest.name}: its metadata describes more bytes than its "
+                                     f"{stored}-byte files hold")
+    template = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in wanted.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(template, storage_reader=reader, no_dist=True)
