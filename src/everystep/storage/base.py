@@ -34,7 +34,7 @@ from ..errors import CorruptCheckpointError
 if TYPE_CHECKING:
     from ..distributed import Ranks
 
-__all__ = ["malformed", "MALFORMED", "ObjectInfo", "Manifest", "check_object_name", "check_manifest_name", "MAX_STEP", "ManifestRecord", "Store", "Access", "new_hasher", "CHECKSUM_ALGORITHM"]
+__all__ = ["malformed", "MALFORMED", "refuse_constant", "ObjectInfo", "Manifest", "check_object_name", "check_manifest_name", "MAX_STEP", "ManifestRecord", "Store", "Access", "new_hasher", "CHECKSUM_ALGORITHM"]
 
 Access = Literal["write", "shared", "read"]
 """``write``: the directory's one writer; ``shared``: a process writing on the writer's behalf (its
@@ -124,7 +124,7 @@ class Manifest:
         stored under, which must be its own.
         """
         try:
-            body = json.loads(data, parse_constant=_no_constant)
+            body = json.loads(data, parse_constant=refuse_constant)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ValueError(f"manifest is not valid JSON ({e})") from None
         if not isinstance(body, dict) or body.get("format") != "everystep-manifest":
@@ -172,7 +172,8 @@ def check_manifest_name(name: Any) -> str:
     return name
 
 
-def _no_constant(text: str) -> Any:
+def refuse_constant(text: str) -> Any:
+    """``json.loads``'s ``parse_constant``: NaN and Infinity are not JSON, and nothing everystep writes."""
     raise ValueError(f"{text} is not a number JSON allows")
 
 

@@ -68,7 +68,7 @@ from ..errors import (
 from ..files import untrusted_file, untrusted_folder
 from ..layout import LayoutEntry
 from ..state import check_skeleton
-from .base import CHECKSUM_ALGORITHM, MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo
+from .base import CHECKSUM_ALGORITHM, MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo, refuse_constant
 
 __all__ = ["RegionStore", "UntrustedRegionError", "UnreadableRegionError", "RegionLayout", "RegionSlot", "SlotWriter", "ALIGN", "on_volatile_memory"]
 
@@ -95,10 +95,6 @@ class UntrustedRegionError(CheckpointDirectoryError):
 
 class UnreadableRegionError(CorruptCheckpointError):
     """A file at the region's path is not a region everystep can read (its header does not parse)."""
-
-
-def _no_constant(text: str) -> Any:
-    raise ValueError(f"{text} is not a number JSON allows")
 
 
 def _digest(data: bytes | memoryview) -> bytes:
@@ -515,7 +511,7 @@ class RegionStore:
         if _digest(raw) != slot.meta_digest:
             raise CorruptCheckpointError(f"{where}: its metadata fails its checksum")
         try:
-            meta = json.loads(raw, parse_constant=_no_constant)
+            meta = json.loads(raw, parse_constant=refuse_constant)
             if not isinstance(meta, dict) or meta.get("format") != "everystep-region-slot" \
                     or meta.get("step") != slot.step or not isinstance(meta.get("meta"), dict):
                 raise ValueError("not the metadata of this slot")
