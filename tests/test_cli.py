@@ -223,3 +223,24 @@ def test_an_error_that_quotes_a_traceback_is_printed_on_one_line(capsys, monkeyp
     code, _, err = call_cli(capsys, "recover", "--dir", "x")
     assert code == 2 and err.count("\n") == 1
     assert "writing the checkpoint failed: … OSError: [Errno 28] No space left on device" in err
+
+
+@pytest.mark.parametrize("command", [("verify", "{d}"), ("inspect", "{d}"), ("recover", "--dir", "{d}"),
+                                     ("train", "--workload", "mlp", "--steps", "1", "--dir", "{d}")])
+def test_a_directory_that_cannot_be_read_is_one_line(tmp_path, capsys, monkeypatch, command):
+    """Item 17: another user's directory (PermissionError wherever it is first touched) is one line
+    naming the path, exit 2. (The suite runs as root, whom permissions do not stop: the error is
+    raised where the directory is opened.)"""
+    import errno
+    import os
+
+    from everystep.storage import directory
+
+    d = str(tmp_path / "theirs")
+
+    def denied(root, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(root))
+
+    monkeypatch.setattr(directory.CheckpointDirectory, "open", staticmethod(denied))
+    code, _, err = call_cli(capsys, *(a.format(d=d) for a in command))
+    assert code == 2 and err == f"everystep: error: Permission denied: {d}\n"
