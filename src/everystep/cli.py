@@ -129,7 +129,9 @@ def _whole(least: int, most: int | None = None, what: str = "") -> Any:
 
 
 def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from .eval.train import usable_cores
+
+    return usable_cores()
 
 
 _THREADS = _whole(1, _cores, " (the cores this process may run on)")
@@ -277,10 +279,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_checkflow(args: argparse.Namespace) -> int:
     from .eval.checkflow import plan_workload
 
-    if args.bandwidth is None or args.bandwidth <= 0:
+    if args.bandwidth is None:  # (its range, and --per-size's and --time-steps', the parser checks)
         raise ConfigError("--checkflow needs --bandwidth, the device-to-host link's bytes/s (e.g. 2.5e10)")
-    if args.per_size <= 0 or args.time_steps < 2:
-        raise ConfigError("--per-size must be positive and --time-steps at least 2")
     limit = int(args.memory_limit * 2**20) if args.memory_limit is not None else None
     r = plan_workload(args.workload, bandwidth=args.bandwidth, per_size=int(args.per_size * 2**20), memory_limit=limit,
                       steps=args.time_steps, device=args.device, in_backward=args.in_backward, batch=args.batch)

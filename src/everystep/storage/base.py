@@ -137,8 +137,7 @@ class Manifest:
             kind=_kind(_field(body, "kind", str)),
             step=_count(_field(body, "step", int), "step", MAX_STEP),
             rank=_count(body.get("rank", 0), "rank", MAX_RANK),
-            objects={_text(k, "object key"): ObjectInfo.from_json(_field({"object": v}, "object", dict))
-                     for k, v in objects.items()},
+            objects={_typed(k, "object key", str): ObjectInfo.from_json(_typed(v, "object", dict)) for k, v in objects.items()},
             meta=_field(body, "meta", dict),
             requires=tuple(check_manifest_name(r) for r in requires),
         )
@@ -180,15 +179,12 @@ def refuse_constant(text: str) -> Any:
 def _field(body: dict[str, Any], key: str, kind: type) -> Any:
     if key not in body:
         raise ValueError(f"its field {key!r} is missing")
-    value = body[key]
+    return _typed(body[key], f"field {key!r}", kind)
+
+
+def _typed(value: Any, what: str, kind: type) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"its field {key!r} is a {type(value).__name__}, not a {kind.__name__}")
-    return value
-
-
-def _text(value: Any, what: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"its {what} is a {type(value).__name__}, not a str")
+        raise ValueError(f"its {what} is a {type(value).__name__}, not a {kind.__name__}")
     return value
 
 
