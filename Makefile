@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean gpu-check gpu-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,5 +23,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 
+# On a machine lent with a GPU there is nothing installed and no network: its own python3 (with a
+# CUDA torch) runs the project from src/, with the test runner carried beside it in .gpu-deps
+# (made here by `make gpu-deps`). Without a GPU, or without torch, it says so in one line.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+
+gpu-check:
+	@if $(GPU_PYTHON) -c "import torch" 2>/dev/null; then \
+		PYTHONPATH=src $(GPU_PYTHON) -m everystep gpu-check $(ARGS); \
+	else \
+		echo "gpu-check: no GPU: $(GPU_PYTHON) has no torch; nothing to check"; \
+	fi
+
+gpu-deps: $(STAMP)
+	$(BIN)/python tools/gpu_deps.py .gpu-deps
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .gpu-deps

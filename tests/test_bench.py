@@ -78,10 +78,10 @@ def test_bench_refuses_lowdiff_without_compression():
 
 
 def test_peers_run_in_the_same_comparison_and_the_table_says_what_their_recovery_restores():
-    """torch.save, DCP and DCP's async save beside everystep's strategies (lowdiff_plus's agent
-    included): each recovers the step it saved, but only everystep's state resumes training bitwise
-    (the peers keep no RNG and no data position)."""
-    cfg = BenchConfig(workload="mlp", strategies=("torch_save", "dcp", "dcp_async", "checkfreq", "lowdiff_plus"),
+    """torch.save, DCP and DCP's async save beside an everystep strategy: each recovers the step it
+    saved, but only everystep's state resumes training bitwise (the peers keep no RNG and no data
+    position). (lowdiff_plus's recovery from its agent's memory in the bench: test_gpu_check's dry run.)"""
+    cfg = BenchConfig(workload="mlp", strategies=("torch_save", "dcp", "dcp_async", "checkfreq"),
                       steps=5, warmup=1, repeats=1, every=1)
     assert cfg.strategies[0] == "none"  # the reference is always measured
     runs = run_bench(cfg, progress=False)
@@ -95,12 +95,11 @@ def test_peers_run_in_the_same_comparison_and_the_table_says_what_their_recovery
     assert summary["none"]["lost_steps_hardware"] == 5  # nothing stored: a failure loses everything
     assert summary["checkfreq"]["bytes_per_step"] > 0 and summary["checkfreq"]["recovery_seconds_disk"] > 0
     assert summary["checkfreq"]["lost_steps_hardware"] <= CheckFreqConfig().buffers + 1  # the buffers in flight, one waiting
-    assert summary["lowdiff_plus"]["recovery_seconds_memory"] > 0
     for peer in ("torch_save", "dcp", "dcp_async"):
         s = summary[peer]
         assert s["bytes_per_step"] > 0 and s["recovery_seconds_disk"] > 0 and s["recovery_error"] == 0
         assert s["resumes_bitwise"] is False
-    assert summary["checkfreq"]["resumes_bitwise"] is True and summary["lowdiff_plus"]["resumes_bitwise"] is True
+    assert summary["checkfreq"]["resumes_bitwise"] is True
     assert summary["none"]["resumes_bitwise"] is None
     table = markdown_table(summary)
     assert "| torch_save |" in table and table.splitlines()[0].endswith("| resumes bitwise |")

@@ -195,7 +195,8 @@ def _bad_arguments(tmp: "Path") -> list[tuple[str, ...]]:
         ("plan", "--checkflow", "--workload", "mlp", "--bandwidth", "1e9", "--memory-limit", "0"),
         ("plan", "--checkflow", "--workload", "mlp", "--bandwidth", "1", "--per-size", "1e-6"),
         ("plan", "--checkflow", "--workload", "mlp", "--bandwidth", "nan"), ("plan", "--time-steps", "1"),
-        ("demo", "--steps", "0"), ("nope",),
+        ("demo", "--steps", "0"), ("gpu-check", "--parts", "tests,nope"), ("gpu-check", "--parts", ","),
+        ("gpu-check", "--dry-run", "--out", f"{a_file}/reports"), ("nope",),
     ]
 
 

@@ -302,6 +302,35 @@ def _plan_checkflow(args: argparse.Namespace) -> int:
     return 0 if r["feasible"] else 1
 
 
+def cmd_gpu_check(args: argparse.Namespace) -> int:
+    from .eval import gpu_check
+
+    if args.dry_run:
+        sizes = gpu_check.DRY
+    else:
+        why = gpu_check.no_gpu_reason()
+        if why is not None:
+            print(f"gpu-check: no GPU: {why}; nothing to check (--dry-run runs the same pipeline on the CPU)")
+            return 0
+        sizes = gpu_check.GPU
+    out = Path(args.out or ("bench-out/gpu-check" if args.dry_run else "docs/results"))
+    report, json_path, md_path = gpu_check.gpu_check(sizes, out, dry_run=args.dry_run, parts=args.parts,
+                                                     say=lambda line: print(line, file=sys.stderr, flush=True))
+    failed = report["failures"]
+    print(f"gpu-check: {len(failed)} failure(s) in {report['seconds']:.0f} s; report {json_path} and {md_path}")
+    return 1 if failed else 0
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    from .eval.gpu_check import PARTS
+
+    chosen = _csv(text)
+    unknown = [p for p in chosen if p not in PARTS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(PARTS)}; got {text!r}")
+    return chosen
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import demo
 
@@ -442,6 +471,18 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", metavar="PATH")
     pl.set_defaults(func=cmd_plan)
 
+    g = sub.add_parser("gpu-check", help="everything a GPU must show, in one command of under 9 minutes: the CUDA "
+                       "tests, device-to-host bandwidth, the every-step bench, LightCheck's highest frequency, "
+                       "Checkflow's memory; a report in JSON and Markdown")
+    g.add_argument("--dry-run", action="store_true", help="the same pipeline on the CPU with a tiny workload, in about "
+                   "a minute (the report under bench-out/gpu-check)")
+    g.add_argument("--out", metavar="DIR", help="where the report goes (default docs/results; bench-out/gpu-check "
+                   "with --dry-run)")
+    g.add_argument("--parts", type=_parts, default=("tests", "bandwidth", "bench", "frequency"), metavar="PARTS",
+                   help="comma-separated, some of tests,bandwidth,bench,frequency (default all; memory comes "
+                   "with bench)")
+    g.set_defaults(func=cmd_gpu_check)
+
     d = sub.add_parser("demo", help="train gpt2-tiny, kill it twice, recover, and compare with an uninterrupted run")
     d.add_argument("--dir", default="demo-out")
     d.add_argument("--steps", type=_whole(1), default=30)
@@ -458,6 +499,11 @@ def _preflight(args: argparse.Namespace) -> None:
             problem = _unwritable(Path(path))
             if problem:
                 raise ConfigError(f"--{flag} {path}: {problem}")
+    out = getattr(args, "out", None)
+    if out:
+        problem = _unwritable(Path(out) / "report")
+        if problem:
+            raise ConfigError(f"--out {out}: {problem}")
     if getattr(args, "plot", None):
         from .eval.plotting import check_plotting
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,12 +24,13 @@ from tqdm import tqdm
 
 from ..errors import ConfigError, EverystepError
 from ..strategies import STRATEGIES
+from .measure import CHECKFLOW_MEMORY
 from .peers import PEERS
 from .workloads import WORKLOADS, check_device
 from .plotting import pyplot
 
 __all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table",
-           "smallest_interval", "interleaved_order"]
+           "smallest_interval", "interleaved_order", "run_spec", "measure_run"]
 
 
 @dataclass(kw_only=True)
@@ -109,20 +111,40 @@ def interleaved_order(strategies: Sequence[str], repeats: int) -> list[tuple[int
     return [(r, strategies[(r + i) % n]) for r in range(repeats) for i in range(n)]
 
 
-def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) -> dict[str, Any]:
-    spec = {
+def run_spec(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) -> dict[str, Any]:
+    """What one (repeat, strategy) run of ``cfg`` is told: the argument of its measuring process."""
+    return {
         "trainer": cfg.trainer, "workload": cfg.workload, "strategy": strategy, "steps": cfg.steps, "warmup": cfg.warmup,
         "every": every, "threads": cfg.threads, "seed": cfg.seed, "repeat": repeat,
         "options": cfg.options.get(strategy, {}), "compress": cfg.compress, "device": cfg.device,
         "scratch": cfg.scratch, "in_backward": cfg.in_backward,
     }
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
-    module = "everystep.eval.trainers" if cfg.trainer else "everystep.eval.measure"
-    proc = subprocess.run([sys.executable, "-m", module, json.dumps(spec)],
-                          capture_output=True, text=True, env=env)
+
+
+def measure_run(spec: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+    """Measure one run in a fresh process and return what it reports. A run that fails raises
+    :class:`EverystepError` with its stderr's end; one still running after ``timeout`` seconds is
+    killed, with whatever it started (a process group of its own)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
+    module = "everystep.eval.trainers" if spec.get("trainer") else "everystep.eval.measure"
+    proc = subprocess.Popen([sys.executable, "-m", module, json.dumps(spec)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as e:  # the time box passed, or the user interrupted: nothing is left running
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise EverystepError(f"benchmark run of {spec['strategy']} was still running after {timeout:.0f} s "
+                                 "and was stopped") from None
+        raise
     if proc.returncode != 0:
-        raise EverystepError(f"benchmark run of {strategy} failed:\n{proc.stderr.strip()[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise EverystepError(f"benchmark run of {spec['strategy']} failed:\n{err.strip()[-4000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) -> dict[str, Any]:
+    return measure_run(run_spec(cfg, repeat, strategy, every))
 
 
 def run_bench(cfg: BenchConfig, *, progress: bool = True) -> list[dict[str, Any]]:
@@ -171,8 +193,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "resumes_bitwise": None if any(r.get("resumes_bitwise") is None for r in mine)
             else all(r["resumes_bitwise"] for r in mine),
             "resume_error": med("resume_error"),
-            **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step")
-               if key in mine[0]},
+            **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step",
+                                         *CHECKFLOW_MEMORY) if key in mine[0]},
         }
     return out
 

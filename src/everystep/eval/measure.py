@@ -20,10 +20,12 @@ from ..checkpointer import Checkpointer
 from ..distributed import init_process_group
 from ..state import flatten, state_error
 from ..strategies import STRATEGIES
-from .peers import PEERS, Peer
 from .workloads import build, needs_ddp
 
-__all__ = ["measure", "RESUME_STEPS"]
+__all__ = ["measure", "RESUME_STEPS", "CHECKFLOW_MEMORY"]
+
+CHECKFLOW_MEMORY = ("plan_feasible", "plan_peak_device_bytes", "planned_snapshot_bytes", "peak_snapshot_bytes")
+"""What a ``checkflow`` run reports of its snapshot memory (:func:`_checkflow_memory`)."""
 
 RESUME_STEPS = 2
 """Steps trained on after recovery, and on the uninterrupted run, whose losses must match bitwise."""
@@ -90,10 +92,21 @@ def _split_bytes(ckpt: Checkpointer, steps: int) -> dict[str, float]:
             "compressed_bytes_per_step": compression.compressed_bytes / steps}
 
 
+def _checkflow_memory(strategy: Any) -> dict[str, Any]:
+    """Checkflow's snapshot memory: the plan's device peak and snapshot bytes, against what it held."""
+    if not hasattr(strategy, "planned_snapshot_bytes"):
+        return {}
+    found = strategy.plans[-1] if strategy.plans else None
+    return {"plan_feasible": found.feasible if found else None,
+            "plan_peak_device_bytes": found.peak if found else None,
+            "planned_snapshot_bytes": strategy.planned_snapshot_bytes if found else None,
+            "peak_snapshot_bytes": strategy.peak_snapshot_bytes}
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     init_process_group(one_process=needs_ddp(spec.get("compress")), device=spec.get("device", "cpu"))  # PowerSGD: DDP's hook
-    if spec["strategy"] in PEERS:
+    if spec["strategy"] not in STRATEGIES:  # a peer: only its runs import DCP (a second of start-up)
         return measure_peer(spec)
     strategy, steps, warmup = spec["strategy"], spec["steps"], spec["warmup"]
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
@@ -122,7 +135,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             ckpt.wait()  # count what the timed steps wrote, not the final checkpoint written at close
             checkpoints_measured = ckpt.stats.checkpoints - checkpoints_at_warmup
             bytes_measured = ckpt.bytes_written - bytes_at_warmup
-            split = _split_bytes(ckpt, steps)
+            split = {**_split_bytes(ckpt, steps), **_checkflow_memory(ckpt.strategy)}
             live = _model_and_optimizer(w)
             memory = None
             if strategy == "lowdiff_plus":  # a software failure: the agent outlives the training process
@@ -178,6 +191,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def measure_peer(spec: dict[str, Any]) -> dict[str, Any]:
     """:func:`measure` for a peer (:mod:`everystep.eval.peers`): the same loop, counters and checks."""
+    from .peers import PEERS, Peer
+
     steps, warmup = spec["steps"], spec["warmup"]
     with tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch")) as tmp:
         w = _build(spec, spec["seed"])

@@ -1,0 +1,830 @@
+"""``everystep gpu-check``: everything a GPU must show, in one command that fits a ten-minute call.
+
+On a machine whose torch sees a GPU it runs, in order, each part in its own processes and inside a
+time box of its own (:data:`GPU`'s ``boxes``, 8 minutes in all; what a part leaves of its box goes
+to the next):
+
+1. ``tests``: ``tests/test_cuda.py`` under pytest, every test's outcome and, for a failure, its
+   traceback;
+2. ``bandwidth``: device-to-host copies of :attr:`Sizes.copy_bytes` into pageable, pinned and
+   registered (a shared mapping pinned in place, as LightCheck's region and checkfreq's writer
+   process use) host memory, on the training stream with the GPU otherwise idle and on a side stream
+   while matmuls run on the training stream, against the PCIe link's limit;
+3. ``bench``: :data:`EVERY_STEP` checkpointing every step, and :data:`SPREAD` with a checkpoint every
+   :attr:`Sizes.spread_every` steps (GoCkpt's copy spread over :attr:`Sizes.spread_parts`), all
+   interleaved with one ``none`` reference, each run's resume checked bitwise (the bench's own
+   check); GoCkpt's and GoCkpt-O's stall per checkpoint over Async-O's (``async``);
+4. ``frequency``: the smallest checkpoint interval of ``lightcheck`` and of ``checkfreq`` within a
+   3.5% overhead budget, searched from the every-step overheads over powers of two;
+5. ``memory``: from the bench's runs, Checkflow's peak device memory (``max_memory_allocated``)
+   against its plan's, CheckFreq's and no checkpointing's.
+
+The report is one JSON and one Markdown file, ``gpu_check_<device>_<date>``, with the machine, every
+figure and every failure with its traceback. A part that fails or runs out of its box is reported
+so, and the next part runs all the same. ``--dry-run`` runs the same pipeline on the CPU with
+:data:`DRY`'s tiny sizes in about a minute; the suite runs it, so the command cannot rot between the
+rare times a GPU is at hand.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import EverystepError
+
+__all__ = ["Sizes", "GPU", "DRY", "EVERY_STEP", "SPREAD", "gpu_check", "markdown", "report_name", "no_gpu_reason"]
+
+EVERY_STEP = ("torch_save", "dcp_async", "checkfreq", "async", "lightcheck", "checkflow", "lowdiff_plus")
+"""Checkpointing every step (``lowdiff_plus``: its replica every step, persisted at its own interval)."""
+SPREAD = ("gockpt", "gockpt_o", "async", "checkfreq")
+"""Checkpointing every :attr:`Sizes.spread_every` steps."""
+GOCKPT_TARGETS = {"gockpt": 0.42, "gockpt_o": 0.14}
+"""GoCkpt's paper: its checkpointing time 57.7-70.1% and GoCkpt-O's 86.4-99.2% below Async-O's."""
+LIGHTCHECK_TARGET = 10.0
+"""LightCheck's paper: more than 10× CheckFreq's checkpoint frequency within the overhead budget."""
+PARTS = ("tests", "bandwidth", "bench", "frequency")
+INTERRUPT_GRACE = 20.0
+"""Seconds pytest is given, interrupted at the end of its box, to report the tests that ran."""
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each part does, and the seconds it may take."""
+
+    workload: str
+    device: str
+    steps: int
+    """Steps of a bench run, :attr:`warmup` of them left out of the timing."""
+    warmup: int
+    repeats: int
+    """Interleaved repeats of the bench, at most: fewer when the box would be passed."""
+    spread_every: int
+    spread_parts: int
+    copy_bytes: int
+    copies: int
+    """Copies timed per row of the bandwidth table (the median is reported)."""
+    budget: float = 0.035
+    frequency_cap: int = 16
+    """The largest interval the frequency search tries."""
+    frequency_repeats: int = 3
+    test_workers: int = 0
+    """pytest-xdist workers for the CUDA tests (0: none), where it can be imported."""
+    boxes: dict[str, float] = field(default_factory=dict)
+    """Seconds each part may take (:data:`PARTS`); ``memory`` is read from the bench's runs."""
+
+
+GPU = Sizes(workload="gpt2-small", device="cuda", steps=25, warmup=5, repeats=3, spread_every=8, spread_parts=7,
+            copy_bytes=256 * MIB, copies=5, frequency_repeats=2, test_workers=4,
+            boxes={"tests": 120, "bandwidth": 30, "bench": 250, "frequency": 80})
+"""On one H100: gpt2-small's 25 ms steps and 265 MiB of state. 480 s of boxes (what a part leaves of
+its box goes to the next), under 9 minutes with the start and the report."""
+DRY = Sizes(workload="mlp", device="cpu", steps=8, warmup=2, repeats=1, spread_every=3, spread_parts=2,
+            copy_bytes=4 * MIB, copies=3, frequency_cap=2, frequency_repeats=1,
+            boxes={"tests": 120, "bandwidth": 30, "bench": 240, "frequency": 120})
+"""The same pipeline on the CPU with a tiny workload; every figure real, none meaningful."""
+
+
+def no_gpu_reason() -> str | None:
+    """Why this machine cannot run the GPU check (None: it can)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        return f"torch {torch.__version__} ({build}) sees no GPU here"
+    return None
+
+
+def report_name(machine: dict[str, Any], dry_run: bool, when: _dt.datetime) -> str:
+    """``gpu_check_<device>_<YYYY-MM-DD>``: the GPU's name in lower case, words joined by ``-``."""
+    device = "cpu-dry-run" if dry_run else re.sub(r"[^a-z0-9]+", "-", (machine.get("gpu") or "gpu").lower()).strip("-")
+    return f"gpu_check_{device}_{when:%Y-%m-%d}"
+
+
+# -- the machine ------------------------------------------------------------------------------
+
+
+def _nvidia_smi(fields: str) -> list[str] | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "--id=0"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return [v.strip() for v in out.stdout.strip().split(",")] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def pcie_limit(generation: int, lanes: int) -> float:
+    """A PCIe link's bytes/s in one direction: its transfer rate per lane less its line encoding
+    (8b/10b to generation 2, 128b/130b from 3)."""
+    rate = {1: 2.5e9, 2: 5e9, 3: 8e9, 4: 16e9, 5: 32e9, 6: 64e9}[generation]
+    return rate * lanes * (0.8 if generation <= 2 else 128 / 130) / 8
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """The GPU, its driver and link, torch and the CPU this report was taken on."""
+    import torch
+
+    from .train import usable_cores
+
+    info: dict[str, Any] = {
+        "gpu": None, "gpu_memory_bytes": None, "driver": None, "cuda_runtime": torch.version.cuda,
+        "pcie": None, "torch": torch.__version__, "python": platform.python_version(),
+        "platform": platform.platform(), "cpu": _cpu_model(), "cpu_cores": os.cpu_count(), "usable_cores": usable_cores(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_memory_bytes=props.total_memory)
+        found = _nvidia_smi("driver_version,pcie.link.gen.max,pcie.link.width.max,pcie.link.gen.current,"
+                            "pcie.link.width.current")
+        if found and len(found) == 5:
+            info["driver"] = found[0]
+            try:
+                gen, width = int(found[1]), int(found[2])
+                info["pcie"] = {"generation": gen, "lanes": width, "limit_bytes_per_s": pcie_limit(gen, width),
+                                "generation_now": found[3], "lanes_now": found[4]}
+            except (ValueError, KeyError):
+                info["pcie"] = {"unreadable": found[1:]}
+    return info
+
+
+# -- running a part ---------------------------------------------------------------------------
+
+
+class _Box:
+    """A part's time box: the seconds left of it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.start = time.monotonic()
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.start)
+
+    def used(self) -> float:
+        return time.monotonic() - self.start
+
+
+def _failure(part: str, what: str, error: BaseException | str) -> dict[str, str]:
+    text = error if isinstance(error, str) else "".join(traceback.format_exception(error)).strip()
+    return {"part": part, "what": what, "traceback": text}
+
+
+def _python_env(root: Path | None) -> dict[str, str]:
+    """The environment of this check's processes: everystep importable from where it was imported,
+    and the test dependencies carried beside the checkout (``.gpu-deps``: ``make gpu-deps``)."""
+    import everystep
+
+    paths = [str(Path(everystep.__file__).resolve().parents[1])]
+    if root is not None and (root / ".gpu-deps").is_dir():
+        paths.append(str(root / ".gpu-deps"))
+    old = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + ([old] if old else []))}
+
+
+def _checkout() -> Path | None:
+    """The checkout the package was imported from, when it has its tests (not an installed copy)."""
+    import everystep
+
+    root = Path(everystep.__file__).resolve().parents[2]
+    return root if (root / "tests" / "test_cuda.py").is_file() else None
+
+
+# -- 1. the CUDA tests ------------------------------------------------------------------------
+
+
+def _junit(path: Path) -> list[dict[str, Any]]:
+    """Every test case of pytest's JUnit XML (a file this check's own pytest wrote): its name,
+    outcome, seconds and, when it did not pass, pytest's report of why."""
+    cases = []
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        if not case.get("name"):
+            continue  # what an interrupted xdist run leaves of a test it did not finish
+        outcome, message = "passed", None
+        for tag in ("failure", "error", "skipped"):
+            found = case.find(tag)
+            if found is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (found.text or found.get("message") or "").strip()
+                break
+        cases.append({"name": case.get("name"), "outcome": outcome, "seconds": float(case.get("time") or 0),
+                      "message": message})
+    return cases
+
+
+def run_tests(sizes: Sizes, box: _Box, failures: list[dict[str, str]]) -> dict[str, Any]:
+    root = _checkout()
+    if root is None:
+        raise EverystepError("tests/test_cuda.py is not beside the package (an installed copy): run the check from "
+                             "a checkout, with PYTHONPATH=src")
+    env = _python_env(root)
+    probe = subprocess.run([sys.executable, "-c", "import pytest"], capture_output=True, env=env, cwd=root)
+    if probe.returncode != 0:
+        raise EverystepError(f"{sys.executable} cannot import pytest: run `make gpu-deps` where the project is "
+                             "installed and carry .gpu-deps with the checkout")
+    workers = []
+    if sizes.test_workers and subprocess.run([sys.executable, "-c", "import xdist"], capture_output=True, env=env,
+                                             cwd=root).returncode == 0:
+        workers = ["-n", str(sizes.test_workers)]  # the tests are small: several share the GPU
+    with tempfile.TemporaryDirectory(prefix="everystep-gpu-check-") as tmp:
+        xml = Path(tmp) / "junit.xml"
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", str(xml),
+                   "-o", "junit_logging=no", *workers, "tests/test_cuda.py"]
+        proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        timed_out = False
+        try:
+            out, _ = proc.communicate(timeout=max(box.left() - INTERRUPT_GRACE, 1))
+        except subprocess.TimeoutExpired:  # interrupted, pytest still reports the tests that ran
+            timed_out = True
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, _ = proc.communicate(timeout=INTERRUPT_GRACE)
+            except subprocess.TimeoutExpired:
+                _kill(proc)
+                out, _ = proc.communicate()
+        finally:
+            if proc.poll() is None:
+                _kill(proc)
+        cases = _junit(xml) if xml.is_file() else []
+    counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
+    for c in cases:
+        if c["outcome"] in ("failed", "error"):
+            failures.append(_failure("tests", c["name"], c["message"] or "(no report)"))
+    if timed_out:
+        failures.append(_failure("tests", "tests/test_cuda.py", f"still running after {box.seconds:.0f} s, stopped; "
+                                 f"output so far:\n{out[-4000:]}"))
+    elif proc.returncode not in (0, 1) or not cases:  # 1: some failed (reported above); else pytest itself did not run
+        failures.append(_failure("tests", "pytest", f"exit status {proc.returncode}:\n{out[-4000:]}"))
+    return {"command": " ".join(["python -m pytest", *workers, "tests/test_cuda.py"]), "exit_status": proc.returncode, "timed_out": timed_out,
+            "counts": counts, "tests": cases}
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# -- 2. device-to-host bandwidth --------------------------------------------------------------
+
+
+def measure_bandwidth(nbytes: int, copies: int) -> dict[str, Any]:
+    """Device-to-host copies of ``nbytes`` into each kind of host memory, on each stream; median
+    GB/s of ``copies`` timed copies after one untimed. Without CUDA the "device" is the CPU: the
+    copies are memory copies, and the rows that need CUDA say so."""
+    import torch
+
+    from ..transport.shared import SharedRegion
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    region = SharedRegion(nbytes)
+    registered = region.register()
+    targets: dict[str, tuple[torch.Tensor | None, str]] = {
+        "pageable": (torch.empty(nbytes, dtype=torch.uint8), ""),
+        "pinned": (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "") if cuda
+        else (None, "pinned memory needs CUDA"),
+        "registered": (region.data, "" if registered or not cuda else "the driver refused to register the mapping"),
+    }
+    rows = []
+    try:
+        matmul = _matmul_load(device) if cuda else None
+        for name, (target, why) in targets.items():
+            for stream in ("training", "side"):
+                row: dict[str, Any] = {"memory": name, "stream": stream, "gb_per_s": None, "seconds": [],
+                                       "exact": None, "overlapped": None, "why": why}
+                if name == "registered" and not cuda:
+                    row["why"] = "a shared mapping, not registered: no GPU to register it with"
+                if target is None:
+                    rows.append(row)
+                    continue
+                if stream == "side" and not cuda:
+                    row.update(why="side streams need CUDA")
+                    rows.append(row)
+                    continue
+                seconds, overlapped = [], []
+                for i in range(copies + 1):
+                    target.zero_()
+                    took, overlap = _timed_copy(source, target, side=stream == "side", load=matmul)
+                    if i:
+                        seconds.append(took)
+                        overlapped.append(overlap)
+                if cuda:
+                    torch.cuda.synchronize()
+                row.update(seconds=seconds, gb_per_s=nbytes / statistics.median(seconds) / 1e9,
+                           exact=bool(torch.equal(target, source.cpu())),
+                           overlapped=all(overlapped) if stream == "side" else None)
+                rows.append(row)
+    finally:
+        del targets
+        region.close()
+    return {"bytes": nbytes, "copies": copies, "device": str(device), "registered": registered, "rows": rows}
+
+
+def _matmul_load(device: Any) -> Callable[[float], Any]:
+    """Queue matmuls on the current (training) stream for about ``seconds``; returns an event
+    recorded after them."""
+    import torch
+
+    a = torch.randn(4096, 4096, device=device)
+    b = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(4):
+        a @ b
+    end.record()
+    end.synchronize()
+    each = start.elapsed_time(end) / 4 / 1e3
+
+    def load(seconds: float) -> Any:
+        for _ in range(max(2, math.ceil(seconds / each) + 1)):
+            a @ b
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+    return load
+
+
+def _timed_copy(source: Any, target: Any, *, side: bool, load: Callable[[float], Any] | None) -> tuple[float, bool]:
+    """Seconds of one copy of ``source`` into ``target``, and whether the matmuls queued before it
+    (on a side stream) were still running when it ended."""
+    import torch
+
+    if load is None:
+        t0 = time.perf_counter()
+        target.copy_(source)
+        return time.perf_counter() - t0, False
+    training = torch.cuda.current_stream()
+    stream = torch.cuda.Stream() if side else training
+    expected = source.numel() / 20e9  # long enough to cover a copy at 20 GB/s twice over
+    done = load(2 * expected) if side else None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        target.copy_(source, non_blocking=True)
+        end.record(stream)
+    end.synchronize()
+    overlapped = done is not None and not done.query()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3, overlapped
+
+
+def run_bandwidth(sizes: Sizes, box: _Box, failures: list[dict[str, str]]) -> dict[str, Any]:
+    spec = {"copy_bytes": sizes.copy_bytes, "copies": sizes.copies}
+    result = _in_process("bandwidth", spec, box)
+    missing = [f"{r['memory']} on the {r['stream']} stream" for r in result["rows"] if r["exact"] is False]
+    if missing:
+        failures.append(_failure("bandwidth", "copies", f"bytes differ after the copy into {', '.join(missing)}"))
+    return result
+
+
+def _in_process(part: str, spec: dict[str, Any], box: _Box) -> dict[str, Any]:
+    """Run one of this module's measurements in a fresh process (a CUDA fault there ends that
+    process, not the check), inside the box."""
+    proc = subprocess.Popen([sys.executable, "-m", "everystep.eval.gpu_check", part, json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_python_env(None),
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=max(box.left(), 1))
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        proc.communicate()
+        raise EverystepError(f"{part}: still running after {box.seconds:.0f} s, stopped") from None
+    if proc.returncode != 0:
+        raise EverystepError(f"{part} failed (exit status {proc.returncode}):\n{err.strip()[-4000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# -- 3. the bench -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    strategy: str
+    every: int | None
+    options: dict[str, Any] = field(default_factory=dict)
+    scratch: str | None = None
+
+
+def variants(sizes: Sizes) -> list[Variant]:
+    """``none``, :data:`EVERY_STEP` every step, :data:`SPREAD` every ``spread_every`` steps
+    (labelled ``NAME/K``); lightcheck's checkpoint directory, and so its region, in ``/dev/shm``."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    found = [Variant("none", "none", None)]
+    for name in EVERY_STEP:
+        every = None if name == "lowdiff_plus" else 1  # lowdiff_plus: its replica every step, persisted at its own interval
+        found.append(Variant(name, name, every, scratch=shm if name == "lightcheck" else None))
+    for name in SPREAD:
+        options = {"parts": sizes.spread_parts} if name.startswith("gockpt") else {}
+        found.append(Variant(f"{name}/{sizes.spread_every}", name, sizes.spread_every, options))
+    return found
+
+
+def _spec(sizes: Sizes, v: Variant, repeat: int, steps: int | None = None) -> dict[str, Any]:
+    from .bench import BenchConfig, run_spec
+
+    cfg = BenchConfig(workload=sizes.workload, strategies=(v.strategy,), steps=steps or sizes.steps, warmup=sizes.warmup,
+                      repeats=1, device=sizes.device, options={v.strategy: v.options}, scratch=v.scratch)
+    return run_spec(cfg, repeat, v.strategy, v.every)
+
+
+def _rounds(sizes: Sizes, chosen: list[Variant], repeats: int, box: _Box, failures: list[dict[str, str]], part: str,
+            steps: int | None = None, say: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], int]:
+    """Interleaved rounds of ``chosen`` (repeat r starts r places along), each run labelled by its
+    variant; a round starts only while the box holds another as long as the first. A variant that
+    fails is reported and left out of the rounds after. Returns the runs of complete rounds and
+    their number."""
+    from .bench import measure_run
+
+    runs: list[dict[str, Any]] = []
+    done, first = 0, None
+    failed: set[str] = set()
+    for r in range(repeats):
+        if first is not None and box.left() < first * 1.1:
+            say(f"  {part}: {done} round(s); the box has no time for another")
+            break
+        started = time.monotonic()
+        live = [v for v in chosen if v.label not in failed]
+        order = [live[(r + i) % len(live)] for i in range(len(live))]
+        mine: list[dict[str, Any]] = []
+        for i, v in enumerate(order):
+            if box.left() <= 0:
+                break
+            say(f"  {part}: round {r + 1}/{repeats}, run {i + 1}/{len(order)}: {v.label}")
+            try:
+                got = measure_run(_spec(sizes, v, r, steps), timeout=max(box.left(), 1))
+            except EverystepError as e:
+                failures.append(_failure(part, f"{v.label}, round {r + 1}", str(e)))
+                failed.add(v.label)
+                if v.label == "none" or box.left() <= 0:
+                    break
+                continue
+            mine.append({**got, "strategy": v.label, "run_strategy": v.strategy})
+        complete = "none" not in failed and {m["strategy"] for m in mine} == {v.label for v in order} - failed
+        if not complete:
+            say(f"  {part}: round {r + 1} incomplete, left out")
+            break
+        runs.extend(mine)
+        done += 1
+        first = first or time.monotonic() - started
+    return runs, done
+
+
+def _exact(strategy: str, device: str) -> bool:
+    """Whether a run of ``strategy`` must resume bitwise: not the peers (they keep no RNG or data
+    position), not ``naive_diff`` (lossy), not ``lowdiff_plus`` on a GPU (its replica is updated by
+    the CPU's arithmetic until the next re-base)."""
+    from ..strategies import STRATEGIES
+
+    return strategy in STRATEGIES and strategy != "naive_diff" and not (strategy == "lowdiff_plus" and device == "cuda")
+
+
+def run_bench_part(sizes: Sizes, box: _Box, failures: list[dict[str, str]], say: Callable[[str], None]) -> dict[str, Any]:
+    from .bench import summarise
+
+    chosen = variants(sizes)
+    runs, rounds = _rounds(sizes, chosen, sizes.repeats, box, failures, "bench", say=say)
+    summary = summarise(runs) if runs else {}
+    of = {v.label: v.strategy for v in chosen}
+    for label, s in summary.items():
+        if s.get("resumes_bitwise") is False and _exact(of[label], sizes.device):
+            failures.append(_failure("bench", label, f"{label} did not resume bitwise (state error "
+                                     f"{s.get('resume_error')})"))
+    spread = sizes.spread_every
+    stall = {k: summary.get(f"{k}/{spread}", {}).get("stall_per_checkpoint_seconds") for k in (*GOCKPT_TARGETS, "async")}
+    versus = {k: (stall[k] / stall["async"] if stall[k] is not None and stall["async"] else None) for k in GOCKPT_TARGETS}
+    return {"variants": [asdict(v) for v in chosen], "rounds": rounds, "summary": summary,
+            "gockpt_stall_over_async": {k: {"ratio": versus[k], "target_at_most": t,
+                                            "met": None if versus[k] is None else versus[k] <= t}
+                                        for k, t in GOCKPT_TARGETS.items()},
+            "runs": runs}
+
+
+# -- 4. the highest frequency within the budget -----------------------------------------------
+
+
+def search_intervals(every_step: dict[str, float], probe: Callable[[dict[str, int]], dict[str, float] | None],
+                     budget: float, cap: int) -> dict[str, dict[int, float]]:
+    """Per strategy, the overheads measured at powers of two on the way to its smallest interval
+    within ``budget``: from :func:`_first_probe`'s guess, down while within the budget, up while not,
+    until that interval is bracketed or ``cap`` is passed. ``probe`` measures one interval per
+    strategy, all in one round, and returns their overheads (a strategy left out failed: its search
+    ends), or None when there is no time for the round."""
+    measured = {n: {1: o} for n, o in every_step.items()}
+    wanted: dict[str, int | None] = {n: _first_probe(o, budget, cap) for n, o in every_step.items()}
+    while True:
+        probes = {}
+        for n, k in wanted.items():
+            k = _next(measured[n], k, budget, cap)
+            if k is not None:
+                probes[n] = k
+        if not probes:
+            return measured
+        got = probe(probes)
+        if got is None:
+            return measured
+        for n, k in probes.items():
+            if n not in got:
+                wanted[n] = None
+                continue
+            measured[n][k] = got[n]
+            wanted[n] = k // 2 if got[n] <= budget else k * 2
+
+
+def _first_probe(overhead: float, budget: float, cap: int) -> int:
+    """The power of two at which an overhead measured every step, spread over the interval, falls
+    within the budget (an overhead that is a fixed cost per checkpoint falls as 1/interval)."""
+    if overhead <= budget:
+        return 1
+    return min(cap, 2 ** math.ceil(math.log2(overhead / budget)))
+
+
+def _next(measured: dict[int, float], wanted: int | None, budget: float, cap: int) -> int | None:
+    """The next interval to measure from ``wanted`` on, or None when the search is over (bracketed:
+    a known interval within the budget next to one over it; or past 1 or the cap)."""
+    down = None
+    while wanted is not None and 1 <= wanted <= cap and wanted in measured:  # known: go on in its direction
+        within = measured[wanted] <= budget
+        if down is not None and within != down:
+            return None
+        down = within
+        wanted = wanted // 2 if within else wanted * 2
+    return wanted if wanted is not None and 1 <= wanted <= cap else None
+
+
+def smallest_within(measured: dict[int, float], budget: float, cap: int) -> dict[str, Any]:
+    """The smallest interval measured within the budget, and whether the search settled it: the
+    interval below it was measured over the budget (or it is 1), or none was within up to the cap."""
+    within = [k for k, o in measured.items() if o <= budget]
+    best = min(within) if within else None
+    below = measured.get(best // 2) if best else None
+    settled = best == 1 or (below is not None and below > budget) or (best is None and cap in measured)
+    return {"interval": best, "settled": settled, "overheads": {str(k): o for k, o in sorted(measured.items())}}
+
+
+def run_frequency(sizes: Sizes, bench: dict[str, Any], box: _Box, failures: list[dict[str, str]],
+                  say: Callable[[str], None]) -> dict[str, Any]:
+    """LightCheck's and CheckFreq's smallest interval within the budget (:func:`search_intervals`),
+    each round of probes interleaved with a ``none`` run of the same length."""
+    from .bench import summarise
+
+    names = ("lightcheck", "checkfreq")
+    summary = bench.get("summary", {})
+    missing = [n for n in names if n not in summary]
+    if missing:
+        raise EverystepError(f"the bench measured no every-step overhead of {' and '.join(missing)}")
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    rounds = 0
+
+    def probe(intervals: dict[str, int]) -> dict[str, float] | None:
+        nonlocal rounds
+        if box.left() <= 0:
+            return None
+        steps = sizes.warmup + max(sizes.steps - sizes.warmup, 2 * max(intervals.values()))  # two checkpoints at least
+        chosen = [Variant("none", "none", None)] + [
+            Variant(f"{n}@{k}", n, k, scratch=shm if n == "lightcheck" else None) for n, k in intervals.items()]
+        runs, done = _rounds(sizes, chosen, sizes.frequency_repeats, box, failures, "frequency", steps=steps, say=say)
+        if not done:
+            return None
+        rounds += 1
+        got = summarise(runs)
+        return {n: got[f"{n}@{k}"]["overhead"] for n, k in intervals.items() if f"{n}@{k}" in got}
+
+    measured = search_intervals({n: summary[n]["overhead"] for n in names}, probe, sizes.budget, sizes.frequency_cap)
+    found = {n: smallest_within(measured[n], sizes.budget, sizes.frequency_cap) for n in names}
+    a, b = found["lightcheck"]["interval"], found["checkfreq"]["interval"]
+    ratio = b / a if a and b else None
+    return {"budget": sizes.budget, "cap": sizes.frequency_cap, "rounds": rounds, "strategies": found,
+            "frequency_ratio": ratio, "target_at_least": LIGHTCHECK_TARGET,
+            "met": None if ratio is None else ratio >= LIGHTCHECK_TARGET}
+
+
+# -- 5. Checkflow's device memory -------------------------------------------------------------
+
+
+def memory_part(bench: dict[str, Any]) -> dict[str, Any]:
+    summary = bench.get("summary", {})
+    if "checkflow" not in summary:
+        raise EverystepError("the bench has no checkflow run to read its memory from")
+    flow = summary["checkflow"]
+    return {
+        "checkflow_peak_device_bytes": flow.get("peak_device_bytes"),
+        "plan_peak_device_bytes": flow.get("plan_peak_device_bytes"),
+        "plan_feasible": flow.get("plan_feasible"),
+        "checkfreq_peak_device_bytes": summary.get("checkfreq", {}).get("peak_device_bytes"),
+        "none_peak_device_bytes": summary.get("none", {}).get("peak_device_bytes"),
+        "planned_snapshot_bytes": flow.get("planned_snapshot_bytes"),
+        "peak_snapshot_bytes": flow.get("peak_snapshot_bytes"),
+        "why_no_device_figures": None if flow.get("peak_device_bytes") is not None
+        else "no CUDA allocator on this machine: the device figures are the GPU's",
+    }
+
+
+# -- the whole check --------------------------------------------------------------------------
+
+
+def gpu_check(sizes: Sizes, out: Path, *, dry_run: bool, parts: tuple[str, ...] = PARTS,
+              say: Callable[[str], None] = print, now: _dt.datetime | None = None) -> tuple[dict[str, Any], Path, Path]:
+    """Run the parts, write the report (JSON and Markdown under ``out``), and return it with the
+    two paths."""
+    when = now or _dt.datetime.now(_dt.timezone.utc)
+    started = time.monotonic()
+    failures: list[dict[str, str]] = []
+    report: dict[str, Any] = {"kind": "everystep gpu-check", "format": 1, "date": when.isoformat(timespec="seconds"),
+                              "dry_run": dry_run, "machine": machine(), "sizes": asdict(sizes), "parts": {},
+                              "failures": failures}
+    steps: list[tuple[str, Callable[[_Box], dict[str, Any]]]] = [
+        ("tests", lambda box: run_tests(sizes, box, failures)),
+        ("bandwidth", lambda box: run_bandwidth(sizes, box, failures)),
+        ("bench", lambda box: run_bench_part(sizes, box, failures, say)),
+        ("frequency", lambda box: run_frequency(sizes, report["parts"]["bench"], box, failures, say)),
+        ("memory", lambda box: memory_part(report["parts"]["bench"])),
+    ]
+    spare = 0.0  # what the parts before left of their boxes goes to the next
+    for name, step in steps:
+        wanted = name in parts or (name == "memory" and "bench" in parts)
+        if not wanted:
+            report["parts"][name] = {"status": "not asked for"}
+            continue
+        needs = "bench" if name in ("frequency", "memory") else None
+        if needs and report["parts"].get(needs, {}).get("status") != "ran":
+            report["parts"][name] = {"status": "not run", "why": f"the {needs} part did not run"}
+            continue
+        box = _Box(sizes.boxes.get(name, 0.0) + spare)
+        say(f"gpu-check: {name} (time box {box.seconds:.0f} s)")
+        before = len(failures)
+        try:
+            result = step(box)
+            status = "ran"
+        except Exception as e:  # reported with its traceback; the next part runs all the same
+            failures.append(_failure(name, name, e))
+            result, status = {}, "failed"
+        report["parts"][name] = {"status": status, "seconds": box.used(), "box_seconds": box.seconds,
+                                 "failures": len(failures) - before, **result}
+        say(f"gpu-check: {name} {status} in {box.used():.0f} s, {len(failures) - before} failure(s)")
+        spare = max(box.left(), 0.0)
+    report["seconds"] = time.monotonic() - started
+    stem = report_name(report["machine"], dry_run, when)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    md_path.write_text(markdown(report))
+    return report, json_path, md_path
+
+
+# -- the Markdown report ----------------------------------------------------------------------
+
+
+def _num(value: Any, scale: float = 1.0, digits: int = 1, suffix: str = "") -> str:
+    return "–" if value is None else f"{value * scale:.{digits}f}{suffix}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: the machine, then each part's figures, then every failure."""
+    m, parts = report["machine"], report["parts"]
+    lines = [f"# everystep gpu-check{' (dry run on the CPU)' if report['dry_run'] else ''}: "
+             f"{m['gpu'] or 'no GPU'}, {report['date']}", ""]
+    pcie = m.get("pcie") or {}
+    link = (f"PCIe gen {pcie['generation']} x{pcie['lanes']} ({_num(pcie['limit_bytes_per_s'], 1e-9)} GB/s per "
+            "direction)") if "generation" in pcie else "PCIe link unknown"
+    lines += [f"- GPU: {m['gpu'] or 'none'} ({_num(m['gpu_memory_bytes'], 2**-30, 0)} GiB), driver {m['driver'] or '–'}, "
+              f"CUDA {m['cuda_runtime'] or '–'}, {link}",
+              f"- torch {m['torch']}, Python {m['python']}, {m['platform']}",
+              f"- CPU: {m['cpu']}, {m['cpu_cores']} cores ({m['usable_cores']} usable)",
+              f"- sizes: {report['sizes']['workload']} on {report['sizes']['device']}, {report['sizes']['steps']} steps "
+              f"({report['sizes']['warmup']} warm-up), up to {report['sizes']['repeats']} interleaved repeats",
+              f"- whole check: {report['seconds']:.0f} s, {len(report['failures'])} failure(s)", ""]
+    lines += ["| part | status | seconds | box (s) | failures |", "|---|---|---|---|---|"]
+    for name, p in parts.items():
+        lines.append(f"| {name} | {p['status']} | {_num(p.get('seconds'), 1, 0)} | {_num(p.get('box_seconds'), 1, 0)} "
+                     f"| {p.get('failures', '–')} |")
+    lines += _tests_md(parts.get("tests", {})) + _bandwidth_md(parts.get("bandwidth", {}), pcie)
+    lines += _bench_md(parts.get("bench", {})) + _frequency_md(parts.get("frequency", {}))
+    lines += _memory_md(parts.get("memory", {}))
+    lines += ["", "## Failures", ""]
+    if not report["failures"]:
+        lines.append("None.")
+    for f in report["failures"]:
+        lines += [f"### {f['part']}: {f['what']}", "", "```", f["traceback"], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _tests_md(p: dict[str, Any]) -> list[str]:
+    if "tests" not in p:
+        return []
+    c = p["counts"]
+    out = ["", "## tests/test_cuda.py", "",
+           f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped"
+           f"{' (stopped at its time box)' if p['timed_out'] else ''}: `{p['command']}`", "",
+           "| test | outcome | seconds |", "|---|---|---|"]
+    out += [f"| {t['name']} | {t['outcome']} | {t['seconds']:.1f} |" for t in p["tests"]]
+    return out
+
+
+def _bandwidth_md(p: dict[str, Any], pcie: dict[str, Any]) -> list[str]:
+    if "rows" not in p:
+        return []
+    limit = pcie.get("limit_bytes_per_s")
+    out = ["", "## Device-to-host bandwidth", "",
+           f"{p['bytes'] / MIB:.0f} MiB from {p['device']}, median of {p['copies']} copies; the side stream's copies "
+           "run while matmuls run on the training stream.", "",
+           "| host memory | stream | GB/s | of the link | bytes exact | overlapped the matmuls | note |",
+           "|---|---|---|---|---|---|---|"]
+    for r in p["rows"]:
+        share = _num(r["gb_per_s"] * 1e9 / limit, 100, 0, "%") if limit and r["gb_per_s"] else "–"
+        flag = {True: "yes", False: "no", None: "–"}
+        out.append(f"| {r['memory']} | {r['stream']} | {_num(r['gb_per_s'], 1, 2)} | {share} | {flag[r['exact']]} "
+                   f"| {flag[r['overlapped']]} | {r['why']} |")
+    return out
+
+
+def _bench_md(p: dict[str, Any]) -> list[str]:
+    if "summary" not in p:
+        return []
+    from .bench import markdown_table
+
+    out = ["", "## Every step, and every K steps (`NAME/K`)", "", f"{p['rounds']} interleaved round(s); overhead: mean "
+           "step time over the same round's `none`, minus one, median over rounds.", "", markdown_table(p["summary"]), "",
+           "| GoCkpt stall per checkpoint over Async-O's | ratio | paper's target | met |", "|---|---|---|---|"]
+    for name, g in p["gockpt_stall_over_async"].items():
+        met = {True: "yes", False: "no", None: "–"}[g["met"]]
+        out.append(f"| {name} | {_num(g['ratio'], 100, 1, '%')} | ≤ {g['target_at_most']:.0%} | {met} |")
+    return out
+
+
+def _frequency_md(p: dict[str, Any]) -> list[str]:
+    if "strategies" not in p:
+        return []
+    out = ["", f"## Highest frequency within a {p['budget']:.1%} overhead budget", "",
+           "| strategy | smallest interval (steps) | settled | overheads measured (interval: overhead) |",
+           "|---|---|---|---|"]
+    for name, f in p["strategies"].items():
+        tried = ", ".join(f"{k}: {o:+.1%}" for k, o in f["overheads"].items())
+        interval = f["interval"] if f["interval"] is not None else f"none up to {p['cap']}"
+        out.append(f"| {name} | {interval} | {'yes' if f['settled'] else 'no'} | {tried} |")
+    ratio = p["frequency_ratio"]
+    out += ["", f"LightCheck's frequency over CheckFreq's: {_num(ratio, 1, 1, '×')} (the paper's: ≥ "
+            f"{p['target_at_least']:.0f}×; {'met' if p['met'] else 'not met' if p['met'] is False else 'not measured'})."]
+    return out
+
+
+def _memory_md(p: dict[str, Any]) -> list[str]:
+    if "plan_peak_device_bytes" not in p:
+        return []
+    rows = [("checkflow, as run (max_memory_allocated)", p["checkflow_peak_device_bytes"]),
+            ("checkflow, its plan", p["plan_peak_device_bytes"]),
+            ("checkfreq (max_memory_allocated)", p["checkfreq_peak_device_bytes"]),
+            ("none (max_memory_allocated)", p["none_peak_device_bytes"]),
+            ("checkflow's snapshots at once, planned", p["planned_snapshot_bytes"]),
+            ("checkflow's snapshots at once, as run", p["peak_snapshot_bytes"])]
+    out = ["", "## Checkflow's device memory", "", "| what | MiB |", "|---|---|"]
+    out += [f"| {what} | {_num(v, 1 / MIB, 1)} |" for what, v in rows]
+    if p.get("why_no_device_figures"):
+        out += ["", p["why_no_device_figures"] + "."]
+    return out
+
+
+def _main(argv: list[str]) -> None:
+    part, spec = argv[0], json.loads(argv[1])
+    if part != "bandwidth":
+        raise SystemExit(f"unknown part {part!r}")
+    print(json.dumps(measure_bandwidth(spec["copy_bytes"], spec["copies"])))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
