@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LONG_FIRST = (
     "test_gpu_check.py::test_the_dry_run",
-    "test_lowdiff_plus.py::test_sigkill_at_20_random_instants",
+    "test_lowdiff_plus.py::test_sigkill_at_20_instants",
     "test_bench.py::test_peers_run_in_the_same_comparison",
     "test_integrations.py::test_killed_and_resumed",
 )

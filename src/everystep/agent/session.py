@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .._faults import crash_point
 from ..background import BackgroundErrors
 from ..distributed import Ranks
 from ..errors import ConfigError
@@ -270,11 +271,13 @@ class AgentSession:
             check = {"keys": replayed, "sample": self.verify_sample,
                      "value": digest(tensors, replayed, self.verify_sample)}
         self.expect_part(step, persist)
+        crash_point("lowdiff_plus.step.before_send")  # the slot filled, the agent not told
         try:
             self.link.send("step", step=step, slot=self.pool.current, groups=groups, skipped=skipped,
                            has_grad=[] if skipped else has_grad, skeleton=Plain(skeleton), digest=check, persist=persist)
         except AgentLostError as e:
             self.lose(str(e))
+        crash_point("lowdiff_plus.step.sent")  # the agent told, the slot not yet handed over here
         self.pool.hand_over()
 
     def expect_part(self, step: int, persist: bool) -> None:

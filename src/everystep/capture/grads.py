@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .._faults import crash_point
 from ..background import BackgroundErrors, Worker
 from ..transport.host import HostBuffer
 from .hooks import ReductionTap, after_backward, reduction_tap
@@ -136,6 +137,7 @@ class GradientCapture:
 
     def _copy_all_into(self, buffer: HostBuffer, due: list[tuple[int, torch.Tensor]],
                        event: torch.cuda.Event | None) -> None:
+        crash_point("lowdiff_plus.gradients.copy")  # on the copier thread, while the update runs
         if event is None:
             with torch.no_grad():
                 torch._foreach_copy_([buffer.views[f"g/{i}"] for i, _ in due], [g for _, g in due])

@@ -52,6 +52,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .._faults import crash_point
 from ..agent.config import AgentConfig
 from ..agent.session import AgentSession
 from ..capture.grads import GradientCapture
@@ -209,6 +210,7 @@ class LowDiffPlus(Strategy):
             return
         self._updated = True
         self._has_grad = self.capture.at_update()
+        crash_point("lowdiff_plus.update")  # the gradients' copy posted, the update about to run
 
     def _on_step_end(self, step: int) -> None:
         if self.fallback is not None:
