@@ -160,7 +160,7 @@ def test_plan_checkflow_reports_a_feasible_plan_and_an_infeasible_link(tmp_path,
     r = json.loads((tmp_path / "p.json").read_text())
     assert r["feasible"] and r["peak_none"] <= r["peak"] <= r["peak_checkfreq"] and r["time_steps"] <= 60
     assert r["batch"] == 2
-    assert main(["plan", "--checkflow", "--workload", "gpt2-tiny", "--bandwidth", "1e3", "--per-size", "0.01"]) == 1
+    assert main(["plan", "--checkflow", "--workload", "gpt2-tiny", "--bandwidth", "1kB/s", "--per-size", "0.01"]) == 1
     assert "infeasible: the link" in capsys.readouterr().out
     assert main(["plan", "--checkflow"]) == 2
     assert "--checkflow needs --bandwidth" in capsys.readouterr().err

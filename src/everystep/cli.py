@@ -157,6 +157,28 @@ _positive = _number(0, above=True)
 _not_negative = _number(0, above=False)
 
 
+def _bytes(*, rate: bool, unit: float = 1.0, plausible: float = 0.0, least: float = 0.0) -> Any:
+    """An argparse type: a size or rate with an optional unit (:mod:`everystep.units`), in bytes
+    (or bytes/s); a bare number is in ``unit`` bytes."""
+    from .units import UnitError, parse_bytes
+
+    def parse(text: str) -> float:
+        try:
+            value = parse_bytes(text, rate=rate, unit=unit, plausible=plausible)
+        except UnitError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least:g} bytes; got {text}")
+        return value
+
+    return parse
+
+
+_RATE = _bytes(rate=True, plausible=1e5)  # below 100 kB/s: a unit was forgotten (16 meaning 16GB/s)
+_SIZE = _bytes(rate=False, plausible=1024)
+_MIB = 2**20
+
+
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
@@ -280,15 +302,15 @@ def _plan_checkflow(args: argparse.Namespace) -> int:
     from .eval.checkflow import plan_workload
 
     if args.bandwidth is None:  # (its range, and --per-size's and --time-steps', the parser checks)
-        raise ConfigError("--checkflow needs --bandwidth, the device-to-host link's bytes/s (e.g. 2.5e10)")
-    limit = int(args.memory_limit * 2**20) if args.memory_limit is not None else None
-    r = plan_workload(args.workload, bandwidth=args.bandwidth, per_size=int(args.per_size * 2**20), memory_limit=limit,
+        raise ConfigError("--checkflow needs --bandwidth, the device-to-host link (e.g. 25GB/s)")
+    limit = int(args.memory_limit) if args.memory_limit is not None else None
+    r = plan_workload(args.workload, bandwidth=args.bandwidth, per_size=int(args.per_size), memory_limit=limit,
                       steps=args.time_steps, device=args.device, in_backward=args.in_backward, batch=args.batch)
     mib = 2**20
     print(f"Checkflow plan for {r['workload']} (batch {r['batch']}) on {r['device']}: a {r['step_seconds'] * 1e3:.1f} ms step of "
           f"{r['operators']} operators merged into {r['time_steps']} time steps; {r['checkpoint_bytes'] / mib:.1f} MiB "
           f"to checkpoint in {r['tensors']} tensors, {r['groups']} groups, {r['pieces']} pieces after {r['splits']} "
-          f"split(s) of {args.per_size:g} MiB; link {args.bandwidth / 1e9:g} GB/s; solved in {r['solver_seconds']:.2f} s")
+          f"split(s) of {args.per_size / _MIB:g} MiB; link {args.bandwidth / 1e9:g} GB/s; solved in {r['solver_seconds']:.2f} s")
     if r["feasible"]:
         print(f"feasible: peak device memory {r['peak'] / mib:.1f} MiB, against {r['peak_checkfreq'] / mib:.1f} MiB for "
               f"CheckFreq and {r['peak_none'] / mib:.1f} MiB without checkpointing")
@@ -451,21 +473,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "--checkflow, Checkflow's snapshot and offload schedule for a workload")
     pl.add_argument("--step-seconds", type=_positive)
     pl.add_argument("--ckpt-seconds", type=_positive, help="training stall per full checkpoint")
-    pl.add_argument("--size-bytes", type=_positive, help="full checkpoint size (with --bandwidth, instead of --ckpt-seconds)")
-    pl.add_argument("--bandwidth", type=_positive, help="write bandwidth, bytes/s")
+    pl.add_argument("--size-bytes", type=_SIZE, metavar="SIZE", help="full checkpoint size, e.g. 3GB or 3e9 (with "
+                    "--bandwidth, instead of --ckpt-seconds)")
+    pl.add_argument("--bandwidth", type=_RATE, metavar="RATE", help="write bandwidth, e.g. 1GB/s, 500MB/s or 1e9 "
+                    "(bytes/s)")
     pl.add_argument("--mtbf", type=_positive, help="mean time between failures, seconds")
     pl.add_argument("--load-seconds", type=_not_negative, default=0.0)
     pl.add_argument("--merge-seconds", type=_positive, help="time to merge one batched differential (LowDiff)")
     pl.add_argument("--checkflow", action="store_true", help="profile one step of --workload and plan Checkflow's "
-                    "snapshots and offloads (--bandwidth: the device-to-host link, bytes/s)")
+                    "snapshots and offloads (--bandwidth: the device-to-host link, e.g. 25GB/s)")
     pl.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-small")
     pl.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     pl.add_argument("--in-backward", action="store_true", help="updates in backward (each layer's own deadline)")
     pl.add_argument("--batch", type=_whole(1), help="samples per step (default: the workload's own)")
     pl.add_argument("--plot", metavar="PATH", help="draw the schedule (a PNG): memory per time step, offloads")
-    pl.add_argument("--memory-limit", type=_positive, metavar="MiB", help="device memory limit (relaxed if it cannot be met)")
-    pl.add_argument("--per-size", type=_number(64 / 2**20, above=False, what=" MiB (64 bytes)"), default=16.0, metavar="MiB", help="the pieces a tensor is split into "
-                    "when the link cannot move it in one time step (default 16)")
+    pl.add_argument("--memory-limit", type=_bytes(rate=False, unit=_MIB), metavar="SIZE", help="device memory limit, "
+                    "e.g. 80GiB (a bare number: MiB; relaxed if it cannot be met)")
+    pl.add_argument("--per-size", type=_bytes(rate=False, unit=_MIB, least=64), default=16 * _MIB, metavar="SIZE",
+                    help="the pieces a tensor is split into when the link cannot move it in one time step, e.g. 4MiB "
+                    "(a bare number: MiB; default 16MiB)")
     pl.add_argument("--time-steps", type=_whole(2), default=48, help="operators are merged into at most about this many "
                     "time steps (default 48)")
     pl.add_argument("--json", metavar="PATH")

@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 __all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "ParamKeys"]
 
 
+RATE_PLAUSIBLE = 1e5
+"""A rate below 100 kB/s was given without its unit (16 meaning 16 GB/s)."""
+
 _PLAIN = {int: "a whole number", float: "a finite number", bool: "True or False", str: "a string",
           type(None): "None"}
 
@@ -67,9 +70,29 @@ class StrategyConfig:
     keep: int = 2
     """Full checkpoints to keep; older ones, and what only they need, are deleted."""
 
+    quantities: ClassVar[dict[str, str]] = {}
+    """Options that are sizes (``"size"``, bytes) or rates (``"rate"``, bytes/s): each may be given
+    with a unit, ``"16GB/s"`` or ``"4MiB"`` (:mod:`everystep.units`)."""
+
     def __post_init__(self) -> None:
+        self._read_quantities()
         self._check_types()
         self._check_every()
+
+    def _read_quantities(self) -> None:
+        from ..units import UnitError, parse_bytes
+
+        for name, kind in self.quantities.items():
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    got = parse_bytes(value, rate=kind == "rate", plausible=RATE_PLAUSIBLE if kind == "rate" else 1)
+                except UnitError as e:
+                    raise ConfigError(f"{name}: {e}") from None
+                setattr(self, name, got if kind == "rate" else int(got))
+            elif kind == "rate" and type(value) in (int, float) and 0 < value < RATE_PLAUSIBLE:
+                raise ConfigError(f"{name}={value!r} is {value:g} bytes/s, implausibly small; give a unit, e.g. "
+                                  f"{name}='{value:g}GB/s'")
         if self.keep < 1:
             raise ConfigError(f"keep must be at least 1 so that a checkpoint survives, got {self.keep}")
 

@@ -54,6 +54,7 @@ _WINDOW = 5
 
 @dataclass(kw_only=True, slots=True)
 class CheckflowConfig(StrategyConfig):
+    quantities: ClassVar[dict[str, str]] = {"bandwidth": "rate", "per_size": "size", "memory_limit": "size"}
     bandwidth: float | None = None
     """Bytes/s of the device-to-host link; ``None``: measured once (timed copies of 16 MiB)."""
     per_size: int = 16 << 20

@@ -86,6 +86,7 @@ a part of a parameter can be brought forward on its own."""
 
 @dataclass(kw_only=True, slots=True)
 class GoCkptConfig(StrategyConfig):
+    quantities: ClassVar[dict[str, str]] = {"chunk_bytes": "size"}
     every: int = 50
     """A checkpoint starts every this many steps; it is complete ``parts`` steps later."""
     parts: int | None = None
