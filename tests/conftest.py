@@ -36,6 +36,11 @@ def _one_thread():
     yield
 
 
+def loss_gap(losses: list[float], reference: list[float]) -> float:
+    """The largest relative difference between two runs' losses, step by step."""
+    return max(abs(x - y) / abs(y) for x, y in zip(losses, reference, strict=True))
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = False) -> subprocess.CompletedProcess[str]:
     """Run ``everystep ARGS`` as a user would, in a fresh process."""
     proc = subprocess.run(

@@ -22,6 +22,7 @@ from everystep.storage import CheckpointDirectory
 from everystep.storage.region import RegionStore
 from everystep.strategies import STRATEGIES, Strategy, StrategyContext
 
+from .conftest import loss_gap
 from .test_checkpointer import COMPRESS, DISK, LOSSY, attach, live_hash, loop, make
 
 ALL = sorted(STRATEGIES)
@@ -164,8 +165,9 @@ def test_killed_runs_recover_the_uninterrupted_runs_state(tmp_path, strategy, re
     for r in s["recoveries"]:
         assert 0 <= r["resumed_from"] <= r["failed_at"]  # a kill in a write comes after its step's update
         assert r["resumed_from"] >= r["durable_before"]  # I2: nothing the failed process saw durable is lost
-    if strategy in LOSSY:
-        assert len(s["losses"]) == len(ref["losses"])
+    if strategy in LOSSY:  # its documented bound: the losses after recovery within 1% of the uninterrupted run's
+        assert s["losses"][:4] == ref["losses"][:4]  # before the kill, the same run
+        assert loss_gap(s["losses"], ref["losses"]) < 1e-2
         return
     assert s["losses"] == ref["losses"]
     assert s["final_state_sha256"] == ref["final_state_sha256"]

@@ -507,11 +507,11 @@ def _rounds(sizes: Sizes, chosen: list[Variant], repeats: int, box: _Box, failur
 
 def _exact(strategy: str, device: str) -> bool:
     """Whether a run of ``strategy`` must resume bitwise: not the peers (they keep no RNG or data
-    position), not ``naive_diff`` (lossy), not ``lowdiff_plus`` on a GPU (its replica is updated by
-    the CPU's arithmetic until the next re-base)."""
+    position), not a lossy strategy, not ``lowdiff_plus`` on a GPU (its replica is updated by the
+    CPU's arithmetic until the next re-base)."""
     from ..strategies import STRATEGIES
 
-    return strategy in STRATEGIES and strategy != "naive_diff" and not (strategy == "lowdiff_plus" and device == "cuda")
+    return strategy in STRATEGIES and STRATEGIES[strategy].exact and not (strategy == "lowdiff_plus" and device == "cuda")
 
 
 def run_bench_part(sizes: Sizes, box: _Box, failures: list[dict[str, str]], say: Callable[[str], None]) -> dict[str, Any]:

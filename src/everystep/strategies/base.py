@@ -283,6 +283,9 @@ class Strategy:
     shares_store: ClassVar[bool] = False
     """Another process (a checkpoint agent) writes to its store: only the strategy may collect
     the directory's garbage, when it knows that process writes nothing."""
+    exact: ClassVar[bool] = True
+    """Recovery restores S_t bitwise (on the CPU; a strategy may say what differs on a GPU). A lossy
+    one (``naive_diff``) restores an approximation and says how far it may be."""
 
     def __init__(self, config: StrategyConfig | None = None) -> None:
         self.config = config if config is not None else self.Config()
