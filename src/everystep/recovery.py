@@ -88,8 +88,7 @@ def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]
     writer while it was read (list again: a newer one is there)."""
     records = directory.store.manifests()
     skipped.extend((f"skipping {r.name}: {r.error}", r.error) for r in records if r.error)
-    fulls = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == "full"), key=lambda m: -m.step)
-    for manifest in fulls:
+    for manifest in directory.fulls(records):
         try:
             return manifest, read_full(directory, manifest)
         except CorruptCheckpointError as e:

@@ -31,7 +31,7 @@ from typing import Any
 
 from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError, DirectoryInUseError
-from .base import Access, Store, checksum
+from .base import Access, Manifest, ManifestRecord, Store, checksum
 from .local import LocalStore, fsync_dir
 from .retention import plan_retention
 
@@ -310,6 +310,17 @@ class CheckpointDirectory:
             self._owner.release(remove=True)
             self._owner = None
         self.created = False
+
+    def fulls(self, records: list[ManifestRecord] | None = None) -> list[Manifest]:
+        """The full checkpoints' manifests, newest first, as listed (``records``: a listing already
+        made), not yet verified."""
+        listed = self.store.manifests() if records is None else records
+        return sorted((r.manifest for r in listed if r.manifest and r.manifest.kind == "full"), key=lambda m: -m.step)
+
+    def newest_full_step(self, records: list[ManifestRecord] | None = None) -> int:
+        """The step of the newest full checkpoint listed (not yet verified); -1 when there is none."""
+        found = self.fulls(records)
+        return found[0].step if found else -1
 
     def retain(self, keep: int) -> list[str]:
         """Discard what the newest ``keep`` full checkpoints and the newer differentials do not

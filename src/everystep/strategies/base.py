@@ -43,6 +43,7 @@ import torch
 from ..background import BackgroundErrors
 from ..distributed import Ranks
 from ..errors import ConfigError, EverystepError
+from ..policy.interval import due
 from ..recovery import Recovered, recover
 from ..state import TrainingComponents, flatten
 from ..storage.sharded import ShardPlan
@@ -288,6 +289,8 @@ class Strategy:
     one (``naive_diff``) restores an approximation and says how far it may be."""
 
     def __init__(self, config: StrategyConfig | None = None) -> None:
+        self._taken = -1
+        """The step of the newest checkpoint taken (:meth:`_due`)."""
         self.config = config if config is not None else self.Config()
         if not isinstance(self.config, self.Config):
             raise ConfigError(f"strategy {self.name!r} takes a {self.Config.__name__}, got {type(self.config).__name__}")
@@ -295,6 +298,11 @@ class Strategy:
         self._phase = "new"
 
     # -- lifecycle (public: checks, then the hook) -----------------------------------------------
+
+    def _due(self, step: int, final: bool) -> bool:
+        """Whether a checkpoint of ``step`` is due — every ``config.every`` steps, and the final one —
+        and not taken already (the strategy sets ``_taken`` once it takes it)."""
+        return step != self._taken and due(step, self.config.every, final=final)
 
     def attach(self, ctx: StrategyContext) -> None:
         if self._phase != "new":

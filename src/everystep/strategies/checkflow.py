@@ -40,7 +40,6 @@ from ..capture.profile import OperatorHooks, StepRecorder
 from ..errors import ConfigError
 from ..layout import TensorLayout
 from ..policy.checkflow import Plan, StepProfile, coarsen, drifted, plan
-from ..policy.interval import due
 from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import buffer_chunks
@@ -162,7 +161,6 @@ class Checkflow(Strategy):
         self._times: list[float] = []
         self._profile_next = True
         self._round: _Round | None = None
-        self._last = -1
         self._op = -1
         self._alive = 0
         self._step_started = 0.0
@@ -179,9 +177,9 @@ class Checkflow(Strategy):
             self._recorder = StepRecorder(self.ctx.components.model, self.ctx.components.optimizer)
         self._op = -1
         self._step_started = time.perf_counter()
-        if step == self._last or not due(step, self.config.every, final=final):
+        if not self._due(step, final):
             return
-        self._last = step
+        self._taken = step
         plan_, skeleton = self.ctx.full_plan(step)
         tensors = plan_.local
         buffer = self._pool.acquire(TensorLayout.of(tensors))

@@ -23,7 +23,6 @@ from ..agent.writer import WriterProcess
 from ..background import SaveResponse, Worker, settled
 from ..errors import ConfigError
 from ..layout import TensorLayout
-from ..policy.interval import due
 from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
 from ..storage.tensorfile import buffer_chunks
@@ -77,7 +76,6 @@ class CheckFreq(Strategy):
         """The newest checkpoint started: its staging and upload futures."""
 
     def _attach(self) -> None:
-        self._last = -1
         self._staging: Future[Any] | None = None
         self._writer: WriterProcess | None = None
         if self.config.persist == "process":
@@ -96,7 +94,7 @@ class CheckFreq(Strategy):
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
     def _on_state_ready(self, step: int, final: bool) -> None:
-        if step == self._last or not due(step, self.config.every, final=final):
+        if not self._due(step, final):
             return
         self._wait_snapshot()
         plan, skeleton = self.ctx.full_plan(step)
@@ -108,7 +106,7 @@ class CheckFreq(Strategy):
         staging = self._snapshotter.submit("snapshot", self._take_snapshot, buffer, tensors, stable_keys, volatile)
         upload = self._persister.submit(f"background write of the checkpoint at step {step}", self._persist, step,
                                         staging, buffer, skeleton, plan)
-        self._staging, self.saving, self._last = staging, SaveResponse(step, staging, upload), step
+        self._staging, self.saving, self._taken = staging, SaveResponse(step, staging, upload), step
         if final or not self.overlap:
             self._wait_snapshot()
 

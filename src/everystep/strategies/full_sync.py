@@ -9,7 +9,6 @@ import time
 from typing import ClassVar
 
 from ..layout import TensorLayout
-from ..policy.interval import due
 from ..storage.full import write_full
 from ..storage.tensorfile import tensor_chunks
 from .base import Strategy
@@ -22,11 +21,8 @@ class FullSync(Strategy):
     other_world_size: ClassVar[bool] = True
     layer_updates: ClassVar[bool] = True
 
-    def _attach(self) -> None:
-        self._last = -1
-
     def _on_state_ready(self, step: int, final: bool) -> None:
-        if step == self._last or not due(step, self.config.every, final=final):
+        if not self._due(step, final):
             return
         assert self.ctx.store is not None
         t0 = time.perf_counter()
@@ -34,6 +30,6 @@ class FullSync(Strategy):
         layout = TensorLayout.of(plan.local)
         write_full(self.ctx.store, step, tensor_chunks(layout, plan.local), skeleton, plan=plan, tensors=plan.local,
                    format=self.ctx.full_format)
-        self._last = step
+        self._taken = step
         self.ctx.committed(step, seconds=time.perf_counter() - t0)
         self.ctx.directory.retain(self.config.keep)

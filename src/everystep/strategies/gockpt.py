@@ -573,7 +573,7 @@ class GoCkpt(Strategy):
         assert directory is not None
         t0 = time.perf_counter()
         records = directory.store.manifests()
-        newest_full = max((r.manifest.step for r in records if r.manifest and r.manifest.kind == "full"), default=-1)
+        newest_full = directory.newest_full_step(records)
         spreads = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == SPREAD_KIND),
                          key=lambda m: -m.step)
         found = self._restore_spread([m for m in spreads if m.step > newest_full], t0)

@@ -50,7 +50,6 @@ from ..background import Worker, settled
 from ..errors import CheckpointDirectoryError, ConfigError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
-from ..policy.interval import due
 from ..recovery import Recovered, recover
 from ..state import bare_module, flatten, unflatten
 from ..storage.full import write_full
@@ -126,7 +125,7 @@ def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: 
             claim.unlink(missing_ok=True)  # the directory stays as it was found
         raise
     except UnreadableRegionError as e:
-        if not any(r.manifest and r.manifest.kind == "full" for r in directory.store.manifests()):
+        if not directory.fulls():
             raise CheckpointDirectoryError(
                 f"{e}; nothing was changed, since it may hold checkpoints that no full checkpoint in "
                 f"{directory.root} replaces: to start over, delete {path}") from None
@@ -249,7 +248,6 @@ class LightCheck(Strategy):
         except UnreadableRegionError as e:  # a reader's: a writer remakes it or refuses
             warnings.warn(f"skipping {e}", stacklevel=2)
             self.region, self._damaged = None, str(e)
-        self._last = -1
         self._pending: _Copy | None = None
         self._slot = self.region.next_slot() if self.region is not None and directory.access != "read" else 0
         self._committing: dict[int, Future[Any] | None] = {0: None, 1: None}
@@ -272,8 +270,7 @@ class LightCheck(Strategy):
         assert self.ctx.directory is not None
         ranks = self.ctx.directory.ranks
         verified = self._read_slots(every=ranks.distributed)
-        disk = max((r.manifest.step for r in self.ctx.directory.store.manifests() if r.manifest and r.manifest.kind == "full"),
-                   default=-1)
+        disk = self.ctx.directory.newest_full_step()
         common = set(verified)
         if ranks.distributed:
             for theirs in ranks.all_gather("control", sorted(verified)):
@@ -322,9 +319,9 @@ class LightCheck(Strategy):
     # -- every step ----------------------------------------------------------------------------
 
     def _on_state_ready(self, step: int, final: bool) -> None:
-        if step == self._last or not due(step, self.config.every, final=final):
+        if not self._due(step, final):
             return
-        self._last = step
+        self._taken = step
         copy = _Copy(step, final, frozen=self._freeze())
         if self._on_cuda():
             if self._stream is None:

@@ -244,10 +244,10 @@ class LowDiff(Strategy):
 
     def _adapt(self) -> None:
         """Re-plan (F, b) from what was measured: step time, write bandwidth, replay cost."""
-        store = self.ctx.store
-        if not self._step_seconds or store is None:
+        directory = self.ctx.directory
+        if not self._step_seconds or directory is None:
             return
-        fulls = [r.manifest for r in store.manifests() if r.manifest and r.manifest.kind == "full"]
+        fulls = directory.fulls()
         if not fulls:
             return
         size = max(m.nbytes for m in fulls)

@@ -159,8 +159,7 @@ class LowDiffPlus(Strategy):
         if directory.access == "read":  # a reader takes nothing from a live agent: storage alone
             return
         reachable = self.session.hello()
-        on_disk = max((r.manifest.step for r in directory.store.manifests() if r.manifest and r.manifest.kind == "full"),
-                      default=-1)
+        on_disk = directory.newest_full_step()
         views = ranks.all_gather("control", {"agent": self.session.link is not None, "reachable": reachable, "disk": on_disk})
         # What a crash left is garbage once no agent writes: in one process, when there is no agent;
         # under several ranks, always (an agent finishes its writes before it answers hello).
