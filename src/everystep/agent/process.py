@@ -47,7 +47,7 @@ from .._faults import crash_point
 from ..background import BackgroundErrors, Worker, settled
 from ..distributed import Ranks
 from ..policy.interval import busy_interval, median_gap, persist_due
-from ..storage.full import write_full
+from ..storage.full import persist_full
 from ..storage.directory import CheckpointDirectory
 from ..storage.sharded import ShardPlan, write_part
 from ..storage.tensorfile import buffer_chunks, tensor_chunks
@@ -319,11 +319,9 @@ class Agent:
             self._write_part(step, buffer, skeleton)
             return
         try:
-            t0 = time.perf_counter()
-            manifest = write_full(self.checkpoints.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton,
-                                  meta={"writer": "agent"})
-            self._write_seconds = time.perf_counter() - t0
-            self.checkpoints.retain(self.config.keep)
+            manifest, self._write_seconds = persist_full(self.checkpoints, step, buffer_chunks(buffer.layout,
+                                                         buffer.memoryview()), skeleton, keep=self.config.keep,
+                                                         meta={"writer": "agent"})
             self._send("persisted", step=step, nbytes=manifest.nbytes, seconds=self._write_seconds)
         except BaseException as e:
             self._send("error", fatal=False, what=f"the agent's write of the checkpoint at step {step}",

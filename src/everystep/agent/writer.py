@@ -172,7 +172,7 @@ class WriterProcess:
 def _serve(conn: connection.Connection, directory: Path, keep: int) -> None:
     from .channel import recv, recv_fds, send
     from ..storage.directory import CheckpointDirectory
-    from ..storage.full import write_full
+    from ..storage.full import persist_full
     from ..storage.tensorfile import buffer_chunks
 
     checkpoints = CheckpointDirectory.open(directory, strategy=None, create=False, access="shared")
@@ -192,9 +192,8 @@ def _serve(conn: connection.Connection, directory: Path, keep: int) -> None:
                 _, buffer = buffers[msg["id"]]
                 t0 = time.perf_counter()
                 try:
-                    manifest = write_full(checkpoints.store, msg["step"], buffer_chunks(buffer.layout, buffer.memoryview()),
-                                          msg["skeleton"])
-                    checkpoints.retain(keep)
+                    manifest, _ = persist_full(checkpoints, msg["step"], buffer_chunks(buffer.layout, buffer.memoryview()),
+                                               msg["skeleton"], keep=keep)
                 except Exception as e:
                     send(conn, {"kind": "failed", "step": msg["step"], "error": f"{type(e).__name__}: {e}"})
                     continue

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,7 +12,10 @@ from .base import Manifest, Store
 
 from .sharded import ShardPlan, commit_parts
 
-__all__ = ["write_full"]
+if TYPE_CHECKING:
+    from .directory import CheckpointDirectory
+
+__all__ = ["write_full", "persist_full"]
 
 _WHOLE = ShardPlan({}, {})
 
@@ -44,3 +48,17 @@ def write_full(
         return write_dcp(store, "full", step, tensors, set(plan.replicated), skeleton, meta)
     return commit_parts(store, "full", kind="full", step=step, chunks=chunks, plan=plan, meta=meta or {},
                         rank_meta={"skeleton": skeleton}, error=error)
+
+
+def persist_full(directory: "CheckpointDirectory", step: int, chunks: Iterable[memoryview] | None, skeleton: Any, *,
+                 keep: int, committed: Callable[[float], None] | None = None, **options: Any) -> tuple[Manifest, float]:
+    """Persist one full checkpoint: :func:`write_full` (``options`` are its), then ``committed``
+    with the seconds the write took — the checkpoint is durable and visible —, then retention of
+    the newest ``keep`` full checkpoints. Returns the manifest and those seconds."""
+    t0 = time.perf_counter()
+    manifest = write_full(directory.store, step, chunks, skeleton, **options)
+    seconds = time.perf_counter() - t0
+    if committed is not None:
+        committed(seconds)  # before retention: what is durable is known at once
+    directory.retain(keep)
+    return manifest, seconds

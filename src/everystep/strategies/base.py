@@ -46,10 +46,14 @@ from ..errors import ConfigError, EverystepError
 from ..policy.interval import due
 from ..recovery import Recovered, recover
 from ..state import TrainingComponents, flatten
+from ..layout import TensorLayout
+from ..storage.full import persist_full
 from ..storage.sharded import ShardPlan
+from ..storage.tensorfile import buffer_chunks, tensor_chunks
+from ..transport.host import HostBuffer
 
 if TYPE_CHECKING:
-    from ..storage.base import Store
+    from ..storage.base import Manifest, Store
     from ..storage.directory import CheckpointDirectory
 
 __all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "ParamKeys"]
@@ -246,6 +250,19 @@ class StrategyContext:
         tensors, skeleton = self.flatten_state(step)
         split = self.full_format != "dcp"  # DCP spreads whole replicated tensors over the ranks itself
         return ShardPlan.of(tensors, self.replicated_keys(tensors), self.ranks, split=split), skeleton
+
+    def persist(self, step: int, source: "HostBuffer | dict[str, torch.Tensor]", skeleton: Any, *, plan: ShardPlan,
+                keep: int, count: bool = True) -> tuple[Manifest, float]:
+        """Write this rank's part of the full checkpoint of ``step`` from ``source`` (a host buffer,
+        or tensors), commit it, record it (:meth:`committed`; ``count``: as a checkpoint), and keep the
+        newest ``keep``; the manifest and the seconds the write took. The caller releases ``source``."""
+        assert self.directory is not None
+        if isinstance(source, HostBuffer):
+            chunks, tensors = buffer_chunks(source.layout, source.memoryview()), source.views
+        else:
+            chunks, tensors = tensor_chunks(TensorLayout.of(source), source), source
+        return persist_full(self.directory, step, chunks, skeleton, keep=keep, plan=plan, tensors=tensors,
+                            format=self.full_format, committed=lambda s: self.committed(step, count=count, seconds=s))
 
     def committed(self, step: int, *, count: bool = True, seconds: float = 0.0) -> None:
         """Record that the checkpoint of ``step`` is durable and visible (``count``: as a checkpoint),

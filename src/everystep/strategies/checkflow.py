@@ -40,9 +40,7 @@ from ..capture.profile import OperatorHooks, StepRecorder
 from ..errors import ConfigError
 from ..layout import TensorLayout
 from ..policy.checkflow import Plan, StepProfile, coarsen, drifted, plan
-from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
-from ..storage.tensorfile import buffer_chunks
 from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
 from .base import Strategy, StrategyConfig
 
@@ -286,12 +284,7 @@ class Checkflow(Strategy):
 
     def _persist(self, r: _Round) -> None:
         try:
-            assert self.ctx.store is not None and self.ctx.directory is not None
-            t0 = time.perf_counter()
-            write_full(self.ctx.store, r.step, buffer_chunks(r.buffer.layout, r.buffer.memoryview()), r.skeleton,
-                       plan=r.shard, tensors=r.buffer.views, format=self.ctx.full_format)
-            self.ctx.committed(r.step, seconds=time.perf_counter() - t0)
-            self.ctx.directory.retain(self.config.keep)
+            self.ctx.persist(r.step, r.buffer, r.skeleton, plan=r.shard, keep=self.config.keep)
         finally:
             self._pool.release(r.buffer)
 

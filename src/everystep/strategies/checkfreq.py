@@ -25,7 +25,6 @@ from ..errors import ConfigError
 from ..layout import TensorLayout
 from ..storage.full import write_full
 from ..storage.sharded import ShardPlan
-from ..storage.tensorfile import buffer_chunks
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig
 
@@ -124,18 +123,16 @@ class CheckFreq(Strategy):
             settled(staging)
             if staging.exception() is not None:
                 write_full(self.ctx.store, step, None, skeleton, plan=plan, error=staging.exception())  # raises, on every rank
-            t0 = time.perf_counter()
             if self._writer is not None:  # written, committed and retained there
+                t0 = time.perf_counter()
                 nbytes = self._writer.write(step, buffer, skeleton).nbytes
+                seconds = time.perf_counter() - t0
                 self.ctx.store.count_written_elsewhere(nbytes)
+                self.ctx.committed(step, seconds=seconds)
             else:
-                nbytes = write_full(self.ctx.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton,
-                                    plan=plan, tensors=buffer.views, format=self.ctx.full_format).nbytes
-            seconds = time.perf_counter() - t0
+                manifest, seconds = self.ctx.persist(step, buffer, skeleton, plan=plan, keep=self.config.keep)
+                nbytes = manifest.nbytes
             self.write_bandwidth = nbytes / max(seconds, 1e-9)
-            self.ctx.committed(step, seconds=seconds)  # (before retention: what is durable is known at once)
-            if self._writer is None:
-                self.ctx.directory.retain(self.config.keep)
         finally:
             self._pool.release(buffer)
 
@@ -145,7 +142,7 @@ class CheckFreq(Strategy):
             t0 = time.perf_counter()
             settled(self._staging)
             self._staging = None
-            self.ctx.stats.snapshot_wait_seconds += time.perf_counter() - t0
+            self.ctx.waited(time.perf_counter() - t0)
         self.errors.raise_pending()
 
     def _before_update(self, step: int) -> None:

@@ -5,12 +5,8 @@ Training waits while the whole state is serialised straight from the live tensor
 
 from __future__ import annotations
 
-import time
 from typing import ClassVar
 
-from ..layout import TensorLayout
-from ..storage.full import write_full
-from ..storage.tensorfile import tensor_chunks
 from .base import Strategy
 
 __all__ = ["FullSync"]
@@ -24,12 +20,6 @@ class FullSync(Strategy):
     def _on_state_ready(self, step: int, final: bool) -> None:
         if not self._due(step, final):
             return
-        assert self.ctx.store is not None
-        t0 = time.perf_counter()
         plan, skeleton = self.ctx.full_plan(step)
-        layout = TensorLayout.of(plan.local)
-        write_full(self.ctx.store, step, tensor_chunks(layout, plan.local), skeleton, plan=plan, tensors=plan.local,
-                   format=self.ctx.full_format)
+        self.ctx.persist(step, plan.local, skeleton, plan=plan, keep=self.config.keep)
         self._taken = step
-        self.ctx.committed(step, seconds=time.perf_counter() - t0)
-        self.ctx.directory.retain(self.config.keep)

@@ -59,7 +59,6 @@ import torch
 from .._faults import crash_point
 from ..background import Worker, settled
 from ..errors import ConfigError, CorruptCheckpointError, EverystepError, NoValidCheckpointError
-from ..layout import TensorLayout
 from ..policy.interval import due
 from ..policy.parts import ALIGN, MAX_PARTS, PartPlan, Unit, choose_parts
 from ..recovery import Recovered, read_state, recover
@@ -68,7 +67,6 @@ from ..state import group_scalars
 from ..storage.base import Manifest, malformed
 from ..storage.full import write_full
 from ..storage.sharded import ShardPlan, commit_parts, commit_tensors
-from ..storage.tensorfile import tensor_chunks
 from ..transport.host import copy_bandwidth
 from .base import Strategy, StrategyConfig
 
@@ -543,11 +541,7 @@ class GoCkpt(Strategy):
         assert self.ctx.store is not None and self.ctx.directory is not None
         split = self.ctx.full_format != "dcp"
         plan = ShardPlan.of(tensors, replicated, self.ctx.ranks, split=split)
-        t0 = time.perf_counter()
-        write_full(self.ctx.store, step, tensor_chunks(TensorLayout.of(plan.local), plan.local), skeleton, plan=plan,
-                   tensors=plan.local, format=self.ctx.full_format)
-        self.ctx.committed(step, seconds=time.perf_counter() - t0)
-        self.ctx.directory.retain(self.config.keep)
+        self.ctx.persist(step, plan.local, skeleton, plan=plan, keep=self.config.keep)
 
     def _write_now(self, step: int) -> None:
         """At close: the state as it is, copied now and written (a spread in flight is dropped)."""

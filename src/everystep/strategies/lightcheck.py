@@ -52,10 +52,8 @@ from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
 from ..recovery import Recovered, recover
 from ..state import bare_module, flatten, unflatten
-from ..storage.full import write_full
 from ..storage.region import RegionLayout, RegionStore, SlotWriter, UnreadableRegionError, UntrustedRegionError
 from ..storage.sharded import ShardPlan
-from ..storage.tensorfile import buffer_chunks
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig
 
@@ -471,13 +469,8 @@ class LightCheck(Strategy):
 
     def _write(self, step: int, buffer: HostBuffer, skeleton: Any, shard: ShardPlan) -> None:
         try:
-            assert self.ctx.store is not None and self.ctx.directory is not None
-            t0 = time.perf_counter()
-            write_full(self.ctx.store, step, buffer_chunks(buffer.layout, buffer.memoryview()), skeleton, plan=shard,
-                       tensors=buffer.views, format=self.ctx.full_format)
+            self.ctx.persist(step, buffer, skeleton, plan=shard, keep=self.config.keep, count=False)
             self.persisted += 1
-            self.ctx.committed(step, count=False, seconds=time.perf_counter() - t0)
-            self.ctx.directory.retain(self.config.keep)
         finally:
             self._staging.release(buffer)
 

@@ -148,7 +148,7 @@ class LowDiff(Strategy):
                             grads=grads or {})
         t0 = time.perf_counter()
         self._writer.post(_TAKING, self._take, record)  # blocks while the writer is `queue` steps behind
-        self.ctx.stats.snapshot_wait_seconds += time.perf_counter() - t0
+        self.ctx.waited(time.perf_counter() - t0)
         self._pending += 1
 
     def _on_state_ready(self, step: int, final: bool) -> None:
