@@ -88,7 +88,8 @@ def test_a_strategy_trained_on_the_gpu_recovers_bitwise(tmp_path, strategy, comp
                           **({"every": 3} if strategy in ("lowdiff", "naive_diff") else {})))
     assert [r["source"] for r in got["recoveries"]] == ["disk" if STRATEGIES[strategy].exact else "disk (lossy)"] * 2
     if not STRATEGIES[strategy].exact:  # naive_diff: within its documented bound
-        assert got["losses"][:4] == ref["losses"][:4] and loss_gap(got["losses"], ref["losses"]) < 1e-2
+        resumed = got["recoveries"][0]["resumed_from"]
+        assert got["losses"][:resumed] == ref["losses"][:resumed] and loss_gap(got["losses"], ref["losses"]) < 1e-2
         return
     assert got["losses"] == ref["losses"]
     assert got["final_state_sha256"] == ref["final_state_sha256"]

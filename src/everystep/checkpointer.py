@@ -182,7 +182,6 @@ class Checkpointer:
         self.stop_reason: str | None = None
         self.stagger = stagger
         self._ctx = StrategyContext(self.components, directory, self.stats)
-        self._ctx.full_format = full_format
         self.strategy.attach(self._ctx)
         self.step = 0
         self.recovered: Recovered | None = None

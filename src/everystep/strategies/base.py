@@ -177,8 +177,6 @@ class StrategyContext:
         """Where objects and manifests are written and read."""
         self.stats = stats
         self.boundary: dict[str, Any] = {}
-        self.full_format = "safetensors"
-        """How full checkpoints are stored: ``safetensors`` (everystep's own) or ``dcp``."""
         self._lock = threading.Lock()
         self._stable: tuple[Any, frozenset[str]] | None = None
 
@@ -188,6 +186,24 @@ class StrategyContext:
 
     def flatten_state(self, step: int) -> tuple[dict[str, torch.Tensor], Any]:
         return flatten(self.state_tree(step))
+
+    @property
+    def full_format(self) -> str:
+        """How full checkpoints are stored: ``safetensors`` (everystep's own) or ``dcp``; the
+        directory's marker says (the Checkpointer refuses a directory of the other format)."""
+        return self.directory.full_format if self.directory is not None else "safetensors"
+
+    @property
+    def device(self) -> torch.device:
+        """Where training runs: the device of the optimizer's first parameter (the CPU without one)."""
+        for group in self.components.optimizer.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    def copy_stream(self) -> "torch.cuda.Stream | None":
+        """A new side stream for copies off the training device (None where training is not on CUDA)."""
+        return torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def ranks(self) -> Ranks:

@@ -150,7 +150,7 @@ class Checkflow(Strategy):
         self._pool = HostBufferPool(2)
         self._persister = Worker("everystep-checkflow-persist", self.errors)
         self._planner = Worker("everystep-checkflow-plan", self.errors)
-        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._stream = self.ctx.copy_stream()
         self._schedule: _Schedule | None = None
         self._planning: Future[Any] | None = None
         self._recorder: StepRecorder | None = None
@@ -293,8 +293,7 @@ class Checkflow(Strategy):
     def _plan(self, profile: StepProfile, keys: dict[str, str], sizes: dict[str, int]) -> _Schedule | None:
         """Planner thread: merge, solve, and turn the plan into what the hooks execute (None: no
         feasible schedule)."""
-        bandwidth = self.config.bandwidth or copy_bandwidth(
-            next(p for g in self.ctx.components.optimizer.param_groups for p in g["params"]).device)
+        bandwidth = self.config.bandwidth or copy_bandwidth(self.ctx.device)
         coarse, spans = coarsen(profile, self.config.time_steps, group_bytes=self.config.per_size)
         found = plan(coarse, bandwidth=bandwidth, per_size=self.config.per_size, memory_limit=self.config.memory_limit)
         self.plans.append(found)

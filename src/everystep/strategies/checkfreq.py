@@ -90,7 +90,7 @@ class CheckFreq(Strategy):
             self._pool = HostBufferPool(self.config.buffers)
         self._snapshotter = Worker("everystep-snapshot", self.errors)
         self._persister = Worker("everystep-persist", self.errors)
-        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._stream = self.ctx.copy_stream()
 
     def _on_state_ready(self, step: int, final: bool) -> None:
         if not self._due(step, final):

@@ -199,14 +199,14 @@ class GoCkpt(Strategy):
             raise ConfigError(f"strategy {self.name!r} brings each part of a parameter forward on its own, which needs "
                               f"an optimizer that updates each element from its own gradient and state ({names}); "
                               f"got {type(optimizer).__name__}")
-        on_gpu = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
+        on_gpu = self.ctx.device.type == "cuda"
         if on_gpu and self.config.reconstruct == "host":
             raise ConfigError(f"strategy {self.name!r} with reconstruct='host' brings the parts forward on the CPU, whose "
                               "arithmetic differs from the GPU's: recovery would not be exact; use "
                               "reconstruct='device' (the default on a GPU)")
         self.on_device = self.config.reconstruct == "device" or (self.config.reconstruct is None and on_gpu)
         """The parts are brought forward at recovery, on the training device."""
-        self._stream = torch.cuda.Stream() if on_gpu else None
+        self._stream = self.ctx.copy_stream()
         self._params: list[_Param] | None = None
         self._spread: _Spread | None = None
         self._last = -1
@@ -326,7 +326,7 @@ class GoCkpt(Strategy):
         times = self._step_times[-6:]
         step_seconds = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
         assert self._params is not None
-        bandwidth = copy_bandwidth(self._params[0].tensor.device)
+        bandwidth = copy_bandwidth(self.ctx.device)
         total = sum(u.numel * u.bytes_per_element for u in units)
         k = min(choose_parts(total, bandwidth, step_seconds, MAX_PARTS), self.config.every)
         ranks = self.ctx.ranks

@@ -323,7 +323,7 @@ class LightCheck(Strategy):
         copy = _Copy(step, final, frozen=self._freeze())
         if self._on_cuda():
             if self._stream is None:
-                self._stream = torch.cuda.Stream()
+                self._stream = self.ctx.copy_stream()
             copy.ready = torch.cuda.Event(enable_timing=True)
             copy.ready.record()
         slot, self._slot = self._slot, 1 - self._slot
@@ -332,7 +332,7 @@ class LightCheck(Strategy):
         self._pending = copy
 
     def _on_cuda(self) -> bool:
-        return any(p.is_cuda for g in self.ctx.components.optimizer.param_groups for p in g["params"][:1])
+        return self.ctx.device.type == "cuda"
 
     def _freeze(self) -> dict[int, torch.Tensor]:
         """Copies, taken now, of what the next forward or backward changes: model buffers and
