@@ -145,14 +145,14 @@ def test_ranks_forked_from_the_zygote_get_their_environment_and_die_with_it(tmp_
     import select
     import signal
 
-    from everystep.eval.train import Journal, worker_argv
+    from everystep.eval.train import WORKER, Journal, worker_argv
     from everystep.eval.zygote import Zygote
 
     def argv(**kw) -> list[str]:
         return worker_argv(TrainConfig(workload="mlp", progress=False, **kw), str(journal))
 
     journal = tmp_path / "journal.jsonl"
-    with Zygote() as zygote:
+    with Zygote(WORKER) as zygote:
         crashing = zygote.fork({**os.environ, "EVERYSTEP_CRASH": "store.object.mid_write:3"},
                                argv(strategy="full_sync", steps=50, directory=str(tmp_path / "c")))
         assert crashing.wait() == -signal.SIGKILL

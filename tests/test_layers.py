@@ -19,7 +19,7 @@ FORBIDDEN = {
     "compress": {"strategies", "agent", "eval", "checkpointer", "storage", "integrations"},
     "policy": {"storage", "transport", "strategies", "agent", "eval", "checkpointer", "integrations"},
     "strategies": {"eval", "checkpointer", "cli", "integrations"},
-    "capture": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery", "integrations"},
+    "capture": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery", "integrations", "optim"},
     "background": {"transport", "storage", "strategies", "agent", "eval", "checkpointer", "recovery", "capture",
                    "integrations"},
     "replay": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery", "integrations"},
@@ -76,3 +76,31 @@ def test_the_rules_are_read_from_real_imports():
     """The reader sees relative imports as absolute ones (else the rules above could pass vacuously)."""
     found = dict(_imports(PACKAGE / "agent" / "process.py"))
     assert "everystep.storage.full" in found and "everystep.agent.channel" in found
+
+
+def test_the_fork_server_imports_no_training_driver():
+    """``eval/zygote.py`` runs the entry point it is given (``module:function``); it imports neither
+    the driver nor anything above it, so that the two cannot import each other."""
+    found = {target for target, _ in _imports(PACKAGE / "eval" / "zygote.py")}
+    assert not {t for t in found if t.startswith("everystep.eval.") or t.startswith("everystep.strategies")}, found
+
+
+def test_no_package_imports_another_that_imports_it():
+    """No cycle between the package's parts (sub-packages and top-level modules), read from the source."""
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        own = _part(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        for target, _ in _imports(path):
+            part = _part(target)
+            if own and part and part != own:
+                edges.setdefault(own, set()).add(part)
+    cycles = sorted(f"{a} <-> {b}" for a in edges for b in edges[a] if a < b and a in edges.get(b, set()))
+    assert not cycles, cycles
+
+
+def test_tools_read_storage_without_knowing_a_strategy():
+    """``inventory.py`` imports no strategy; the training driver takes strategies from the registry
+    alone (``everystep.strategies``), not a strategy's module."""
+    assert not [t for t, _ in _imports(PACKAGE / "inventory.py") if t.startswith("everystep.strategies")]
+    driver = [t for t, _ in _imports(PACKAGE / "eval" / "train.py") if t.startswith("everystep.strategies")]
+    assert driver and set(driver) == {"everystep.strategies"}, driver

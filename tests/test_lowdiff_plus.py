@@ -24,7 +24,7 @@ from everystep.agent.session import AgentSession
 from everystep.background import BackgroundErrors
 from everystep.distributed import Ranks
 from everystep.errors import BackgroundWriteError
-from everystep.eval.train import Journal, TrainConfig, run, summarise, training_state_hash, worker_argv
+from everystep.eval.train import WORKER, Journal, TrainConfig, run, summarise, training_state_hash, worker_argv
 from everystep.eval.zygote import Zygote
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
@@ -159,7 +159,7 @@ def test_sigkill_at_20_instants_recovers_from_memory_bit_exactly(tmp_path):
     journal = tmp_path / "journal.jsonl"
     rng = random.Random(0)
     kills = [(KILL_POINTS[i % len(KILL_POINTS)], rng.randint(1, 5)) for i in range(lifetimes)]
-    with Zygote() as zygote:  # each lifetime forked from one process that imported torch (as `everystep train` does)
+    with Zygote(WORKER) as zygote:  # each lifetime forked from one process that imported torch (as `everystep train` does)
         for kill in [*kills, None]:  # the last lifetime runs to the end
             env = dict(os.environ)
             if kill is not None:

@@ -125,7 +125,8 @@ def test_persist_mistakes_are_refused_naming_the_option(tmp_path):
         Checkpointer(tmp_path / "a", *_model(), strategy="checkfreq", persist="disk")
     with pytest.raises(ConfigError, match="persist='process' .* use persist='thread' .* full_format='dcp'"):
         Checkpointer(tmp_path / "b", *_model(), strategy="checkfreq", persist="process", full_format="dcp")
-    with pytest.raises(ConfigError, match="--option persist=process serves one training process .* --nproc above 1"):
+    with pytest.raises(ConfigError, match=r"--option: persist='process' .* serves one training process .* \(--nproc 2, "
+                                          r"--full-format safetensors\)"):
         TrainConfig(workload="mlp", strategy="checkfreq", steps=3, directory=str(tmp_path / "c"), nproc=2,
                     options={"persist": "process"}, max_nproc=2)
     assert not (tmp_path / "c").exists()

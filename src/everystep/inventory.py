@@ -9,7 +9,7 @@ from .errors import CorruptCheckpointError
 from .storage.base import Store
 from .storage.directory import CheckpointDirectory
 from .recovery import read_full
-from .strategies.lightcheck import open_region
+from .storage.region import open_region
 
 __all__ = ["inspect_store", "verify_store", "region_rows"]
 
@@ -45,8 +45,6 @@ def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
 def region_rows(directory: CheckpointDirectory) -> list[dict[str, Any]]:
     """lightcheck's regions of ``directory`` (where its run record says, else the default place):
     one row per complete or damaged slot, verified (read as a reader reads, as a copy)."""
-    if directory.marker.get("strategy") != "lightcheck":
-        return []
     option = ((directory.marker.get("run") or {}).get("options") or {}).get("region")
     rows = []
     for rank in range(int(directory.marker.get("world_size", 1))):

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from ..optim import OptimizerInBackward
 from ..policy.checkflow import StepProfile, Tensor
 
 __all__ = ["profile_step", "StepRecorder", "OperatorHooks"]
@@ -78,13 +77,19 @@ class OperatorHooks:
             self.handles.append(module.register_forward_pre_hook(lambda m, a, n=name: on_operator(f"forward {n}")))
             self.handles.append(module.register_forward_hook(
                 lambda m, a, out, n=name: _on_gradient(out, lambda: on_operator(f"backward {n}"))))
-        if not isinstance(optimizer, OptimizerInBackward):
+        if not updates_in_backward(optimizer):
             self.handles.append(optimizer.register_step_pre_hook(lambda *a: on_operator("optimizer step")))
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+def updates_in_backward(optimizer: Any) -> bool:
+    """Whether ``optimizer`` updates layer by layer during backward: it offers layer hooks, as
+    :class:`~everystep.OptimizerInBackward` does, in place of one ``step()``."""
+    return callable(getattr(optimizer, "register_layer_pre_hook", None))
 
 
 def _on_gradient(output: Any, call: Callable[[], None]) -> None:
@@ -106,7 +111,7 @@ class _Recorder:
         self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.operators = OperatorHooks(model, optimizer, self.mark)
         self.handles: list[Any] = []
-        if isinstance(optimizer, OptimizerInBackward):
+        if updates_in_backward(optimizer):
             self.handles.append(optimizer.register_layer_pre_hook(self._on_layer_update))
         else:
             self.handles.append(optimizer.register_step_post_hook(lambda *a: self._on_update_all()))

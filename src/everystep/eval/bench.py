@@ -76,9 +76,11 @@ class BenchConfig:
             raise ConfigError("--repeats, --every and --threads must be at least 1")
         if self.in_backward:
             self._check_in_backward()
-        needs = [s for s in self.strategies if s == "lowdiff"] if self.trainer is None else []
+        needs = [s for s in self.strategies if s in STRATEGIES and STRATEGIES[s].needs_compression] \
+            if self.trainer is None else []
         if needs and not self.compress:
-            raise ConfigError("lowdiff reuses compressed gradients: give --compress (applied to every strategy)")
+            raise ConfigError(f"{', '.join(needs)} reuses compressed gradients: give --compress (applied to every "
+                              "strategy)")
 
 
     def _check_trainer(self) -> None:

@@ -33,10 +33,8 @@ from ..errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError,
 from ..recovery import recover
 from ..storage.directory import MARKER, CheckpointDirectory
 from ..state import state_hash
-from ..storage.region import on_volatile_memory
-from ..strategies.lightcheck import region_path
+from ..storage.region import on_volatile_memory, region_path
 from ..strategies import STRATEGIES, create
-from ..strategies.checkfreq import CheckFreqConfig
 from ..compress import parse_spec
 from .faults import FailurePlan, Injector
 from .workloads import OPTIMIZERS, WORKLOADS, build, check_device, needs_ddp
@@ -113,9 +111,9 @@ class TrainConfig:
             raise ConfigError(f"--in-backward takes no --compress, and one of the strategies {able}")
         if self.compress is not None:
             parse_spec(self.compress)  # validates the spec
-        elif self.strategy == "lowdiff":
-            raise ConfigError("--strategy lowdiff reuses compressed gradients: add --compress topk:0.01, quant8 or "
-                              "powersgd:rank=4")
+        elif STRATEGIES[self.strategy].needs_compression:
+            raise ConfigError(f"--strategy {self.strategy} reuses compressed gradients: add --compress topk:0.01, quant8 "
+                              "or powersgd:rank=4")
         limit = self.max_nproc if self.max_nproc is not None else usable_cores()
         if self.nproc > limit:
             raise ConfigError(f"--nproc {self.nproc} is more ranks than this machine runs at once ({limit}, its usable "
@@ -125,9 +123,10 @@ class TrainConfig:
             raise ConfigError(f"--option {flagged[0]}=…: give --{flagged[0]} instead")
         given = {k: v for k, v in (("every", self.every), ("keep", self.keep)) if v is not None}
         made = create(self.strategy, **given, **self.options)  # validates the options before any process starts
-        if isinstance(made.config, CheckFreqConfig) and not made.config.persist_serves(self.nproc, self.full_format):
-            raise ConfigError("--option persist=process serves one training process writing everystep's own format: "
-                              "drop it with --nproc above 1 or --full-format dcp")
+        try:
+            made.config.check_job(self.nproc, self.full_format)
+        except ConfigError as e:
+            raise ConfigError(f"--option: {e} (--nproc {self.nproc}, --full-format {self.full_format})") from None
 
 
 def usable_cores() -> int:
@@ -540,7 +539,7 @@ def run_supervised(cfg: TrainConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="everystep-run-") as tmp:
         journals = [os.path.join(tmp, f"journal-r{r}.jsonl") for r in range(cfg.nproc)]
         pending = list(cfg.fail_at)
-        with start_ranks() or nullcontext() as zygote:
+        with start_ranks(WORKER) or nullcontext() as zygote:
             return _supervise(cfg, pending, journals, zygote)
 
 
@@ -572,8 +571,8 @@ def _supervise(cfg: TrainConfig, pending: list[int], journals: list[str], zygote
 def _lose_host_memory(cfg: TrainConfig) -> None:
     """A hardware failure takes the host's memory with it: lightcheck's regions on tmpfs go too
     (a checkpoint agent's memory goes with its process, which the failure killed)."""
-    if cfg.strategy != "lightcheck" or cfg.directory is None:
-        return
+    if cfg.directory is None:
+        return  # (a strategy without a region has no region file where its option says)
     for rank in range(cfg.nproc):
         path = region_path(Path(cfg.directory), cfg.options.get("region"), rank, cfg.nproc)
         if path.exists() and on_volatile_memory(path):
@@ -586,6 +585,10 @@ def _die_with_supervisor() -> None:
     supervisor = int(os.environ.pop("EVERYSTEP_SUPERVISOR", "0"))
     if supervisor and sys.platform.startswith("linux"):
         die_with(supervisor)
+
+
+WORKER = f"{__name__}:worker_main"
+"""The entry point of a rank's process (:mod:`.zygote` forks it; ``python -m everystep.eval.train`` runs it)."""
 
 
 def worker_argv(cfg: TrainConfig, journal: str, pending: Sequence[int] = ()) -> list[str]:

@@ -2,7 +2,8 @@
 
 A new interpreter per rank and per lifetime spends seconds importing torch before it trains a step
 (more when the ranks of a job start together on a machine of a few cores). The supervisor instead
-starts one *zygote* per job: a process that imports the training driver and then only forks. Each
+starts one *zygote* per job: a process that imports the module of the entry point it is given
+(``module:function``; the training driver's ``worker_main``) and then only forks. Each
 rank's lifetime is a child forked from it — a new process in all but the imports: its own session
 (as ``start_new_session``), its own environment, stdin on ``/dev/null``. The zygote runs no torch
 operation, so no thread pool is lost in the fork, and it dies with the supervisor (``PR_SET_PDEATHSIG``
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from .._process import die_with
@@ -66,11 +68,12 @@ class Forked:
 class Zygote:
     """The supervisor's end: :meth:`fork` starts a child; :meth:`close` ends the zygote."""
 
-    def __init__(self) -> None:
+    def __init__(self, entry: str) -> None:
+        """``entry``: ``module:function``, what each child runs with its ``argv``."""
         reply_r, reply_w = os.pipe()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "everystep.eval.zygote", str(reply_w), str(os.getpid())],
+                [sys.executable, "-m", "everystep.eval.zygote", str(reply_w), str(os.getpid()), entry],
                 stdin=subprocess.PIPE, pass_fds=(reply_w,), start_new_session=True)
         finally:
             os.close(reply_w)
@@ -82,7 +85,7 @@ class Zygote:
         """Exit status of each child that ended, by pid."""
 
     def fork(self, env: dict[str, str], argv: list[str]) -> Forked:
-        """A child that runs ``everystep.eval.train.worker_main(argv)`` in ``env``."""
+        """A child that runs the entry point with ``argv``, in ``env``."""
         assert self.process.stdin is not None
         try:
             self.process.stdin.write(json.dumps({"env": env, "argv": argv}).encode() + b"\n")
@@ -137,14 +140,14 @@ class Zygote:
         os.close(self._replies)
 
 
-def start_ranks() -> Zygote | None:
-    """A zygote for a job's ranks, or None where one cannot run (not Linux)."""
+def start_ranks(entry: str) -> Zygote | None:
+    """A zygote for a job's ranks running ``entry``, or None where one cannot run (not Linux)."""
     if not hasattr(os, "pidfd_open") or not hasattr(selectors, "EpollSelector"):
         return None
-    return Zygote()
+    return Zygote(entry)
 
 
-def _child(request: dict[str, Any], inherited: list[int]) -> None:
+def _child(request: dict[str, Any], inherited: list[int], entry: Callable[[list[str]], int]) -> None:
     """In the forked child: become a rank's process and run it; never returns."""
     code = 1
     try:
@@ -157,10 +160,9 @@ def _child(request: dict[str, Any], inherited: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         from .._faults import arm_from_environment
-        from .train import worker_main
 
         arm_from_environment()  # read at import, in the zygote's environment: this rank's is another
-        code = worker_main(request["argv"])
+        code = entry(request["argv"])
     except SystemExit as e:
         code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:
@@ -172,9 +174,9 @@ def _child(request: dict[str, Any], inherited: list[int]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    reply_fd, supervisor = int(argv[0]), int(argv[1])
+    reply_fd, supervisor, (module, _, function) = int(argv[0]), int(argv[1]), argv[2].partition(":")
     die_with(supervisor)
-    importlib.import_module("everystep.eval.train")  # the imports every rank needs, done once
+    entry = getattr(importlib.import_module(module), function)  # the imports every rank needs, done once
 
     replies = os.fdopen(reply_fd, "wb", buffering=0)
     sel = selectors.EpollSelector()
@@ -199,7 +201,7 @@ def main(argv: list[str]) -> None:
                 inherited = [reply_fd, sel.fileno(), *(k.fd for k in sel.get_map().values() if k.fd != 0)]
                 pid = os.fork()
                 if pid == 0:
-                    _child(request, inherited)
+                    _child(request, inherited, entry)
                 sel.register(os.pidfd_open(pid), selectors.EVENT_READ, pid)
                 replies.write(json.dumps({"pid": pid}).encode() + b"\n")
 

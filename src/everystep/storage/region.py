@@ -45,12 +45,13 @@ import mmap
 import os
 import struct
 import threading
+import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -68,9 +69,13 @@ from ..errors import (
 from ..files import untrusted_file, untrusted_folder
 from ..layout import LayoutEntry
 from ..state import check_skeleton
+if TYPE_CHECKING:
+    from .directory import CheckpointDirectory
+
 from .base import CHECKSUM_ALGORITHM, MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo, refuse_constant
 
-__all__ = ["RegionStore", "UntrustedRegionError", "UnreadableRegionError", "RegionLayout", "RegionSlot", "SlotWriter", "ALIGN", "on_volatile_memory"]
+__all__ = ["RegionStore", "UntrustedRegionError", "UnreadableRegionError", "RegionLayout", "RegionSlot", "SlotWriter", "ALIGN",
+           "on_volatile_memory", "region_path", "open_region"]
 
 ALIGN = 128
 """Tensors of more than this many bytes start at multiples of it."""
@@ -643,3 +648,63 @@ class RegionStore:
         self._headers.close()
         os.close(self._fd)
 
+
+# -- where a directory's region lies, and opening it --------------------------------------------
+
+
+def region_path(directory: Path, region: str | None, rank: int, world: int) -> Path:
+    """Where rank ``rank``'s region lies, for a checkpoint directory and a ``region`` option."""
+    if region is None:
+        return directory / "region" / f"rank-{rank}.bin"
+    if "{rank}" in region:
+        return Path(region.replace("{rank}", str(rank)))
+    return Path(region) if world == 1 else Path(f"{region}.rank-{rank}")
+
+
+def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: bool | None = None,
+                rank: int | None = None) -> RegionStore | None:
+    """This rank's region of ``directory``: made if absent (a writer), or ``None`` for a reader
+    where there is none. A region records, when made, the token that its directory keeps in
+    ``region-r<rank>.owner``; a region that another directory made (a ``region=`` path given to two
+    runs in turn) is refused to a writer, nothing changed, and skipped with a warning by a reader.
+    ``rank``: a reader's choice of rank (default: this process's)."""
+    ranks = directory.ranks
+    rank = ranks.rank if rank is None else rank
+    world = ranks.world if directory.access != "read" else int(directory.marker.get("world_size", ranks.world))
+    path = region_path(directory.root, region, rank, world)
+    claim = directory.root / f"region-r{rank}.owner"
+    token = claim.read_text().strip() if claim.exists() else None
+    if directory.access == "read":
+        if not os.path.lexists(path):
+            return None
+        found = RegionStore.open(path, access="read", ranks=ranks)
+        if found.owner != token:
+            found.close()
+            warnings.warn(f"the region {path} belongs to another checkpoint directory than {directory.root}: not read",
+                          stacklevel=3)
+            return None
+        return found
+    claimed = token is None
+    if token is None:
+        token = uuid.uuid4().hex
+        directory.store.put_file(claim.name, token.encode())  # before the region: a region is always claimed
+    try:
+        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token)
+    except UntrustedRegionError:
+        if claimed:
+            claim.unlink(missing_ok=True)  # the directory stays as it was found
+        raise
+    except UnreadableRegionError as e:
+        if not directory.fulls():
+            raise CheckpointDirectoryError(
+                f"{e}; nothing was changed, since it may hold checkpoints that no full checkpoint in "
+                f"{directory.root} replaces: to start over, delete {path}") from None
+        warnings.warn(f"{e}: training resumes from the full checkpoints of {directory.root}, and the region is "
+                      "made anew", stacklevel=3)
+        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token, remake=True)
+    if found.owner != token:
+        found.close()
+        raise CheckpointDirectoryError(
+            f"the region {path} belongs to another checkpoint directory than {directory.root} (it may hold that "
+            f"run's checkpoints, so nothing was changed): give this run its own region= or delete {path}")
+    return found

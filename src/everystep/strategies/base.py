@@ -118,6 +118,10 @@ class StrategyConfig:
                 names = " or ".join(_PLAIN[a] for a in allowed)
                 raise ConfigError(f"{f.name} must be {names}, got {value!r}")
 
+    def check_job(self, world: int, full_format: str) -> None:
+        """Refuse (:class:`ConfigError`) a job of ``world`` processes writing full checkpoints in
+        ``full_format`` that these options cannot serve; every job, unless a strategy says otherwise."""
+
     def _check_every(self) -> None:
         if self.every < 1:
             raise ConfigError(f"every must be a positive number of steps, got {self.every}")
@@ -317,6 +321,8 @@ class Strategy:
     shares_store: ClassVar[bool] = False
     """Another process (a checkpoint agent) writes to its store: only the strategy may collect
     the directory's garbage, when it knows that process writes nothing."""
+    needs_compression: ClassVar[bool] = False
+    """It reuses the compressed gradients training produces: training needs a gradient compression."""
     exact: ClassVar[bool] = True
     """Recovery restores S_t bitwise (on the CPU; a strategy may say what differs on a GPU). A lossy
     one (``naive_diff``) restores an approximation and says how far it may be."""

@@ -52,10 +52,12 @@ class CheckFreqConfig(StrategyConfig):
         if self.persist not in ("thread", "process"):
             raise ConfigError(f"persist must be 'thread' or 'process', got {self.persist!r}")
 
-    def persist_serves(self, world: int, full_format: str) -> bool:
-        """Whether ``persist`` serves a job of ``world`` processes writing full checkpoints in
-        ``full_format`` (the writer process serves one, in everystep's own format)."""
-        return self.persist == "thread" or (world == 1 and full_format == "safetensors")
+    def check_job(self, world: int, full_format: str) -> None:
+        """``persist="process"`` serves one training process writing everystep's own format."""
+        if self.persist == "process" and (world != 1 or full_format != "safetensors"):
+            raise ConfigError("persist='process' writes and commits each checkpoint in the writer process, which "
+                              "serves one training process writing everystep's own format: use persist='thread' "
+                              "under several processes or with full_format='dcp'")
 
 
 class CheckFreq(Strategy):
@@ -78,10 +80,7 @@ class CheckFreq(Strategy):
         self._staging: Future[Any] | None = None
         self._writer: WriterProcess | None = None
         if self.config.persist == "process":
-            if not self.config.persist_serves(self.ctx.ranks.world, self.ctx.full_format):
-                raise ConfigError(f"strategy {self.name!r} with persist='process' writes and commits each checkpoint in "
-                                  "the writer process, which serves one training process writing everystep's own "
-                                  "format: use persist='thread' under several processes or with full_format='dcp'")
+            self.config.check_job(self.ctx.ranks.world, self.ctx.full_format)
             assert self.ctx.directory is not None
             self._writer = WriterProcess(self.ctx.directory.root, keep=self.config.keep,
                                          timeout=self.config.writer_timeout)

@@ -33,32 +33,27 @@ ranks agree on the newest step every rank's region holds (else on the disk's).
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
-import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from .._faults import crash_point
 from ..background import Worker, settled
-from ..errors import CheckpointDirectoryError, ConfigError, NoValidCheckpointError
+from ..errors import ConfigError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
 from ..recovery import Recovered, recover
 from ..state import bare_module, flatten, unflatten
-from ..storage.region import RegionLayout, RegionStore, SlotWriter, UnreadableRegionError, UntrustedRegionError
+from ..storage.region import RegionLayout, RegionStore, SlotWriter, UnreadableRegionError, open_region
 from ..storage.sharded import ShardPlan
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig
 
-if TYPE_CHECKING:
-    from ..storage.directory import CheckpointDirectory
 
 __all__ = ["LightCheck", "LightCheckConfig", "region_path", "open_region"]
 
@@ -78,64 +73,6 @@ class LightCheckConfig(StrategyConfig):
         StrategyConfig.__post_init__(self)
         if self.persist_every < 0:
             raise ConfigError(f"persist_every must be 0 (never) or a positive number of steps, got {self.persist_every}")
-
-
-def region_path(directory: Path, region: str | None, rank: int, world: int) -> Path:
-    """Where rank ``rank``'s region lies, for a checkpoint directory and a ``region`` option."""
-    if region is None:
-        return directory / "region" / f"rank-{rank}.bin"
-    if "{rank}" in region:
-        return Path(region.replace("{rank}", str(rank)))
-    return Path(region) if world == 1 else Path(f"{region}.rank-{rank}")
-
-
-def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: bool | None = None,
-                rank: int | None = None) -> RegionStore | None:
-    """This rank's region of ``directory``: made if absent (a writer), or ``None`` for a reader
-    where there is none. A region records, when made, the token that its directory keeps in
-    ``region-r<rank>.owner``; a region that another directory made (a ``region=`` path given to two
-    runs in turn) is refused to a writer, nothing changed, and skipped with a warning by a reader.
-    ``rank``: a reader's choice of rank (default: this process's)."""
-    ranks = directory.ranks
-    rank = ranks.rank if rank is None else rank
-    world = ranks.world if directory.access != "read" else int(directory.marker.get("world_size", ranks.world))
-    path = region_path(directory.root, region, rank, world)
-    claim = directory.root / f"region-r{rank}.owner"
-    token = claim.read_text().strip() if claim.exists() else None
-    if directory.access == "read":
-        if not os.path.lexists(path):
-            return None
-        found = RegionStore.open(path, access="read", ranks=ranks)
-        if found.owner != token:
-            found.close()
-            warnings.warn(f"the region {path} belongs to another checkpoint directory than {directory.root}: not read",
-                          stacklevel=3)
-            return None
-        return found
-    claimed = token is None
-    if token is None:
-        token = uuid.uuid4().hex
-        directory.store.put_file(claim.name, token.encode())  # before the region: a region is always claimed
-    try:
-        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token)
-    except UntrustedRegionError:
-        if claimed:
-            claim.unlink(missing_ok=True)  # the directory stays as it was found
-        raise
-    except UnreadableRegionError as e:
-        if not directory.fulls():
-            raise CheckpointDirectoryError(
-                f"{e}; nothing was changed, since it may hold checkpoints that no full checkpoint in "
-                f"{directory.root} replaces: to start over, delete {path}") from None
-        warnings.warn(f"{e}: training resumes from the full checkpoints of {directory.root}, and the region is "
-                      "made anew", stacklevel=3)
-        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token, remake=True)
-    if found.owner != token:
-        found.close()
-        raise CheckpointDirectoryError(
-            f"the region {path} belongs to another checkpoint directory than {directory.root} (it may hold that "
-            f"run's checkpoints, so nothing was changed): give this run its own region= or delete {path}")
-    return found
 
 
 @dataclass(eq=False)

@@ -86,6 +86,7 @@ _TAKING = "moving a step's gradients to host memory for the differential batch"
 class LowDiff(Strategy):
     name: ClassVar[str] = "lowdiff"
     needs_restore: ClassVar[bool] = True
+    needs_compression: ClassVar[bool] = True
     Config = LowDiffConfig
     config: LowDiffConfig
 
