@@ -10,11 +10,6 @@ Every job's failure goes to the :class:`BackgroundErrors` the worker was made wi
 it in the training thread once (the strategy's next call). A future also carries its job's
 failure, so that a job that depends on it can tell; waiting on it with :meth:`Worker.drain` or
 :func:`settled` does not raise it a second time.
-
-A checkpoint that is written in the background is described by a :class:`SaveResponse`: the
-future of its staging (the copy out of the live tensors: when it is done, training may change
-them) and that of its upload (durable and committed), as ``torch.distributed.checkpoint``'s
-``async_save`` describes its own.
 """
 
 from __future__ import annotations
@@ -23,12 +18,11 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
 from typing import Any
 
 from .errors import BackgroundWriteError
 
-__all__ = ["BackgroundErrors", "Worker", "SaveResponse", "settled"]
+__all__ = ["BackgroundErrors", "Worker", "settled"]
 
 
 class BackgroundErrors:
@@ -56,16 +50,6 @@ class BackgroundErrors:
         if rest:
             message += f" (and {len(rest)} more failed since: " + "; ".join(w for w, _ in rest) + ")"
         raise BackgroundWriteError(message) from first
-
-
-@dataclass(frozen=True)
-class SaveResponse:
-    """One checkpoint in flight: ``staging`` completes when the live tensors may change again,
-    ``upload`` when the checkpoint is durable and committed."""
-
-    step: int
-    staging: Future[Any]
-    upload: Future[Any]
 
 
 def settled(*futures: Future[Any] | None) -> None:

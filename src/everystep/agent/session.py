@@ -46,7 +46,7 @@ __all__ = ["AgentSession", "Progress"]
 class Progress(Protocol):
     """Where the session reports what became recoverable."""
 
-    def committed(self, step: int, *, count: bool = True, seconds: float = 0.0) -> None: ...
+    def record_durable(self, step: int, *, count: bool = True, seconds: float = 0.0) -> None: ...
 
     def in_memory(self, step: int) -> None: ...
 
@@ -151,7 +151,7 @@ class AgentSession:
             self.last_persist = step
             self.commits = PartCommits(self.directory, rank=self.ranks.rank, keep=self.keep, timeout=self.timeout + 600,
                                        errors=self.errors, lost=lambda: self.lost, lose=self.lose,
-                                       committed=lambda s, seconds: self.progress.committed(s, count=False, seconds=seconds))
+                                       committed=lambda s, seconds: self.progress.record_durable(s, count=False, seconds=seconds))
         if not self._fetched:
             self.send_state(step, tensors, skeleton, persist=step == 0)
         self._make_slots(tensors)
@@ -180,7 +180,7 @@ class AgentSession:
 
     def _on_persisted(self, msg: dict[str, Any]) -> None:
         self.persisted = (self.persisted + [msg["step"]])[-2:]
-        self.progress.committed(msg["step"], count=False)
+        self.progress.record_durable(msg["step"], count=False)
         self.directory.store.count_written_elsewhere(msg["nbytes"])
 
     def _on_released(self, msg: dict[str, Any]) -> None:

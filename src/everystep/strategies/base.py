@@ -274,7 +274,7 @@ class StrategyContext:
     def persist(self, step: int, source: "HostBuffer | dict[str, torch.Tensor]", skeleton: Any, *, plan: ShardPlan,
                 keep: int, count: bool = True) -> tuple[Manifest, float]:
         """Write this rank's part of the full checkpoint of ``step`` from ``source`` (a host buffer,
-        or tensors), commit it, record it (:meth:`committed`; ``count``: as a checkpoint), and keep the
+        or tensors), commit it, record it (:meth:`record_durable`; ``count``: as a checkpoint), and keep the
         newest ``keep``; the manifest and the seconds the write took. The caller releases ``source``."""
         assert self.directory is not None
         if isinstance(source, HostBuffer):
@@ -282,9 +282,9 @@ class StrategyContext:
         else:
             chunks, tensors = tensor_chunks(TensorLayout.of(source), source), source
         return persist_full(self.directory, step, chunks, skeleton, keep=keep, plan=plan, tensors=tensors,
-                            format=self.full_format, committed=lambda s: self.committed(step, count=count, seconds=s))
+                            format=self.full_format, committed=lambda s: self.record_durable(step, count=count, seconds=s))
 
-    def committed(self, step: int, *, count: bool = True, seconds: float = 0.0) -> None:
+    def record_durable(self, step: int, *, count: bool = True, seconds: float = 0.0) -> None:
         """Record that the checkpoint of ``step`` is durable and visible (``count``: as a checkpoint),
         a full one written in ``seconds``."""
         with self._lock:

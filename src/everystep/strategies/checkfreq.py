@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..agent.writer import WriterProcess
-from ..background import SaveResponse, Worker, settled
+from ..background import Worker, settled
 from ..errors import ConfigError
 from ..layout import TensorLayout
 from ..storage.full import write_full
@@ -73,7 +73,6 @@ class CheckFreq(Strategy):
         super().__init__(config)
         self.write_bandwidth: float | None = None
         """Bytes per second of the last full checkpoint's write, as measured."""
-        self.saving: SaveResponse | None = None
         """The newest checkpoint started: its staging and upload futures."""
 
     def _attach(self) -> None:
@@ -102,9 +101,9 @@ class CheckFreq(Strategy):
         volatile = snapshot_into(buffer, tensors, [k for k in tensors if k not in stable])
         stable_keys = [k for k in tensors if k in stable]
         staging = self._snapshotter.submit("snapshot", self._take_snapshot, buffer, tensors, stable_keys, volatile)
-        upload = self._persister.submit(f"background write of the checkpoint at step {step}", self._persist, step,
-                                        staging, buffer, skeleton, plan)
-        self._staging, self.saving, self._taken = staging, SaveResponse(step, staging, upload), step
+        self._persister.post(f"background write of the checkpoint at step {step}", self._persist, step, staging, buffer,
+                             skeleton, plan)
+        self._staging, self._taken = staging, step
         if final or not self.overlap:
             self._wait_snapshot()
 
@@ -127,7 +126,7 @@ class CheckFreq(Strategy):
                 nbytes = self._writer.write(step, buffer, skeleton).nbytes
                 seconds = time.perf_counter() - t0
                 self.ctx.store.count_written_elsewhere(nbytes)
-                self.ctx.committed(step, seconds=seconds)
+                self.ctx.record_durable(step, seconds=seconds)
             else:
                 manifest, seconds = self.ctx.persist(step, buffer, skeleton, plan=plan, keep=self.config.keep)
                 nbytes = manifest.nbytes

@@ -534,7 +534,7 @@ class GoCkpt(Strategy):
         t0 = time.perf_counter()
         commit_tensors(self.ctx.store, "full", kind=SPREAD_KIND, step=step, tensors=tensors, replicated=replicated,
                        meta={}, rank_meta={"skeleton": skeleton, "spread": description})
-        self.ctx.committed(step, seconds=time.perf_counter() - t0)
+        self.ctx.record_durable(step, seconds=time.perf_counter() - t0)
         self.ctx.directory.retain(self.config.keep)
 
     def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replicated: set[str]) -> None:

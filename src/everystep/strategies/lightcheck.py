@@ -385,7 +385,7 @@ class LightCheck(Strategy):
         self.ctx.store.count_written_elsewhere(writer.layout.nbytes)  # the region's bytes count as written
         self.ctx.in_memory(copy.step)
         if self.region.flush:
-            self.ctx.committed(copy.step, count=False)
+            self.ctx.record_durable(copy.step, count=False)
         every = self.config.persist_every
         if copy.final or (every and copy.step % every == 0):
             self._persist(copy.step, writer, skeleton, plan)

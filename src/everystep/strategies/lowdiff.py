@@ -221,7 +221,7 @@ class LowDiff(Strategy):
             meta={"base": base, "first": first, "last": last, "steps": steps_meta, "compression": self.compression.spec,
                   "summed": self.config.sum_linear},
         )
-        self.ctx.committed(last)
+        self.ctx.record_durable(last)
         self.record_bytes += sum(t.nbytes for k, t in plan.local.items() if k in replicated)
         self.end_bytes += sum(t.nbytes for k, t in plan.local.items() if k not in replicated)
         self.recorded_steps += last - first + 1

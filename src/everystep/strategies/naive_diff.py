@@ -106,7 +106,7 @@ class NaiveDiff(Strategy):
         commit_tensors(self.ctx.store, "diff", kind="ndiff", step=step, tensors=tensors,
                        replicated={k for k in tensors if k.startswith("d/")}, requires=(f"full-{base:012d}",),
                        meta={"base": base}, rank_meta={"end": end_skeleton})
-        self.ctx.committed(step)
+        self.ctx.record_durable(step)
         self.ctx.directory.retain(self.config.keep)
 
     def _before_update(self, step: int) -> None:

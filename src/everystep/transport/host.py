@@ -111,11 +111,6 @@ class HostBufferPool:
             self._free.append(buffer)
             self._cond.notify()
 
-    @property
-    def in_use(self) -> int:
-        with self._cond:
-            return self._outstanding
-
 
 def copy_bandwidth(device: torch.device, nbytes: int = 16 << 20) -> float:
     """Bytes/s of a copy from ``device`` into host memory (pinned for a GPU): the best of three
