@@ -18,8 +18,9 @@ from everystep.eval.workloads import build
 from everystep.policy.parts import ALIGN, PartPlan, Unit, choose_parts
 from everystep.strategies import create
 from everystep.storage import CheckpointDirectory
-from everystep.strategies import gockpt
-from everystep.strategies.gockpt import SPREAD_KIND, GoCkpt
+from everystep import spread
+from everystep.spread import SPREAD_KIND
+from everystep.strategies.gockpt import GoCkpt
 
 from .conftest import ROOT
 from .test_checkpointer import live_hash
@@ -125,7 +126,7 @@ def test_a_spread_checkpoint_is_brought_forward_from_its_parts_and_a_damaged_one
         again = build("gpt2-tiny", seed=1)
         with monkeypatch.context() as m:
             for name, value in patches.items():
-                m.setattr(gockpt, name, value)
+                m.setattr(spread, name, value)  # the spread format's module brings the parts forward
             with Checkpointer(tmp_path / "c", again.model, again.optimizer, scheduler=again.scheduler, data=again.data,
                               strategy="gockpt", reconstruct="device", final=False, **SPREAD) as ckpt:
                 return ckpt.restore(), live_hash(again, 11)

@@ -24,6 +24,7 @@ FORBIDDEN = {
                    "integrations"},
     "replay": {"storage", "strategies", "agent", "eval", "checkpointer", "recovery", "integrations"},
     "recovery": {"strategies", "agent", "eval", "checkpointer", "cli", "integrations"},
+    "spread": {"strategies", "agent", "eval", "checkpointer", "cli", "integrations", "transport"},
     "optim": {"storage", "transport", "strategies", "agent", "eval", "checkpointer", "recovery", "cli", "integrations"},
     "integrations": {"storage", "transport", "strategies", "agent", "eval", "recovery", "cli"},
 }

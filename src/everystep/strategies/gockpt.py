@@ -61,19 +61,17 @@ from ..background import Worker, settled
 from ..errors import ConfigError, CorruptCheckpointError, EverystepError, NoValidCheckpointError
 from ..policy.interval import due
 from ..policy.parts import ALIGN, MAX_PARTS, PartPlan, Unit, choose_parts
-from ..recovery import Recovered, read_state, recover
+from ..recovery import Recovered, recover
 from ..replay import optimizer_like, replay_step
 from ..state import group_scalars
 from ..storage.base import Manifest, malformed
 from ..storage.full import write_full
+from ..spread import SPREAD_KIND, bring_forward, read_spread
 from ..storage.sharded import ShardPlan, commit_parts, commit_tensors
 from ..transport.host import copy_bandwidth
 from .base import Strategy, StrategyConfig
 
-__all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig", "SPREAD_KIND"]
-
-SPREAD_KIND = "spread"
-"""The manifest kind of a checkpoint whose parts are brought forward at recovery."""
+__all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig"]
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
@@ -590,9 +588,11 @@ class GoCkpt(Strategy):
         """The first of ``manifests`` (newest first) that verifies and comes forward, restored."""
         for manifest in manifests:
             try:
-                tree, tensors, description = _read_spread(self.ctx.directory, manifest)
+                tree, tensors, description = read_spread(self.ctx.directory, manifest)
+                live, _ = self.ctx.flatten_state(manifest.step)
+                trained = {p.key: (p.index, p.param) for p in self.ctx.optimizer_keys(live) if p.key is not None}
                 with malformed(f"the spread checkpoint at step {manifest.step}"):
-                    device = self._bring_forward(manifest, tree, tensors, description)
+                    device = bring_forward(self.ctx.components.optimizer, trained, manifest, tree, tensors, description)
             except CorruptCheckpointError as e:
                 warnings.warn(f"skipping the spread checkpoint at step {manifest.step}: {e}", stacklevel=5)
                 continue
@@ -601,74 +601,6 @@ class GoCkpt(Strategy):
             return Recovered(step=manifest.step, tree={}, source=f"disk (parts brought forward on {device})",
                              manifest=manifest, seconds=time.perf_counter() - t0)
         return None
-
-    def _bring_forward(self, manifest: Manifest, tree: dict[str, Any], tensors: dict[str, torch.Tensor],
-                       description: dict[str, Any]) -> str:
-        """Apply the gradients a spread checkpoint holds to its parts, in ``tree`` (its state as
-        copied, read from storage; the parts it trains moved to the training device): each chunk by
-        the updates after its copy, with the training optimizer's class and each update's group
-        settings. Raises :class:`CorruptCheckpointError` when a part brought forward disagrees with
-        the state of the step. Returns the device."""
-        optimizer = self.ctx.components.optimizer
-        live, _ = self.ctx.flatten_state(manifest.step)
-        trained = {found.key: found for found in self.ctx.optimizer_keys(live) if found.key is not None}
-        what = f"the spread checkpoint at step {manifest.step}"
-        params, held_states = [], []
-        for d in description["params"]:
-            found = trained.get(d["key"])
-            if found is None or not d["key"].startswith("/model/"):
-                raise CorruptCheckpointError(f"{what} brings forward {d['key']!r}, which the optimizer does not train")
-            device = found.param.device
-            model, key = tree["model"], d["key"][len("/model/"):]
-            stored = model[key]
-            moved = stored.to(device)
-            for name, value in model.items():  # tied weights stay one tensor
-                if value is stored:
-                    model[name] = moved
-            held = tree["optimizer"]["state"].get(found.index, {})
-            held.update({k: v.to(device) for k, v in held.items() if isinstance(v, torch.Tensor) and v.dim()})
-            params.append((model[key], d))
-            held_states.append(held)
-        chunks = description["chunks"]
-        for chunk in chunks:
-            _, i, start, stop = chunk
-            if not all(type(v) is int for v in chunk) or not 0 <= i < len(params) \
-                    or not 0 <= start <= stop <= params[i][0].numel():
-                raise ValueError(f"its chunk {chunk!r} is not a range of a parameter it brings forward")
-        views: list[torch.Tensor] = []
-        states: list[dict[str, Any]] = []
-        with torch.no_grad():
-            for index, (_, i, start, stop) in enumerate(chunks):
-                p, d = params[i]
-                held = held_states[i]
-                views.append(p.view(-1)[start:stop])
-                state = {name: held[name].view(-1)[start:stop] for name in d["elementwise"]}
-                for name in d["whole"]:
-                    value = tensors.get(f"spread/state/{index}/{name}", description["scalars"].get(f"{index}/{name}"))
-                    if isinstance(value, torch.Tensor) and isinstance(held.get(name), torch.Tensor):
-                        value = value.to(device=held[name].device, dtype=held[name].dtype)
-                    state[name] = value
-                states.append(state)
-        group_of = [params[i][1]["group"] for _, i, _, _ in chunks]
-        for record in description["records"]:
-            j = record["step"] - description["start"]  # parts 1..j were copied before this update
-            active = [x for x, chunk in enumerate(chunks) if chunk[0] < j]
-            groups = sorted({group_of[x] for x in active})
-            made = optimizer_like(optimizer, {g: [(views[x], states[x]) for x in active if group_of[x] == g]
-                                              for g in groups})
-            present = set(record["chunks"])
-            replay_step(made, [record["groups"][g] for g in groups],
-                        ((views[x], tensors[f"spread/grad/{record['step']}/{x}"].to(views[x].device) if x in present
-                          else None) for x in active))
-        for x, (_, i, _, _) in enumerate(chunks):
-            _, d = params[i]
-            for name in d["whole"]:
-                value, held = states[x][name], held_states[i].get(name)
-                same = torch.equal(value.cpu(), held.cpu()) if isinstance(value, torch.Tensor) else value == held
-                if not same:
-                    raise CorruptCheckpointError(f"{what}: the part of {d['key']!r} brought forward disagrees with the "
-                                                 f"state of the step on {name!r}")
-        return str(views[0].device) if views else "cpu"
 
     # -- end -----------------------------------------------------------------------------------
 
@@ -681,21 +613,6 @@ class GoCkpt(Strategy):
     def _close(self) -> None:
         for worker in (self._copier, *self._appliers, self._persister):
             worker.close()
-
-
-def _read_spread(directory: Any, manifest: Manifest) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """A spread checkpoint's state tree (its parts as copied), all its tensors, and its description;
-    CorruptCheckpointError when it does not verify."""
-    tree, tensors, meta = read_state(directory, manifest)
-    if "spread" not in meta:
-        raise CorruptCheckpointError(f"checkpoint {manifest.name}: lacks spread")
-    description = meta["spread"]
-    with malformed(f"checkpoint {manifest.name}"):
-        missing = [f"spread/grad/{r['step']}/{x}" for r in description["records"] for x in r["chunks"]
-                   if f"spread/grad/{r['step']}/{x}" not in tensors]
-    if missing:
-        raise CorruptCheckpointError(f"checkpoint {manifest.name} lacks the gradient {missing[0]!r}")
-    return tree, tensors, description
 
 
 class GoCkptO(GoCkpt):

@@ -1,0 +1,111 @@
+"""GoCkpt's ``spread`` checkpoint: the parts of one checkpoint as they were copied, each at its own
+version, with the gradients that bring each part to the checkpoint's step.
+
+``reconstruct="device"`` (:mod:`everystep.strategies.gockpt`) writes it; recovery reads it
+(:func:`read_spread`, verified as every checkpoint is) and brings the parts forward on the training
+device (:func:`bring_forward`): each chunk by the updates after its copy, with the training
+optimizer's class and each update's group settings — the updates of training again, so bitwise.
+A part brought forward is checked against the state of the step before anything is restored.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import CorruptCheckpointError
+from .recovery import read_state
+from .replay import optimizer_like, replay_step
+from .storage.base import Manifest, malformed
+
+if TYPE_CHECKING:
+    from .storage.directory import CheckpointDirectory
+
+__all__ = ["SPREAD_KIND", "read_spread", "bring_forward"]
+
+SPREAD_KIND = "spread"
+"""The manifest kind of a checkpoint whose parts are brought forward at recovery."""
+
+
+def read_spread(directory: "CheckpointDirectory", manifest: Manifest) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """A spread checkpoint's state tree (its parts as copied), all its tensors, and its description;
+    CorruptCheckpointError when it does not verify."""
+    tree, tensors, meta = read_state(directory, manifest)
+    if "spread" not in meta:
+        raise CorruptCheckpointError(f"checkpoint {manifest.name}: lacks spread")
+    description = meta["spread"]
+    with malformed(f"checkpoint {manifest.name}"):
+        missing = [f"spread/grad/{r['step']}/{x}" for r in description["records"] for x in r["chunks"]
+                   if f"spread/grad/{r['step']}/{x}" not in tensors]
+    if missing:
+        raise CorruptCheckpointError(f"checkpoint {manifest.name} lacks the gradient {missing[0]!r}")
+    return tree, tensors, description
+
+
+def bring_forward(optimizer: torch.optim.Optimizer, trained: dict[str, tuple[int, torch.Tensor]], manifest: Manifest,
+                  tree: dict[str, Any], tensors: dict[str, torch.Tensor], description: dict[str, Any]) -> str:
+    """Apply the gradients a spread checkpoint holds to its parts, in ``tree`` (its state as
+    copied, read from storage; the parts it trains moved to the training device): each chunk by
+    the updates after its copy, with the training optimizer's class and each update's group
+    settings. ``trained``: the live model's keys of the parameters ``optimizer`` trains, with each
+    one's index in its state and the parameter. Raises :class:`CorruptCheckpointError` when a part
+    brought forward disagrees with the state of the step. Returns the device."""
+    what = f"the spread checkpoint at step {manifest.step}"
+    params, held_states = [], []
+    for d in description["params"]:
+        found = trained.get(d["key"])
+        if found is None or not d["key"].startswith("/model/"):
+            raise CorruptCheckpointError(f"{what} brings forward {d['key']!r}, which the optimizer does not train")
+        index, param = found
+        device = param.device
+        model, key = tree["model"], d["key"][len("/model/"):]
+        stored = model[key]
+        moved = stored.to(device)
+        for name, value in model.items():  # tied weights stay one tensor
+            if value is stored:
+                model[name] = moved
+        held = tree["optimizer"]["state"].get(index, {})
+        held.update({k: v.to(device) for k, v in held.items() if isinstance(v, torch.Tensor) and v.dim()})
+        params.append((model[key], d))
+        held_states.append(held)
+    chunks = description["chunks"]
+    for chunk in chunks:
+        _, i, start, stop = chunk
+        if not all(type(v) is int for v in chunk) or not 0 <= i < len(params) \
+                or not 0 <= start <= stop <= params[i][0].numel():
+            raise ValueError(f"its chunk {chunk!r} is not a range of a parameter it brings forward")
+    views: list[torch.Tensor] = []
+    states: list[dict[str, Any]] = []
+    with torch.no_grad():
+        for index, (_, i, start, stop) in enumerate(chunks):
+            p, d = params[i]
+            held = held_states[i]
+            views.append(p.view(-1)[start:stop])
+            state = {name: held[name].view(-1)[start:stop] for name in d["elementwise"]}
+            for name in d["whole"]:
+                value = tensors.get(f"spread/state/{index}/{name}", description["scalars"].get(f"{index}/{name}"))
+                if isinstance(value, torch.Tensor) and isinstance(held.get(name), torch.Tensor):
+                    value = value.to(device=held[name].device, dtype=held[name].dtype)
+                state[name] = value
+            states.append(state)
+    group_of = [params[i][1]["group"] for _, i, _, _ in chunks]
+    for record in description["records"]:
+        j = record["step"] - description["start"]  # parts 1..j were copied before this update
+        active = [x for x, chunk in enumerate(chunks) if chunk[0] < j]
+        groups = sorted({group_of[x] for x in active})
+        made = optimizer_like(optimizer, {g: [(views[x], states[x]) for x in active if group_of[x] == g]
+                                          for g in groups})
+        present = set(record["chunks"])
+        replay_step(made, [record["groups"][g] for g in groups],
+                    ((views[x], tensors[f"spread/grad/{record['step']}/{x}"].to(views[x].device) if x in present
+                      else None) for x in active))
+    for x, (_, i, _, _) in enumerate(chunks):
+        _, d = params[i]
+        for name in d["whole"]:
+            value, held = states[x][name], held_states[i].get(name)
+            same = torch.equal(value.cpu(), held.cpu()) if isinstance(value, torch.Tensor) else value == held
+            if not same:
+                raise CorruptCheckpointError(f"{what}: the part of {d['key']!r} brought forward disagrees with the "
+                                             f"state of the step on {name!r}")
+    return str(views[0].device) if views else "cpu"
