@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -263,34 +264,41 @@ def test_slow_copies_make_the_update_wait_per_layer_and_recovery_stays_exact(tmp
 
 
 def test_with_updates_in_backward_each_layer_waits_only_for_its_own_copy(tmp_path):
-    """Per-layer updates: with each unit's copy slowed to 50 ms, the first layer updated in a step (the
-    last layer, copied first) starts before the copy of the last unit has begun."""
+    """Per-layer updates: the copy of S_t's last unit is held until step t+1's first update (the last
+    layer's, copied first) has begun — which it could not, were an update to wait for the whole copy."""
     w = build("mlp", seed=3, in_backward=True)
-    copies: list[float] = []
-    updates: list[tuple[float, str]] = []
+    units = 4  # "(rest)", "0", "3", "5": asserted below
+    copies: list[tuple[int, int]] = []
+    updates: list[tuple[int, str]] = []
+    began = {t: threading.Event() for t in range(1, 5)}
     names = {p: n for n, p in w.model.named_parameters()}
+    step = 0
 
-    def slowly() -> None:
-        copies.append(time.perf_counter())
-        time.sleep(0.05)  # the injected delay, not a synchronisation
+    def before_unit() -> None:  # on the copy thread, before each unit of each copy
+        copied, unit = divmod(len(copies), units)
+        copies.append((copied + 1, unit))
+        if unit == units - 1 and copied + 2 in began:  # S_(copied+1)'s last unit: after step copied+2's first update
+            assert began[copied + 2].wait(60), f"step {copied + 2} waited for the whole copy of S_{copied + 1}"
+
+    def on_update(opt, params) -> None:
+        updates.append((step, names[params[0]]))
+        began[step].set()
 
     strategy = LightCheck(LightCheck.Config(persist_every=0))
-    _faults.arm("lightcheck.copy.unit", action=slowly, repeat=True)
+    _faults.arm("lightcheck.copy.unit", action=before_unit, repeat=True)
     try:
         with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy=strategy) as ckpt:
             ckpt.restore()  # its layer hook comes first: the one below sees each update after its wait
-            w.optimizer.register_layer_pre_hook(lambda opt, ps: updates.append((time.perf_counter(), names[ps[0]])))
-            for _ in range(4):
+            w.optimizer.register_layer_pre_hook(on_update)
+            for step in range(1, 5):
                 w.loss(w.data.next()).backward()
                 w.update()
     finally:
         _faults.disarm("lightcheck.copy.unit")
-    params, units = len(names), len(strategy.layer_waits)
-    assert len(copies) == 4 * units  # S_1..S_4, the last one at close
+    params = len(names)
+    assert copies == [(t, u) for t in range(1, 5) for u in range(units)]  # S_1..S_4, the last one at close
     assert [n for _, n in updates[:params]] == list(reversed(names.values()))  # backward order
-    for t in (1, 2, 3):  # step t+1's first update against the copy of S_t
-        first_update, last_unit = updates[params * t][0], copies[units * t - 1]
-        assert first_update < last_unit, f"step {t + 1} waited for the whole copy"
+    assert [t for t, _ in updates] == [t for t in range(1, 5) for _ in range(params)]
     assert set(strategy.layer_waits) == {"(rest)", "0", "3", "5"}
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from everystep.policy import lowdiff_integer_optimum
 from everystep.state import TrainingComponents, flatten, state_hash
 from everystep.storage import CheckpointDirectory
 from everystep.storage.tensorfile import load_tensors
+from everystep.strategies import base as strategies_base
 from everystep.strategies.lowdiff import LowDiff
 from everystep.state import state_error
 
@@ -186,14 +187,23 @@ def test_a_corrupt_batch_ends_the_chain_with_a_warning(tmp_path):
 
 
 def test_differentials_older_than_a_durable_full_checkpoint_are_deleted(tmp_path, monkeypatch):
-    # Batches are committed late, so the full checkpoint of step 4 usually becomes durable before
-    # the batch that ends at step 4: whichever commits second must still leave only newer batches.
-    write_batch = LowDiff._write_batch
+    # The batch that ends at step 4 is written only once the full checkpoint of step 4 is durable
+    # (the order that leaves a batch older than a full checkpoint to delete): only newer batches stay.
+    write_batch, persist = LowDiff._write_batch, strategies_base.persist_full
+    full_at_4 = threading.Event()
 
-    def late(self, *args):
-        time.sleep(0.2)
-        write_batch(self, *args)
+    def persisting(directory, step, *args, **kwargs):
+        found = persist(directory, step, *args, **kwargs)
+        if step == 4:
+            full_at_4.set()
+        return found
 
+    def late(self, base, records, *args):
+        if records[-1].step == 4:
+            assert full_at_4.wait(60), "the full checkpoint of step 4 was never written"
+        write_batch(self, base, records, *args)
+
+    monkeypatch.setattr(strategies_base, "persist_full", persisting)
     monkeypatch.setattr(LowDiff, "_write_batch", late)
     w = _make()
     with _attach(w, tmp_path / "c", every=4, batch=1, keep=1) as ckpt:
