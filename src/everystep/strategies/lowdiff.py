@@ -29,13 +29,13 @@ from ..compress import decompress, parameter_names
 from ..errors import ConfigError, EverystepError
 from ..policy import LowDiffCosts, lowdiff_integer_optimum
 from ..policy.interval import due
-from ..recovery import Link, Recovered, recover_chain
+from ..recovery import Link, Recovered
 from ..replay import Replayer, StepRecord
 from ..state import check_group_settings, group_scalars
 from ..storage.base import malformed
 from ..storage.sharded import ShardPlan, commit_tensors
-from .base import Strategy, StrategyConfig
-from .checkfreq import CheckFreq, CheckFreqConfig
+from .base import StrategyConfig
+from .differential import Differential
 
 __all__ = ["LowDiff", "LowDiffConfig"]
 
@@ -83,9 +83,9 @@ def _linear_in_gradient(optimizer: torch.optim.Optimizer) -> bool:
 _TAKING = "moving a step's gradients to host memory for the differential batch"
 
 
-class LowDiff(Strategy):
+class LowDiff(Differential):
     name: ClassVar[str] = "lowdiff"
-    needs_restore: ClassVar[bool] = True
+    kind: ClassVar[str] = "diff"
     needs_compression: ClassVar[bool] = True
     Config = LowDiffConfig
     config: LowDiffConfig
@@ -124,18 +124,8 @@ class LowDiff(Strategy):
         if self.config.adapt and ctx.ranks.distributed:
             raise ConfigError("adapt=True re-plans (F, b) from one process's measurements; under several ranks give "
                               "every and batch (everystep plan computes them)")
-        self.full = CheckFreq(CheckFreqConfig(every=self.interval, keep=self.config.keep))
-        self.full.attach(ctx)
         # The reusing queue: the writer is at most `queue` steps behind, else training waits.
-        self._writer = Worker("everystep-lowdiff-writer", self.errors, bound=self.config.queue)
-
-    def _on_start(self, step: int) -> None:
-        """A fresh run writes S_0 as the first full checkpoint, so that a chain can start at 0."""
-        self.full.on_start(step)
-        if step == 0:
-            self.full.on_state_ready(0, final=True)
-            self.full.wait()
-            self._base = 0
+        self._attach_full(self.interval, Worker("everystep-lowdiff-writer", self.errors, bound=self.config.queue))
 
     # -- training path -------------------------------------------------------------------------
 
@@ -153,29 +143,12 @@ class LowDiff(Strategy):
         self._pending += 1
 
     def _on_state_ready(self, step: int, final: bool) -> None:
-        full_now = due(step, self.interval)
-        if self._pending and (final or full_now or self._pending >= self.batch):
+        if self._pending and (final or due(step, self.interval) or self._pending >= self.batch):
             end = self.ctx.components.end_state(self.ctx.boundary, step, residuals=self.config.residual == "keep")
             self._writer.post(f"writing the differential batch ending at step {step}", self._flush, self._base, *end)
             self._pending = 0
-        if full_now and not final:
-            self.full.on_state_ready(step)
-            self._base = step
-            if self.config.adapt:
-                self._adapt()
-
-    def _before_update(self, step: int) -> None:
-        self.full.before_update(step)
-
-    def _wait(self) -> None:
-        self._writer.drain()
-        self.full.wait()
-
-    def _close(self) -> None:
-        try:
-            self._writer.close()
-        finally:
-            self.full.close()
+        if self._full_if_due(step, self.interval, final) and self.config.adapt:
+            self._adapt()
 
     # -- the writer ----------------------------------------------------------------------------
 
@@ -266,9 +239,7 @@ class LowDiff(Strategy):
 
     def _restore(self) -> Recovered | None:
         """Newest verified full checkpoint, then the gap-free chain of verified batches, replayed."""
-        directory, c = self.ctx.directory, self.ctx.components
-        assert directory is not None
-        t0 = time.perf_counter()
+        c = self.ctx.components
 
         def apply(links: Iterator[Link]) -> None:
             replayer = Replayer(c.model, c.optimizer, threads=self.config.replay_threads)
@@ -286,14 +257,12 @@ class LowDiff(Strategy):
                     replayer.apply(records)
             self.replay_seconds = time.perf_counter() - t_replay
 
-        found = recover_chain(directory, c, "diff", apply)
-        if found is None:
-            return None
-        full, step = found
-        self._base, self._pending = full.step, 0
-        lossy = step > full.step and self.config.residual == "drop" and c.compression is not None
-        source = f"disk (lossy: residuals of step {full.step})" if lossy else "disk"
-        return Recovered(step=step, tree={}, source=source, manifest=full, seconds=time.perf_counter() - t0)
+        def source(full: int, step: int) -> str:
+            lossy = step > full and self.config.residual == "drop" and c.compression is not None
+            return f"disk (lossy: residuals of step {full})" if lossy else "disk"
+
+        self._pending = 0
+        return self._restore_chain(apply, source)
 
     def _apply_sum(self, records: list[StepRecord]) -> None:
         names = parameter_names(self.ctx.components.model)

@@ -18,7 +18,6 @@ uninterrupted run's (measured 0.09%); on gpt2-small the state after a 50-step ch
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,12 +26,11 @@ import torch
 
 from ..background import Worker
 from ..errors import ConfigError
-from ..policy.interval import due
-from ..recovery import Link, Recovered, recover_chain
+from ..recovery import Link, Recovered
 from ..state import flatten, state_error
 from ..storage.sharded import commit_tensors
-from .base import Strategy, StrategyConfig
-from .checkfreq import CheckFreq, CheckFreqConfig
+from .base import StrategyConfig
+from .differential import Differential
 
 __all__ = ["NaiveDiff", "NaiveDiffConfig", "state_error"]
 
@@ -49,19 +47,16 @@ class NaiveDiffConfig(StrategyConfig):
             raise ConfigError(f"ratio must lie in (0, 1], got {self.ratio}")
 
 
-class NaiveDiff(Strategy):
+class NaiveDiff(Differential):
     name: ClassVar[str] = "naive_diff"
-    needs_restore: ClassVar[bool] = True
+    kind: ClassVar[str] = "ndiff"
     exact: ClassVar[bool] = False
     Config = NaiveDiffConfig
     config: NaiveDiffConfig
 
     def _attach(self) -> None:
         self._shadow: dict[str, torch.Tensor] = {}
-        self._base = 0
-        self.full = CheckFreq(CheckFreqConfig(every=self.config.every, keep=self.config.keep))
-        self.full.attach(self.ctx)
-        self._writer = Worker("everystep-naive-writer", self.errors)
+        self._attach_full(self.config.every, Worker("everystep-naive-writer", self.errors))
 
     def _live(self) -> dict[str, torch.Tensor]:
         c = self.ctx.components
@@ -73,11 +68,7 @@ class NaiveDiff(Strategy):
         self._shadow = {k: t.detach().clone() for k, t in self._live().items()}
 
     def _on_start(self, step: int) -> None:
-        self.full.on_start(step)
-        if step == 0:
-            self.full.on_state_ready(0, final=True)
-            self.full.wait()
-            self._base = 0
+        Differential._on_start(self, step)
         self._reset_shadow()
 
     def _on_state_ready(self, step: int, final: bool) -> None:
@@ -96,9 +87,7 @@ class NaiveDiff(Strategy):
         end_tensors, end_skeleton = self.ctx.components.end_state(self.ctx.boundary, step)
         deltas.update({f"end{k}": v for k, v in end_tensors.items()})
         self._writer.post(f"writing the difference at step {step}", self._write, self._base, step, deltas, end_skeleton)
-        if due(step, self.config.every) and not final:
-            self.full.on_state_ready(step)
-            self._base = step
+        if self._full_if_due(step, self.config.every, final):
             self._reset_shadow()
 
     def _write(self, base: int, step: int, tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
@@ -109,24 +98,8 @@ class NaiveDiff(Strategy):
         self.ctx.record_durable(step)
         self.ctx.directory.retain(self.config.keep)
 
-    def _before_update(self, step: int) -> None:
-        self.full.before_update(step)
-
-    def _wait(self) -> None:
-        self._writer.drain()
-        self.full.wait()
-
-    def _close(self) -> None:
-        try:
-            self._writer.close()
-        finally:
-            self.full.close()
-
     def _restore(self) -> Recovered | None:
         """The newest full checkpoint plus every verified difference after it: an approximation."""
-        directory, c = self.ctx.directory, self.ctx.components
-        assert directory is not None
-        t0 = time.perf_counter()
 
         def apply(links: Iterator[Link]) -> None:
             live = self._live()
@@ -139,9 +112,4 @@ class NaiveDiff(Strategy):
                             continue
                         target.view(-1)[tensors[f"d/{name}/indices"].long()] += tensors[f"d/{name}/values"]
 
-        found = recover_chain(directory, c, "ndiff", apply)
-        if found is None:
-            return None
-        full, step = found
-        self._base = full.step
-        return Recovered(step=step, tree={}, source="disk (lossy)", manifest=full, seconds=time.perf_counter() - t0)
+        return self._restore_chain(apply, lambda full, step: "disk (lossy)")
