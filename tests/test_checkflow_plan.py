@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from everystep.capture.profile import profile_step
 from everystep.cli import main
 from everystep.eval.workloads import build
-from everystep.policy.checkflow import Schedule, StepProfile, Tensor, check, coarsen, drifted, plan, solve, split
+from everystep.policy.schedule import Schedule, StepProfile, Tensor, check, coarsen, drifted, plan, solve, split
 
 
 def _brute_force(profile: StepProfile, bandwidth: float) -> int | None:

@@ -28,7 +28,7 @@ from everystep.state import state_hash, unflatten
 from everystep.storage.directory import CheckpointDirectory
 from everystep.policy import deadline_margin
 from everystep.stopping import StopWatch, deadline_from_environment
-from everystep.storage.sharded import ShardPlan
+from everystep.storage.sharded import RankShare
 from everystep.recovery import common_step
 
 STEPS = 14
@@ -332,7 +332,7 @@ def test_shard_plans_split_replicated_bytes_evenly_and_cover_every_element(sizes
     tensors = {f"/t{i}": torch.zeros(n, dtype=dtype) for i, (n, dtype) in enumerate(sizes)}
     tensors["/own"] = torch.ones(3)
     replicated = {k for k in tensors if k != "/own"}
-    plans = [ShardPlan.of(tensors, replicated, Ranks(rank=r, world=world)) for r in range(world)]
+    plans = [RankShare.of(tensors, replicated, Ranks(rank=r, world=world)) for r in range(world)]
     biggest = max(t.element_size() for t in tensors.values())
     total = sum(tensors[k].numel() * tensors[k].element_size() for k in replicated)
     for key in replicated:

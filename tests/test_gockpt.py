@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from everystep import Checkpointer, ConfigError
 from everystep.eval.workloads import build
-from everystep.policy.parts import ALIGN, PartPlan, Unit, choose_parts
+from everystep.policy.parts import ALIGN, PartSplit, Unit, choose_parts
 from everystep.strategies import create
 from everystep.storage import CheckpointDirectory
 from everystep import spread
@@ -35,7 +35,7 @@ SPREAD = {"every": 4, "parts": 3, "chunk_bytes": 4096}
        parts=st.integers(1, 9), chunk=st.sampled_from([1024, 4096, 65536]))
 def test_parts_cover_the_state_once_in_aligned_chunks_of_nearly_equal_size(sizes, parts, chunk):
     units = [Unit(f"/p{i}", n, b) for i, (n, b) in enumerate(sizes)]
-    plan = PartPlan.of(units, parts, chunk)
+    plan = PartSplit.of(units, parts, chunk)
     chunks = [c for part in plan.parts for c in part]
     for i, unit in enumerate(units):  # every element of every parameter (with its state) once, in order
         mine = [c for c in chunks if c.unit == i]

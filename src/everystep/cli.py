@@ -299,7 +299,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_checkflow(args: argparse.Namespace) -> int:
-    from .eval.checkflow import plan_workload
+    from .eval.schedule import plan_workload
 
     if args.bandwidth is None:  # (its range, and --per-size's and --time-steps', the parser checks)
         raise ConfigError("--checkflow needs --bandwidth, the device-to-host link (e.g. 25GB/s)")
@@ -318,7 +318,7 @@ def _plan_checkflow(args: argparse.Namespace) -> int:
         print(f"infeasible: {r['reason']}")
     _write_json(args.json, r)
     if args.plot and r["feasible"]:
-        from .eval.checkflow import plot_schedule
+        from .eval.schedule import plot_schedule
 
         plot_schedule(r, args.plot)
     return 0 if r["feasible"] else 1

@@ -49,7 +49,7 @@ from ..distributed import Ranks
 from ..policy.interval import busy_interval, median_gap, persist_due
 from ..storage.full import persist_full
 from ..storage.directory import CheckpointDirectory
-from ..storage.sharded import ShardPlan, write_part
+from ..storage.sharded import RankShare, write_part
 from ..storage.tensorfile import buffer_chunks, tensor_chunks
 from ..transport.host import HostBuffer, TensorLayout
 from ..transport.shared import SharedRegion
@@ -334,9 +334,9 @@ class Agent:
         try:
             assert self.replica is not None
             ranks = Ranks(rank=self.config.rank, world=self.config.world)
-            plan = ShardPlan.of(buffer.views, replayed_keys(self.replica.index_keys, buffer.views), ranks)
-            pieces = plan.pieces
-            info = write_part(self.checkpoints.store, "full", step, tensor_chunks(TensorLayout.of(plan.local), plan.local), ranks)
+            share = RankShare.of(buffer.views, replayed_keys(self.replica.index_keys, buffer.views), ranks)
+            pieces = share.pieces
+            info = write_part(self.checkpoints.store, "full", step, tensor_chunks(TensorLayout.of(share.local), share.local), ranks)
             self._write_seconds = time.perf_counter() - t0
         except BaseException as e:
             error = _describe(e)

@@ -1,4 +1,4 @@
-"""A real training step as Checkflow's operator sequence (:class:`~everystep.policy.checkflow.StepProfile`).
+"""A real training step as Checkflow's operator sequence (:class:`~everystep.policy.schedule.StepProfile`).
 
 One step of the user's model, optimizer and batch is run with hooks on every leaf module: each
 module's forward and each module's backward is an operator (a forward pre-hook; a hook on the
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..policy.checkflow import StepProfile, Tensor
+from ..policy.schedule import StepProfile, Tensor
 
 __all__ = ["profile_step", "StepRecorder", "OperatorHooks"]
 

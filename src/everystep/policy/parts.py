@@ -18,7 +18,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-__all__ = ["ALIGN", "MAX_PARTS", "Unit", "Chunk", "PartPlan", "choose_parts"]
+__all__ = ["ALIGN", "MAX_PARTS", "Unit", "Chunk", "PartSplit", "choose_parts"]
 
 ALIGN = 64
 """Chunk boundaries are multiples of this many elements (whole vectors for every SIMD width)."""
@@ -46,12 +46,12 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class PartPlan:
+class PartSplit:
     units: tuple[Unit, ...]
     parts: tuple[tuple[Chunk, ...], ...]
 
     @classmethod
-    def of(cls, units: list[Unit], parts: int, chunk_bytes: int) -> "PartPlan":
+    def of(cls, units: list[Unit], parts: int, chunk_bytes: int) -> "PartSplit":
         """Cut ``units`` into chunks of about ``chunk_bytes`` and the chunks into ``parts`` parts
         (fewer when there are fewer chunks than that)."""
         if parts < 1 or chunk_bytes < 1:

@@ -10,14 +10,14 @@ import torch
 
 from .base import Manifest, Store
 
-from .sharded import ShardPlan, commit_parts
+from .sharded import RankShare, commit_parts
 
 if TYPE_CHECKING:
     from .directory import CheckpointDirectory
 
 __all__ = ["write_full", "persist_full"]
 
-_WHOLE = ShardPlan({}, {})
+_WHOLE = RankShare({}, {})
 
 
 def write_full(
@@ -26,7 +26,7 @@ def write_full(
     chunks: Iterable[memoryview] | None,
     skeleton: Any,
     *,
-    plan: ShardPlan = _WHOLE,
+    share: RankShare = _WHOLE,
     meta: dict[str, Any] | None = None,
     error: BaseException | None = None,
     tensors: dict[str, torch.Tensor] | None = None,
@@ -34,7 +34,7 @@ def write_full(
 ) -> Manifest:
     """Write this rank's part of one full checkpoint (all of it in a single process) and commit it.
 
-    ``format`` "dcp" writes ``tensors`` (the whole plan, replicated tensors included) through
+    ``format`` "dcp" writes ``tensors`` (the whole share, replicated tensors included) through
     torch.distributed.checkpoint instead of ``chunks``.
 
     IMPORTANT: the manifest is committed only after every part is durable. Under several ranks,
@@ -45,8 +45,8 @@ def write_full(
             raise error
         assert tensors is not None
         from .dcp import write_dcp  # torch.distributed.checkpoint takes a second to import
-        return write_dcp(store, "full", step, tensors, set(plan.replicated), skeleton, meta)
-    return commit_parts(store, "full", kind="full", step=step, chunks=chunks, plan=plan, meta=meta or {},
+        return write_dcp(store, "full", step, tensors, set(share.replicated), skeleton, meta)
+    return commit_parts(store, "full", kind="full", step=step, chunks=chunks, share=share, meta=meta or {},
                         rank_meta={"skeleton": skeleton}, error=error)
 
 

@@ -2,7 +2,7 @@
 
 Under data parallelism most of the state (parameters, optimizer state, the gradients a
 differential records) is the same on every rank; the rest (random generators, the data
-position, compression residuals) is each rank's own. A :class:`ShardPlan` lays the replicated
+position, compression residuals) is each rank's own. A :class:`RankShare` lays the replicated
 tensors end to end in key order and gives rank r the r-th of ``world`` equal byte ranges, cut at
 element boundaries; each rank's object holds its pieces (flat slices, stored under the tensor's
 own key) and its own per-rank tensors. So each rank writes about 1/world of the replicated bytes.
@@ -33,11 +33,11 @@ from .base import Manifest, ObjectInfo, Store, malformed
 from ..layout import TensorLayout
 from .tensorfile import load_tensors, tensor_chunks
 
-__all__ = ["ShardPlan", "commit_parts", "commit_tensors", "commit_written", "read_parts", "write_part"]
+__all__ = ["RankShare", "commit_parts", "commit_tensors", "commit_written", "read_parts", "write_part"]
 
 
 @dataclass(frozen=True)
-class ShardPlan:
+class RankShare:
     """What this rank writes: ``local`` (tensor views) and, for replicated tensors, the piece ranges."""
 
     local: dict[str, torch.Tensor]
@@ -45,7 +45,7 @@ class ShardPlan:
     replicated: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, tensors: dict[str, torch.Tensor], replicated: set[str], ranks: Ranks, *, split: bool = True) -> "ShardPlan":
+    def of(cls, tensors: dict[str, torch.Tensor], replicated: set[str], ranks: Ranks, *, split: bool = True) -> "RankShare":
         """``split`` False: every tensor whole (a format that spreads replicated tensors itself)."""
         if not ranks.distributed or not split:
             return cls(dict(tensors), {}, frozenset(replicated))
@@ -88,7 +88,7 @@ def commit_parts(
     kind: str,
     step: int,
     chunks: Iterable[memoryview] | None,
-    plan: ShardPlan,
+    share: RankShare,
     meta: dict[str, Any],
     rank_meta: dict[str, Any],
     requires: tuple[str, ...] = (),
@@ -107,7 +107,7 @@ def commit_parts(
             info = write_part(store, kind, step, chunks, store.ranks)
         except BaseException as e:  # reported to every rank below
             error = e
-    return commit_written(store, channel, kind=kind, step=step, info=info, pieces=plan.pieces, meta=meta,
+    return commit_written(store, channel, kind=kind, step=step, info=info, pieces=share.pieces, meta=meta,
                           rank_meta=rank_meta, requires=requires, error=error)
 
 
@@ -157,13 +157,13 @@ def commit_tensors(
     meta: dict[str, Any],
     rank_meta: dict[str, Any],
     requires: tuple[str, ...] = (),
-    plan: ShardPlan | None = None,
+    share: RankShare | None = None,
 ) -> Manifest:
-    """:func:`commit_parts` for tensors at hand: plan this rank's share (unless the caller has
-    ``plan``, made by :meth:`ShardPlan.of` from the same arguments) and stream it from them."""
-    plan = plan or ShardPlan.of(tensors, replicated, store.ranks)
-    layout = TensorLayout.of(plan.local)
-    return commit_parts(store, channel, kind=kind, step=step, chunks=tensor_chunks(layout, plan.local), plan=plan,
+    """:func:`commit_parts` for tensors at hand: share this rank's share (unless the caller has
+    ``share``, made by :meth:`RankShare.of` from the same arguments) and stream it from them."""
+    share = share or RankShare.of(tensors, replicated, store.ranks)
+    layout = TensorLayout.of(share.local)
+    return commit_parts(store, channel, kind=kind, step=step, chunks=tensor_chunks(layout, share.local), share=share,
                         meta=meta, rank_meta=rank_meta, requires=requires)
 
 

@@ -48,7 +48,7 @@ from ..recovery import Recovered, recover
 from ..state import TrainingComponents, flatten
 from ..layout import TensorLayout
 from ..storage.full import persist_full
-from ..storage.sharded import ShardPlan
+from ..storage.sharded import RankShare
 from ..storage.tensorfile import buffer_chunks, tensor_chunks
 from ..transport.host import HostBuffer
 
@@ -265,13 +265,13 @@ class StrategyContext:
         optimizer state. The rest (buffers, RNG, residuals) is treated as each rank's own."""
         return self._keys_in(tensors, self._optimizer_storages()) if self.ranks.distributed else set()
 
-    def full_plan(self, step: int) -> tuple[ShardPlan, Any]:
+    def full_share(self, step: int) -> tuple[RankShare, Any]:
         """The tensors of S_step this rank writes (all of them in a single process), and the skeleton."""
         tensors, skeleton = self.flatten_state(step)
         split = self.full_format != "dcp"  # DCP spreads whole replicated tensors over the ranks itself
-        return ShardPlan.of(tensors, self.replicated_keys(tensors), self.ranks, split=split), skeleton
+        return RankShare.of(tensors, self.replicated_keys(tensors), self.ranks, split=split), skeleton
 
-    def persist(self, step: int, source: "HostBuffer | dict[str, torch.Tensor]", skeleton: Any, *, plan: ShardPlan,
+    def persist(self, step: int, source: "HostBuffer | dict[str, torch.Tensor]", skeleton: Any, *, share: RankShare,
                 keep: int, count: bool = True) -> tuple[Manifest, float]:
         """Write this rank's part of the full checkpoint of ``step`` from ``source`` (a host buffer,
         or tensors), commit it, record it (:meth:`record_durable`; ``count``: as a checkpoint), and keep the
@@ -281,7 +281,7 @@ class StrategyContext:
             chunks, tensors = buffer_chunks(source.layout, source.memoryview()), source.views
         else:
             chunks, tensors = tensor_chunks(TensorLayout.of(source), source), source
-        return persist_full(self.directory, step, chunks, skeleton, keep=keep, plan=plan, tensors=tensors,
+        return persist_full(self.directory, step, chunks, skeleton, keep=keep, share=share, tensors=tensors,
                             format=self.full_format, committed=lambda s: self.record_durable(step, count=count, seconds=s))
 
     def record_durable(self, step: int, *, count: bool = True, seconds: float = 0.0) -> None:

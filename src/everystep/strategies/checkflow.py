@@ -2,7 +2,7 @@
 
 The first step is profiled as it runs (:class:`~everystep.capture.profile.StepRecorder`: each leaf
 module's forward and backward and the optimizer's step an operator, with its time and the bytes
-alive), and a background thread plans it (:func:`~everystep.policy.checkflow.plan`: the ILP of
+alive), and a background thread plans it (:func:`~everystep.policy.schedule.plan`: the ILP of
 Checkflow's Eqs. 1–12 inside its Algorithm 1) for the link's ``bandwidth``. From then on, in every
 step t that checkpoints S_{t-1}, as each operator starts (:class:`~everystep.capture.profile.OperatorHooks`)
 the pieces the schedule creates there are *snapshotted* — copied on the device, before the optimizer
@@ -39,8 +39,8 @@ from ..background import Worker, settled
 from ..capture.profile import OperatorHooks, StepRecorder
 from ..errors import ConfigError
 from ..layout import TensorLayout
-from ..policy.checkflow import Plan, StepProfile, coarsen, drifted, plan
-from ..storage.sharded import ShardPlan
+from ..policy.schedule import ScheduleResult, StepProfile, coarsen, drifted, plan
+from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
 from .base import Strategy, StrategyConfig
 
@@ -79,7 +79,7 @@ class CheckflowConfig(StrategyConfig):
 class _Schedule:
     """A plan, as the hooks execute it."""
 
-    plan: Plan
+    plan: ScheduleResult
     coarse_of: list[int]
     """Fine operator → the time step it belongs to."""
     created: dict[int, list[int]]
@@ -99,7 +99,7 @@ class _Round:
     buffer: HostBuffer
     tensors: dict[str, torch.Tensor]
     skeleton: Any
-    shard: ShardPlan
+    shard: RankShare
     schedule: _Schedule | None
     ranges: list[list[tuple[str, int, int]]] = field(default_factory=list)
     """Per piece of the schedule: the element ranges of it this rank holds, in ``tensors``."""
@@ -109,7 +109,7 @@ class _Round:
     offloaded: set[int] = field(default_factory=set)
 
 
-def _local_ranges(schedule: _Schedule, shard: ShardPlan) -> list[list[tuple[str, int, int]]]:
+def _local_ranges(schedule: _Schedule, shard: RankShare) -> list[list[tuple[str, int, int]]]:
     """The schedule's pieces as this rank holds them. Under several ranks each rank writes one byte
     range of what data parallelism replicates (``shard.pieces``: a flat slice of each key, from its
     first to its end element), so a piece's range is cut to the slice and moved to its start."""
@@ -137,7 +137,7 @@ class Checkflow(Strategy):
 
     def __init__(self, config: CheckflowConfig | None = None) -> None:
         super().__init__(config)
-        self.plans: list[Plan] = []
+        self.plans: list[ScheduleResult] = []
         """Every plan made (the first, and one per re-plan)."""
         self.late = 0
         """Pieces snapshotted or offloaded later than the schedule said (the step ran differently)."""
@@ -178,14 +178,14 @@ class Checkflow(Strategy):
         if not self._due(step, final):
             return
         self._taken = step
-        plan_, skeleton = self.ctx.full_plan(step)
-        tensors = plan_.local
+        share, skeleton = self.ctx.full_share(step)
+        tensors = share.local
         buffer = self._pool.acquire(TensorLayout.of(tensors))
         schedule = None if final else self._schedule
         covered = schedule.keys if schedule is not None else frozenset(self.ctx.stable_keys(tensors))
         snapshot_into(buffer, tensors, [k for k in tensors if k not in covered])  # what changes before the update
-        r = _Round(step, buffer, tensors, skeleton, plan_, schedule,
-                   _local_ranges(schedule, plan_) if schedule is not None else [])
+        r = _Round(step, buffer, tensors, skeleton, share, schedule,
+                   _local_ranges(schedule, share) if schedule is not None else [])
         if schedule is None:  # no plan (yet): everything at once, as async does
             snapshot_into(buffer, tensors, [k for k in tensors if k in covered], stream=self._stream)
             self._finish(r)
@@ -284,7 +284,7 @@ class Checkflow(Strategy):
 
     def _persist(self, r: _Round) -> None:
         try:
-            self.ctx.persist(r.step, r.buffer, r.skeleton, plan=r.shard, keep=self.config.keep)
+            self.ctx.persist(r.step, r.buffer, r.skeleton, share=r.shard, keep=self.config.keep)
         finally:
             self._pool.release(r.buffer)
 

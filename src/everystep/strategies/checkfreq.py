@@ -24,7 +24,7 @@ from ..background import Worker, settled
 from ..errors import ConfigError
 from ..layout import TensorLayout
 from ..storage.full import write_full
-from ..storage.sharded import ShardPlan
+from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig
 
@@ -94,15 +94,15 @@ class CheckFreq(Strategy):
         if not self._due(step, final):
             return
         self._wait_snapshot()
-        plan, skeleton = self.ctx.full_plan(step)
-        tensors = plan.local
+        share, skeleton = self.ctx.full_share(step)
+        tensors = share.local
         buffer = self._pool.acquire(TensorLayout.of(tensors))
         stable = self.ctx.stable_keys(tensors)
         volatile = snapshot_into(buffer, tensors, [k for k in tensors if k not in stable])
         stable_keys = [k for k in tensors if k in stable]
         staging = self._snapshotter.submit("snapshot", self._take_snapshot, buffer, tensors, stable_keys, volatile)
         self._persister.post(f"background write of the checkpoint at step {step}", self._persist, step, staging, buffer,
-                             skeleton, plan)
+                             skeleton, share)
         self._staging, self._taken = staging, step
         if final or not self.overlap:
             self._wait_snapshot()
@@ -115,12 +115,12 @@ class CheckFreq(Strategy):
             if e is not None:
                 e.synchronize()
 
-    def _persist(self, step: int, staging: Future[Any], buffer: HostBuffer, skeleton: Any, plan: ShardPlan) -> None:
+    def _persist(self, step: int, staging: Future[Any], buffer: HostBuffer, skeleton: Any, share: RankShare) -> None:
         try:
             assert self.ctx.store is not None
             settled(staging)
             if staging.exception() is not None:
-                write_full(self.ctx.store, step, None, skeleton, plan=plan, error=staging.exception())  # raises, on every rank
+                write_full(self.ctx.store, step, None, skeleton, share=share, error=staging.exception())  # raises, on every rank
             if self._writer is not None:  # written, committed and retained there
                 t0 = time.perf_counter()
                 nbytes = self._writer.write(step, buffer, skeleton).nbytes
@@ -128,7 +128,7 @@ class CheckFreq(Strategy):
                 self.ctx.store.count_written_elsewhere(nbytes)
                 self.ctx.record_durable(step, seconds=seconds)
             else:
-                manifest, seconds = self.ctx.persist(step, buffer, skeleton, plan=plan, keep=self.config.keep)
+                manifest, seconds = self.ctx.persist(step, buffer, skeleton, share=share, keep=self.config.keep)
                 nbytes = manifest.nbytes
             self.write_bandwidth = nbytes / max(seconds, 1e-9)
         finally:

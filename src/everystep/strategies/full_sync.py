@@ -20,6 +20,6 @@ class FullSync(Strategy):
     def _on_state_ready(self, step: int, final: bool) -> None:
         if not self._due(step, final):
             return
-        plan, skeleton = self.ctx.full_plan(step)
-        self.ctx.persist(step, plan.local, skeleton, plan=plan, keep=self.config.keep)
+        share, skeleton = self.ctx.full_share(step)
+        self.ctx.persist(step, share.local, skeleton, share=share, keep=self.config.keep)
         self._taken = step

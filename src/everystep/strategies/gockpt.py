@@ -1,7 +1,7 @@
 """``gockpt`` and ``gockpt_o``: GoCkpt's full checkpoint spread over K steps, made consistent from gradients.
 
 A checkpoint that starts after step N is not copied in one go. The parameters with their
-optimizer state are cut into K parts (:class:`~everystep.policy.parts.PartPlan`: chunks of about
+optimizer state are cut into K parts (:class:`~everystep.policy.parts.PartSplit`: chunks of about
 ``chunk_bytes``, a chunk of a parameter always with the same elements of its state); part k is
 copied from S_{N+k-1} by a background thread while step N+k computes, and the update of step N+k
 waits only for that part. Each part so arrives at another version. At each step N+j (j = 1..K) the
@@ -60,14 +60,14 @@ from .._faults import crash_point
 from ..background import Worker, settled
 from ..errors import ConfigError, CorruptCheckpointError, EverystepError, NoValidCheckpointError
 from ..policy.interval import due
-from ..policy.parts import ALIGN, MAX_PARTS, PartPlan, Unit, choose_parts
+from ..policy.parts import ALIGN, MAX_PARTS, PartSplit, Unit, choose_parts
 from ..recovery import Recovered, recover
 from ..replay import optimizer_like, replay_step
 from ..state import group_scalars
 from ..storage.base import Manifest, malformed
 from ..storage.full import write_full
 from ..spread import SPREAD_KIND, bring_forward, read_spread
-from ..storage.sharded import ShardPlan, commit_parts, commit_tensors
+from ..storage.sharded import RankShare, commit_parts, commit_tensors
 from ..transport.host import copy_bandwidth
 from .base import Strategy, StrategyConfig
 
@@ -146,7 +146,7 @@ class _Spread:
     start: int
     params: list[_Param]
     """The parameters and their state's keys as S_start has them."""
-    plan: PartPlan
+    plan: PartSplit
     host: dict[str, torch.Tensor]
     """Host tensors, full shape, for each parameter and each of its element-wise state tensors."""
     copies: list[Future[Any]] = field(default_factory=list)
@@ -300,7 +300,7 @@ class GoCkpt(Strategy):
                       p.tensor.element_size() + sum(tensors[k].element_size() for k in p.elementwise.values()))
                  for p in params]
         k = self.config.parts or self._choose_parts(units, tensors)
-        plan = PartPlan.of(units, k, self.config.chunk_bytes)
+        plan = PartSplit.of(units, k, self.config.chunk_bytes)
         host = {key: torch.empty(tensors[key].shape, dtype=tensors[key].dtype, pin_memory=self._stream is not None)
                 for p in params for key in (p.key, *p.elementwise.values())}
         self._spread = _Spread(step, params, plan, host)
@@ -472,8 +472,8 @@ class GoCkpt(Strategy):
         if any(f.exception() is not None for f in (*spread.applied, *spread.gradient_copies)):
             assert self.ctx.store is not None
             failed = EverystepError(f"the checkpoint of step {step} was not reconstructed: applying the gradients failed")
-            plan = ShardPlan.of(live, replicated, self.ctx.ranks, split=self.ctx.full_format != "dcp")
-            write_full(self.ctx.store, step, None, skeleton, plan=plan, error=failed)  # raises, on every rank
+            share = RankShare.of(live, replicated, self.ctx.ranks, split=self.ctx.full_format != "dcp")
+            write_full(self.ctx.store, step, None, skeleton, share=share, error=failed)  # raises, on every rank
         self.reconstruct_seconds.append(sum(spread.apply_seconds))
         crash_point("gockpt.reconstructed")
         tensors = dict(rest)
@@ -502,7 +502,7 @@ class GoCkpt(Strategy):
             event.synchronize()
         failed = next((f.exception() for f in spread.gradient_copies if f.exception() is not None), None)
         if failed is not None:  # raised on every rank, nothing committed
-            commit_parts(self.ctx.store, "full", kind=SPREAD_KIND, step=step, chunks=None, plan=ShardPlan({}, {}),
+            commit_parts(self.ctx.store, "full", kind=SPREAD_KIND, step=step, chunks=None, share=RankShare({}, {}),
                          meta={}, rank_meta={}, error=failed)
         crash_point("gockpt.reconstructed")
         tensors = {k: rest[k] if k in rest else spread.host[k] for k in live}
@@ -538,8 +538,8 @@ class GoCkpt(Strategy):
     def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replicated: set[str]) -> None:
         assert self.ctx.store is not None and self.ctx.directory is not None
         split = self.ctx.full_format != "dcp"
-        plan = ShardPlan.of(tensors, replicated, self.ctx.ranks, split=split)
-        self.ctx.persist(step, plan.local, skeleton, plan=plan, keep=self.config.keep)
+        share = RankShare.of(tensors, replicated, self.ctx.ranks, split=split)
+        self.ctx.persist(step, share.local, skeleton, share=share, keep=self.config.keep)
 
     def _write_now(self, step: int) -> None:
         """At close: the state as it is, copied now and written (a spread in flight is dropped)."""

@@ -50,7 +50,7 @@ from ..optim import OptimizerInBackward
 from ..recovery import Recovered, recover
 from ..state import bare_module, flatten, unflatten
 from ..storage.region import RegionLayout, RegionStore, SlotWriter, UnreadableRegionError, open_region
-from ..storage.sharded import ShardPlan
+from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig
 
@@ -141,7 +141,7 @@ class _Progress:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _CopyOrder:
     """What a state of one shape needs, computed once: the copy order and the layouts."""
 
     units: list[tuple[str, list[str]]]
@@ -186,7 +186,7 @@ class LightCheck(Strategy):
         self._pending: _Copy | None = None
         self._slot = self.region.next_slot() if self.region is not None and directory.access != "read" else 0
         self._committing: dict[int, Future[Any] | None] = {0: None, 1: None}
-        self._plans: dict[Any, _Plan] = {}
+        self._orders: dict[Any, _CopyOrder] = {}
         self._copier = Worker("everystep-lightcheck-copy", self.errors)
         self._committer = Worker("everystep-lightcheck-commit", self.errors)
         self._persister = Worker("everystep-lightcheck-persist", self.errors)
@@ -281,17 +281,17 @@ class LightCheck(Strategy):
         with torch.no_grad():
             return {t.data_ptr(): t.detach().clone() for t in live if t.numel()}
 
-    def _plan(self, tensors: dict[str, torch.Tensor], skeleton: Any) -> _Plan:
+    def _copy_order(self, tensors: dict[str, torch.Tensor], skeleton: Any) -> _CopyOrder:
         signature = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
-        plan = self._plans.get(signature)
-        if plan is None:
+        found = self._orders.get(signature)
+        if found is None:
             units, index = self._units(tensors)
-            order = [k for _, keys in units for k in keys]
+            keys = [k for _, unit in units for k in unit]
             hint = len(json.dumps(skeleton, default=str))
-            plan = _Plan(units, index, RegionLayout.of(tensors, order), frozenset(self.ctx.replicated_keys(tensors)),
-                         hint)
-            self._plans = {signature: plan}
-        return plan
+            found = _CopyOrder(units, index, RegionLayout.of(tensors, keys), frozenset(self.ctx.replicated_keys(tensors)),
+                               hint)
+            self._orders = {signature: found}
+        return found
 
     def _units(self, tensors: dict[str, torch.Tensor]) -> tuple[list[tuple[str, list[str]]], dict[int, int]]:
         """The copy order: what is not a layer's first, then each layer (a module's parameters and
@@ -328,50 +328,50 @@ class LightCheck(Strategy):
                 frozen = copy.frozen.get(t.data_ptr()) if t.numel() else None
                 if frozen is not None and frozen.shape == t.shape and frozen.dtype == t.dtype:
                     tensors[key] = frozen
-            plan = self._plan(tensors, skeleton)
-            copy.progress.start([name for name, _ in plan.units], plan.index)
+            order = self._copy_order(tensors, skeleton)
+            copy.progress.start([name for name, _ in order.units], order.index)
             settled(self._committing[slot])  # the slot's previous commit is done
             assert self.region is not None
-            writer = self.region.begin(plan.layout, plan.meta_hint, slot=slot)
+            writer = self.region.begin(order.layout, order.meta_hint, slot=slot)
             if copy.ready is not None:
-                self._copy_cuda(copy, writer, tensors, plan)
+                self._copy_cuda(copy, writer, tensors, order)
             else:
-                self._copy_cpu(copy, writer, tensors, plan)
+                self._copy_cpu(copy, writer, tensors, order)
         finally:
             copy.progress.end()
         copy.commit = self._committer.submit(f"commit in the region of the state at step {copy.step}", self._commit,
-                                             copy, writer, skeleton, plan)
+                                             copy, writer, skeleton, order)
         self._committing[slot] = copy.commit
 
-    def _copy_cpu(self, copy: _Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], plan: _Plan) -> None:
-        half = len(plan.units) // 2
+    def _copy_cpu(self, copy: _Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], order: _CopyOrder) -> None:
+        half = len(order.units) // 2
         with torch.no_grad():
-            for i, (_, keys) in enumerate(plan.units):
+            for i, (_, keys) in enumerate(order.units):
                 if i == half:
                     crash_point("store.object.mid_write")
                 crash_point("lightcheck.copy.unit")
                 torch._foreach_copy_([writer.views[k] for k in keys], [tensors[k] for k in keys])
                 copy.progress.advance()
 
-    def _copy_cuda(self, copy: _Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], plan: _Plan) -> None:
+    def _copy_cuda(self, copy: _Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], order: _CopyOrder) -> None:
         assert self.region is not None
         self.registered = self.region.register(writer)
         stream = self._stream
         stream.wait_event(copy.ready)
-        half = len(plan.units) // 2
+        half = len(order.units) // 2
         with torch.no_grad(), torch.cuda.stream(stream):
-            for i, (_, keys) in enumerate(plan.units):
+            for i, (_, keys) in enumerate(order.units):
                 if i == half:
                     crash_point("store.object.mid_write")
                 for k in keys:
                     writer.views[k].copy_(tensors[k], non_blocking=True)
-                event = torch.cuda.Event(enable_timing=True) if len(copy.events) == len(plan.units) - 1 \
+                event = torch.cuda.Event(enable_timing=True) if len(copy.events) == len(order.units) - 1 \
                     else torch.cuda.Event()
                 event.record(stream)
                 copy.events.append(event)
                 copy.progress.advance()
 
-    def _commit(self, copy: _Copy, writer: SlotWriter, skeleton: Any, plan: _Plan) -> None:
+    def _commit(self, copy: _Copy, writer: SlotWriter, skeleton: Any, order: _CopyOrder) -> None:
         """Commit thread: wait for the copies, then checksums, metadata, header. (``copy`` holds the
         frozen copies the side stream reads until its events are done.)"""
         if copy.events:
@@ -388,14 +388,14 @@ class LightCheck(Strategy):
             self.ctx.record_durable(copy.step, count=False)
         every = self.config.persist_every
         if copy.final or (every and copy.step % every == 0):
-            self._persist(copy.step, writer, skeleton, plan)
+            self._persist(copy.step, writer, skeleton, order)
 
     # -- persisting to the directory -----------------------------------------------------------
 
-    def _persist(self, step: int, writer: SlotWriter, skeleton: Any, plan: _Plan) -> None:
+    def _persist(self, step: int, writer: SlotWriter, skeleton: Any, order: _CopyOrder) -> None:
         """Copy the committed slot to a host buffer (waiting while the previous persist writes),
         then write it to the directory in the background."""
-        shard = ShardPlan.of(writer.views, set(plan.replicated), self.ctx.ranks, split=self.ctx.full_format != "dcp")
+        shard = RankShare.of(writer.views, set(order.replicated), self.ctx.ranks, split=self.ctx.full_format != "dcp")
         buffer = self._staging.acquire(TensorLayout.of(shard.local))
         try:
             snapshot_into(buffer, shard.local)
@@ -404,9 +404,9 @@ class LightCheck(Strategy):
             raise
         self._persister.post(f"background write of the checkpoint at step {step}", self._write, step, buffer, skeleton, shard)
 
-    def _write(self, step: int, buffer: HostBuffer, skeleton: Any, shard: ShardPlan) -> None:
+    def _write(self, step: int, buffer: HostBuffer, skeleton: Any, shard: RankShare) -> None:
         try:
-            self.ctx.persist(step, buffer, skeleton, plan=shard, keep=self.config.keep, count=False)
+            self.ctx.persist(step, buffer, skeleton, share=shard, keep=self.config.keep, count=False)
             self.persisted += 1
         finally:
             self._staging.release(buffer)

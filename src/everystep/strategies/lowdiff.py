@@ -33,7 +33,7 @@ from ..recovery import Link, Recovered
 from ..replay import Replayer, StepRecord
 from ..state import check_group_settings, group_scalars
 from ..storage.base import malformed
-from ..storage.sharded import ShardPlan, commit_tensors
+from ..storage.sharded import RankShare, commit_tensors
 from .base import StrategyConfig
 from .differential import Differential
 
@@ -123,7 +123,7 @@ class LowDiff(Differential):
             )
         if self.config.adapt and ctx.ranks.distributed:
             raise ConfigError("adapt=True re-plans (F, b) from one process's measurements; under several ranks give "
-                              "every and batch (everystep plan computes them)")
+                              "every and batch (everystep share computes them)")
         # The reusing queue: the writer is at most `queue` steps behind, else training waits.
         self._attach_full(self.interval, Worker("everystep-lowdiff-writer", self.errors, bound=self.config.queue))
 
@@ -186,17 +186,17 @@ class LowDiff(Differential):
         for key, t in end_tensors.items():
             tensors[f"end{key}"] = t
         replicated = {k for k in tensors if k.startswith("g/")}
-        plan = ShardPlan.of(tensors, replicated, self.ctx.store.ranks)  # the share this rank writes
+        share = RankShare.of(tensors, replicated, self.ctx.store.ranks)  # the share this rank writes
         commit_tensors(
-            self.ctx.store, "diff", kind="diff", step=last, tensors=tensors, plan=plan,
+            self.ctx.store, "diff", kind="diff", step=last, tensors=tensors, share=share,
             replicated=replicated, requires=(f"full-{base:012d}",),
             rank_meta={"end": end_skeleton},
             meta={"base": base, "first": first, "last": last, "steps": steps_meta, "compression": self.compression.spec,
                   "summed": self.config.sum_linear},
         )
         self.ctx.record_durable(last)
-        self.record_bytes += sum(t.nbytes for k, t in plan.local.items() if k in replicated)
-        self.end_bytes += sum(t.nbytes for k, t in plan.local.items() if k not in replicated)
+        self.record_bytes += sum(t.nbytes for k, t in share.local.items() if k in replicated)
+        self.end_bytes += sum(t.nbytes for k, t in share.local.items() if k not in replicated)
         self.recorded_steps += last - first + 1
         self.ctx.directory.retain(self.config.keep)  # a batch committed after a newer full checkpoint goes now
 
@@ -217,7 +217,7 @@ class LowDiff(Differential):
     # -- adaptation ----------------------------------------------------------------------------
 
     def _adapt(self) -> None:
-        """Re-plan (F, b) from what was measured: step time, write bandwidth, replay cost."""
+        """Re-share (F, b) from what was measured: step time, write bandwidth, replay cost."""
         directory = self.ctx.directory
         if not self._step_seconds or directory is None:
             return

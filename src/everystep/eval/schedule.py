@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..capture.profile import profile_step
-from ..policy.checkflow import StepProfile, coarsen, plan
+from ..policy.schedule import StepProfile, coarsen, plan
 from .workloads import build
 from .plotting import pyplot
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-__all__ = ["Tensor", "StepProfile", "Schedule", "Plan", "plan", "solve", "check", "coarsen", "split"]
+__all__ = ["Tensor", "StepProfile", "Schedule", "ScheduleResult", "plan", "solve", "check", "coarsen", "split"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class Schedule:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ScheduleResult:
     feasible: bool
     profile: StepProfile
     """What was solved: the tensors after any splitting."""
@@ -218,7 +218,7 @@ def drifted(recent: float, baseline: float, replan: float) -> bool:
 
 
 def plan(profile: StepProfile, *, bandwidth: float, per_size: int, memory_limit: int | None = None,
-         relax: float = 1.25, time_limit: float = 60.0) -> Plan:
+         relax: float = 1.25, time_limit: float = 60.0) -> ScheduleResult:
     """Algorithm 1: solve; split on a bandwidth infeasibility, relax the memory limit on a memory
     one; infeasible when splitting changes nothing any more, or would make more than
     :data:`MAX_PIECES` pieces."""
@@ -232,21 +232,21 @@ def plan(profile: StepProfile, *, bandwidth: float, per_size: int, memory_limit:
     while True:
         status, schedule, peak = solve(profile, bandwidth=bandwidth, memory_limit=memory_limit, time_limit=time_limit)
         if status == "optimal":
-            return Plan(True, profile, schedule, peak, splits, memory_limit, time.perf_counter() - t0)
+            return ScheduleResult(True, profile, schedule, peak, splits, memory_limit, time.perf_counter() - t0)
         if status != "infeasible":
-            return Plan(False, profile, None, None, splits, memory_limit, time.perf_counter() - t0,
+            return ScheduleResult(False, profile, None, None, splits, memory_limit, time.perf_counter() - t0,
                         f"the solver stopped without a schedule ({status}, time limit {time_limit:g} s)")
         if memory_limit is not None and solve(profile, bandwidth=bandwidth, time_limit=time_limit)[0] == "optimal":
             memory_limit = max(int(memory_limit * relax), memory_limit + 1)  # the limit, not the link, is what fails
             continue
         finer = split(profile, per_size)
         if len(finer.tensors) > MAX_PIECES:
-            return Plan(False, profile, None, None, splits, memory_limit, time.perf_counter() - t0,
+            return ScheduleResult(False, profile, None, None, splits, memory_limit, time.perf_counter() - t0,
                         f"the link ({bandwidth / 1e9:.3g} GB/s) cannot offload every snapshot within the step in "
                         f"pieces of {len(profile.tensors)} or fewer, and pieces of {per_size} bytes would make "
                         f"{len(finer.tensors)}, more than the {MAX_PIECES} the planner takes")
         if len(finer.tensors) == len(profile.tensors):
-            return Plan(False, profile, None, None, splits, memory_limit, time.perf_counter() - t0,
+            return ScheduleResult(False, profile, None, None, splits, memory_limit, time.perf_counter() - t0,
                         f"the link ({bandwidth / 1e9:.3g} GB/s) cannot offload every snapshot within the step, "
                         f"even in pieces of {per_size} bytes")
         profile, splits = finer, splits + 1
