@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from everystep.eval import gpu_check
-from everystep.eval.gpu_check import (DRY, EVERY_STEP, SPREAD, Variant, markdown, pcie_limit, search_intervals,
-                                      smallest_within)
+from everystep.eval.gpu_check import DRY, EVERY_STEP, SPREAD, Variant
+from everystep.eval.gpu_report import markdown
+from everystep.eval.interval_search import search_intervals, smallest_within
+from everystep.eval.machine import pcie_limit
 
 from .conftest import ROOT, run_cli
 

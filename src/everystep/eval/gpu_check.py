@@ -30,13 +30,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
-import platform
 import re
-import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,8 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EverystepError
+from .bandwidth import measure_bandwidth
+from .machine import machine
+from .gpu_report import markdown
+from .interval_search import search_intervals, smallest_within
 
-__all__ = ["Sizes", "GPU", "DRY", "EVERY_STEP", "SPREAD", "gpu_check", "markdown", "report_name", "no_gpu_reason"]
+__all__ = ["Sizes", "GPU", "DRY", "EVERY_STEP", "SPREAD", "gpu_check", "report_name", "no_gpu_reason", "pcie_limit"]
 
 EVERY_STEP = ("torch_save", "dcp_async", "checkfreq", "async", "lightcheck", "checkflow", "lowdiff_plus")
 """Checkpointing every step (``lowdiff_plus``: its replica every step, persisted at its own interval)."""
@@ -117,64 +117,6 @@ def report_name(machine: dict[str, Any], dry_run: bool, when: _dt.datetime) -> s
     """``gpu_check_<device>_<YYYY-MM-DD>``: the GPU's name in lower case, words joined by ``-``."""
     device = "cpu-dry-run" if dry_run else re.sub(r"[^a-z0-9]+", "-", (machine.get("gpu") or "gpu").lower()).strip("-")
     return f"gpu_check_{device}_{when:%Y-%m-%d}"
-
-
-# -- the machine ------------------------------------------------------------------------------
-
-
-def _nvidia_smi(fields: str) -> list[str] | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "--id=0"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return [v.strip() for v in out.stdout.strip().split(",")] if out.returncode == 0 and out.stdout.strip() else None
-
-
-def pcie_limit(generation: int, lanes: int) -> float:
-    """A PCIe link's bytes/s in one direction: its transfer rate per lane less its line encoding
-    (8b/10b to generation 2, 128b/130b from 3)."""
-    rate = {1: 2.5e9, 2: 5e9, 3: 8e9, 4: 16e9, 5: 32e9, 6: 64e9}[generation]
-    return rate * lanes * (0.8 if generation <= 2 else 128 / 130) / 8
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine() -> dict[str, Any]:
-    """The GPU, its driver and link, torch and the CPU this report was taken on."""
-    import torch
-
-    from .train import usable_cores
-
-    info: dict[str, Any] = {
-        "gpu": None, "gpu_memory_bytes": None, "driver": None, "cuda_runtime": torch.version.cuda,
-        "pcie": None, "torch": torch.__version__, "python": platform.python_version(),
-        "platform": platform.platform(), "cpu": _cpu_model(), "cpu_cores": os.cpu_count(), "usable_cores": usable_cores(),
-    }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_memory_bytes=props.total_memory)
-        found = _nvidia_smi("driver_version,pcie.link.gen.max,pcie.link.width.max,pcie.link.gen.current,"
-                            "pcie.link.width.current")
-        if found and len(found) == 5:
-            info["driver"] = found[0]
-            try:
-                gen, width = int(found[1]), int(found[2])
-                info["pcie"] = {"generation": gen, "lanes": width, "limit_bytes_per_s": pcie_limit(gen, width),
-                                "generation_now": found[3], "lanes_now": found[4]}
-            except (ValueError, KeyError):
-                info["pcie"] = {"unreadable": found[1:]}
-    return info
 
 
 # -- running a part ---------------------------------------------------------------------------
@@ -297,110 +239,6 @@ def _kill(proc: subprocess.Popen[str]) -> None:
 
 
 # -- 2. device-to-host bandwidth --------------------------------------------------------------
-
-
-def measure_bandwidth(nbytes: int, copies: int) -> dict[str, Any]:
-    """Device-to-host copies of ``nbytes`` into each kind of host memory, on each stream; median
-    GB/s of ``copies`` timed copies after one untimed. Without CUDA the "device" is the CPU: the
-    copies are memory copies, and the rows that need CUDA say so."""
-    import torch
-
-    from ..transport.shared import SharedRegion
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-    region = SharedRegion(nbytes)
-    registered = region.register()
-    targets: dict[str, tuple[torch.Tensor | None, str]] = {
-        "pageable": (torch.empty(nbytes, dtype=torch.uint8), ""),
-        "pinned": (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "") if cuda
-        else (None, "pinned memory needs CUDA"),
-        "registered": (region.data, "" if registered or not cuda else "the driver refused to register the mapping"),
-    }
-    rows = []
-    try:
-        matmul = _matmul_load(device) if cuda else None
-        for name, (target, why) in targets.items():
-            for stream in ("training", "side"):
-                row: dict[str, Any] = {"memory": name, "stream": stream, "gb_per_s": None, "seconds": [],
-                                       "exact": None, "overlapped": None, "why": why}
-                if name == "registered" and not cuda:
-                    row["why"] = "a shared mapping, not registered: no GPU to register it with"
-                if target is None:
-                    rows.append(row)
-                    continue
-                if stream == "side" and not cuda:
-                    row.update(why="side streams need CUDA")
-                    rows.append(row)
-                    continue
-                seconds, overlapped = [], []
-                for i in range(copies + 1):
-                    target.zero_()
-                    took, overlap = _timed_copy(source, target, side=stream == "side", load=matmul)
-                    if i:
-                        seconds.append(took)
-                        overlapped.append(overlap)
-                if cuda:
-                    torch.cuda.synchronize()
-                row.update(seconds=seconds, gb_per_s=nbytes / statistics.median(seconds) / 1e9,
-                           exact=bool(torch.equal(target, source.cpu())),
-                           overlapped=all(overlapped) if stream == "side" else None)
-                rows.append(row)
-    finally:
-        del targets
-        region.close()
-    return {"bytes": nbytes, "copies": copies, "device": str(device), "registered": registered, "rows": rows}
-
-
-def _matmul_load(device: Any) -> Callable[[float], Any]:
-    """Queue matmuls on the current (training) stream for about ``seconds``; returns an event
-    recorded after them."""
-    import torch
-
-    a = torch.randn(4096, 4096, device=device)
-    b = torch.randn(4096, 4096, device=device)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(4):
-        a @ b
-    end.record()
-    end.synchronize()
-    each = start.elapsed_time(end) / 4 / 1e3
-
-    def load(seconds: float) -> Any:
-        for _ in range(max(2, math.ceil(seconds / each) + 1)):
-            a @ b
-        done = torch.cuda.Event()
-        done.record()
-        return done
-
-    return load
-
-
-def _timed_copy(source: Any, target: Any, *, side: bool, load: Callable[[float], Any] | None) -> tuple[float, bool]:
-    """Seconds of one copy of ``source`` into ``target``, and whether the matmuls queued before it
-    (on a side stream) were still running when it ended."""
-    import torch
-
-    if load is None:
-        t0 = time.perf_counter()
-        target.copy_(source)
-        return time.perf_counter() - t0, False
-    training = torch.cuda.current_stream()
-    stream = torch.cuda.Stream() if side else training
-    expected = source.numel() / 20e9  # long enough to cover a copy at 20 GB/s twice over
-    done = load(2 * expected) if side else None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        start.record(stream)
-        target.copy_(source, non_blocking=True)
-        end.record(stream)
-    end.synchronize()
-    overlapped = done is not None and not done.query()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3, overlapped
 
 
 def run_bandwidth(sizes: Sizes, box: _Box, failures: list[dict[str, str]]) -> dict[str, Any]:
@@ -538,65 +376,6 @@ def run_bench_part(sizes: Sizes, box: _Box, failures: list[dict[str, str]], say:
 # -- 4. the highest frequency within the budget -----------------------------------------------
 
 
-def search_intervals(every_step: dict[str, float], probe: Callable[[dict[str, int]], dict[str, float] | None],
-                     budget: float, cap: int) -> dict[str, dict[int, float]]:
-    """Per strategy, the overheads measured at powers of two on the way to its smallest interval
-    within ``budget``: from :func:`_first_probe`'s guess, down while within the budget, up while not,
-    until that interval is bracketed or ``cap`` is passed. ``probe`` measures one interval per
-    strategy, all in one round, and returns their overheads (a strategy left out failed: its search
-    ends), or None when there is no time for the round."""
-    measured = {n: {1: o} for n, o in every_step.items()}
-    wanted: dict[str, int | None] = {n: _first_probe(o, budget, cap) for n, o in every_step.items()}
-    while True:
-        probes = {}
-        for n, k in wanted.items():
-            k = _next(measured[n], k, budget, cap)
-            if k is not None:
-                probes[n] = k
-        if not probes:
-            return measured
-        got = probe(probes)
-        if got is None:
-            return measured
-        for n, k in probes.items():
-            if n not in got:
-                wanted[n] = None
-                continue
-            measured[n][k] = got[n]
-            wanted[n] = k // 2 if got[n] <= budget else k * 2
-
-
-def _first_probe(overhead: float, budget: float, cap: int) -> int:
-    """The power of two at which an overhead measured every step, spread over the interval, falls
-    within the budget (an overhead that is a fixed cost per checkpoint falls as 1/interval)."""
-    if overhead <= budget:
-        return 1
-    return min(cap, 2 ** math.ceil(math.log2(overhead / budget)))
-
-
-def _next(measured: dict[int, float], wanted: int | None, budget: float, cap: int) -> int | None:
-    """The next interval to measure from ``wanted`` on, or None when the search is over (bracketed:
-    a known interval within the budget next to one over it; or past 1 or the cap)."""
-    down = None
-    while wanted is not None and 1 <= wanted <= cap and wanted in measured:  # known: go on in its direction
-        within = measured[wanted] <= budget
-        if down is not None and within != down:
-            return None
-        down = within
-        wanted = wanted // 2 if within else wanted * 2
-    return wanted if wanted is not None and 1 <= wanted <= cap else None
-
-
-def smallest_within(measured: dict[int, float], budget: float, cap: int) -> dict[str, Any]:
-    """The smallest interval measured within the budget, and whether the search settled it: the
-    interval below it was measured over the budget (or it is 1), or none was within up to the cap."""
-    within = [k for k, o in measured.items() if o <= budget]
-    best = min(within) if within else None
-    below = measured.get(best // 2) if best else None
-    settled = best == 1 or (below is not None and below > budget) or (best is None and cap in measured)
-    return {"interval": best, "settled": settled, "overheads": {str(k): o for k, o in sorted(measured.items())}}
-
-
 def run_frequency(sizes: Sizes, bench: dict[str, Any], box: _Box, failures: list[dict[str, str]],
                   say: Callable[[str], None]) -> dict[str, Any]:
     """LightCheck's and CheckFreq's smallest interval within the budget (:func:`search_intervals`),
@@ -705,118 +484,6 @@ def gpu_check(sizes: Sizes, out: Path, *, dry_run: bool, parts: tuple[str, ...] 
     json_path.write_text(json.dumps(report, indent=1) + "\n")
     md_path.write_text(markdown(report))
     return report, json_path, md_path
-
-
-# -- the Markdown report ----------------------------------------------------------------------
-
-
-def _num(value: Any, scale: float = 1.0, digits: int = 1, suffix: str = "") -> str:
-    return "–" if value is None else f"{value * scale:.{digits}f}{suffix}"
-
-
-def markdown(report: dict[str, Any]) -> str:
-    """The report as Markdown: the machine, then each part's figures, then every failure."""
-    m, parts = report["machine"], report["parts"]
-    lines = [f"# everystep gpu-check{' (dry run on the CPU)' if report['dry_run'] else ''}: "
-             f"{m['gpu'] or 'no GPU'}, {report['date']}", ""]
-    pcie = m.get("pcie") or {}
-    link = (f"PCIe gen {pcie['generation']} x{pcie['lanes']} ({_num(pcie['limit_bytes_per_s'], 1e-9)} GB/s per "
-            "direction)") if "generation" in pcie else "PCIe link unknown"
-    lines += [f"- GPU: {m['gpu'] or 'none'} ({_num(m['gpu_memory_bytes'], 2**-30, 0)} GiB), driver {m['driver'] or '–'}, "
-              f"CUDA {m['cuda_runtime'] or '–'}, {link}",
-              f"- torch {m['torch']}, Python {m['python']}, {m['platform']}",
-              f"- CPU: {m['cpu']}, {m['cpu_cores']} cores ({m['usable_cores']} usable)",
-              f"- sizes: {report['sizes']['workload']} on {report['sizes']['device']}, {report['sizes']['steps']} steps "
-              f"({report['sizes']['warmup']} warm-up), up to {report['sizes']['repeats']} interleaved repeats",
-              f"- whole check: {report['seconds']:.0f} s, {len(report['failures'])} failure(s)", ""]
-    lines += ["| part | status | seconds | box (s) | failures |", "|---|---|---|---|---|"]
-    for name, p in parts.items():
-        lines.append(f"| {name} | {p['status']} | {_num(p.get('seconds'), 1, 0)} | {_num(p.get('box_seconds'), 1, 0)} "
-                     f"| {p.get('failures', '–')} |")
-    lines += _tests_md(parts.get("tests", {})) + _bandwidth_md(parts.get("bandwidth", {}), pcie)
-    lines += _bench_md(parts.get("bench", {})) + _frequency_md(parts.get("frequency", {}))
-    lines += _memory_md(parts.get("memory", {}))
-    lines += ["", "## Failures", ""]
-    if not report["failures"]:
-        lines.append("None.")
-    for f in report["failures"]:
-        lines += [f"### {f['part']}: {f['what']}", "", "```", f["traceback"], "```", ""]
-    return "\n".join(lines) + "\n"
-
-
-def _tests_md(p: dict[str, Any]) -> list[str]:
-    if "tests" not in p:
-        return []
-    c = p["counts"]
-    out = ["", "## tests/test_cuda.py", "",
-           f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped"
-           f"{' (stopped at its time box)' if p['timed_out'] else ''}: `{p['command']}`", "",
-           "| test | outcome | seconds |", "|---|---|---|"]
-    out += [f"| {t['name']} | {t['outcome']} | {t['seconds']:.1f} |" for t in p["tests"]]
-    return out
-
-
-def _bandwidth_md(p: dict[str, Any], pcie: dict[str, Any]) -> list[str]:
-    if "rows" not in p:
-        return []
-    limit = pcie.get("limit_bytes_per_s")
-    out = ["", "## Device-to-host bandwidth", "",
-           f"{p['bytes'] / MIB:.0f} MiB from {p['device']}, median of {p['copies']} copies; the side stream's copies "
-           "run while matmuls run on the training stream.", "",
-           "| host memory | stream | GB/s | of the link | bytes exact | overlapped the matmuls | note |",
-           "|---|---|---|---|---|---|---|"]
-    for r in p["rows"]:
-        share = _num(r["gb_per_s"] * 1e9 / limit, 100, 0, "%") if limit and r["gb_per_s"] else "–"
-        flag = {True: "yes", False: "no", None: "–"}
-        out.append(f"| {r['memory']} | {r['stream']} | {_num(r['gb_per_s'], 1, 2)} | {share} | {flag[r['exact']]} "
-                   f"| {flag[r['overlapped']]} | {r['why']} |")
-    return out
-
-
-def _bench_md(p: dict[str, Any]) -> list[str]:
-    if "summary" not in p:
-        return []
-    from .bench import markdown_table
-
-    out = ["", "## Every step, and every K steps (`NAME/K`)", "", f"{p['rounds']} interleaved round(s); overhead: mean "
-           "step time over the same round's `none`, minus one, median over rounds.", "", markdown_table(p["summary"]), "",
-           "| GoCkpt stall per checkpoint over Async-O's | ratio | paper's target | met |", "|---|---|---|---|"]
-    for name, g in p["gockpt_stall_over_async"].items():
-        met = {True: "yes", False: "no", None: "–"}[g["met"]]
-        out.append(f"| {name} | {_num(g['ratio'], 100, 1, '%')} | ≤ {g['target_at_most']:.0%} | {met} |")
-    return out
-
-
-def _frequency_md(p: dict[str, Any]) -> list[str]:
-    if "strategies" not in p:
-        return []
-    out = ["", f"## Highest frequency within a {p['budget']:.1%} overhead budget", "",
-           "| strategy | smallest interval (steps) | settled | overheads measured (interval: overhead) |",
-           "|---|---|---|---|"]
-    for name, f in p["strategies"].items():
-        tried = ", ".join(f"{k}: {o:+.1%}" for k, o in f["overheads"].items())
-        interval = f["interval"] if f["interval"] is not None else f"none up to {p['cap']}"
-        out.append(f"| {name} | {interval} | {'yes' if f['settled'] else 'no'} | {tried} |")
-    ratio = p["frequency_ratio"]
-    out += ["", f"LightCheck's frequency over CheckFreq's: {_num(ratio, 1, 1, '×')} (the paper's: ≥ "
-            f"{p['target_at_least']:.0f}×; {'met' if p['met'] else 'not met' if p['met'] is False else 'not measured'})."]
-    return out
-
-
-def _memory_md(p: dict[str, Any]) -> list[str]:
-    if "plan_peak_device_bytes" not in p:
-        return []
-    rows = [("checkflow, as run (max_memory_allocated)", p["checkflow_peak_device_bytes"]),
-            ("checkflow, its plan", p["plan_peak_device_bytes"]),
-            ("checkfreq (max_memory_allocated)", p["checkfreq_peak_device_bytes"]),
-            ("none (max_memory_allocated)", p["none_peak_device_bytes"]),
-            ("checkflow's snapshots at once, planned", p["planned_snapshot_bytes"]),
-            ("checkflow's snapshots at once, as run", p["peak_snapshot_bytes"])]
-    out = ["", "## Checkflow's device memory", "", "| what | MiB |", "|---|---|"]
-    out += [f"| {what} | {_num(v, 1 / MIB, 1)} |" for what, v in rows]
-    if p.get("why_no_device_figures"):
-        out += ["", p["why_no_device_figures"] + "."]
-    return out
 
 
 def _main(argv: list[str]) -> None:
