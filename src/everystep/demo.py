@@ -67,4 +67,4 @@ def stalls(summary: dict[str, dict[str, Any]]) -> str:
     listed = ", ".join(f"{name} {stall * 1e3:.1f} ms" for stall, name in waits)
     return (f"   a step takes {step * 1e3:.1f} ms; the training thread waits per checkpoint: {listed}.\n"
             "   On a step this short the overheads are mostly a fixed cost per checkpoint: the capture on the\n"
-            "   training thread and background work competing with it for the cores (README, \"Measured\").")
+            "   training thread and background work competing with it for the cores (docs/measurements.md).")

@@ -8,7 +8,7 @@ of a process that may hold a CUDA context) that maps the host buffers — shared
 :class:`~everystep.transport.shared.SharedRegion` — and writes, commits and retains there, exactly
 as the thread would (:func:`~everystep.storage.full.write_full`, ``retain``). The training
 process's persist thread only sends the request and waits for the answer, without the GIL. (On a
-2-core machine this measured no faster than the thread: the README's "Measured" says why.)
+2-core machine this measured no faster than the thread: docs/measurements.md says why.)
 
 The two talk over a socket pair made before the child starts: nothing else can reach it, so there
 is no one to authenticate. Messages are JSON (:mod:`.channel`'s encoding, never
