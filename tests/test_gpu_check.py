@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -47,8 +48,10 @@ def test_the_dry_run_reports_every_part_and_no_failure(dry):
 @dry_run
 def test_the_dry_run_holds_each_cuda_test_with_its_outcome(dry):
     tests = dry[1]["parts"]["tests"]
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_cuda.py"], cwd=ROOT,
-                               capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:  # (a numbered temporary folder would clean up this run's)
+        collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                    "--basetemp", f"{tmp}/basetemp", "tests/test_cuda.py"], cwd=ROOT,
+                                   capture_output=True, text=True).stdout
     names = {line.split("::", 1)[1] for line in collected.splitlines() if "::" in line}
     assert {t["name"] for t in tests["tests"]} == names and len(names) >= 18
     outcome = {t["name"]: t["outcome"] for t in tests["tests"]}

@@ -201,8 +201,10 @@ def run_tests(sizes: Sizes, box: _Box, failures: list[dict[str, str]]) -> dict[s
         workers = ["-n", str(sizes.test_workers)]  # the tests are small: several share the GPU
     with tempfile.TemporaryDirectory(prefix="everystep-gpu-check-") as tmp:
         xml = Path(tmp) / "junit.xml"
+        # its own temporary folder: pytest's default one, numbered, would clean up the numbered folders
+        # of a pytest that runs this check (the suite's dry run), tests still running in them
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", str(xml),
-                   "-o", "junit_logging=no", *workers, "tests/test_cuda.py"]
+                   "--basetemp", str(Path(tmp) / "basetemp"), "-o", "junit_logging=no", *workers, "tests/test_cuda.py"]
         proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         timed_out = False
