@@ -586,11 +586,13 @@ class GoCkpt(Strategy):
 
     def _restore_spread(self, manifests: list[Manifest], t0: float) -> Recovered | None:
         """The first of ``manifests`` (newest first) that verifies and comes forward, restored."""
+        if not manifests:
+            return None
+        live, _ = self.ctx.flatten_state(0)  # the live parameters' keys: the same for every candidate
+        trained = {p.key: (p.index, p.param) for p in self.ctx.optimizer_keys(live) if p.key is not None}
         for manifest in manifests:
             try:
                 tree, tensors, description = read_spread(self.ctx.directory, manifest)
-                live, _ = self.ctx.flatten_state(manifest.step)
-                trained = {p.key: (p.index, p.param) for p in self.ctx.optimizer_keys(live) if p.key is not None}
                 with malformed(f"the spread checkpoint at step {manifest.step}"):
                     device = bring_forward(self.ctx.components.optimizer, trained, manifest, tree, tensors, description)
             except CorruptCheckpointError as e:
