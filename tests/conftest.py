@@ -77,8 +77,8 @@ class FullDisk:
     def __init__(self, directory: Any) -> None:
         self.full = False
         self.failed: list[str] = []
-        store = directory.store
-        write_object, os_write = store.write_object, store._os_write
+        catalog = directory.catalog
+        write_object, os_write = catalog.write_object, catalog.store._os_write
 
         def recording(name: str, chunks: Any) -> Any:
             if self.full:
@@ -90,4 +90,4 @@ class FullDisk:
                 raise OSError(errno.ENOSPC, "No space left on device")
             return os_write(fd, view)
 
-        store.write_object, store._os_write = recording, failing
+        catalog.write_object, catalog.store._os_write = recording, failing

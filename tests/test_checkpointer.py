@@ -189,7 +189,7 @@ def test_every_and_keep_and_final_checkpoint(tmp_path, strategy):
     with attach(w, tmp_path / "c", strategy, every=3, keep=2, **persist) as ckpt:
         ckpt.restore()
         loop(w, ckpt, 0, 10)
-    manifests = [r.manifest for r in CheckpointDirectory.open(tmp_path / "c").store.manifests()]
+    manifests = [r.manifest for r in CheckpointDirectory.open(tmp_path / "c").catalog.manifests()]
     fulls = sorted(m.step for m in manifests if m.kind == "full")
     differentials = sorted((m.meta["base"], m.step) for m in manifests if m.kind != "full")
     if strategy in DIFFERENTIAL:
@@ -262,7 +262,7 @@ def test_pickle_in_place_of_a_tensor_file_is_refused_without_running_it(tmp_path
         ckpt.restore()
         loop(w, ckpt, 0, 1)
     store = CheckpointDirectory.open(tmp_path / "c")
-    [record] = store.store.manifests()
+    [record] = store.catalog.manifests()
     exploit = _Exploit()
     exploit.marker = str(tmp_path / "pwned")
     payload = pickle.dumps(exploit)
@@ -270,7 +270,7 @@ def test_pickle_in_place_of_a_tensor_file_is_refused_without_running_it(tmp_path
     (store.root / "objects" / info.name).write_bytes(payload)
     forged = Manifest(kind="full", step=1, objects={"tensors": ObjectInfo(info.name, len(payload), checksum(payload))},
                       meta=record.manifest.meta)
-    store.store.commit(forged)
+    store.catalog.commit(forged)
     store.close()
     w2 = build("mlp", seed=0)
     with pytest.warns(UserWarning, match="not a valid safetensors file"), pytest.raises(NoValidCheckpointError):
@@ -372,7 +372,7 @@ def test_full_disk_surfaces_in_the_training_process_and_keeps_the_previous_check
     else:
         failed = sorted(int(n.split("-")[1].split(".")[0]) for n in disk.failed)
         assert failed and reported == failed
-    assert max(r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c").store.manifests()) == durable
+    assert max(r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c").catalog.manifests()) == durable
     monkeypatch.delenv("EVERYSTEP_FAIL", raising=False)
     w2 = make("mlp", 0, strategy)
     with attach(w2, tmp_path / "c", strategy, final=False, **persist) as again:

@@ -114,7 +114,7 @@ def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference
         _assert_agents_gone(tmp_path / strategy)
         store = CheckpointDirectory.open(tmp_path / strategy)
         assert verify_store(store) == []  # the agents' parts committed, or collected at the restart
-        final = max((r.manifest for r in store.store.manifests() if r.manifest), key=lambda m: m.step)
+        final = max((r.manifest for r in store.catalog.manifests() if r.manifest), key=lambda m: m.step)
         assert final.step == STEPS
         split = {k for part in final.meta["parts"] for k in part["pieces"]}  # written once, across the ranks
         assert any(k.startswith("/optimizer/state/") for k in split) and any(k.startswith("/model/") for k in split)
@@ -158,7 +158,7 @@ def test_an_agent_lost_on_one_rank_turns_every_rank_to_its_own_full_checkpoints(
     assert "is lost: rank 1:" in err
     _assert_agents_gone(tmp_path / "lowdiff_plus")
     store = CheckpointDirectory.open(tmp_path / "lowdiff_plus")
-    steps = sorted(r.manifest.step for r in store.store.manifests() if r.manifest)
+    steps = sorted(r.manifest.step for r in store.catalog.manifests() if r.manifest)
     assert steps == [12, STEPS]  # the training processes' own checkpoints, every 4 steps from 8, and the final one
 
 
@@ -192,7 +192,7 @@ def test_a_part_that_fails_on_one_rank_is_raised_on_every_rank_and_its_step_is_n
     # The writes already queued behind it (steps 3 and 4, on a slow machine, before a rank's next
     # checkpoint call raises) still commit whole; step 2 never does.
     store = CheckpointDirectory.open(tmp_path / "checkfreq", create=False)
-    steps = sorted(r.manifest.step for r in store.store.manifests())
+    steps = sorted(r.manifest.step for r in store.catalog.manifests())
     assert steps and 2 not in steps
     # What rank 0 wrote of step 2 (and of a later step whose commit the failure cut off) is left
     # for the next start to collect; everything committed verifies.
@@ -208,7 +208,7 @@ def test_verify_names_a_flipped_byte_and_a_missing_rank_part(delayed, tmp_path, 
     shutil.copytree(delayed[0], copy)
     store = CheckpointDirectory.open(copy, create=False)
     assert verify_store(store) == []
-    first, second = sorted((r.manifest for r in store.store.manifests()), key=lambda m: m.step)[-2:]
+    first, second = sorted((r.manifest for r in store.catalog.manifests()), key=lambda m: m.step)[-2:]
     flipped = copy / "objects" / first.objects["tensors-r0"].name
     data = bytearray(flipped.read_bytes())
     data[-5] ^= 0x40
@@ -234,7 +234,7 @@ def test_dcp_checkpoints_load_with_plain_torch_distributed_checkpoint(tmp_path, 
     summary = _job(tmp_path, "checkfreq", full_format="dcp")
     assert summary["rank_state_sha256"] == reference[None]["rank_state_sha256"]
     store = CheckpointDirectory.open(tmp_path / "checkfreq", create=False)
-    newest = max((r.manifest for r in store.store.manifests()), key=lambda m: m.step)
+    newest = max((r.manifest for r in store.catalog.manifests()), key=lambda m: m.step)
     tree = read_full(store, newest)  # everystep's own reading, as rank 0
     outside = tmp_path / "plain.pt"
     script = (
@@ -257,7 +257,7 @@ def test_a_deadline_ends_the_run_with_a_final_checkpoint_and_the_rerun_matches(t
     stopped = run(TrainConfig(**cfg, deadline=time.time() - 1))
     assert stopped["stopped"]["step"] == 1 and "before the deadline" in stopped["stopped"]["reason"]
     assert len(stopped["losses"]) == 1
-    steps = [r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c", create=False).store.manifests()]
+    steps = [r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c", create=False).catalog.manifests()]
     assert max(steps) == 1
     rest = run(TrainConfig(**cfg))
     whole = run(TrainConfig(**{**cfg, "directory": str(tmp_path / "whole")}))

@@ -103,7 +103,7 @@ def test_the_reconstruction_is_the_live_state_of_its_step_bitwise(tmp_path, stra
     assert s.parts_used == [3, 3] and len(s.reconstruct_seconds) == (reconstruct == "host")
     assert [(k, parts) for k, parts, _ in shipped] == [(1, 1), (2, 2), (3, 3), (1, 1)]  # gradients of parts 1..k
     assert set(shipped[0][2]) < set(shipped[2][2])
-    kinds = {r.manifest.kind for r in CheckpointDirectory.open(tmp_path / "c", access="read").store.manifests()}
+    kinds = {r.manifest.kind for r in CheckpointDirectory.open(tmp_path / "c", access="read").catalog.manifests()}
     assert kinds == {"full" if reconstruct == "host" else SPREAD_KIND}
     again = build(workload, seed=1)
     with Checkpointer(tmp_path / "c", again.model, again.optimizer, scheduler=again.scheduler, data=again.data,

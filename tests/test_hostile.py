@@ -557,7 +557,7 @@ def test_verify_beside_a_live_writer_reports_only_what_is_wrong(tmp_path):
     _train(root, 0, 2)
     writer = CheckpointDirectory.open(root, strategy="full_sync")
     try:
-        writer.store.write_object("full-000000000003.safetensors", [b"not committed yet"])
+        writer.catalog.write_object("full-000000000003.safetensors", [b"not committed yet"])
         reader = CheckpointDirectory.open(root, create=False, access="read")
         assert verify_store(reader) == []
     finally:

@@ -128,11 +128,11 @@ def test_batches_are_concatenations_and_bytes_stay_near_the_compressed_size(tmp_
         written = ckpt.bytes_written - full_bytes
     sent = w.compression.compressed_bytes  # the compressor's own output (values and indices), 3 steps
     store = CheckpointDirectory.open(tmp_path / "c")
-    manifests = [r.manifest for r in store.store.manifests() if r.manifest.kind == "diff"]
+    manifests = [r.manifest for r in store.catalog.manifests() if r.manifest.kind == "diff"]
     assert sorted(m.step for m in manifests) == [1, 2, 3]
     # Error-feedback residuals depend on the uncompressed gradients, so replay cannot rebuild them:
     # each batch stores them densely for recovery to be exact. Everything else is the records.
-    residual = sum(sum(t.numel() * t.element_size() for k, t in load_tensors(store.store.read_object(m.objects["tensors"]),
+    residual = sum(sum(t.numel() * t.element_size() for k, t in load_tensors(store.catalog.read_object(m.objects["tensors"]),
                    what="d").items() if k.startswith("end/compression/")) for m in manifests)
     assert residual == 3 * sum(p.numel() * 4 for p in w.model.parameters())
     assert written - residual <= 1.2 * sent, (written - residual, sent)
@@ -209,7 +209,7 @@ def test_differentials_older_than_a_durable_full_checkpoint_are_deleted(tmp_path
     with _attach(w, tmp_path / "c", every=4, batch=1, keep=1) as ckpt:
         ckpt.restore()
         _loop(w, 6)
-    kinds = sorted((r.manifest.kind, r.manifest.step) for r in CheckpointDirectory.open(tmp_path / "c").store.manifests())
+    kinds = sorted((r.manifest.kind, r.manifest.step) for r in CheckpointDirectory.open(tmp_path / "c").catalog.manifests())
     assert ("full", 4) in kinds and all(step > 4 for kind, step in kinds if kind == "diff")
 
 

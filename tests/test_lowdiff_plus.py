@@ -277,7 +277,7 @@ def test_a_slow_write_delays_the_next_one_and_skips_none(tmp_path, monkeypatch):
     with _attach(w, tmp_path / "c", every=3, keep=10) as ckpt:
         ckpt.restore()
         _train(w, 10)
-    steps = sorted(r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c").store.manifests())
+    steps = sorted(r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c").catalog.manifests())
     assert steps == [0, 3, 6, 9, 10]
     assert ckpt.stats.stall_seconds > 1.0  # the wait for the write shows in the measured stall
 

@@ -81,7 +81,7 @@ def test_readers_work_beside_a_live_writer_and_change_nothing(tmp_path, capsys):
     assert code == 1 and f"{leftover}: no checkpoint names this file" in out and leftover.exists()
     reader = CheckpointDirectory.open(directory, create=False, access="read")
     with pytest.raises(ReadOnlyStoreError):
-        reader.store.write_object("full-000000000009.safetensors", [b"x"])
+        reader.catalog.write_object("full-000000000009.safetensors", [b"x"])
     with pytest.raises(ReadOnlyStoreError):
         reader.collect_garbage()
 

@@ -185,8 +185,8 @@ def _newest_object(root, strategy: str) -> tuple[Any, int]:
         finally:
             region.close()
     directory = CheckpointDirectory.open(root, access="read")
-    newest = max((r.manifest for r in directory.store.manifests()), key=lambda m: (m.step, m.kind == "full"))
-    path = directory.store.object_path(next(iter(newest.objects.values())).name)
+    newest = max((r.manifest for r in directory.catalog.manifests()), key=lambda m: (m.step, m.kind == "full"))
+    path = directory.catalog.object_path(next(iter(newest.objects.values())).name)
     return path, path.stat().st_size // 2
 
 

@@ -40,7 +40,7 @@ def test_the_writer_process_writes_what_the_thread_writes_and_recovery_is_bitwis
     thread, by_thread, _, _ = _run(tmp_path / "t", strategy, STEPS, keep=3)
     assert live_hash(w, STEPS) == live_hash(thread, STEPS)
     assert writer is not None and writer.process.returncode == 0  # closed with the Checkpointer
-    manifests = CheckpointDirectory.open(tmp_path / "p", access="read").store.manifests()
+    manifests = CheckpointDirectory.open(tmp_path / "p", access="read").catalog.manifests()
     assert [r.name for r in manifests] == [f"full-{s:012d}" for s in (STEPS - 2, STEPS - 1, STEPS)]  # retention ran
     assert abs(ckpt.bytes_written - by_thread.bytes_written) < 0.02 * by_thread.bytes_written  # counted here too
     assert ckpt.stats.checkpoints == by_thread.stats.checkpoints == STEPS
@@ -81,7 +81,7 @@ def test_a_crash_mid_write_in_the_writer_kills_the_training_process_and_the_prev
     killed = _script(tmp_path / "c", STEPS, env={"EVERYSTEP_CRASH": "store.object.mid_write:4"})
     killed.communicate(timeout=300)
     assert killed.returncode == -signal.SIGKILL
-    committed = [r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c", access="read").store.manifests()]
+    committed = [r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c", access="read").catalog.manifests()]
     assert max(committed) == 3  # S_4's object was being written
     w, _, start, _ = _run(tmp_path / "c", "checkfreq", STEPS, persist="process")
     reference = build("gpt2-tiny", seed=1)
@@ -117,7 +117,7 @@ def test_a_full_disk_in_the_writer_process_is_the_training_process_error(tmp_pat
     except BackgroundWriteError as e:
         assert "No space left on device" in str(e)
     ckpt.close()
-    assert [r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c", access="read").store.manifests()] == [1, 2]
+    assert [r.manifest.step for r in CheckpointDirectory.open(tmp_path / "c", access="read").catalog.manifests()] == [1, 2]
 
 
 def test_persist_mistakes_are_refused_naming_the_option(tmp_path):
@@ -164,6 +164,6 @@ def test_a_dropped_buffer_is_forgotten_and_a_new_one_shared_with_the_next_write(
         writer.close()
     assert writer.process.returncode == 0
     store = CheckpointDirectory.open(tmp_path / "c", access="read")
-    found = {r.manifest.step: read_full(store, r.manifest)["x"] for r in store.store.manifests()}
+    found = {r.manifest.step: read_full(store, r.manifest)["x"] for r in store.catalog.manifests()}
     assert sorted(found) == [1, 2, 3]
     assert all(torch.equal(x, torch.arange(len(x), dtype=torch.float32) * s) for s, x in found.items())

@@ -347,7 +347,7 @@ class Checkpointer:
 
     @property
     def bytes_written(self) -> int:
-        return self.directory.store.bytes_written if self.directory is not None else 0
+        return self.directory.catalog.bytes_written if self.directory is not None else 0
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -423,7 +423,7 @@ class Checkpointer:
 
     def _refuse_unrestored_directory(self) -> None:
         assert self.directory is not None
-        steps = [r.manifest.step for r in self.directory.store.manifests() if r.manifest]
+        steps = [r.manifest.step for r in self.directory.catalog.manifests() if r.manifest]
         if steps:
             raise CheckpointDirectoryError(
                 f"{self.directory.root} holds checkpoints up to step {max(steps)}, but training started without "

@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from .errors import CorruptCheckpointError
-from .storage.base import Store
+from .storage.base import Reader
 from .storage.directory import CheckpointDirectory
 from .recovery import read_full
 from .storage.region import open_region
@@ -17,8 +17,8 @@ __all__ = ["inspect_store", "verify_store", "region_rows"]
 def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
     """One row per manifest, oldest step first: kind, step, bytes, valid, reason."""
     rows = []
-    store = directory.store
-    for record in store.manifests():
+    catalog = directory.catalog
+    for record in catalog.manifests():
         m = record.manifest
         if m is None:
             rows.append({"name": record.name, "kind": "?", "step": -1, "bytes": 0, "valid": False, "reason": record.error})
@@ -26,14 +26,14 @@ def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
         row = {"name": m.name, "kind": m.kind, "step": m.step, "bytes": m.nbytes, "valid": True, "reason": None}
         reasons: list[str] = []
         if m.kind != "full":
-            reasons = _read_each(store, m)
+            reasons = _read_each(catalog, m)
         else:
             try:
                 read_full(directory, m)  # reads and checks every object once, and rebuilds the state
             except CorruptCheckpointError as e:
                 # Name every bad object, not only the first (each rank's part of a sharded checkpoint).
-                reasons = _read_each(store, m) or [str(e)]
-        if reasons and not store.committed(m.name):
+                reasons = _read_each(catalog, m) or [str(e)]
+        if reasons and not catalog.committed(m.name):
             continue  # discarded by the directory's writer while it was read
         if reasons:
             row.update(valid=False, reason="; ".join(reasons))
@@ -75,12 +75,12 @@ def region_rows(directory: CheckpointDirectory) -> list[dict[str, Any]]:
     return rows
 
 
-def _read_each(store: Store, manifest: Any) -> list[str]:
+def _read_each(catalog: Reader, manifest: Any) -> list[str]:
     """Read and check every object of ``manifest``; the reasons of those that fail."""
     reasons = []
     for info in manifest.objects.values():
         try:
-            store.read_object(info)
+            catalog.read_object(info)
         except CorruptCheckpointError as e:
             reasons.append(str(e))
     return reasons
@@ -93,22 +93,22 @@ def verify_store(directory: CheckpointDirectory, rows: list[dict[str, Any]] | No
     directory for writing, its temporaries are its writes in progress (and the file its store keeps
     to write over), not problems. An empty list means all is well. ``rows``: what
     :func:`inspect_store` already returned."""
-    store = directory.store
+    catalog = directory.catalog
     rows = inspect_store(directory) if rows is None else rows
     problems = [f"{row['name']}: {row['reason']}" for row in rows if not row["valid"]]
     held = CheckpointDirectory.owner(directory.root) is not None
     live = held and directory.access == "read"  # a writer other than the caller (which may hold it itself)
-    files = store.stored_files()  # before the manifests: a writer renames an object into place, then commits
-    records = [r.manifest for r in store.manifests() if r.manifest]
+    files = catalog.stored_files()  # before the manifests: a writer renames an object into place, then commits
+    records = [r.manifest for r in catalog.manifests() if r.manifest]
     named = {o.name for m in records for o in m.objects.values()}
     newest = max((m.step for m in records), default=-1)
-    in_progress = {token.split("/", 1)[1] for token, _ in store.interrupted_writes()} if held else set()
+    in_progress = {token.split("/", 1)[1] for token, _ in catalog.interrupted_writes()} if held else set()
     for name in files:
         top = name.split("/", 1)[0]
         step = _STEP.match(top)
         if name in named or top in in_progress or (live and step is not None and int(step[1]) > newest):
             continue  # named, or a live writer's write in progress (its manifest not committed yet)
-        problems.append(f"{store.root / 'objects' / name}: no checkpoint names this file")
+        problems.append(f"{catalog.root / 'objects' / name}: no checkpoint names this file")
     return problems
 
 

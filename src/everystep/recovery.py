@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .errors import CorruptCheckpointError, NoValidCheckpointError, StateMismatchError
-from .storage.base import Manifest, Store, malformed
+from .storage.base import Manifest, Reader, malformed
 from .storage.directory import CheckpointDirectory
 from .state import TrainingComponents, unflatten
 from .storage.sharded import read_parts
@@ -48,7 +48,7 @@ def read_state(directory: CheckpointDirectory, manifest: Manifest) -> tuple[dict
                                                                              dict[str, Any]]:
     """Read and verify a checkpoint that holds a whole state (a full one, or GoCkpt's spread one):
     its state tree, all its tensors (the tree's and any others) and its meta."""
-    tensors, meta = read_parts(directory.store, manifest, full_format=directory.full_format)
+    tensors, meta = read_parts(directory.catalog, manifest, full_format=directory.full_format)
     if "skeleton" not in meta:
         raise CorruptCheckpointError(f"manifest {manifest.name} lacks the skeleton of its state tree")
     with malformed(f"checkpoint {manifest.name}"):
@@ -86,13 +86,13 @@ def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]
     """:func:`latest_full` over one listing of the manifests, each skipped one added to ``skipped``
     (its warning, its reason); ``_DISCARDED`` when a checkpoint was discarded by the directory's
     writer while it was read (list again: a newer one is there)."""
-    records = directory.store.manifests()
+    records = directory.catalog.manifests()
     skipped.extend((f"skipping {r.name}: {r.error}", r.error) for r in records if r.error)
     for manifest in directory.fulls(records):
         try:
             return manifest, read_full(directory, manifest)
         except CorruptCheckpointError as e:
-            if not directory.store.committed(manifest.name):
+            if not directory.catalog.committed(manifest.name):
                 return _DISCARDED
             skipped.append((f"skipping the checkpoint at step {manifest.step}: {e}", f"step {manifest.step}: {e}"))
     return None
@@ -126,9 +126,9 @@ def _first(manifest: Manifest) -> int:
     return int(manifest.meta.get("first", manifest.step))
 
 
-def read_differential(store: Store, manifest: Manifest) -> Link:
+def read_differential(catalog: Reader, manifest: Manifest) -> Link:
     """Read and verify a differential; raises CorruptCheckpointError if it fails to verify."""
-    tensors, meta = read_parts(store, manifest)
+    tensors, meta = read_parts(catalog, manifest)
     with malformed(f"differential {manifest.name}"):
         end = unflatten(meta["end"], {k[len("end"):]: v for k, v in tensors.items() if k.startswith("end/")})
         if not isinstance(end, dict) or end.get("step") != manifest.step:
@@ -136,13 +136,13 @@ def read_differential(store: Store, manifest: Manifest) -> Link:
     return Link(manifest, tensors, end)
 
 
-def chain(store: Store, full: Manifest, kind: str,
+def chain(catalog: Reader, full: Manifest, kind: str,
           check: Callable[[dict[str, Any]], None] | None = None) -> Iterator[Link]:
     """The differentials of ``kind`` whose base is ``full``, in order from the step after it, each
     read and verified as it is reached (``check``: its end state too, raising an EverystepError);
     ends at a gap or, with a warning, at one that fails."""
     links = {}
-    for r in store.manifests():
+    for r in catalog.manifests():
         m = r.manifest
         if m is not None and m.kind == kind and m.meta.get("base") == full.step:
             first = m.meta.get("first", m.step)
@@ -151,7 +151,7 @@ def chain(store: Store, full: Manifest, kind: str,
     step = full.step
     while (m := links.get(step + 1)) is not None:
         try:
-            link = read_differential(store, m)
+            link = read_differential(catalog, m)
             if check is not None:
                 check(link.end)
         except (CorruptCheckpointError, StateMismatchError) as e:
@@ -175,7 +175,7 @@ def recover_chain(directory: CheckpointDirectory, components: TrainingComponents
     applied: list[Link] = []
 
     def tracked() -> Iterator[Link]:
-        for link in chain(directory.store, full, kind, components.check_end_state):
+        for link in chain(directory.catalog, full, kind, components.check_end_state):
             yield link
             applied.append(link)  # reached only once ``apply`` asks for the next link, or at the end
 

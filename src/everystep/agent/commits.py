@@ -79,7 +79,7 @@ class PartCommits:
             error = BackgroundWriteError(f"the checkpoint agent's write of its part failed: {part['error']}")
         info = ObjectInfo.from_json(part["info"]) if part is not None and part["info"] else None
         try:
-            commit_written(self.directory.store, "full", kind="full", step=step, info=info, pieces=part["pieces"] if part else {},
+            commit_written(self.directory.catalog, "full", kind="full", step=step, info=info, pieces=part["pieces"] if part else {},
                            meta={"writer": "agent"}, rank_meta=part["meta"] if part else {}, error=error)
         except (AgentLostError, PeerFailedError) as e:
             if isinstance(e, PeerFailedError) and set(e.failed.values()) != {AgentLostError.__name__}:
@@ -89,4 +89,4 @@ class PartCommits:
         assert part is not None and info is not None
         self.directory.retain(self.keep)
         self._committed(step, part["seconds"])
-        self.directory.store.count_written_elsewhere(info.nbytes)
+        self.directory.catalog.count_written_elsewhere(info.nbytes)

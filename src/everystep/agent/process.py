@@ -336,7 +336,7 @@ class Agent:
             ranks = Ranks(rank=self.config.rank, world=self.config.world)
             share = RankShare.of(buffer.views, replayed_keys(self.replica.index_keys, buffer.views), ranks)
             pieces = share.pieces
-            info = write_part(self.checkpoints.store, "full", step, tensor_chunks(TensorLayout.of(share.local), share.local), ranks)
+            info = write_part(self.checkpoints.catalog, "full", step, tensor_chunks(TensorLayout.of(share.local), share.local), ranks)
             self._write_seconds = time.perf_counter() - t0
         except BaseException as e:
             error = _describe(e)

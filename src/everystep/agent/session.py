@@ -181,7 +181,7 @@ class AgentSession:
     def _on_persisted(self, msg: dict[str, Any]) -> None:
         self.persisted = (self.persisted + [msg["step"]])[-2:]
         self.progress.record_durable(msg["step"], count=False)
-        self.directory.store.count_written_elsewhere(msg["nbytes"])
+        self.directory.catalog.count_written_elsewhere(msg["nbytes"])
 
     def _on_released(self, msg: dict[str, Any]) -> None:
         self._released = True

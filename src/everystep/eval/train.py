@@ -156,7 +156,7 @@ def recover_run(directory: str) -> dict[str, Any]:
 def _recover_read(store: CheckpointDirectory, directory: str) -> dict[str, Any]:
     run = store.marker.get("run")
     if run is None:
-        if any(r.manifest and r.manifest.kind != "full" for r in store.store.manifests()):
+        if any(r.manifest and r.manifest.kind != "full" for r in store.catalog.manifests()):
             raise EverystepError(f"{directory} holds differentials or spread checkpoints but no record of the model they "
                                  "replay into; restore it with Checkpointer.restore() in the training script")
         found = recover(store)
@@ -193,7 +193,7 @@ def preflight(cfg: TrainConfig, world: int, *, owner: bool = True) -> None:
             raise CheckpointDirectoryError(
                 f"{cfg.directory} was written by {written} rank(s); this run has {world} — strategy {cfg.strategy} "
                 f"keeps state per rank: use --nproc {written} or another --dir")
-        newest = max((r.manifest.step for r in store.store.manifests() if r.manifest), default=0)
+        newest = max((r.manifest.step for r in store.catalog.manifests() if r.manifest), default=0)
         if newest > cfg.steps:
             raise ConfigError(f"{cfg.directory} holds checkpoints up to step {newest}, past --steps {cfg.steps}: ask for "
                               f"--steps {newest + 1} or more to train on, or choose another --dir (nothing was changed)")

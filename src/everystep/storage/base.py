@@ -1,20 +1,12 @@
-"""The Store protocol and the records it exchanges.
+"""The Store protocol (where bytes live), the Reader protocol (what reads checkpoints) and the
+records they exchange: objects, manifests, checksums.
 
-A store holds immutable *objects* (byte blobs with a checksum, or directories of files written by
-another format's writer) and *manifests* (JSON records that name a checkpoint's objects). Call
-order for one checkpoint:
-
-1. ``write_object`` (or ``write_directory``) once per object; each is durable when it returns,
-   but invisible.
-2. ``commit(manifest)``; the checkpoint is visible to recovery exactly when this returns.
-
-Readers call ``manifests()`` and then ``read_object`` for the objects of the manifest they want.
-``discard(manifest)`` removes a checkpoint: the manifest first, then the objects only it used.
-A store opened with ``access="read"`` refuses every change (``check_writable`` says so).
-
-The directory as a whole — its identity, its one writer, retention and garbage collection — is
-managed above the store, by :class:`~everystep.storage.directory.CheckpointDirectory`, through
-the listing and deletion calls at the end of the protocol.
+Three layers keep a checkpoint directory: a :class:`Store` keeps values whole under keys (a local
+folder: :class:`~everystep.storage.local.LocalStore`); a
+:class:`~everystep.storage.catalog.Catalog` makes checkpoints of them (objects checksummed, a
+manifest committed last, discarded manifest first); a
+:class:`~everystep.storage.directory.CheckpointDirectory` manages the directory as a whole (its
+identity, its one writer, retention, garbage collection).
 """
 
 from __future__ import annotations
@@ -34,7 +26,8 @@ from ..errors import CorruptCheckpointError
 if TYPE_CHECKING:
     from ..distributed import Ranks
 
-__all__ = ["malformed", "MALFORMED", "refuse_constant", "ObjectInfo", "Manifest", "check_object_name", "check_manifest_name", "MAX_STEP", "ManifestRecord", "Store", "Access", "new_hasher", "CHECKSUM_ALGORITHM"]
+__all__ = ["malformed", "MALFORMED", "refuse_constant", "ObjectInfo", "Manifest", "check_object_name", "check_manifest_name",
+           "MAX_STEP", "ManifestRecord", "Store", "Reader", "Access", "new_hasher", "checksum", "CHECKSUM_ALGORITHM"]
 
 Access = Literal["write", "shared", "read"]
 """``write``: the directory's one writer; ``shared``: a process writing on the writer's behalf (its
@@ -230,68 +223,96 @@ class ManifestRecord:
 
 
 class Store(Protocol):
-    """Where checkpoints live. See the module docstring for the call order."""
+    """Where the bytes of a checkpoint directory live: whole values under keys such as
+    ``objects/full-000000000012.safetensors``, ``manifests/full-000000000012.json`` or
+    ``everystep.json``. What makes them checkpoints — checksums, the manifest written last, what a
+    discard removes and in which order — is written once, above every store, by
+    :class:`~everystep.storage.catalog.Catalog`; a store has only to keep each value whole.
+
+    IMPORTANT: :meth:`put` is atomic and durable. A value becomes visible only whole, once durable, and
+    a crash at any instant leaves the old value, or none, or the new one. A catalog commits a
+    checkpoint by putting its manifest after its objects; that is a commit only if this holds.
+    """
 
     root: Path
     """Where the store is (named in messages)."""
-    ranks: "Ranks"
-    """The job writing here: each rank writes its part of a checkpoint; rank 0 commits."""
     access: Access
+    """``read``: :meth:`put`, :meth:`put_directory` and :meth:`delete` raise
+    :class:`~everystep.errors.ReadOnlyStoreError`, and nothing is created, renamed or deleted."""
 
-    @property
-    def bytes_written(self) -> int: ...
-
-    def count_written_elsewhere(self, n: int) -> None:
-        """Add ``n`` bytes written for this directory elsewhere than through this store: by a checkpoint
-        agent (another process), or into lightcheck's region."""
-
-    def check_writable(self) -> None:
-        """Raise :class:`~everystep.errors.ReadOnlyStoreError` if the store was opened for reading."""
-
-    def write_object(self, name: str, chunks: Iterable[bytes | memoryview]) -> ObjectInfo: ...
-
-    def write_directory(self, name: str, fill: Callable[[Path], T]) -> T:
-        """An object that is a directory of files, which ``fill`` writes into the path it is given."""
+    def put(self, key: str, chunks: Iterable[bytes | memoryview]) -> int:
+        """Write the value ``key`` from ``chunks``, atomically and durably, over any value it had; the
+        bytes written. Each chunk is consumed before the next is asked for (a caller hashes them on
+        the way)."""
         ...
 
-    def object_path(self, name: str) -> Path:
-        """Where an object lies, for formats that read by path."""
+    def get(self, key: str) -> bytearray:
+        """The value ``key``; :class:`FileNotFoundError` when there is none."""
+        ...
+
+    def list(self, prefix: str) -> dict[str, str]:
+        """The keys under ``prefix`` (``"manifests/"``), each with a version that changes when its value
+        is written again; values inside a directory value count as keys of their own
+        (``objects/full-….dcp/__0_0.distcp``). What interrupted writes left is not listed."""
+        ...
+
+    def delete(self, key: str, *, durable: bool = True) -> None:
+        """Delete the value ``key``, or the directory value ``key``; nothing when there is none.
+        ``durable``: a crash after it returns cannot bring the value back (a catalog asks this of a
+        manifest's deletion; an object's may come back, as garbage that collection removes)."""
+        ...
+
+    def leftovers(self) -> list[tuple[str, str]]:
+        """What interrupted writes left: (its key, which :meth:`delete` takes; the key it was being
+        written under) for each."""
+        ...
+
+    def put_directory(self, key: str, fill: Callable[[Path], T]) -> T:
+        """Write a value that is a directory of files (a DCP checkpoint): ``fill`` writes them into the
+        local folder it is given; the directory becomes visible whole, once durable, after ``fill``
+        returns. Returns what ``fill`` returned. Under several ranks every rank calls it at once with
+        one folder, ``fill`` returning only once every rank's files are written (a collective), and
+        rank 0 installs the directory."""
+        ...
+
+    def fetch(self, key: str) -> Path:
+        """A local path holding the value ``key`` (a file, or a directory value's folder), for a format
+        that reads by path; ValueError for a key that would lie outside the store."""
+        ...
+
+    def close(self) -> None:
+        """Release what the store keeps for the writes to come (it may still be read)."""
+        ...
+
+
+class Reader(Protocol):
+    """What reads checkpoints: the manifests committed, and their objects verified. A
+    :class:`~everystep.storage.catalog.Catalog` over a store is one; lightcheck's region is another."""
+
+    root: Path
+    ranks: "Ranks"
+    access: Access
+
+    def manifests(self) -> list[ManifestRecord]:
+        """Every manifest, parsed and verified, or why it is not."""
         ...
 
     def read_object(self, info: ObjectInfo) -> bytearray:
         """The object's bytes, after its size and checksum are verified."""
         ...
 
-    def commit(self, manifest: Manifest) -> None: ...
-
-    def manifests(self) -> list[ManifestRecord]: ...
-
     def committed(self, manifest_name: str) -> bool:
         """Whether the checkpoint is still committed (a writer may discard it while a reader reads it)."""
         ...
 
-    def discard(self, manifest_name: str) -> None: ...
+    def discard(self, manifest_name: str) -> None:
+        """Uncommit a checkpoint and delete what only it used."""
+        ...
 
-    def close(self) -> None:
-        """Delete what the store keeps to write over (the store may still be read)."""
+    def check_writable(self) -> None:
+        """Raise :class:`~everystep.errors.ReadOnlyStoreError` if opened for reading."""
         ...
 
     def stored_files(self) -> list[str]:
-        """Every file of every object, as an object name (``verify`` compares it with the manifests)."""
+        """Every file holding objects, as an object name (``verify`` compares it with the manifests)."""
         ...
-
-    # For the manager above the store: its directory's identity and garbage.
-
-    def prepare(self) -> None: ...
-
-    def unprepare(self) -> None: ...
-
-    def put_file(self, name: str, data: bytes) -> None: ...
-
-    def object_names(self) -> list[str]: ...
-
-    def delete_object(self, name: str) -> str: ...
-
-    def interrupted_writes(self) -> list[tuple[str, str]]: ...
-
-    def delete_leftover(self, token: str) -> str: ...

@@ -32,7 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..errors import CorruptCheckpointError
-from .base import CHECKSUM_ALGORITHM, Manifest, ObjectInfo, Store, new_hasher
+from .base import CHECKSUM_ALGORITHM, Manifest, ObjectInfo, new_hasher
+from .catalog import Catalog
 from .tensorfile import CHUNK
 
 __all__ = ["write_dcp", "read_dcp", "load_metadata", "DCP_SUFFIX"]
@@ -105,11 +106,11 @@ def _file_info(path: Path, name: str) -> ObjectInfo:
     return ObjectInfo(name=name, nbytes=nbytes, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
 
 
-def write_dcp(store: Store, channel: str, step: int, tensors: dict[str, torch.Tensor], replicated: set[str],
+def write_dcp(catalog: Catalog, channel: str, step: int, tensors: dict[str, torch.Tensor], replicated: set[str],
               skeleton: Any, meta: dict[str, Any] | None = None) -> Manifest:
     """Save S_step with DCP from every rank, through the store, and commit it (rank 0) once every
     file is durable."""
-    ranks = store.ranks
+    ranks = catalog.ranks
     name = f"full-{step:012d}{DCP_SUFFIX}"
     state = {k if k in replicated else _rank_key(ranks.rank, k): t for k, t in tensors.items()}
 
@@ -124,23 +125,23 @@ def write_dcp(store: Store, channel: str, step: int, tensors: dict[str, torch.Te
             if ranks.rank == 0:
                 mine.append(".metadata")
             files = [_file_info(folder / f, f"{name}/{f}").to_json() for f in mine]
-            store.count_written_elsewhere(sum(f["nbytes"] for f in files))
+            catalog.count_written_elsewhere(sum(f["nbytes"] for f in files))
         except BaseException as e:  # reported to every rank
             error = e
         return ranks.exchange(channel, {"files": files, "skeleton": skeleton}, error, f"the DCP checkpoint of step {step}")
 
-    reports = store.write_directory(name, fill)
+    reports = catalog.write_directory(name, fill)
     objects = {f"dcp/{Path(o['name']).name}": ObjectInfo.from_json(o) for p in reports for o in p["files"]}
     manifest = Manifest(kind="full", step=step, objects=objects, meta={
         **(meta or {}), "format": "dcp", "world_size": ranks.world,
         "parts": [{"pieces": {}, "meta": {"skeleton": p["skeleton"]}} for p in reports],
     })
     if ranks.rank == 0:
-        store.commit(manifest)
+        catalog.commit(manifest)
     return manifest
 
 
-def read_dcp(store: Store, manifest: Manifest, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_dcp(catalog: Catalog, manifest: Manifest, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's tensors of a DCP checkpoint (rank r mod the writer's world size for its own state)."""
     parts = manifest.meta["parts"]
     mine = rank % len(parts)
@@ -148,8 +149,8 @@ def read_dcp(store: Store, manifest: Manifest, rank: int) -> tuple[dict[str, tor
     if len(names) != 1:
         raise CorruptCheckpointError(f"checkpoint {manifest.name} names files in several directories")
     for info in manifest.objects.values():
-        store.read_object(info)  # size and checksum, before DCP reads anything
-    directory = store.object_path(names.pop())
+        catalog.read_object(info)  # size and checksum, before DCP reads anything
+    directory = catalog.object_path(names.pop())
     reader = _Reader(directory)
     own = _rank_key(mine, "")
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}

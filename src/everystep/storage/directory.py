@@ -1,8 +1,8 @@
-"""The checkpoint directory: a manager above the object store.
+"""The checkpoint directory: a manager above the catalog of checkpoints.
 
-The object store (:class:`~everystep.storage.local.LocalStore`, behind the
-:class:`~everystep.storage.base.Store` protocol) keeps objects and manifests, each write atomic
-and durable. Everything about the directory as a whole lives here:
+The catalog (:class:`~everystep.storage.catalog.Catalog`) keeps objects and manifests in a store
+(:class:`~everystep.storage.local.LocalStore`), each write atomic and durable. Everything about the
+directory as a whole lives here:
 
 - identity: the marker ``everystep.json`` (format, version, strategy, world size, full-checkpoint
   format, checksum), checked at open, so that a run never mixes its checkpoints with another
@@ -15,7 +15,7 @@ and durable. Everything about the directory as a whole lives here:
 - garbage collection of everystep's own leftovers only (``full-000000000012.safetensors`` that no
   manifest names, interrupted writes), by the owner, logged.
 
-Objects and manifests are read and written through ``directory.store``.
+Objects and manifests are read and written through ``directory.catalog``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from typing import Any
 
 from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError, DirectoryInUseError
-from .base import Access, Manifest, ManifestRecord, Store, checksum
+from .base import Access, Manifest, ManifestRecord, checksum
+from .catalog import MANIFESTS, OBJECTS, Catalog
 from .local import LocalStore, fsync_dir
 from .retention import plan_retention
 
@@ -108,8 +109,8 @@ def _owner_pid(fd: int) -> int | None:
 class CheckpointDirectory:
     """An everystep checkpoint directory, opened for one kind of access (see the module docstring)."""
 
-    def __init__(self, store: Store, marker: dict[str, Any]) -> None:
-        self.store = store
+    def __init__(self, catalog: Catalog, marker: dict[str, Any]) -> None:
+        self.catalog = catalog
         self.marker = marker
         self._owner: _Lock | None = None
         self._retention_lock = threading.Lock()
@@ -118,16 +119,16 @@ class CheckpointDirectory:
 
     @property
     def root(self) -> Path:
-        return self.store.root
+        return self.catalog.root
 
     @property
     def ranks(self) -> Ranks:
         """The job writing here: each rank writes its part of a checkpoint; rank 0 commits and deletes."""
-        return self.store.ranks
+        return self.catalog.ranks
 
     @property
     def access(self) -> Access:
-        return self.store.access
+        return self.catalog.access
 
     @property
     def full_format(self) -> str:
@@ -168,7 +169,7 @@ class CheckpointDirectory:
         marker_path = path / MARKER
         if ranks.rank != 0:
             ranks.barrier("control")  # rank 0 has created or checked the directory
-            return cls(LocalStore(path, ranks, access=access), cls._read_marker(marker_path))
+            return cls(Catalog(LocalStore(path, access=access), ranks), cls._read_marker(marker_path))
         try:
             return cls._open_as_rank0(path, marker_path, strategy, ranks, create and access == "write", extra,
                                       other_world, access)
@@ -235,10 +236,10 @@ class CheckpointDirectory:
         marker = {"format": "everystep", "version": FORMAT_VERSION, "strategy": strategy, "world_size": ranks.world,
                   "full_format": "safetensors"}
         marker.update(extra or {})
-        directory = cls(LocalStore(path, ranks), marker)
+        directory = cls(Catalog(LocalStore(path), ranks), marker)
         directory.created = True
-        directory.store.prepare()
-        directory.store.put_file(MARKER, marker_bytes(marker))  # last: the directory is everystep's from here on
+        directory._make_folders()
+        directory.put_file(MARKER, marker_bytes(marker))  # last: the directory is everystep's from here on
         if path.parent.exists():
             fsync_dir(path.parent)
         return directory
@@ -252,7 +253,7 @@ class CheckpointDirectory:
                 f"{path} was written by strategy {marker.get('strategy')!r}; this run uses {strategy!r} — "
                 f"use strategy {marker.get('strategy')!r} or another directory"
             )
-        directory = cls(LocalStore(path, ranks, access=access), marker)
+        directory = cls(Catalog(LocalStore(path, access=access), ranks), marker)
         wanted = (extra or {}).get("full_format")
         if wanted is not None and wanted != directory.full_format:
             raise CheckpointDirectoryError(
@@ -261,7 +262,7 @@ class CheckpointDirectory:
             )
         if access == "read":
             return directory
-        directory.store.prepare()
+        directory._make_folders()
         written = marker.get("world_size", 1)
         if written != ranks.world and strategy is not None:
             if not other_world:
@@ -270,7 +271,7 @@ class CheckpointDirectory:
                     f"{strategy!r} keeps state per rank that cannot be carried to another world size"
                 )
             directory.marker = {**marker, "world_size": ranks.world}
-            directory.store.put_file(MARKER, marker_bytes(directory.marker))
+            directory.put_file(MARKER, marker_bytes(directory.marker))
         return directory
 
     @staticmethod
@@ -289,10 +290,21 @@ class CheckpointDirectory:
             raise CheckpointDirectoryError(f"{marker_path} fails its checksum (corrupted, or edited by hand)")
         return marker
 
+    def _make_folders(self) -> None:
+        """The catalog's folders, made by a writer at open (the store would make them at its first write)."""
+        try:
+            for folder in (OBJECTS, MANIFESTS):
+                (self.root / folder).mkdir(exist_ok=True)
+        except OSError as e:
+            raise CheckpointDirectoryError(f"cannot create the checkpoint directory {self.root}: {e.strerror or e}") from None
+
+    def put_file(self, name: str, data: bytes) -> None:
+        """Write the file ``name`` beside the catalog's folders (the marker, a region's claim), atomically."""
+        self.catalog.store.put(name, [data])
+
     def close(self) -> None:
         """Give the directory up for writing (release its lock). The store may still be read."""
-        if self.access != "read":
-            self.store.close()
+        self.catalog.close()
         if self._owner is not None:
             self._owner.release()
             self._owner = None
@@ -302,10 +314,10 @@ class CheckpointDirectory:
         (a constructor that failed after opening it leaves it as it found it)."""
         if not self.created or self.access != "write" or self.ranks.rank != 0:
             return
-        if self.store.object_names() or self.store.manifests():
+        if self.catalog.object_names() or self.catalog.manifests():
             return
-        (self.root / MARKER).unlink(missing_ok=True)
-        self.store.unprepare()
+        for key in (MARKER, OBJECTS.rstrip("/"), MANIFESTS.rstrip("/")):
+            self.catalog.store.delete(key)
         if self._owner is not None:
             self._owner.release(remove=True)
             self._owner = None
@@ -314,7 +326,7 @@ class CheckpointDirectory:
     def fulls(self, records: list[ManifestRecord] | None = None) -> list[Manifest]:
         """The full checkpoints' manifests, newest first, as listed (``records``: a listing already
         made), not yet verified."""
-        listed = self.store.manifests() if records is None else records
+        listed = self.catalog.manifests() if records is None else records
         return sorted((r.manifest for r in listed if r.manifest and r.manifest.kind == "full"), key=lambda m: -m.step)
 
     def newest_full_step(self, records: list[ManifestRecord] | None = None) -> int:
@@ -330,14 +342,14 @@ class CheckpointDirectory:
         IMPORTANT: call only after the newest checkpoint is committed, so that deleting an older
         one never leaves fewer recoverable points than before. Only rank 0 deletes.
         """
-        self.store.check_writable()
+        self.catalog.check_writable()
         if self.ranks.rank != 0:
             return []
         with self._retention_lock:
-            committed = [r.manifest for r in self.store.manifests() if r.manifest is not None]
+            committed = [r.manifest for r in self.catalog.manifests() if r.manifest is not None]
             doomed = plan_retention(committed, keep=keep)
             for name in doomed:
-                self.store.discard(name)
+                self.catalog.discard(name)
         return doomed
 
     def collect_garbage(self) -> list[str]:
@@ -348,17 +360,18 @@ class CheckpointDirectory:
         names removed, which are also logged.
         """
         if self.access != "write":
-            self.store.check_writable()
+            self.catalog.check_writable()
             return []
-        records = self.store.manifests()
+        catalog = self.catalog
+        records = catalog.manifests()
         used = {o.name for r in records if r.manifest for o in r.manifest.objects.values()}
         used |= {name.split("/", 1)[0] for name in used if "/" in name}
         unreadable = tuple(r.name for r in records if r.manifest is None)
-        orphans = [name for name in self.store.object_names()
+        orphans = [name for name in catalog.object_names()
                    if _OWN_OBJECT.match(name) and name not in used and not name.startswith(unreadable)]
-        removed = [self.store.delete_object(name) for name in orphans]
-        removed += [self.store.delete_leftover(token) for token, final in self.store.interrupted_writes()
-                    if _OWN_OBJECT.match(final)]
+        leftovers = [token for token, final in catalog.interrupted_writes() if _OWN_OBJECT.match(final.rsplit("/", 1)[-1])]
+        removed = [catalog.delete_leftover(token) for token in leftovers]  # first: a deleted object may be kept as a spare
+        removed += [catalog.delete_object(name) for name in orphans]
         if removed:
             log.warning("removed %d file(s) an interrupted run left in %s: %s", len(removed), self.root,
                         ", ".join(sorted(removed)))

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .base import Manifest, Store
+from .base import Manifest
+from .catalog import Catalog
 
 from .sharded import RankShare, commit_parts
 
@@ -21,7 +22,7 @@ _WHOLE = RankShare({}, {})
 
 
 def write_full(
-    store: Store,
+    catalog: Catalog,
     step: int,
     chunks: Iterable[memoryview] | None,
     skeleton: Any,
@@ -45,8 +46,8 @@ def write_full(
             raise error
         assert tensors is not None
         from .dcp import write_dcp  # torch.distributed.checkpoint takes a second to import
-        return write_dcp(store, "full", step, tensors, set(share.replicated), skeleton, meta)
-    return commit_parts(store, "full", kind="full", step=step, chunks=chunks, share=share, meta=meta or {},
+        return write_dcp(catalog, "full", step, tensors, set(share.replicated), skeleton, meta)
+    return commit_parts(catalog, "full", kind="full", step=step, chunks=chunks, share=share, meta=meta or {},
                         rank_meta={"skeleton": skeleton}, error=error)
 
 
@@ -56,7 +57,7 @@ def persist_full(directory: "CheckpointDirectory", step: int, chunks: Iterable[m
     with the seconds the write took — the checkpoint is durable and visible —, then retention of
     the newest ``keep`` full checkpoints. Returns the manifest and those seconds."""
     t0 = time.perf_counter()
-    manifest = write_full(directory.store, step, chunks, skeleton, **options)
+    manifest = write_full(directory.catalog, step, chunks, skeleton, **options)
     seconds = time.perf_counter() - t0
     if committed is not None:
         committed(seconds)  # before retention: what is durable is known at once

@@ -1,18 +1,10 @@
-"""An object store on a local (or network-mounted POSIX) filesystem.
+"""A :class:`~everystep.storage.base.Store` on a local (or network-mounted POSIX) filesystem.
 
-Layout of a checkpoint directory (the marker and the lock belong to
-:class:`~everystep.storage.directory.CheckpointDirectory`, the manager above this store)::
-
-    everystep.json          marker: format, version, strategy, world size, full format, checksum
-    everystep.lock          held (flock) by the one process that writes here
-    objects/<name>          immutable objects (safetensors tensors, JSON records)
-    objects/<name>.dcp/     a full checkpoint in the torch.distributed.checkpoint format
-    manifests/<name>.json   one per committed checkpoint
-
-A write goes to ``.tmp-<name>-<random>`` beside its final name and is renamed into place when it
-is durable; what an interrupted write leaves is listed by :meth:`LocalStore.interrupted_writes`.
-The file of an object a discarded checkpoint alone used is kept (as ``.tmp-<its name>-<random>``)
-and written over by the next object, instead of deleted and allocated anew; :meth:`LocalStore.close`
+A key is a path under the store's root (``objects/full-000000000012.safetensors``). A value is
+written to ``.tmp-<name>-<random>`` beside its final name, fsynced, renamed into place and its
+folder fsynced; :meth:`LocalStore.leftovers` lists what an interrupted write left. The file of a
+deleted object (a top-level file of ``objects/``) is kept as ``.tmp-<its name>-<random>`` and
+written over by the next object put, instead of deleted and allocated anew; :meth:`LocalStore.close`
 deletes it. A store opened with ``access="read"`` creates, renames and deletes nothing.
 """
 
@@ -28,32 +20,20 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from .._faults import crash_point
-from ..distributed import Ranks
-from ..errors import (
-    CheckpointDirectoryError,
-    CorruptCheckpointError,
-    EverystepError,
-    ReadOnlyStoreError,
-)
-from .base import (
-    CHECKSUM_ALGORITHM,
-    Access,
-    Manifest,
-    ManifestRecord,
-    ObjectInfo,
-    check_manifest_name,
-    check_object_name,
-    new_hasher,
-)
+from ..errors import EverystepError, ReadOnlyStoreError
+from .base import Access
 
 __all__ = ["LocalStore", "StoreWriteError", "fsync_dir"]
 
 T = TypeVar("T")
-_OBJECT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_PART = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.][A-Za-z0-9_.\-]*$")
+"""A name in a key: letters, digits, ``_.-``, never ``.`` or ``..`` (a DCP folder holds ``.metadata``)."""
 _TMP = re.compile(r"^\.tmp-(?P<final>.+?)(?:-[0-9a-f]{8})?$")
+_SPARE_FOLDER = "objects"
+"""The folder whose top-level files are written over once deleted (see :meth:`LocalStore._open_spare`)."""
 
 
 class StoreWriteError(EverystepError, OSError):
@@ -68,99 +48,65 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _identity(path: Path | str) -> tuple[int, int, int]:
+def _version(st: os.stat_result) -> str:
     """What tells a file apart from a rewrite of it: inode, size, modification time."""
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
 
 class LocalStore:
-    """Objects and manifests in a directory, each write atomic and durable.
+    """Values in files under ``root``, each write atomic and durable (see the module docstring).
 
-    IMPORTANT: an object or manifest becomes visible only by ``rename`` of a fully written and
-    fsynced temporary file, followed by an fsync of its directory; a manifest is written only
-    after all its objects are durable. A crash at any instant therefore leaves either the old
-    set of checkpoints or the old set plus the new one, never a partial checkpoint.
+    IMPORTANT: a value becomes visible only by ``rename`` of a fully written and fsynced temporary
+    file, followed by an fsync of its folder: a crash at any instant leaves the old value or the new.
     """
 
-    def __init__(self, root: Path, ranks: Ranks | None = None, *, access: Access = "write") -> None:
-        self.root = root
-        self.ranks = ranks or Ranks()
-        """The job writing here: each rank writes its part of a checkpoint; rank 0 commits and deletes."""
+    def __init__(self, root: Path, *, access: Access = "write") -> None:
+        self.root = Path(root)
+        self._prefix = f"{self.root}/"
         self.access: Access = access
-        self.objects_dir = root / "objects"
-        self.manifests_dir = root / "manifests"
         self._lock = threading.Lock()
-        self._bytes_written = 0
-        self._parsed: dict[str, tuple[tuple[int, int, int], ManifestRecord]] = {}
         self._spare: Path | None = None
-        """The file of a discarded object, for the next object to be written over (see :meth:`discard`)."""
+        """The file of a deleted object, for the next object to be written over."""
 
-    def prepare(self) -> None:
-        """Create the store's folders (a writer, at open)."""
-        try:
-            self.objects_dir.mkdir(exist_ok=True)
-            self.manifests_dir.mkdir(exist_ok=True)
-        except OSError as e:
-            raise CheckpointDirectoryError(f"cannot create the checkpoint directory {self.root}: {e.strerror or e}") from None
-
-    def unprepare(self) -> None:
-        """Remove the store's folders again; they must be empty."""
-        for sub in (self.objects_dir, self.manifests_dir):
-            sub.rmdir()
-
-    def put_file(self, name: str, data: bytes) -> None:
-        """Write the file ``name`` beside the store's folders (the directory's marker), atomically."""
-        self._atomic_write(self.root / name, data)
-
-    def check_writable(self) -> None:
-        """Raise :class:`ReadOnlyStoreError` if the store was opened for reading."""
+    def _check_writable(self) -> None:
         if self.access == "read":
             raise ReadOnlyStoreError(f"{self.root} was opened for reading; nothing may be written or deleted there")
 
+    def _path(self, key: str, *, leftover: bool = False) -> Path:
+        """The file of ``key``; ValueError for a key that is not a relative path of plain names inside
+        the root (``leftover``: the last name may be a temporary's)."""
+        parts = key.split("/") if isinstance(key, str) else []
+        # each name plain (never empty, ``.`` or ``..``): the path cannot leave the root
+        if not (parts and all(_PART.match(p) and not _TMP.match(p) for p in parts[:-1]) and _PART.match(parts[-1])
+                and (leftover or not _TMP.match(parts[-1]))):
+            raise ValueError(f"{key!r} is not a key of the store at {self.root}")
+        return Path(f"{self._prefix}{key}")
+
     # -- writing -----------------------------------------------------------------------------
 
-    @property
-    def bytes_written(self) -> int:
-        with self._lock:
-            return self._bytes_written
-
-    def _count(self, n: int) -> None:
-        with self._lock:
-            self._bytes_written += n
-
-    def count_written_elsewhere(self, n: int) -> None:
-        """Add ``n`` bytes written for this directory elsewhere than through this store (a checkpoint
-        agent's, lightcheck's region)."""
-        self._count(n)
-
-    def _atomic_write(self, final: Path, data: bytes, what: str = "file") -> None:
-        self._write_chunks(final, [memoryview(data)], hasher=None, what=what)
-
-    def _write_chunks(self, final: Path, chunks: Iterable[bytes | memoryview], hasher: Any, what: str) -> int:
-        """Write ``final`` atomically; crash points are ``store.<what>.mid_write`` and ``.before_rename``.
-        An object is written over the spare file, when there is one."""
-        self.check_writable()
+    def put(self, key: str, chunks: Iterable[bytes | memoryview]) -> int:
+        """Crash points: ``store.<what>.mid_write`` and ``.before_rename``, ``what`` being ``object``,
+        ``manifest`` or ``file`` by the key's folder."""
+        self._check_writable()
+        final = self._path(key)
+        what = {"objects": "object", "manifests": "manifest"}.get(key.split("/", 1)[0], "file") if "/" in key else "file"
         tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         total = 0
         try:
-            fd = self._open_spare(tmp) if what == "object" else None
+            fd = self._open_spare(tmp) if what == "object" and final.parent.name == _SPARE_FOLDER else None
             if fd is None:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                fd = self._create(tmp)
             try:
                 for i, chunk in enumerate(chunks):
                     view = memoryview(chunk).cast("B")
-                    if hasher is not None:
-                        hasher.update(view)
                     while view:
                         n = self._os_write(fd, view)
                         view = view[n:]
                         total += n
-                        self._count(n)
                     if i == 0:
                         crash_point(f"store.{what}.mid_write")  # once per write: part written, not durable
                 if os.fstat(fd).st_size != total:
-                    os.ftruncate(fd, total)  # a spare file longer than the object
+                    os.ftruncate(fd, total)  # a spare file longer than the value
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -178,12 +124,21 @@ class LocalStore:
             raise StoreWriteError(e.errno, f"writing {final} failed: {e.strerror or e}{hint}") from e
         return total
 
+    @staticmethod
+    def _create(tmp: Path) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(tmp, flags, 0o644)
+        except FileNotFoundError:
+            tmp.parent.mkdir(parents=True, exist_ok=True)  # a store's first value in this folder
+            return os.open(tmp, flags, 0o644)
+
     def _open_spare(self, tmp: Path) -> int | None:
         """The spare file renamed to ``tmp`` and opened for writing over, if there is one.
 
         Writing over a file keeps its blocks: no allocation now and no freeing at its deletion,
-        which on a small state checkpointed every step cost more than the data's own write. No
-        checkpoint names the spare (its manifest's removal was durable before it became one).
+        which on a small state checkpointed every step cost more than the data's own write. Nothing
+        names the spare (it was deleted as a value before it became one).
         """
         with self._lock:
             spare, self._spare = self._spare, None
@@ -198,12 +153,12 @@ class LocalStore:
                 return fd
             os.close(fd)
             warnings.warn(f"{tmp} was replaced by a file everystep did not write (a hard link): not written over, "
-                          "deleted", stacklevel=4)
+                          "deleted", stacklevel=5)
         except OSError as e:
             if fd is not None:
                 os.close(fd)
             if e.errno == errno.ELOOP:
-                warnings.warn(f"{tmp} was replaced by a symbolic link: not followed, deleted", stacklevel=4)
+                warnings.warn(f"{tmp} was replaced by a symbolic link: not followed, deleted", stacklevel=5)
         for path in (spare, tmp):
             path.unlink(missing_ok=True)
         return None
@@ -212,31 +167,20 @@ class LocalStore:
         """One write(2); a seam for fault-injection tests."""
         return os.write(fd, view)
 
-    def write_object(self, name: str, chunks: Iterable[bytes | memoryview]) -> ObjectInfo:
-        if not _OBJECT_NAME.match(name):
-            raise ValueError(f"invalid object name {name!r}")
-        hasher = new_hasher()
-        n = self._write_chunks(self.objects_dir / name, chunks, hasher, what="object")
-        return ObjectInfo(name=name, nbytes=n, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
-
-    def write_directory(self, name: str, fill: Callable[[Path], T]) -> T:
-        """Write an object that is a directory of files (a DCP checkpoint): ``fill`` writes them into
-        the temporary directory it is given; once it returns, every file and the directory are
-        fsynced and the directory is renamed into place. Returns what ``fill`` returned.
-
-        Under several ranks every rank calls this at once and ``fill`` writes the rank's files into
-        the same temporary directory; it must return only when every rank's files are written
-        (a collective), and rank 0 then installs the directory."""
-        self.check_writable()
-        if not _OBJECT_NAME.match(name):
-            raise ValueError(f"invalid object name {name!r}")
-        tmp, final = self.objects_dir / f".tmp-{name}", self.objects_dir / name
+    def put_directory(self, key: str, fill: Callable[[Path], T], *, lead: bool = True) -> T:
+        """``fill`` writes into ``.tmp-<name>`` beside the final folder; once it returns, every file and
+        the folder are fsynced and the folder renamed into place (by the ``lead`` caller alone: the
+        others fill the same folder and return)."""
+        self._check_writable()
+        final = self._path(key)
+        tmp = final.parent / f".tmp-{final.name}"
         if tmp.is_symlink():
             raise StoreWriteError(errno.ELOOP, f"writing {final} failed: {tmp} is a symbolic link, which everystep "
                                   "never makes; delete it")
-        if self.ranks.rank != 0:
+        if not lead:
             return fill(tmp)
         try:
+            final.parent.mkdir(parents=True, exist_ok=True)
             result = fill(tmp)
             for path in (tmp, *tmp.iterdir()):
                 if path.is_dir():
@@ -245,11 +189,11 @@ class LocalStore:
                     with open(path, "rb") as f:
                         os.fsync(f.fileno())
             old = None
-            if final.exists():  # this step's checkpoint, written before and skipped at restore: replaced
-                old = self.objects_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+            if final.exists():  # this key's value, written before: replaced
+                old = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
                 os.rename(final, old)
             os.rename(tmp, final)
-            fsync_dir(self.objects_dir)
+            fsync_dir(final.parent)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         except BaseException as e:
@@ -259,189 +203,101 @@ class LocalStore:
             raise
         return result
 
-    def object_path(self, name: str) -> Path:
-        """Where the object ``name`` lies (formats that read by path: DCP); ValueError for a name
-        everystep does not write (absolute, climbing out), which would lie elsewhere."""
-        path = self.objects_dir / check_object_name(name)
-        if os.path.commonpath([os.path.normpath(path), self.objects_dir]) != str(self.objects_dir):
-            raise ValueError(f"object name {name!r} lies outside {self.objects_dir}")
-        return path
-
-    def commit(self, manifest: Manifest) -> None:
-        crash_point("store.commit.before_manifest")
-        path = self.manifests_dir / f"{manifest.name}.json"
-        self._atomic_write(path, manifest.to_bytes(), what="manifest")
-        # the writer lists the manifests after each checkpoint (retention): its own need no re-reading
-        try:
-            identity = _identity(path)
-        except FileNotFoundError:
-            return  # already discarded by another writer thread's retention: nothing to remember
-        self._parsed[manifest.name] = (identity, ManifestRecord(manifest.name, manifest))
-
     # -- reading -----------------------------------------------------------------------------
 
-    def read_object(self, info: ObjectInfo) -> bytearray:
-        try:
-            path = self.object_path(info.name)
-        except ValueError as e:
-            raise CorruptCheckpointError(str(e)) from None
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"object {path} is missing") from None
-        if size != info.nbytes:
-            raise CorruptCheckpointError(f"object {path} has {size} bytes; its manifest says {info.nbytes} (truncated?)")
-        data = bytearray(size)
+    def get(self, key: str) -> bytearray:
+        path = self._path(key)
         with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            data = bytearray(size)
             view, got = memoryview(data), 0
             while got < size:
                 n = f.readinto(view[got:])
                 if not n:
-                    raise CorruptCheckpointError(f"object {path} ended after {got} of {size} bytes")
+                    return data[:got]  # shortened while read: the caller's size check says so
                 got += n
-        algorithm, _, _ = info.checksum.partition(":")
-        if algorithm != CHECKSUM_ALGORITHM:
-            raise CorruptCheckpointError(f"object {path} has checksum algorithm {algorithm!r}; expected {CHECKSUM_ALGORITHM}")
-        hasher = new_hasher()
-        hasher.update(data)
-        if f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}" != info.checksum:
-            raise CorruptCheckpointError(f"object {path} fails its checksum (corrupted on storage?)")
         return data
 
-    def _known(self, path: Path, name: str) -> Manifest | None:
-        """The manifest ``name`` as this store last parsed or wrote it, if its file is the same still."""
-        known = self._parsed.get(name)
-        if known is None or known[1].manifest is None:
-            return None
-        return known[1].manifest if known[0] == _identity(path) else None
+    def fetch(self, key: str) -> Path:
+        return self._path(key)
 
-    def manifests(self) -> list[ManifestRecord]:
-        """Every manifest, parsed and verified. A manifest this store already parsed and that is the
-        same file still (inode, size, modification time) is not read again: the writer lists the
-        directory after each checkpoint, for retention; the manifests it commits are known without a
-        read. A new store (a recovery) reads every one. (A rewrite of the same size within one tick of the
-        file system's clock is not seen by a store that knows the file; a new store sees it.)"""
-        records, parsed = [], {}
-        folder = str(self.manifests_dir)  # (strings, not paths: listed after every checkpoint)
-        try:
-            with os.scandir(folder) as entries:
-                filenames = sorted(e.name for e in entries if e.name.endswith(".json") and not _TMP.match(e.name))
-        except FileNotFoundError:
-            filenames = []
-        for filename in filenames:
-            name, path = filename[: -len(".json")], os.path.join(folder, filename)
+    def list(self, prefix: str) -> dict[str, str]:
+        """Listed with ``os.scandir`` (a folder deleted while it is walked is passed over: a reader
+        beside a live writer); a value is a file, and a folder's files are listed as keys of their own."""
+        folder, _, start = prefix.rpartition("/")
+        if folder and not all(_PART.match(p) for p in folder.split("/")):
+            raise ValueError(f"{prefix!r} is not a prefix of keys of the store at {self.root}")
+        found: dict[str, str] = {}
+        pending = [(str(self.root.joinpath(*folder.split("/")) if folder else self.root), folder, start)]
+        while pending:
+            where, key, start = pending.pop()
             try:
-                identity = _identity(path)
-                known = self._parsed.get(name)
-                if known is not None and known[0] == identity:
-                    record = known[1]
-                else:
-                    with open(path, "rb") as f:
-                        record = ManifestRecord(name, Manifest.from_bytes(f.read(), name=name))
-            except FileNotFoundError:
-                continue  # discarded since the listing (a reader beside a live writer)
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                records.append(ManifestRecord(name, None, f"manifest {path} is unreadable: {e}"))
+                with os.scandir(where) as entries:
+                    for e in entries:
+                        if not e.name.startswith(start) or _TMP.match(e.name) or not _PART.match(e.name):
+                            continue
+                        name = f"{key}/{e.name}" if key else e.name
+                        try:
+                            if e.is_dir(follow_symlinks=False):
+                                pending.append((e.path, name, ""))
+                            else:
+                                found[name] = _version(e.stat(follow_symlinks=False))
+                        except FileNotFoundError:
+                            continue  # deleted since the listing
+            except (FileNotFoundError, NotADirectoryError):
                 continue
-            parsed[name] = (identity, record)
-            records.append(record)
-        self._parsed = parsed
-        return records
+        return dict(sorted(found.items()))
+
+    def leftovers(self) -> list[tuple[str, str]]:
+        """The temporaries in the root's folders (a deleted object's spare among them)."""
+        found = []
+        for folder in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.is_symlink() and _PART.match(p.name)) \
+                if self.root.is_dir() else []:
+            for path in folder.iterdir():
+                m = _TMP.match(path.name)
+                if m is not None:
+                    found.append((f"{folder.name}/{path.name}", f"{folder.name}/{m['final']}"))
+        return sorted(found)
 
     # -- removing ----------------------------------------------------------------------------
 
-    def discard(self, manifest_name: str) -> None:
-        """Uncommit a checkpoint (its manifest goes first, durably), then delete the objects only it
-        used — but one file, kept as the spare for the next object to be written over."""
-        self.check_writable()
-        path = self.manifests_dir / f"{check_manifest_name(manifest_name)}.json"
-        try:
-            manifest = self._known(path, manifest_name) or Manifest.from_bytes(path.read_bytes(), name=manifest_name)
-            names = {o.name for o in manifest.objects.values()}
-        except (OSError, ValueError, KeyError, TypeError):
-            names = set()
-        path.unlink(missing_ok=True)
-        fsync_dir(self.manifests_dir)
-        still_used = self._referenced()
-        for name in sorted(names - still_used):
-            self._retire(self.object_path(name))
-        for folder in {name.split("/", 1)[0] for name in names if "/" in name}:
-            if not any(n.startswith(folder + "/") for n in still_used):
-                self._remove(self.object_path(folder))
-
-    def _retire(self, path: Path) -> None:
-        """Keep the file of a discarded object as the spare, or delete it when there is one already."""
-        if self._spare is not None or path.parent != self.objects_dir:  # (read unlocked: a hint)
+    def delete(self, key: str, *, durable: bool = True) -> None:
+        """``durable``: its folder is fsynced. A top-level file of ``objects/`` is kept as the spare when
+        there is none (see the module docstring); a symbolic link is removed, not followed."""
+        self._check_writable()
+        path = self._path(key, leftover=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif not (path.parent.name == _SPARE_FOLDER and path.parent.parent == self.root and not _TMP.match(path.name)
+                  and self._retire(path)):
             path.unlink(missing_ok=True)
-            return
+        if durable:
+            try:
+                fsync_dir(path.parent)
+            except FileNotFoundError:
+                pass
+
+    def _retire(self, path: Path) -> bool:
+        """Keep the file of a deleted object as the spare; False when there is one already."""
+        if self._spare is not None:  # (read unlocked: a hint)
+            return False
         spare = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
         try:
             os.rename(path, spare)
+        except FileNotFoundError:
+            return True
         except OSError:
-            path.unlink(missing_ok=True)
-            return
+            return False
         with self._lock:
             if self._spare is None:
                 self._spare, spare = spare, None
         if spare is not None:
             spare.unlink(missing_ok=True)
+        return True
 
     def close(self) -> None:
-        """Delete the spare file (the store may still be read)."""
+        """Delete the spare file."""
         with self._lock:
             spare, self._spare = self._spare, None
         if spare is not None:
             spare.unlink(missing_ok=True)
-
-    def committed(self, manifest_name: str) -> bool:
-        """Whether the checkpoint ``manifest_name`` is still committed (a writer may discard it
-        while a reader reads it)."""
-        return (self.manifests_dir / f"{manifest_name}.json").exists()
-
-    def _referenced(self) -> set[str]:
-        return {o.name for r in self.manifests() if r.manifest for o in r.manifest.objects.values()}
-
-    def object_names(self) -> list[str]:
-        """The names of the objects stored (not what interrupted writes left)."""
-        return sorted(p.name for p in self.objects_dir.iterdir() if not _TMP.match(p.name))
-
-    def delete_object(self, name: str) -> str:
-        """Delete an object that no manifest names; returns its path relative to the root."""
-        self.check_writable()
-        return self._remove(self.objects_dir / name)
-
-    def interrupted_writes(self) -> list[tuple[str, str]]:
-        """What interrupted writes left: (a token for :meth:`delete_leftover`, the final name it was
-        being written under) for each."""
-        found = []
-        for folder in (self.objects_dir, self.manifests_dir):
-            for path in folder.iterdir():
-                m = _TMP.match(path.name)
-                if m is not None:
-                    found.append((str(path.relative_to(self.root)), m["final"]))
-        return found
-
-    def delete_leftover(self, token: str) -> str:
-        """Delete what an interrupted write left; returns its path relative to the root."""
-        self.check_writable()
-        path = self.root / token
-        if path.parent not in (self.objects_dir, self.manifests_dir) or not _TMP.match(path.name):
-            raise ValueError(f"{token!r} is not a leftover of this store")
-        return self._remove(path)
-
-    def _remove(self, path: Path) -> str:
-        """Delete ``path``, a file or folder of this store (a symbolic link is removed, not followed)."""
-        if os.path.commonpath([os.path.normpath(path), self.root]) != str(self.root) or path == self.root:
-            raise ValueError(f"{path} is not inside {self.root}: not deleted")
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-        return str(path.relative_to(self.root))
-
-    def stored_files(self) -> list[str]:
-        """Every file under ``objects/``, as an object name (``a.safetensors``, ``full-….dcp/__0_0.distcp``)."""
-        found = []  # (os.walk passes over a folder deleted while it walks: a reader beside a live writer)
-        for folder, _, files in os.walk(self.objects_dir):
-            found += [os.path.relpath(os.path.join(folder, f), self.objects_dir) for f in files]
-        return sorted(found)

@@ -29,7 +29,7 @@ them, which costs a TLB shootdown per page when another thread of the process ru
 core — the training thread, once the GIL is free. On gpt2-tiny (2 virtual cores), LightCheck's
 overhead went from +56% to +80% and the shootdowns from about one to about 460 a step.
 
-The region implements the reading half of the :class:`~everystep.storage.base.Store` protocol
+The region implements the :class:`~everystep.storage.base.Reader` protocol
 (``manifests``, ``read_object``, ``committed``, ``discard``, ``stored_files``): a complete slot
 is a manifest of kind ``full`` whose objects are its tensors. Writing goes through
 :meth:`RegionStore.begin` and :meth:`RegionStore.commit`, since the data is copied into place.
@@ -576,7 +576,7 @@ class RegionStore:
         """The newest complete slot that verifies (see :meth:`verified`), or None."""
         return next(self.verified(copy=copy, warn=warn), None)
 
-    # -- the Store protocol's reading half -------------------------------------------------------
+    # -- the Reader protocol ------------------------------------------------------------------------
 
     def manifests(self) -> list[ManifestRecord]:
         records = []
@@ -687,7 +687,7 @@ def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: 
     claimed = token is None
     if token is None:
         token = uuid.uuid4().hex
-        directory.store.put_file(claim.name, token.encode())  # before the region: a region is always claimed
+        directory.put_file(claim.name, token.encode())  # before the region: a region is always claimed
     try:
         found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token)
     except UntrustedRegionError:

@@ -29,7 +29,8 @@ import torch
 
 from ..distributed import Ranks
 from ..errors import CorruptCheckpointError
-from .base import Manifest, ObjectInfo, Store, malformed
+from .base import Manifest, ObjectInfo, Reader, malformed
+from .catalog import Catalog
 from ..layout import TensorLayout
 from .tensorfile import load_tensors, tensor_chunks
 
@@ -76,13 +77,13 @@ def object_name(kind: str, step: int, ranks: Ranks) -> str:
     return f"{kind}-{step:012d}{suffix}.safetensors"
 
 
-def write_part(store: Store, kind: str, step: int, chunks: Iterable[memoryview], ranks: Ranks) -> ObjectInfo:
+def write_part(catalog: Catalog, kind: str, step: int, chunks: Iterable[memoryview], ranks: Ranks) -> ObjectInfo:
     """Write one rank's part of a checkpoint, durable but not yet part of any manifest."""
-    return store.write_object(object_name(kind, step, ranks), chunks)
+    return catalog.write_object(object_name(kind, step, ranks), chunks)
 
 
 def commit_parts(
-    store: Store,
+    catalog: Catalog,
     channel: str,
     *,
     kind: str,
@@ -104,15 +105,15 @@ def commit_parts(
     if error is None:
         try:
             assert chunks is not None
-            info = write_part(store, kind, step, chunks, store.ranks)
+            info = write_part(catalog, kind, step, chunks, catalog.ranks)
         except BaseException as e:  # reported to every rank below
             error = e
-    return commit_written(store, channel, kind=kind, step=step, info=info, pieces=share.pieces, meta=meta,
+    return commit_written(catalog, channel, kind=kind, step=step, info=info, pieces=share.pieces, meta=meta,
                           rank_meta=rank_meta, requires=requires, error=error)
 
 
 def commit_written(
-    store: Store,
+    catalog: Catalog,
     channel: str,
     *,
     kind: str,
@@ -126,13 +127,13 @@ def commit_written(
 ) -> Manifest:
     """The commit half of :func:`commit_parts`, for a part written elsewhere (``info``) or not at
     all (``error``): the ranks exchange what they wrote, and rank 0 commits if every part is there."""
-    ranks: Ranks = store.ranks
+    ranks: Ranks = catalog.ranks
     if not ranks.distributed:
         if error is not None:
             raise error
         assert info is not None
         manifest = Manifest(kind=kind, step=step, objects={"tensors": info}, meta={**meta, **rank_meta}, requires=requires)
-        store.commit(manifest)
+        catalog.commit(manifest)
         return manifest
     report = {"info": info.to_json() if info else None, "pieces": pieces, "meta": rank_meta}
     parts = ranks.exchange(channel, report, error, f"the {kind} checkpoint of step {step}")
@@ -142,12 +143,12 @@ def commit_written(
         meta={**meta, "world_size": ranks.world, "parts": [{"pieces": p["pieces"], "meta": p["meta"]} for p in parts]},
     )
     if ranks.rank == 0:
-        store.commit(manifest)
+        catalog.commit(manifest)
     return manifest
 
 
 def commit_tensors(
-    store: Store,
+    catalog: Catalog,
     channel: str,
     *,
     kind: str,
@@ -161,13 +162,13 @@ def commit_tensors(
 ) -> Manifest:
     """:func:`commit_parts` for tensors at hand: share this rank's share (unless the caller has
     ``share``, made by :meth:`RankShare.of` from the same arguments) and stream it from them."""
-    share = share or RankShare.of(tensors, replicated, store.ranks)
+    share = share or RankShare.of(tensors, replicated, catalog.ranks)
     layout = TensorLayout.of(share.local)
-    return commit_parts(store, channel, kind=kind, step=step, chunks=tensor_chunks(layout, share.local), share=share,
+    return commit_parts(catalog, channel, kind=kind, step=step, chunks=tensor_chunks(layout, share.local), share=share,
                         meta=meta, rank_meta=rank_meta, requires=requires)
 
 
-def read_parts(store: Store, manifest: Manifest, *, full_format: str = "safetensors") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safetensors") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's tensors of a checkpoint, replicated ones reassembled, and its per-rank meta.
 
     At another world size than the writer's, rank r takes the per-rank state of stored rank
@@ -179,26 +180,26 @@ def read_parts(store: Store, manifest: Manifest, *, full_format: str = "safetens
         if full_format != "dcp":
             # IMPORTANT: the marker, not the manifest, says which loader may run on this directory.
             raise CorruptCheckpointError(
-                f"{what} is in format 'dcp', but {store.root} holds full checkpoints in format {full_format!r} "
+                f"{what} is in format 'dcp', but {catalog.root} holds full checkpoints in format {full_format!r} "
                 "(its everystep.json): it was not written there, and is not loaded")
         from .dcp import read_dcp  # torch.distributed.checkpoint takes a second to import
-        return read_dcp(store, manifest, store.ranks.rank)
+        return read_dcp(catalog, manifest, catalog.ranks.rank)
     if "parts" not in manifest.meta:
         info = manifest.objects.get("tensors")
         if info is None:
             raise CorruptCheckpointError(f"{what} lacks its tensor object")
-        return load_tensors(store.read_object(info), what=f"object {info.name}"), manifest.meta
+        return load_tensors(catalog.read_object(info), what=f"object {info.name}"), manifest.meta
     with malformed(what):
         parts = _check_parts(manifest.meta["parts"])
     world = len(parts)
-    mine = store.ranks.rank % world
+    mine = catalog.ranks.rank % world
     tensors: dict[str, torch.Tensor] = {}
     flat: dict[str, torch.Tensor] = {}
     for r, part in enumerate(parts):
         info = manifest.objects.get(f"tensors-r{r}")
         if info is None:
             raise CorruptCheckpointError(f"{what} lacks the part of rank {r}")
-        loaded = load_tensors(store.read_object(info), what=f"object {info.name}")
+        loaded = load_tensors(catalog.read_object(info), what=f"object {info.name}")
         for key, (start, end, shape) in part["pieces"].items():
             piece = loaded.pop(key, None)
             if piece is None or piece.numel() != end - start:

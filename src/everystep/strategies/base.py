@@ -53,7 +53,8 @@ from ..storage.tensorfile import buffer_chunks, tensor_chunks
 from ..transport.host import HostBuffer
 
 if TYPE_CHECKING:
-    from ..storage.base import Manifest, Store
+    from ..storage.base import Manifest
+    from ..storage.catalog import Catalog
     from ..storage.directory import CheckpointDirectory
 
 __all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "ParamKeys"]
@@ -169,7 +170,7 @@ _COMPRESSION = "/compression/"
 
 
 class StrategyContext:
-    """What a strategy may use: the live components, the checkpoint directory and its store, the
+    """What a strategy may use: the live components, the checkpoint directory and its catalog, the
     boundary capture, stats."""
 
     def __init__(self, components: TrainingComponents, directory: "CheckpointDirectory | None",
@@ -177,7 +178,7 @@ class StrategyContext:
         self.components = components
         self.directory = directory
         """Retention and garbage collection (``None``: a strategy that stores nothing)."""
-        self.store: Store | None = directory.store if directory is not None else None
+        self.catalog: Catalog | None = directory.catalog if directory is not None else None
         """Where objects and manifests are written and read."""
         self.stats = stats
         self.boundary: dict[str, Any] = {}
@@ -358,7 +359,7 @@ class Strategy:
     def restore(self) -> Recovered | None:
         """Load the newest recoverable state into the live objects; ``None`` when there is none."""
         self._expect("attached", "restore()")
-        if self.ctx.store is None:
+        if self.ctx.catalog is None:
             return None
         return self._restore()
 

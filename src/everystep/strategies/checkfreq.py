@@ -117,15 +117,15 @@ class CheckFreq(Strategy):
 
     def _persist(self, step: int, staging: Future[Any], buffer: HostBuffer, skeleton: Any, share: RankShare) -> None:
         try:
-            assert self.ctx.store is not None
+            assert self.ctx.catalog is not None
             settled(staging)
             if staging.exception() is not None:
-                write_full(self.ctx.store, step, None, skeleton, share=share, error=staging.exception())  # raises, on every rank
+                write_full(self.ctx.catalog, step, None, skeleton, share=share, error=staging.exception())  # raises, on every rank
             if self._writer is not None:  # written, committed and retained there
                 t0 = time.perf_counter()
                 nbytes = self._writer.write(step, buffer, skeleton).nbytes
                 seconds = time.perf_counter() - t0
-                self.ctx.store.count_written_elsewhere(nbytes)
+                self.ctx.catalog.count_written_elsewhere(nbytes)
                 self.ctx.record_durable(step, seconds=seconds)
             else:
                 manifest, seconds = self.ctx.persist(step, buffer, skeleton, share=share, keep=self.config.keep)

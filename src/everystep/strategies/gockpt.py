@@ -470,10 +470,10 @@ class GoCkpt(Strategy):
         settled(*spread.gradient_copies)
         settled(*spread.applied)
         if any(f.exception() is not None for f in (*spread.applied, *spread.gradient_copies)):
-            assert self.ctx.store is not None
+            assert self.ctx.catalog is not None
             failed = EverystepError(f"the checkpoint of step {step} was not reconstructed: applying the gradients failed")
             share = RankShare.of(live, replicated, self.ctx.ranks, split=self.ctx.full_format != "dcp")
-            write_full(self.ctx.store, step, None, skeleton, share=share, error=failed)  # raises, on every rank
+            write_full(self.ctx.catalog, step, None, skeleton, share=share, error=failed)  # raises, on every rank
         self.reconstruct_seconds.append(sum(spread.apply_seconds))
         crash_point("gockpt.reconstructed")
         tensors = dict(rest)
@@ -496,13 +496,13 @@ class GoCkpt(Strategy):
                       skeleton: Any, replicated: set[str]) -> None:
         """Device: the parts as copied, the state of S_step that is not a part, and the gradients
         that bring each part to S_step, as one checkpoint of kind ``spread``."""
-        assert self.ctx.store is not None and self.ctx.directory is not None
+        assert self.ctx.catalog is not None and self.ctx.directory is not None
         settled(*spread.gradient_copies)
         for event in spread.events:
             event.synchronize()
         failed = next((f.exception() for f in spread.gradient_copies if f.exception() is not None), None)
         if failed is not None:  # raised on every rank, nothing committed
-            commit_parts(self.ctx.store, "full", kind=SPREAD_KIND, step=step, chunks=None, share=RankShare({}, {}),
+            commit_parts(self.ctx.catalog, "full", kind=SPREAD_KIND, step=step, chunks=None, share=RankShare({}, {}),
                          meta={}, rank_meta={}, error=failed)
         crash_point("gockpt.reconstructed")
         tensors = {k: rest[k] if k in rest else spread.host[k] for k in live}
@@ -530,13 +530,13 @@ class GoCkpt(Strategy):
         if self.ctx.ranks.distributed:  # the gradients are the all-reduced ones, the same on every rank
             replicated = replicated | {k for k in tensors if k.startswith("spread/")}
         t0 = time.perf_counter()
-        commit_tensors(self.ctx.store, "full", kind=SPREAD_KIND, step=step, tensors=tensors, replicated=replicated,
+        commit_tensors(self.ctx.catalog, "full", kind=SPREAD_KIND, step=step, tensors=tensors, replicated=replicated,
                        meta={}, rank_meta={"skeleton": skeleton, "spread": description})
         self.ctx.record_durable(step, seconds=time.perf_counter() - t0)
         self.ctx.directory.retain(self.config.keep)
 
     def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replicated: set[str]) -> None:
-        assert self.ctx.store is not None and self.ctx.directory is not None
+        assert self.ctx.catalog is not None and self.ctx.directory is not None
         split = self.ctx.full_format != "dcp"
         share = RankShare.of(tensors, replicated, self.ctx.ranks, split=split)
         self.ctx.persist(step, share.local, skeleton, share=share, keep=self.config.keep)
@@ -564,7 +564,7 @@ class GoCkpt(Strategy):
         directory = self.ctx.directory
         assert directory is not None
         t0 = time.perf_counter()
-        records = directory.store.manifests()
+        records = directory.catalog.manifests()
         newest_full = directory.newest_full_step(records)
         spreads = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == SPREAD_KIND),
                          key=lambda m: -m.step)

@@ -381,8 +381,8 @@ class LightCheck(Strategy):
             settled(copy.future)
         assert self.region is not None
         self.region.commit(writer, copy.step, skeleton)
-        assert self.ctx.store is not None
-        self.ctx.store.count_written_elsewhere(writer.layout.nbytes)  # the region's bytes count as written
+        assert self.ctx.catalog is not None
+        self.ctx.catalog.count_written_elsewhere(writer.layout.nbytes)  # the region's bytes count as written
         self.ctx.in_memory(copy.step)
         if self.region.flush:
             self.ctx.record_durable(copy.step, count=False)

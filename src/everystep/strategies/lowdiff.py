@@ -172,7 +172,7 @@ class LowDiff(Differential):
         return StepRecord(step=record.step, skipped=record.skipped, groups=record.groups, grads=grads)
 
     def _write_batch(self, base: int, records: list[StepRecord], end_tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
-        assert self.ctx.store is not None
+        assert self.ctx.catalog is not None
         tensors: dict[str, torch.Tensor] = {}
         steps_meta = []
         first, last = records[0].step, records[-1].step
@@ -186,9 +186,9 @@ class LowDiff(Differential):
         for key, t in end_tensors.items():
             tensors[f"end{key}"] = t
         replicated = {k for k in tensors if k.startswith("g/")}
-        share = RankShare.of(tensors, replicated, self.ctx.store.ranks)  # the share this rank writes
+        share = RankShare.of(tensors, replicated, self.ctx.catalog.ranks)  # the share this rank writes
         commit_tensors(
-            self.ctx.store, "diff", kind="diff", step=last, tensors=tensors, share=share,
+            self.ctx.catalog, "diff", kind="diff", step=last, tensors=tensors, share=share,
             replicated=replicated, requires=(f"full-{base:012d}",),
             rank_meta={"end": end_skeleton},
             meta={"base": base, "first": first, "last": last, "steps": steps_meta, "compression": self.compression.spec,

@@ -91,8 +91,8 @@ class NaiveDiff(Differential):
             self._reset_shadow()
 
     def _write(self, base: int, step: int, tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
-        assert self.ctx.store is not None
-        commit_tensors(self.ctx.store, "diff", kind="ndiff", step=step, tensors=tensors,
+        assert self.ctx.catalog is not None
+        commit_tensors(self.ctx.catalog, "diff", kind="ndiff", step=step, tensors=tensors,
                        replicated={k for k in tensors if k.startswith("d/")}, requires=(f"full-{base:012d}",),
                        meta={"base": base}, rank_meta={"end": end_skeleton})
         self.ctx.record_durable(step)

@@ -1,0 +1,248 @@
+"""Checkpoints made of a :class:`~everystep.storage.base.Store`'s values: objects and manifests.
+
+An *object* is an immutable value under ``objects/`` (a tensor file, a JSON record, or a directory of
+files another format's writer made), with a size and a checksum; a *manifest* is the JSON record under
+``manifests/`` that names a checkpoint's objects. Call order for one checkpoint:
+
+1. ``write_object`` (or ``write_directory``) once per object; each is durable when it returns, but
+   no checkpoint yet.
+2. ``commit(manifest)``; the checkpoint is visible to recovery exactly when this returns.
+
+Readers call ``manifests()`` and then ``read_object`` for the objects of the manifest they want, each
+verified against the manifest's size and checksum. ``discard(manifest)`` removes a checkpoint: the
+manifest first, durably, then the objects no other manifest names. A catalog over a store opened with
+``access="read"`` refuses every change (``check_writable`` says so). All of this holds over any store,
+since it asks of a store only that each put be atomic and durable.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+from .._faults import crash_point
+from ..distributed import Ranks
+from ..errors import CorruptCheckpointError, ReadOnlyStoreError
+from .base import (
+    CHECKSUM_ALGORITHM,
+    Access,
+    Manifest,
+    ManifestRecord,
+    ObjectInfo,
+    Store,
+    check_manifest_name,
+    check_object_name,
+    new_hasher,
+)
+
+__all__ = ["Catalog", "OBJECTS", "MANIFESTS"]
+
+T = TypeVar("T")
+OBJECTS = "objects/"
+MANIFESTS = "manifests/"
+
+
+def _manifest_key(name: str) -> str:
+    return f"{MANIFESTS}{check_manifest_name(name)}.json"
+
+
+class Catalog:
+    """The objects and manifests of one checkpoint directory, kept in ``store`` (see the module docstring)."""
+
+    def __init__(self, store: Store, ranks: Ranks | None = None) -> None:
+        self.store = store
+        self.ranks = ranks or Ranks()
+        """The job writing here: each rank writes its part of a checkpoint; rank 0 commits and deletes."""
+        self._lock = threading.Lock()
+        self._bytes_written = 0
+        self._parsed: dict[str, tuple[str, ManifestRecord]] = {}
+        """Each manifest as last parsed or committed, with its value's version."""
+
+    @property
+    def root(self) -> Path:
+        return self.store.root
+
+    @property
+    def access(self) -> Access:
+        return self.store.access
+
+    def check_writable(self) -> None:
+        """Raise :class:`ReadOnlyStoreError` if the store was opened for reading."""
+        if self.access == "read":
+            raise ReadOnlyStoreError(f"{self.root} was opened for reading; nothing may be written or deleted there")
+
+    def where(self, key: str) -> str:
+        """A key as messages name it."""
+        return f"{self.root}/{key}"
+
+    # -- writing -----------------------------------------------------------------------------
+
+    @property
+    def bytes_written(self) -> int:
+        with self._lock:
+            return self._bytes_written
+
+    def count_written_elsewhere(self, n: int) -> None:
+        """Add ``n`` bytes written for this directory elsewhere than through this catalog (a checkpoint
+        agent's, lightcheck's region)."""
+        with self._lock:
+            self._bytes_written += n
+
+    def _counted(self, chunks: Iterable[bytes | memoryview], hasher: object | None) -> Iterator[memoryview]:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            if hasher is not None:
+                hasher.update(view)  # type: ignore[attr-defined]
+            yield view
+            self.count_written_elsewhere(view.nbytes)
+
+    def write_object(self, name: str, chunks: Iterable[bytes | memoryview]) -> ObjectInfo:
+        """Write the object ``name`` (a plain file name); durable when it returns."""
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"invalid object name {name!r}")
+        check_object_name(name)
+        hasher = new_hasher()
+        nbytes = self.store.put(OBJECTS + name, self._counted(chunks, hasher))
+        return ObjectInfo(name=name, nbytes=nbytes, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
+
+    def write_directory(self, name: str, fill: Callable[[Path], T]) -> T:
+        """An object that is a directory of files (a DCP checkpoint), which ``fill`` writes into the
+        folder it is given; under several ranks every rank calls it at once (see
+        :meth:`Store.put_directory <everystep.storage.base.Store.put_directory>`), rank 0 leading."""
+        self.check_writable()
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"invalid object name {name!r}")
+        return self.store.put_directory(OBJECTS + check_object_name(name), fill, lead=self.ranks.rank == 0)
+
+    def commit(self, manifest: Manifest) -> None:
+        """Make the checkpoint ``manifest`` names visible: its objects must be durable already."""
+        crash_point("store.commit.before_manifest")
+        key = _manifest_key(manifest.name)
+        self.store.put(key, self._counted([manifest.to_bytes()], None))
+        # the writer lists the manifests after each checkpoint (retention): its own need no re-reading
+        version = self.store.list(key).get(key)
+        if version is not None:  # (None: already discarded by another writer thread's retention)
+            self._parsed[manifest.name] = (version, ManifestRecord(manifest.name, manifest))
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def object_path(self, name: str) -> Path:
+        """A local path holding the object ``name`` (formats that read by path: DCP); ValueError for a
+        name everystep does not write (absolute, climbing out), which would lie elsewhere."""
+        return self.store.fetch(OBJECTS + check_object_name(name))
+
+    def read_object(self, info: ObjectInfo) -> bytearray:
+        """The object's bytes, after its size and checksum are verified."""
+        key = OBJECTS + info.name
+        try:
+            check_object_name(info.name)
+            data = self.store.get(key)
+        except ValueError as e:
+            raise CorruptCheckpointError(str(e)) from None
+        except (FileNotFoundError, IsADirectoryError):
+            raise CorruptCheckpointError(f"object {self.where(key)} is missing") from None
+        if len(data) != info.nbytes:
+            raise CorruptCheckpointError(f"object {self.where(key)} has {len(data)} bytes; its manifest says "
+                                         f"{info.nbytes} (truncated?)")
+        algorithm, _, _ = info.checksum.partition(":")
+        if algorithm != CHECKSUM_ALGORITHM:
+            raise CorruptCheckpointError(f"object {self.where(key)} has checksum algorithm {algorithm!r}; expected "
+                                         f"{CHECKSUM_ALGORITHM}")
+        hasher = new_hasher()
+        hasher.update(data)
+        if f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}" != info.checksum:
+            raise CorruptCheckpointError(f"object {self.where(key)} fails its checksum (corrupted on storage?)")
+        return data
+
+    def manifests(self) -> list[ManifestRecord]:
+        """Every manifest, parsed and verified. A manifest this catalog already parsed or committed, and
+        whose value has the same version still, is not read again: the writer lists the manifests after
+        each checkpoint, for retention. A new catalog (a recovery) reads every one."""
+        records, parsed = [], {}
+        for key, version in self.store.list(MANIFESTS).items():
+            filename = key[len(MANIFESTS):]
+            if "/" in filename or not filename.endswith(".json"):
+                continue
+            name = filename[: -len(".json")]
+            known = self._parsed.get(name)
+            if known is not None and known[0] == version:
+                record = known[1]
+            else:
+                try:
+                    record = ManifestRecord(name, Manifest.from_bytes(bytes(self.store.get(key)), name=name))
+                except FileNotFoundError:
+                    continue  # discarded since the listing (a reader beside a live writer)
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    records.append(ManifestRecord(name, None, f"manifest {self.where(key)} is unreadable: {e}"))
+                    continue
+            parsed[name] = (version, record)
+            records.append(record)
+        self._parsed = parsed
+        return records
+
+    def committed(self, manifest_name: str) -> bool:
+        """Whether the checkpoint is still committed (a writer may discard it while a reader reads it)."""
+        key = _manifest_key(manifest_name)
+        return key in self.store.list(key)
+
+    # -- removing ----------------------------------------------------------------------------
+
+    def discard(self, manifest_name: str) -> None:
+        """Uncommit a checkpoint (its manifest goes first, durably), then delete the objects no other
+        manifest names."""
+        self.check_writable()
+        key = _manifest_key(manifest_name)
+        known = self._parsed.get(manifest_name)
+        try:
+            manifest = (known[1].manifest if known and known[0] == self.store.list(key).get(key) else None) \
+                or Manifest.from_bytes(bytes(self.store.get(key)), name=manifest_name)
+            names = {o.name for o in manifest.objects.values()}
+        except (OSError, ValueError, KeyError, TypeError):
+            names = set()
+        self.store.delete(key)
+        still_used = {o.name for r in self.manifests() if r.manifest for o in r.manifest.objects.values()}
+        for name in sorted(names - still_used):  # (not durably: one a crash brings back is garbage collected)
+            self.store.delete(OBJECTS + name, durable=False)
+        for folder in {name.split("/", 1)[0] for name in names if "/" in name}:
+            if not any(n.startswith(folder + "/") for n in still_used):
+                self.store.delete(OBJECTS + folder, durable=False)
+
+    def close(self) -> None:
+        """Release what the store keeps for the writes to come (the catalog may still be read)."""
+        if self.access != "read":
+            self.store.close()
+
+    # -- for the directory above: what is stored, and what a crash left ------------------------
+
+    def object_names(self) -> list[str]:
+        """The names of the objects stored (a directory object once), not what interrupted writes left."""
+        return sorted({key[len(OBJECTS):].split("/", 1)[0] for key in self.store.list(OBJECTS)})
+
+    def stored_files(self) -> list[str]:
+        """Every value under ``objects/``, as an object name (``a.safetensors``,
+        ``full-….dcp/__0_0.distcp``), what interrupted writes left there among them."""
+        listed = [key[len(OBJECTS):] for key in self.store.list(OBJECTS)]
+        left = [key[len(OBJECTS):] for key, _ in self.store.leftovers() if key.startswith(OBJECTS)]
+        return sorted(listed + left)
+
+    def delete_object(self, name: str) -> str:
+        """Delete an object that no manifest names; returns its key."""
+        self.check_writable()
+        key = OBJECTS + check_object_name(name)
+        self.store.delete(key)
+        return key
+
+    def interrupted_writes(self) -> list[tuple[str, str]]:
+        """What interrupted writes left: (a token for :meth:`delete_leftover`, the key it was being written
+        under) for each."""
+        return self.store.leftovers()
+
+    def delete_leftover(self, token: str) -> str:
+        """Delete what an interrupted write left; returns its key."""
+        self.check_writable()
+        if token not in {t for t, _ in self.store.leftovers()}:
+            raise ValueError(f"{token!r} is not a leftover of the store at {self.root}")
+        self.store.delete(token)
+        return token
