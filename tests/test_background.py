@@ -42,16 +42,25 @@ def test_a_failure_is_raised_once_in_the_callers_thread_and_none_is_dropped():
 
 
 def test_a_bounded_worker_holds_the_caller_back_while_it_is_behind():
-    errors, release = BackgroundErrors(), threading.Event()
+    """The third post returns only once the worker has taken the second from its queue, which it does
+    only once the first is done: the order of what each thread records says so, whatever the timing."""
+    errors, release, taken = BackgroundErrors(), threading.Event(), threading.Event()
+    order: list[str] = []
     worker = Worker("test-worker", errors, bound=1)
-    worker.post("blocked", release.wait)  # taken by the worker, which waits
-    started = threading.Event()
-    worker.submit("started", started.set)  # waits in the queue: the bound is reached
-    posting = threading.Thread(target=worker.post, args=("third", lambda: None))
+    worker.post("blocked", lambda: (taken.set(), release.wait(), order.append("first done")))
+    assert taken.wait(10)  # the worker holds the first; the second fills the queue
+    worker.submit("second", lambda: order.append("second done"))
+
+    def post_third() -> None:
+        release.set()  # the first may finish now; the third must wait for the second to be taken
+        worker.post("third", lambda: order.append("third done"))
+        order.append("third posted")
+
+    posting = threading.Thread(target=post_third)
     posting.start()
-    posting.join(timeout=0.3)
-    assert posting.is_alive() and not started.is_set()  # the third waits for room
-    release.set()
     posting.join(timeout=10)
-    assert not posting.is_alive() and started.wait(10)
+    worker.drain()
+    assert not posting.is_alive()
+    assert order.index("first done") < order.index("third posted")
+    assert order.index("second done") < order.index("third done")
     worker.close()

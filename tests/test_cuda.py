@@ -19,7 +19,7 @@ from everystep.eval.bench import BenchConfig
 from everystep.eval.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
-from everystep.state import flatten, state_hash
+from everystep.tree import flatten, state_hash
 from everystep.storage import CheckpointDirectory
 from everystep.storage.region import RegionStore
 from everystep.strategies import STRATEGIES

@@ -16,7 +16,8 @@ from everystep import Checkpointer
 from everystep.compress import ddp_compression, decompress
 from everystep.distributed import init_process_group
 from everystep.eval.workloads import build
-from everystep.state import TrainingComponents, state_hash
+from everystep.state import TrainingComponents
+from everystep.tree import state_hash
 
 SPECS = ["topk:0.05", "quant8", "powersgd:rank=2"]
 

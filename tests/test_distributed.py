@@ -24,7 +24,7 @@ from everystep.eval.data import SyntheticData
 from everystep.eval.train import TrainConfig, _free_port, run
 from everystep.inventory import verify_store
 from everystep.recovery import read_full
-from everystep.state import state_hash, unflatten
+from everystep.tree import state_hash, unflatten
 from everystep.storage.directory import CheckpointDirectory
 from everystep.policy import deadline_margin
 from everystep.stopping import StopWatch, deadline_from_environment

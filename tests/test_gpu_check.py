@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 dry_run = pytest.mark.xdist_group("gpu-check-dry-run")  # one worker runs the dry run once for all its tests
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (not per module: the worker may run other modules' tests between these)
 def dry(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check")
     proc = run_cli("gpu-check", "--dry-run", "--out", str(out))

@@ -20,7 +20,8 @@ import torch
 from everystep import Checkpointer, NoValidCheckpointError, StateMismatchError
 from everystep.errors import CheckpointDirectoryError
 from everystep.eval.workloads import build
-from everystep.state import TrainingComponents, state_hash
+from everystep.state import TrainingComponents
+from everystep.tree import state_hash
 from everystep.storage import CheckpointDirectory
 from everystep.storage.base import Manifest, ObjectInfo, checksum
 from everystep.storage.region import RegionStore, UntrustedRegionError

@@ -14,12 +14,13 @@ from everystep.eval.faults import FailurePlan
 from everystep.eval.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.policy import lowdiff_integer_optimum
-from everystep.state import TrainingComponents, flatten, state_hash
+from everystep.state import TrainingComponents
+from everystep.tree import flatten, state_hash
 from everystep.storage import CheckpointDirectory
 from everystep.storage.tensorfile import load_tensors
 from everystep.strategies import base as strategies_base
 from everystep.strategies.lowdiff import LowDiff
-from everystep.state import state_error
+from everystep.tree import state_error
 
 STEPS = 12
 

@@ -24,11 +24,12 @@ from everystep.agent.session import AgentSession
 from everystep.background import BackgroundErrors
 from everystep.distributed import Ranks
 from everystep.errors import BackgroundWriteError
-from everystep.eval.train import WORKER, Journal, TrainConfig, run, summarise, training_state_hash, worker_argv
+from everystep.eval.summary import summarise
+from everystep.eval.train import WORKER, Journal, TrainConfig, run, training_state_hash, worker_argv
 from everystep.eval.zygote import Zygote
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
-from everystep.state import state_hash
+from everystep.tree import state_hash
 from everystep.storage import CheckpointDirectory
 
 pytestmark = pytest.mark.timeout(600)

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from everystep.state import capture_rng, flatten, restore_rng, state_hash, unflatten
+from everystep.state import capture_rng, restore_rng
+from everystep.tree import flatten, state_hash, unflatten
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=5))
 tensors = st.builds(

@@ -25,7 +25,8 @@ from safetensors import safe_open
 from everystep.errors import CheckpointDirectoryError, CorruptCheckpointError, ReadOnlyStoreError
 from everystep.storage import Catalog, CheckpointDirectory, LocalStore, Manifest, plan_retention
 from everystep.storage.directory import marker_bytes
-from everystep.storage.region import RegionLayout, RegionStore
+from everystep.storage.region import RegionStore
+from everystep.storage.region_map import RegionLayout
 from everystep.storage.tensorfile import load_tensors, tensor_chunks
 from everystep.transport import HostBuffer, TensorLayout, snapshot_into
 from everystep.storage.tensorfile import buffer_chunks

@@ -16,7 +16,7 @@ from everystep import Checkpointer
 from everystep.errors import EverystepError
 from everystep.eval.faults import FailurePlan
 from everystep.eval.train import TrainConfig, run
-from everystep.state import state_hash
+from everystep.tree import state_hash
 from everystep.recovery import Recovered
 from everystep.storage import CheckpointDirectory
 from everystep.storage.region import RegionStore

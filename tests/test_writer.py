@@ -144,7 +144,7 @@ def test_a_dropped_buffer_is_forgotten_and_a_new_one_shared_with_the_next_write(
     from everystep.agent.writer import WriterProcess
     from everystep.layout import TensorLayout
     from everystep.recovery import read_full
-    from everystep.state import flatten
+    from everystep.tree import flatten
 
     directory = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
     writer = WriterProcess(directory.root, keep=5)

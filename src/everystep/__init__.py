@@ -14,7 +14,8 @@ from .errors import (
     UnclosedCheckpointerWarning,
 )
 from .optim import OptimizerInBackward
-from .state import TrainingComponents, state_hash
+from .state import TrainingComponents
+from .tree import state_hash
 from .strategies import STRATEGIES
 
 __version__ = "0.1.0"

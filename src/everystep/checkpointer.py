@@ -37,6 +37,7 @@ from .errors import (
     UnclosedCheckpointerWarning,
 )
 from .optim import OptimizerInBackward
+from .parallelism import sharded_layout
 from .recovery import Recovered
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
@@ -44,6 +45,23 @@ from .storage.directory import CheckpointDirectory
 from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, create
 
 __all__ = ["Checkpointer"]
+
+
+def _refuse_sharded(strategy: Strategy, model: Any, optimizer: Any) -> None:
+    """Refuse a job whose state is sharded in a layout the strategy does not checkpoint, before anything
+    is written."""
+    layout = sharded_layout(model, optimizer) if isinstance(model, torch.nn.Module) else None
+    if layout is None or layout in strategy.sharded_layouts:
+        return
+    able = sorted(n for n, cls in STRATEGIES.items() if layout in cls.sharded_layouts)
+    instead = (f"use one of the strategies {', '.join(able)}" if able else
+               "checkpoint this job with torch.distributed.checkpoint (dcp.save of "
+               "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)), or train with "
+               "DistributedDataParallel")
+    raise ConfigError(
+        f"strategy {strategy.name!r} cannot checkpoint a job sharded with {layout}: it captures the state of data "
+        f"parallelism, where every rank holds the whole model and optimizer state, and each {layout} rank holds "
+        f"only its shards; nothing was written — {instead}")
 
 
 def _check_arguments(*, model: Any, optimizer: Any, final: Any, deadline: Any, k1: Any, k2: Any, stop_signals: Any,
@@ -137,6 +155,7 @@ class Checkpointer:
         if not isinstance(strategy, (str, Strategy)):
             raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}")
         self.strategy: Strategy = create(strategy, **given, **options) if isinstance(strategy, str) else strategy
+        _refuse_sharded(self.strategy, model, optimizer)
         if isinstance(optimizer, OptimizerInBackward):
             if not self.strategy.layer_updates:
                 able = ", ".join(sorted(n for n, cls in STRATEGIES.items() if cls.layer_updates))

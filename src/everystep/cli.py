@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
+from .cli_args import (MIB, NOT_NEGATIVE, POSITIVE, RATE, SIZE, THREADS, byte_amount, comma_list, gpu_check_parts, number,
+                       option, step_list, strategy_option, whole, whole_list)
 from .errors import ConfigError, EverystepError
 
 __all__ = ["main"]
-
-
-def _steps_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated step numbers like 7,19; got {text!r}") from None
 
 
 def _write_json(path: str | None, data: dict[str, Any]) -> None:
@@ -109,107 +103,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     count = len(rows)
     print(f"{store.root}: {count} checkpoint(s), " + (f"{len(problems)} problem(s)" if problems else "all verify"))
     return 1 if problems else 0
-
-
-def _whole(least: int, most: int | None = None, what: str = "") -> Any:
-    """An argparse type: a whole number from ``least`` (to ``most``)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number; got {text!r}") from None
-        top = most() if callable(most) else most
-        if value < least or (top is not None and value > top):
-            span = f"from {least} to {top}{what}" if top is not None else f"at least {least}"
-            raise argparse.ArgumentTypeError(f"must be {span}; got {value}")
-        return value
-
-    return parse
-
-
-def _cores() -> int:
-    from .eval.train import usable_cores
-
-    return usable_cores()
-
-
-_THREADS = _whole(1, _cores, " (the cores this process may run on)")
-
-
-def _number(least: float, *, above: bool, what: str = "") -> Any:
-    """An argparse type: a finite number above (or from) ``least``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number; got {text!r}") from None
-        if not math.isfinite(value) or value < least or (above and value == least):
-            raise argparse.ArgumentTypeError(f"must be a finite number {'above' if above else 'of at least'} "
-                                             f"{least:g}{what}; got {text}")
-        return value
-
-    return parse
-
-
-_positive = _number(0, above=True)
-_not_negative = _number(0, above=False)
-
-
-def _bytes(*, rate: bool, unit: float = 1.0, plausible: float = 0.0, least: float = 0.0) -> Any:
-    """An argparse type: a size or rate with an optional unit (:mod:`everystep.units`), in bytes
-    (or bytes/s); a bare number is in ``unit`` bytes."""
-    from .units import UnitError, parse_bytes
-
-    def parse(text: str) -> float:
-        try:
-            value = parse_bytes(text, rate=rate, unit=unit, plausible=plausible)
-        except UnitError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least:g} bytes; got {text}")
-        return value
-
-    return parse
-
-
-_RATE = _bytes(rate=True, plausible=1e5)  # below 100 kB/s: a unit was forgotten (16 meaning 16GB/s)
-_SIZE = _bytes(rate=False, plausible=1024)
-_MIB = 2**20
-
-
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(s.strip() for s in text.split(",") if s.strip())
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    """Comma-separated whole numbers, each at least 1."""
-    try:
-        values = tuple(int(s) for s in _csv(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers; got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers of at least 1; got {text!r}")
-    return values
-
-
-def _option(text: str) -> tuple[str, Any]:
-    name, sep, value = text.partition("=")
-    if not sep or not name.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE; got {text!r}")
-    try:
-        return name, json.loads(value)
-    except json.JSONDecodeError:
-        return name, value
-
-
-def _strategy_option(text: str) -> tuple[tuple[str, str], Any]:
-    target, dot, rest = text.partition(".")
-    if not dot or not target.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected STRATEGY.NAME=VALUE; got {text!r}")
-    name, value = _option(rest)
-    return (target, name), value
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -310,7 +203,7 @@ def _plan_checkflow(args: argparse.Namespace) -> int:
     print(f"Checkflow plan for {r['workload']} (batch {r['batch']}) on {r['device']}: a {r['step_seconds'] * 1e3:.1f} ms step of "
           f"{r['operators']} operators merged into {r['time_steps']} time steps; {r['checkpoint_bytes'] / mib:.1f} MiB "
           f"to checkpoint in {r['tensors']} tensors, {r['groups']} groups, {r['pieces']} pieces after {r['splits']} "
-          f"split(s) of {args.per_size / _MIB:g} MiB; link {args.bandwidth / 1e9:g} GB/s; solved in {r['solver_seconds']:.2f} s")
+          f"split(s) of {args.per_size / MIB:g} MiB; link {args.bandwidth / 1e9:g} GB/s; solved in {r['solver_seconds']:.2f} s")
     if r["feasible"]:
         print(f"feasible: peak device memory {r['peak'] / mib:.1f} MiB, against {r['peak_checkfreq'] / mib:.1f} MiB for "
               f"CheckFreq and {r['peak_none'] / mib:.1f} MiB without checkpointing")
@@ -343,16 +236,6 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _parts(text: str) -> tuple[str, ...]:
-    from .eval.gpu_check import PARTS
-
-    chosen = _csv(text)
-    unknown = [p for p in chosen if p not in PARTS]
-    if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"expected some of {','.join(PARTS)}; got {text!r}")
-    return chosen
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import demo
 
@@ -376,32 +259,32 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a workload with a checkpointing strategy, optionally killing it")
     t.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-tiny")
     t.add_argument("--strategy", choices=sorted(STRATEGIES), default="checkfreq")
-    t.add_argument("--steps", type=_whole(1), default=20)
+    t.add_argument("--steps", type=whole(1), default=20)
     t.add_argument("--dir", help="checkpoint directory (needed by every strategy but none)")
-    t.add_argument("--every", type=_whole(1), help="checkpoint every K steps (default: the strategy's own; 1 for full_sync "
+    t.add_argument("--every", type=whole(1), help="checkpoint every K steps (default: the strategy's own; 1 for full_sync "
                    "and checkfreq, 50 for lowdiff and naive_diff, from the write bandwidth for lowdiff_plus)")
-    t.add_argument("--keep", type=_whole(1), default=2, help="full checkpoints to keep (default 2)")
-    t.add_argument("--seed", type=_whole(0, 2**31 - 1), default=0)
-    t.add_argument("--threads", type=_THREADS, default=1, help="intra-op threads for training (default 1)")
+    t.add_argument("--keep", type=whole(1), default=2, help="full checkpoints to keep (default 2)")
+    t.add_argument("--seed", type=whole(0, 2**31 - 1), default=0)
+    t.add_argument("--threads", type=THREADS, default=1, help="intra-op threads for training (default 1)")
     t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
-    t.add_argument("--fail-at", type=_steps_list, default=(), metavar="STEPS", help="kill the training during these steps, e.g. 7,19")
+    t.add_argument("--fail-at", type=step_list, default=(), metavar="STEPS", help="kill the training during these steps, e.g. 7,19")
     t.add_argument("--fail-mode", choices=["software", "hardware"], default="software")
     t.add_argument("--compress", metavar="SPEC", help="train with gradient compression: topk:0.01, quant8 or powersgd:rank=4 "
                    "(under --nproc in DDP's communication hook)")
-    t.add_argument("--batch", type=_whole(1), help="lowdiff: steps per differential write (b)")
-    t.add_argument("--option", type=_option, action="append", default=[], metavar="NAME=VALUE",
+    t.add_argument("--batch", type=whole(1), help="lowdiff: steps per differential write (b)")
+    t.add_argument("--option", type=option, action="append", default=[], metavar="NAME=VALUE",
                    help="a strategy option, e.g. verify_every=1 or grace=5 (repeatable)")
-    t.add_argument("--nproc", type=_whole(1), default=1, help="training processes (ranks) on this machine, each a "
+    t.add_argument("--nproc", type=whole(1), default=1, help="training processes (ranks) on this machine, each a "
                    "DistributedDataParallel replica over gloo (default 1; under torchrun its own ranks are used)")
-    t.add_argument("--max-nproc", type=_whole(1), metavar="N", help="the most ranks --nproc may start (default: the "
+    t.add_argument("--max-nproc", type=whole(1), metavar="N", help="the most ranks --nproc may start (default: the "
                    "cores this process may run on)")
-    t.add_argument("--deadline", type=_positive, metavar="SECONDS", help="stop with a final checkpoint before this many "
+    t.add_argument("--deadline", type=POSITIVE, metavar="SECONDS", help="stop with a final checkpoint before this many "
                    "seconds from now have passed (default: SLURM_JOB_END_TIME when set); SIGTERM and SIGUSR1 stop "
                    "the same way at any time")
     t.add_argument("--full-format", choices=["safetensors", "dcp"], default="safetensors",
                    help="how full checkpoints are stored: everystep's safetensors parts (default) or a "
                    "torch.distributed.checkpoint directory that plain DCP calls load")
-    t.add_argument("--stagger", type=_whole(1), metavar="K", help="at most K ranks read a checkpoint at once when they "
+    t.add_argument("--stagger", type=whole(1), metavar="K", help="at most K ranks read a checkpoint at once when they "
                    "restore (default: all)")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="train on the CPU (default) or on CUDA, a GPU per rank, with deterministic kernels")
@@ -427,20 +310,20 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure every strategy side by side on one workload, interleaved")
     b.add_argument("--workload", choices=[*WORKLOADS, "native"], default="gpt2-tiny",
                    help="native: with --trainer, the trainer's own small model")
-    b.add_argument("--strategies", type=_csv, default=("none", "full_sync", "checkfreq"), help="comma-separated: "
+    b.add_argument("--strategies", type=comma_list, default=("none", "full_sync", "checkfreq"), help="comma-separated: "
                    "everystep strategies and the peers torch_save, dcp, dcp_async")
-    b.add_argument("--steps", type=_whole(1), default=20)
-    b.add_argument("--warmup", type=_whole(0), default=3, help="steps left out of the timing (default 3)")
-    b.add_argument("--every", type=_whole(1), help="checkpoint interval for every strategy (default: each strategy's own)")
+    b.add_argument("--steps", type=whole(1), default=20)
+    b.add_argument("--warmup", type=whole(0), default=3, help="steps left out of the timing (default 3)")
+    b.add_argument("--every", type=whole(1), help="checkpoint interval for every strategy (default: each strategy's own)")
     b.add_argument("--compress", metavar="SPEC", help="gradient compression for every strategy, none included")
-    b.add_argument("--batch", type=_whole(1), help="lowdiff: steps per differential write")
-    b.add_argument("--option", type=_strategy_option, action="append", default=[], metavar="STRATEGY.NAME=VALUE",
+    b.add_argument("--batch", type=whole(1), help="lowdiff: steps per differential write")
+    b.add_argument("--option", type=strategy_option, action="append", default=[], metavar="STRATEGY.NAME=VALUE",
                    help="an option of one strategy, repeatable (e.g. lowdiff_plus.layerwise=true)")
-    b.add_argument("--repeats", type=_whole(1), default=3)
-    b.add_argument("--threads", type=_THREADS, default=1)
-    b.add_argument("--seed", type=_whole(0, 2**31 - 1), default=0)
+    b.add_argument("--repeats", type=whole(1), default=3)
+    b.add_argument("--threads", type=THREADS, default=1)
+    b.add_argument("--seed", type=whole(0, 2**31 - 1), default=0)
     b.add_argument("--max-frequency", action="store_true", help="find each strategy's smallest interval within --budget")
-    b.add_argument("--budget", type=_positive, default=0.035, help="overhead budget for --max-frequency (default 0.035)")
+    b.add_argument("--budget", type=POSITIVE, default=0.035, help="overhead budget for --max-frequency (default 0.035)")
     b.add_argument("--region-layout", action="store_true", help="write throughput of lightcheck's region layout "
                    "against metadata interleaved with data, on the workload's state")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every run trains (default cpu)")
@@ -459,40 +342,40 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--from-bench", metavar="JSON", help="per-strategy costs measured by `everystep bench --json`")
     sm.add_argument("--strategy", action="append", default=[], metavar="NAME:STEP_S:BASE_S:INTERVAL:LAG:RECOVERY_S",
                     help="costs given by hand; repeatable")
-    sm.add_argument("--mtbf", type=_positive, default=3600.0, help="mean time between failures of one GPU, seconds")
-    sm.add_argument("--gpus", type=_ints, default=(1,), help="GPU counts; the job's MTBF is --mtbf divided by each")
-    sm.add_argument("--mtbf-sweep", type=_ints, default=(), help="MTBF values (s) for the ratio-against-MTBF figure")
-    sm.add_argument("--job-steps", type=_whole(1), default=10_000)
-    sm.add_argument("--trials", type=_whole(1), default=200)
-    sm.add_argument("--seed", type=_whole(0, 2**31 - 1), default=0)
+    sm.add_argument("--mtbf", type=POSITIVE, default=3600.0, help="mean time between failures of one GPU, seconds")
+    sm.add_argument("--gpus", type=whole_list, default=(1,), help="GPU counts; the job's MTBF is --mtbf divided by each")
+    sm.add_argument("--mtbf-sweep", type=whole_list, default=(), help="MTBF values (s) for the ratio-against-MTBF figure")
+    sm.add_argument("--job-steps", type=whole(1), default=10_000)
+    sm.add_argument("--trials", type=whole(1), default=200)
+    sm.add_argument("--seed", type=whole(0, 2**31 - 1), default=0)
     sm.add_argument("--json", metavar="PATH")
     sm.add_argument("--plot", metavar="PATH", help="PNG: ratio against MTBF and against GPUs")
     sm.set_defaults(func=cmd_simulate)
 
     pl = sub.add_parser("plan", help="optimal checkpoint interval (Young/Daly) and LowDiff's (F*, b*); with "
                         "--checkflow, Checkflow's snapshot and offload schedule for a workload")
-    pl.add_argument("--step-seconds", type=_positive)
-    pl.add_argument("--ckpt-seconds", type=_positive, help="training stall per full checkpoint")
-    pl.add_argument("--size-bytes", type=_SIZE, metavar="SIZE", help="full checkpoint size, e.g. 3GB or 3e9 (with "
+    pl.add_argument("--step-seconds", type=POSITIVE)
+    pl.add_argument("--ckpt-seconds", type=POSITIVE, help="training stall per full checkpoint")
+    pl.add_argument("--size-bytes", type=SIZE, metavar="SIZE", help="full checkpoint size, e.g. 3GB or 3e9 (with "
                     "--bandwidth, instead of --ckpt-seconds)")
-    pl.add_argument("--bandwidth", type=_RATE, metavar="RATE", help="write bandwidth, e.g. 1GB/s, 500MB/s or 1e9 "
+    pl.add_argument("--bandwidth", type=RATE, metavar="RATE", help="write bandwidth, e.g. 1GB/s, 500MB/s or 1e9 "
                     "(bytes/s)")
-    pl.add_argument("--mtbf", type=_positive, help="mean time between failures, seconds")
-    pl.add_argument("--load-seconds", type=_not_negative, default=0.0)
-    pl.add_argument("--merge-seconds", type=_positive, help="time to merge one batched differential (LowDiff)")
+    pl.add_argument("--mtbf", type=POSITIVE, help="mean time between failures, seconds")
+    pl.add_argument("--load-seconds", type=NOT_NEGATIVE, default=0.0)
+    pl.add_argument("--merge-seconds", type=POSITIVE, help="time to merge one batched differential (LowDiff)")
     pl.add_argument("--checkflow", action="store_true", help="profile one step of --workload and plan Checkflow's "
                     "snapshots and offloads (--bandwidth: the device-to-host link, e.g. 25GB/s)")
     pl.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-small")
     pl.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     pl.add_argument("--in-backward", action="store_true", help="updates in backward (each layer's own deadline)")
-    pl.add_argument("--batch", type=_whole(1), help="samples per step (default: the workload's own)")
+    pl.add_argument("--batch", type=whole(1), help="samples per step (default: the workload's own)")
     pl.add_argument("--plot", metavar="PATH", help="draw the schedule (a PNG): memory per time step, offloads")
-    pl.add_argument("--memory-limit", type=_bytes(rate=False, unit=_MIB), metavar="SIZE", help="device memory limit, "
+    pl.add_argument("--memory-limit", type=byte_amount(rate=False, unit=MIB), metavar="SIZE", help="device memory limit, "
                     "e.g. 80GiB (a bare number: MiB; relaxed if it cannot be met)")
-    pl.add_argument("--per-size", type=_bytes(rate=False, unit=_MIB, least=64), default=16 * _MIB, metavar="SIZE",
+    pl.add_argument("--per-size", type=byte_amount(rate=False, unit=MIB, least=64), default=16 * MIB, metavar="SIZE",
                     help="the pieces a tensor is split into when the link cannot move it in one time step, e.g. 4MiB "
                     "(a bare number: MiB; default 16MiB)")
-    pl.add_argument("--time-steps", type=_whole(2), default=48, help="operators are merged into at most about this many "
+    pl.add_argument("--time-steps", type=whole(2), default=48, help="operators are merged into at most about this many "
                     "time steps (default 48)")
     pl.add_argument("--json", metavar="PATH")
     pl.set_defaults(func=cmd_plan)
@@ -504,14 +387,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "a minute (the report under bench-out/gpu-check)")
     g.add_argument("--out", metavar="DIR", help="where the report goes (default docs/results; bench-out/gpu-check "
                    "with --dry-run)")
-    g.add_argument("--parts", type=_parts, default=("tests", "bandwidth", "bench", "frequency"), metavar="PARTS",
+    g.add_argument("--parts", type=gpu_check_parts, default=("tests", "bandwidth", "bench", "frequency"), metavar="PARTS",
                    help="comma-separated, some of tests,bandwidth,bench,frequency (default all; memory comes "
                    "with bench)")
     g.set_defaults(func=cmd_gpu_check)
 
     d = sub.add_parser("demo", help="train gpt2-tiny, kill it twice, recover, and compare with an uninterrupted run")
     d.add_argument("--dir", default="demo-out")
-    d.add_argument("--steps", type=_whole(1), default=30)
+    d.add_argument("--steps", type=whole(1), default=30)
     d.set_defaults(func=cmd_demo)
     return p
 

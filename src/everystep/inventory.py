@@ -9,7 +9,7 @@ from .errors import CorruptCheckpointError
 from .storage.base import Reader
 from .storage.directory import CheckpointDirectory
 from .recovery import read_full
-from .storage.region import open_region
+from .storage.region_open import open_region
 
 __all__ = ["inspect_store", "verify_store", "region_rows"]
 

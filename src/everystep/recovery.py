@@ -22,7 +22,8 @@ import torch
 from .errors import CorruptCheckpointError, NoValidCheckpointError, StateMismatchError
 from .storage.base import Manifest, Reader, malformed
 from .storage.directory import CheckpointDirectory
-from .state import TrainingComponents, unflatten
+from .state import TrainingComponents
+from .tree import unflatten
 from .storage.sharded import read_parts
 
 __all__ = ["Recovered", "Link", "read_full", "read_state", "latest_full", "recover", "read_differential", "chain", "recover_chain", "common_step"]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..replay import replay_step
-from ..state import unflatten
+from ..tree import unflatten
 from ..transport.host import HostBuffer, TensorLayout
 from ..transport.shared import SharedRegion
 

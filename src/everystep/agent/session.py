@@ -29,7 +29,8 @@ from ..background import BackgroundErrors
 from ..distributed import Ranks
 from ..errors import ConfigError
 from ..layout import TensorLayout
-from ..state import TrainingComponents, storage_key, unflatten
+from ..state import TrainingComponents
+from ..tree import storage_key, unflatten
 from ..storage.directory import CheckpointDirectory
 from ..transport.host import HostBuffer, snapshot_into
 from ..transport.shared import SharedRegion

@@ -4,8 +4,7 @@ On a machine whose torch sees a GPU it runs, in order, each part in its own proc
 time box of its own (:data:`GPU`'s ``boxes``, 8 minutes in all; what a part leaves of its box goes
 to the next):
 
-1. ``tests``: ``tests/test_cuda.py`` under pytest, every test's outcome and, for a failure, its
-   traceback;
+1. ``tests``: ``tests/test_cuda.py`` under pytest, every test's outcome (a failure's traceback);
 2. ``bandwidth``: device-to-host copies of :attr:`Sizes.copy_bytes` into pageable, pinned and
    registered (a shared mapping pinned in place, as LightCheck's region and checkfreq's writer
    process use) host memory, on the training stream with the GPU otherwise idle and on a side stream
@@ -16,8 +15,8 @@ to the next):
    check); GoCkpt's and GoCkpt-O's stall per checkpoint over Async-O's (``async``);
 4. ``frequency``: the smallest checkpoint interval of ``lightcheck`` and of ``checkfreq`` within a
    3.5% overhead budget, searched from the every-step overheads over powers of two;
-5. ``memory``: from the bench's runs, Checkflow's peak device memory (``max_memory_allocated``)
-   against its plan's, CheckFreq's and no checkpointing's.
+5. ``memory``: Checkflow's peak device memory (``max_memory_allocated``) in the bench's runs against
+   its plan's, CheckFreq's and no checkpointing's.
 
 The report is one JSON and one Markdown file, ``gpu_check_<device>_<date>``, with the machine, every
 figure and every failure with its traceback. A part that fails or runs out of its box is reported

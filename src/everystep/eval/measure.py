@@ -18,7 +18,7 @@ import torch
 
 from ..checkpointer import Checkpointer
 from ..distributed import init_process_group
-from ..state import flatten, state_error
+from ..tree import flatten, state_error
 from ..strategies import STRATEGIES
 from .workloads import build, needs_ddp
 

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from ..state import flatten
-from ..storage.region import RegionLayout, RegionStore, on_volatile_memory
+from ..tree import flatten
+from ..storage.region import RegionStore
+from ..storage.region_map import RegionLayout, on_volatile_memory
 from .workloads import build
 
 __all__ = ["measure_layouts"]

@@ -12,14 +12,13 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -32,109 +31,18 @@ from ..distributed import Ranks, init_process_group
 from ..errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError, EverystepError
 from ..recovery import recover
 from ..storage.directory import MARKER, CheckpointDirectory
-from ..state import state_hash
-from ..storage.region import on_volatile_memory, region_path
-from ..strategies import STRATEGIES, create
-from ..compress import parse_spec
+from ..tree import state_hash
+from ..storage.region_map import on_volatile_memory
+from ..storage.region_open import region_path
+from ..strategies import STRATEGIES
 from .faults import FailurePlan, Injector
-from .workloads import OPTIMIZERS, WORKLOADS, build, check_device, needs_ddp
+from .workloads import build, needs_ddp
 from .._process import die_with
 from .zygote import Forked, Zygote, start_ranks
+from .run_config import TrainConfig
+from .summary import merge_ranks, summarise
 
 __all__ = ["TrainConfig", "train", "run_supervised", "training_state_hash"]
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """One training run. Steps are numbered from 1."""
-
-    workload: str = "gpt2-tiny"
-    strategy: str = "checkfreq"
-    steps: int = 20
-    directory: str | None = None
-    every: int | None = None
-    """Checkpoint interval; None: the strategy's default."""
-    keep: int = 2
-    seed: int = 0
-    threads: int = 1
-    optimizer: str = "adamw"
-    fail_at: tuple[int, ...] = ()
-    fail_mode: str = "software"
-    options: dict[str, Any] = field(default_factory=dict)
-    compress: str | None = None
-    """Gradient compression for training itself (``topk:0.01``, ``quant8``); None trains dense."""
-    progress: bool = True
-    nproc: int = 1
-    """Training processes (ranks), each a DistributedDataParallel replica, started by the supervisor."""
-    deadline: float | None = None
-    """Unix time by which the run must have ended: it stops early with a final checkpoint."""
-    full_format: str = "safetensors"
-    """How full checkpoints are stored: ``safetensors`` or ``dcp`` (torch.distributed.checkpoint)."""
-    stagger: int | None = None
-    """At most this many ranks read the checkpoint at once when they restore; None: all."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda`` (each rank on a GPU of its own, NCCL between them, deterministic kernels)."""
-    max_nproc: int | None = None
-    """The most ranks ``nproc`` may ask for; None: the cores this process may run on."""
-    in_backward: bool = False
-    """Update each layer during backward (:class:`~everystep.OptimizerInBackward`; under DDP once its
-    bucket is all-reduced) instead of clipping the gradients and calling ``optimizer.step()``."""
-
-    def __post_init__(self) -> None:
-        self.fail_at = tuple(sorted(set(self.fail_at)))
-        if self.workload not in WORKLOADS:
-            raise ConfigError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(sorted(STRATEGIES))}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-        if self.steps < 1:
-            raise ConfigError(f"--steps must be at least 1, got {self.steps}")
-        if self.threads < 1:
-            raise ConfigError(f"--threads must be at least 1, got {self.threads}")
-        if self.nproc < 1:
-            raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
-        if self.stagger is not None and self.stagger < 1:
-            raise ConfigError(f"--stagger must be at least 1, got {self.stagger}")
-        if self.full_format not in ("safetensors", "dcp"):
-            raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
-        check_device(self.device, self.nproc)
-        if self.fail_mode not in ("software", "hardware"):
-            raise ConfigError(f"--fail-mode must be software or hardware, got {self.fail_mode!r}")
-        bad = [s for s in self.fail_at if not 1 <= s <= self.steps]
-        if bad:
-            raise ConfigError(f"--fail-at steps must lie in 1..{self.steps}; got {', '.join(map(str, bad))}")
-        if self.strategy != "none" and self.directory is None:
-            raise ConfigError(f"strategy {self.strategy!r} needs --dir")
-        if self.in_backward and (self.compress is not None or not STRATEGIES[self.strategy].layer_updates):
-            able = ", ".join(sorted(n for n, cls in STRATEGIES.items() if cls.layer_updates))
-            raise ConfigError(f"--in-backward takes no --compress, and one of the strategies {able}")
-        if self.compress is not None:
-            parse_spec(self.compress)  # validates the spec
-        elif STRATEGIES[self.strategy].needs_compression:
-            raise ConfigError(f"--strategy {self.strategy} reuses compressed gradients: add --compress topk:0.01, quant8 "
-                              "or powersgd:rank=4")
-        limit = self.max_nproc if self.max_nproc is not None else usable_cores()
-        if self.nproc > limit:
-            raise ConfigError(f"--nproc {self.nproc} is more ranks than this machine runs at once ({limit}, its usable "
-                              "cores); raise the limit with --max-nproc if you mean it")
-        flagged = sorted(set(self.options) & {"every", "keep"})
-        if flagged:
-            raise ConfigError(f"--option {flagged[0]}=…: give --{flagged[0]} instead")
-        given = {k: v for k, v in (("every", self.every), ("keep", self.keep)) if v is not None}
-        made = create(self.strategy, **given, **self.options)  # validates the options before any process starts
-        try:
-            made.config.check_job(self.nproc, self.full_format)
-        except ConfigError as e:
-            raise ConfigError(f"--option: {e} (--nproc {self.nproc}, --full-format {self.full_format})") from None
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def run_record(cfg: TrainConfig) -> dict[str, Any]:
@@ -320,88 +228,6 @@ def _counters(ckpt: Checkpointer) -> dict[str, Any]:
         "checkpoints": ckpt.stats.checkpoints,
         "snapshot_wait_seconds": ckpt.stats.snapshot_wait_seconds,
     }
-
-
-_CUMULATIVE = ("bytes_written", "stall_seconds", "checkpoints", "snapshot_wait_seconds")
-"""Counters each process journals from zero; a run's total sums their last values per lifetime."""
-
-
-def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Fold a journal (one or more process lifetimes of one rank) into the run summary.
-
-    ``losses`` holds one value per step this run executed, from ``first_step`` (1 unless the run
-    resumed from a checkpoint already there) to the last: ``steps``, or the step it stopped at.
-    Each of ``recoveries`` says where the failure was planned (``failed_at``), where the next
-    lifetime resumed, from what, how long recovery took, and ``durable_before``: the newest step the
-    lifetime that failed had seen durable — what no failure may lose.
-    """
-    losses: dict[int, float] = {}
-    seconds: dict[int, float] = {}
-    recoveries: list[dict[str, Any]] = []
-    totals = dict.fromkeys(_CUMULATIVE, 0.0)
-    lifetime = dict.fromkeys(_CUMULATIVE, 0.0)
-    end: dict[str, Any] | None = None
-    stopped: dict[str, Any] | None = None
-    failures = iter(cfg.fail_at)
-    durable = 0  # the newest step the lifetime that ended knew durable
-    for r in records:
-        if r["event"] == "start":
-            totals = {k: totals[k] + lifetime[k] for k in _CUMULATIVE}
-            lifetime = dict.fromkeys(_CUMULATIVE, 0.0)
-            if r["pid"] != records[0]["pid"]:
-                recoveries.append({
-                    "failed_at": next(failures, None), "resumed_from": r["resumed_from"],
-                    "recovery_seconds": r["recovery_seconds"], "source": r["source"], "durable_before": durable,
-                })
-            durable = 0
-        elif r["event"] in ("step", "end"):
-            lifetime = {k: r[k] for k in _CUMULATIVE}
-            if r["event"] == "step":
-                durable = max(durable, r.get("durable", 0))
-                losses[r["step"]] = r["loss"]
-                seconds[r["step"]] = r["seconds"]
-            else:
-                end = r
-        elif r["event"] == "stop":
-            stopped = {"step": r["step"], "reason": r["reason"], "at": r.get("at")}
-    first = records[0]["resumed_from"] + 1 if records else 1
-    last = stopped["step"] if stopped else cfg.steps
-    done = [s for s in range(first, last + 1) if s in losses]
-    if end is None or len(done) != last - first + 1:
-        raise EverystepError(f"the run ended without finishing: {len(done)} of steps {first}..{last} recorded")
-    totals = {k: totals[k] + lifetime[k] for k in _CUMULATIVE}
-    return {
-        "workload": cfg.workload,
-        "strategy": cfg.strategy,
-        "seed": cfg.seed,
-        "threads": cfg.threads,
-        "nproc": cfg.nproc,
-        "every": cfg.every,
-        "steps": cfg.steps,
-        "first_step": first,
-        "losses": [losses[s] for s in done],
-        "final_state_sha256": end["final_state_sha256"],
-        "stopped": stopped,
-        "ended_at": end.get("at"),
-        "recoveries": recoveries,
-        "mean_step_seconds": statistics.fmean(seconds.values()) if seconds else 0.0,
-        "bytes_written": int(totals["bytes_written"]),
-        "stall_seconds": totals["stall_seconds"],
-        "checkpoints": int(totals["checkpoints"]),
-        "compress": cfg.compress,
-        "device": cfg.device,
-        "snapshot_wait_seconds": totals["snapshot_wait_seconds"],
-    }
-
-
-def merge_ranks(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """One summary for a job: rank 0's, with every rank's final hash and bytes written."""
-    out = dict(summaries[0])
-    if len(summaries) > 1:
-        out["rank_state_sha256"] = [s["final_state_sha256"] for s in summaries]
-        out["bytes_written_per_rank"] = [s["bytes_written"] for s in summaries]
-        out["bytes_written"] = sum(out["bytes_written_per_rank"])
-    return out
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:

@@ -142,7 +142,12 @@ class EverystepTrainer(Trainer):
             raise ConfigError("EverystepTrainer resumes from its EverystepCallback's directory: call train() without "
                               "resume_from_checkpoint")
         if self.args.world_size > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ConfigError("EverystepTrainer runs in one process, without DeepSpeed or FSDP")
+            given = ", ".join(what for what, on in ((f"{self.args.world_size} processes", self.args.world_size > 1),
+                                                   ("DeepSpeed", self.is_deepspeed_enabled),
+                                                   ("FSDP", self.is_fsdp_enabled)) if on)
+            raise ConfigError(f"EverystepTrainer runs in one process, without DeepSpeed or FSDP; this run has {given}: "
+                              "under several processes use everystep.Checkpointer in a training loop with "
+                              "DistributedDataParallel (sharded state, FSDP's or DeepSpeed's, is not checkpointed yet)")
         self._resume, self._rng = None, None
         try:
             return super().train(None, *args, **kwargs)

@@ -40,24 +40,20 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import math
 import mmap
 import os
 import struct
 import threading
-import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import xxhash
 
 from .._faults import crash_point
-from .._memory import register_host, unregister_host
 from ..distributed import Ranks
 from ..errors import (
     CheckpointDirectoryError,
@@ -68,18 +64,12 @@ from ..errors import (
 )
 from ..files import untrusted_file, untrusted_folder
 from ..layout import LayoutEntry
-from ..state import check_skeleton
-if TYPE_CHECKING:
-    from .directory import CheckpointDirectory
-
+from ..tree import check_skeleton
 from .base import CHECKSUM_ALGORITHM, MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo, refuse_constant
+from .region_map import PAGE, Area, RegionLayout, RegionSlot, SlotMeta, SlotWriter, on_volatile_memory, round_up
 
-__all__ = ["RegionStore", "UntrustedRegionError", "UnreadableRegionError", "RegionLayout", "RegionSlot", "SlotWriter", "ALIGN",
-           "on_volatile_memory", "region_path", "open_region"]
+__all__ = ["RegionStore", "UntrustedRegionError", "UnreadableRegionError", "RegionSlot", "SlotWriter"]
 
-ALIGN = 128
-"""Tensors of more than this many bytes start at multiples of it."""
-PAGE = mmap.ALLOCATIONGRANULARITY
 _MAGIC = b"EVERYSTEP-REGION"
 _VERSION = 1
 _FILE_HEADER = struct.Struct("<16sII32s")  # magic, version, page size, owner
@@ -89,9 +79,6 @@ _WRITING, _COMPLETE = 1, 2
 _AREAS_START = 3 * PAGE
 _PARALLEL_HASH = 1 << 20
 """Tensors of at least this many bytes are hashed on the pool's threads."""
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.complex64, torch.complex128)}
 
 
 class UntrustedRegionError(CheckpointDirectoryError):
@@ -116,156 +103,6 @@ def _flush(view: mmap.mmap, offset: int, nbytes: int) -> None:
     view.flush(offset, nbytes)
 
 
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def on_volatile_memory(path: Path) -> bool:
-    """Whether ``path`` lies on a filesystem in memory (tmpfs, ramfs): it survives the process, not the host."""
-    try:
-        target = os.path.realpath(path)
-        best, kind = "", ""
-        with open("/proc/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) >= 3 and (target == fields[1] or target.startswith(fields[1].rstrip("/") + "/")) \
-                        and len(fields[1]) >= len(best):
-                    best, kind = fields[1], fields[2]
-        return kind in ("tmpfs", "ramfs")
-    except OSError:
-        return False
-
-
-@dataclass(frozen=True, slots=True)
-class RegionLayout:
-    """Where each tensor lies in a slot's data section (offsets from its start): in copy order,
-    those of more than :data:`ALIGN` bytes at aligned offsets, then the small ones packed."""
-
-    entries: tuple[LayoutEntry, ...]
-    nbytes: int
-
-    @classmethod
-    def of(cls, tensors: dict[str, torch.Tensor], order: Sequence[str] | None = None) -> "RegionLayout":
-        order = list(tensors) if order is None else list(order)
-        entries, offset = [], 0
-        sizes = {k: tensors[k].numel() * tensors[k].element_size() for k in order}
-        for key in (k for k in order if sizes[k] > ALIGN):
-            offset = _round_up(offset, ALIGN)
-            entries.append(LayoutEntry(key, tensors[key].dtype, tuple(tensors[key].shape), offset, sizes[key]))
-            offset += sizes[key]
-        for key in (k for k in order if sizes[k] <= ALIGN):
-            offset = _round_up(offset, tensors[key].element_size())
-            entries.append(LayoutEntry(key, tensors[key].dtype, tuple(tensors[key].shape), offset, sizes[key]))
-            offset += sizes[key]
-        return cls(tuple(entries), offset)
-
-    def to_json(self, checksums: dict[str, str]) -> list[list[Any]]:
-        return [[e.key, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset, e.nbytes, checksums[e.key]]
-                for e in self.entries]
-
-    @classmethod
-    def from_json(cls, rows: list[list[Any]], data_nbytes: int) -> tuple["RegionLayout", dict[str, str]]:
-        """Parse :meth:`to_json`'s rows; ValueError for anything but what it writes."""
-        entries, sums = [], {}
-        if not isinstance(rows, list):
-            raise ValueError("its tensors are not a list")
-        for row in rows:
-            if not isinstance(row, list) or len(row) != 6:
-                raise ValueError(f"{row!r} does not describe a tensor")
-            key, dtype, shape, offset, nbytes, digest = row
-            if not isinstance(key, str) or not isinstance(digest, str) or key in sums:
-                raise ValueError(f"{row!r} does not describe a tensor of its own")
-            if dtype not in _DTYPES:
-                raise ValueError(f"tensor {key!r} has an unknown dtype {dtype!r}")
-            if not isinstance(shape, list) or not all(type(v) is int and v >= 0 for v in (*shape, offset, nbytes)):
-                raise ValueError(f"tensor {key!r} has a shape, offset or size that is not whole numbers")
-            dt, shape = _DTYPES[dtype], tuple(shape)
-            if nbytes != math.prod(shape) * dt.itemsize or offset + nbytes > data_nbytes or offset % dt.itemsize:
-                raise ValueError(f"tensor {key!r} does not fit its slot ({offset}+{nbytes} of {data_nbytes} bytes)")
-            entries.append(LayoutEntry(key, dt, shape, offset, nbytes))
-            sums[key] = digest
-        return cls(tuple(entries), data_nbytes), sums
-
-
-class _Area:
-    """One slot's area, mapped: ``meta`` then ``data``; ``bytes`` is a uint8 tensor over the mapping."""
-
-    def __init__(self, fd: int, offset: int, nbytes: int, meta_nbytes: int, *, writable: bool) -> None:
-        self.offset, self.nbytes, self.meta_nbytes = offset, nbytes, meta_nbytes
-        self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE,
-                            mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
-        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.registered = False
-        self._tried = False
-        self._views: tuple[RegionLayout, dict[str, torch.Tensor]] | None = None
-
-    def views(self, layout: "RegionLayout") -> dict[str, torch.Tensor]:
-        """A typed view of the data section per tensor of ``layout`` (made once per layout)."""
-        if self._views is None or self._views[0] != layout:
-            self._views = (layout, {e.key: self.data_view(e) for e in layout.entries})
-        return self._views[1]
-
-    def overlaps(self, offset: int, nbytes: int) -> bool:
-        return offset < self.offset + self.nbytes and self.offset < offset + nbytes
-
-    def data_view(self, entry: LayoutEntry) -> torch.Tensor:
-        start = self.meta_nbytes + entry.offset
-        return self.bytes[start:start + entry.nbytes].view(entry.dtype).view(entry.shape)
-
-    def register(self) -> bool:
-        """Pin the mapping for DMA from the GPU (False where the driver refuses)."""
-        if not self._tried and torch.cuda.is_available():
-            self._tried = True
-            self.registered = register_host(self.bytes[:self.nbytes])
-        return self.registered
-
-    def close(self) -> None:
-        if self.registered:
-            unregister_host(self.bytes)
-            self.registered = False
-        del self.bytes
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # tensors over the mapping are still referenced: it closes when the last one goes
-
-
-@dataclass(frozen=True, slots=True)
-class RegionSlot:
-    """A slot whose header says complete (its data not yet verified)."""
-
-    slot: int
-    step: int
-    generation: int
-    area_offset: int
-    area_nbytes: int
-    meta_nbytes: int
-    meta_digest: bytes
-
-
-@dataclass(eq=False)
-class SlotWriter:
-    """A slot being written: copy into ``views``, then :meth:`RegionStore.commit`."""
-
-    slot: int
-    layout: RegionLayout
-    views: dict[str, torch.Tensor]
-    area: _Area
-    generation: int
-
-
-@dataclass(frozen=True, eq=False)
-class _SlotMeta:
-    """A slot's verified metadata: where its data starts in its area, its layout, its checksums."""
-
-    where: str
-    area: _Area
-    meta: dict[str, Any]
-    base: int
-    layout: RegionLayout
-    sums: dict[str, str]
-
-
 class RegionStore:
     """The two-slot region in one file (see the module docstring)."""
 
@@ -281,7 +118,7 @@ class RegionStore:
         """What the region belongs to, as recorded when it was made."""
         self._lock = threading.Lock()
         self._generation = 0
-        self._areas: dict[int, _Area] = {}
+        self._areas: dict[int, Area] = {}
         self._headers = mmap.mmap(fd, _AREAS_START, mmap.MAP_SHARED if access != "read" else mmap.MAP_PRIVATE,
                                   mmap.PROT_READ | mmap.PROT_WRITE)
         self._pool = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) - 1)), thread_name_prefix="everystep-region")
@@ -380,7 +217,7 @@ class RegionStore:
                 found.append(parsed)
         return sorted(found, key=lambda s: (s.step, s.generation), reverse=True)
 
-    def _write_header(self, slot: int, state: int, step: int, generation: int, area: _Area, meta_nbytes: int,
+    def _write_header(self, slot: int, state: int, step: int, generation: int, area: Area, meta_nbytes: int,
                       meta_digest: bytes) -> None:
         body = _SLOT.pack(_SLOT_MAGIC, state, slot, step, generation, area.offset, area.nbytes, meta_nbytes, meta_digest)
         raw = body + _digest(body)
@@ -403,9 +240,9 @@ class RegionStore:
         found = self.slots(warn=False)
         return 1 - found[0].slot if found else 0
 
-    def _area_for(self, slot: int, meta_nbytes: int, data_nbytes: int) -> _Area:
+    def _area_for(self, slot: int, meta_nbytes: int, data_nbytes: int) -> Area:
         """An area for ``slot`` that overlaps nothing the other slot may hold, mapped; the file grows if needed."""
-        need = _round_up(meta_nbytes + data_nbytes, PAGE)
+        need = round_up(meta_nbytes + data_nbytes, PAGE)
         mine = self._areas.get(slot)
         if mine is not None and mine.nbytes >= need and mine.meta_nbytes == meta_nbytes:
             return mine
@@ -418,11 +255,11 @@ class RegionStore:
         offset = _AREAS_START
         for start, size in sorted(spans):
             if offset < start + size and start < offset + need:
-                offset = _round_up(start + size, PAGE)
+                offset = round_up(start + size, PAGE)
         if os.fstat(self._fd).st_size < offset + need:
             # blocks allocated now: a full disk raises ENOSPC here, not SIGBUS at a store into the mapping
             os.posix_fallocate(self._fd, offset, need)
-        area = _Area(self._fd, offset, need, meta_nbytes, writable=True)
+        area = Area(self._fd, offset, need, meta_nbytes, writable=True)
         self._areas[slot] = area
         return area
 
@@ -438,7 +275,7 @@ class RegionStore:
                 self._generation = max((s.generation for s in self.slots(warn=False)), default=0)
             self._generation += 1
             generation = self._generation
-        meta_nbytes = _round_up(2 * meta_hint + 64 * len(layout.entries) + PAGE, PAGE)
+        meta_nbytes = round_up(2 * meta_hint + 64 * len(layout.entries) + PAGE, PAGE)
         area = self._area_for(slot, meta_nbytes, layout.nbytes)
         self._write_header(slot, _WRITING, 0, generation, area, 0, bytes(16))
         return SlotWriter(slot, layout, area.views(layout), area, generation)
@@ -497,7 +334,7 @@ class RegionStore:
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def _read_area(self, slot: RegionSlot) -> _Area:
+    def _read_area(self, slot: RegionSlot) -> Area:
         size = os.fstat(self._fd).st_size
         if slot.area_offset % PAGE or slot.area_offset < _AREAS_START or slot.area_offset + slot.area_nbytes > size \
                 or slot.meta_nbytes > slot.area_nbytes or slot.area_nbytes <= 0:
@@ -505,9 +342,9 @@ class RegionStore:
         mine = self._areas.get(slot.slot)
         if mine is not None and mine.offset == slot.area_offset and mine.nbytes == slot.area_nbytes:
             return mine
-        return _Area(self._fd, slot.area_offset, slot.area_nbytes, 0, writable=False)
+        return Area(self._fd, slot.area_offset, slot.area_nbytes, 0, writable=False)
 
-    def _metadata(self, slot: RegionSlot) -> "_SlotMeta":
+    def _metadata(self, slot: RegionSlot) -> "SlotMeta":
         """The slot's metadata, its checksum verified and its layout checked against its area;
         raises :class:`CorruptCheckpointError` naming the slot."""
         area = self._read_area(slot)
@@ -530,7 +367,7 @@ class RegionStore:
                 raise ValueError(f"its state is not that of step {slot.step}")
         except MALFORMED as e:
             raise CorruptCheckpointError(f"{where}: unreadable metadata ({type(e).__name__}: {e})") from None
-        return _SlotMeta(where, area, meta, base, layout, sums)
+        return SlotMeta(where, area, meta, base, layout, sums)
 
     def read_slot(self, slot: RegionSlot, *, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The slot's tensors and its metadata, after every checksum is verified; raises
@@ -603,7 +440,7 @@ class RegionStore:
                               **m.meta["meta"]},
                         rank=self.ranks.rank)
 
-    def _entry(self, info: ObjectInfo) -> tuple["_SlotMeta", LayoutEntry]:
+    def _entry(self, info: ObjectInfo) -> tuple["SlotMeta", LayoutEntry]:
         """The verified metadata of the complete slot that holds the object, and the object's entry."""
         number, _, key = info.name.partition("/")
         for slot in self.slots(warn=False):
@@ -647,64 +484,3 @@ class RegionStore:
         self._areas.clear()
         self._headers.close()
         os.close(self._fd)
-
-
-# -- where a directory's region lies, and opening it --------------------------------------------
-
-
-def region_path(directory: Path, region: str | None, rank: int, world: int) -> Path:
-    """Where rank ``rank``'s region lies, for a checkpoint directory and a ``region`` option."""
-    if region is None:
-        return directory / "region" / f"rank-{rank}.bin"
-    if "{rank}" in region:
-        return Path(region.replace("{rank}", str(rank)))
-    return Path(region) if world == 1 else Path(f"{region}.rank-{rank}")
-
-
-def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: bool | None = None,
-                rank: int | None = None) -> RegionStore | None:
-    """This rank's region of ``directory``: made if absent (a writer), or ``None`` for a reader
-    where there is none. A region records, when made, the token that its directory keeps in
-    ``region-r<rank>.owner``; a region that another directory made (a ``region=`` path given to two
-    runs in turn) is refused to a writer, nothing changed, and skipped with a warning by a reader.
-    ``rank``: a reader's choice of rank (default: this process's)."""
-    ranks = directory.ranks
-    rank = ranks.rank if rank is None else rank
-    world = ranks.world if directory.access != "read" else int(directory.marker.get("world_size", ranks.world))
-    path = region_path(directory.root, region, rank, world)
-    claim = directory.root / f"region-r{rank}.owner"
-    token = claim.read_text().strip() if claim.exists() else None
-    if directory.access == "read":
-        if not os.path.lexists(path):
-            return None
-        found = RegionStore.open(path, access="read", ranks=ranks)
-        if found.owner != token:
-            found.close()
-            warnings.warn(f"the region {path} belongs to another checkpoint directory than {directory.root}: not read",
-                          stacklevel=3)
-            return None
-        return found
-    claimed = token is None
-    if token is None:
-        token = uuid.uuid4().hex
-        directory.put_file(claim.name, token.encode())  # before the region: a region is always claimed
-    try:
-        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token)
-    except UntrustedRegionError:
-        if claimed:
-            claim.unlink(missing_ok=True)  # the directory stays as it was found
-        raise
-    except UnreadableRegionError as e:
-        if not directory.fulls():
-            raise CheckpointDirectoryError(
-                f"{e}; nothing was changed, since it may hold checkpoints that no full checkpoint in "
-                f"{directory.root} replaces: to start over, delete {path}") from None
-        warnings.warn(f"{e}: training resumes from the full checkpoints of {directory.root}, and the region is "
-                      "made anew", stacklevel=3)
-        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token, remake=True)
-    if found.owner != token:
-        found.close()
-        raise CheckpointDirectoryError(
-            f"the region {path} belongs to another checkpoint directory than {directory.root} (it may hold that "
-            f"run's checkpoints, so nothing was changed): give this run its own region= or delete {path}")
-    return found

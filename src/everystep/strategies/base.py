@@ -45,7 +45,8 @@ from ..distributed import Ranks
 from ..errors import ConfigError, EverystepError
 from ..policy.interval import due
 from ..recovery import Recovered, recover
-from ..state import TrainingComponents, flatten
+from ..state import TrainingComponents
+from ..tree import flatten
 from ..layout import TensorLayout
 from ..storage.full import persist_full
 from ..storage.sharded import RankShare
@@ -327,6 +328,9 @@ class Strategy:
     exact: ClassVar[bool] = True
     """Recovery restores S_t bitwise (on the CPU; a strategy may say what differs on a GPU). A lossy
     one (``naive_diff``) restores an approximation and says how far it may be."""
+    sharded_layouts: ClassVar[frozenset[str]] = frozenset()
+    """The sharded layouts (:data:`everystep.parallelism.LAYOUTS`) whose ranks' shards it checkpoints;
+    a job sharded otherwise is refused before anything is written."""
 
     def __init__(self, config: StrategyConfig | None = None) -> None:
         self._taken = -1

@@ -1,45 +1,15 @@
 """``gockpt`` and ``gockpt_o``: GoCkpt's full checkpoint spread over K steps, made consistent from gradients.
 
-A checkpoint that starts after step N is not copied in one go. The parameters with their
-optimizer state are cut into K parts (:class:`~everystep.policy.parts.PartSplit`: chunks of about
-``chunk_bytes``, a chunk of a parameter always with the same elements of its state); part k is
-copied from S_{N+k-1} by a background thread while step N+k computes, and the update of step N+k
-waits only for that part. Each part so arrives at another version. At each step N+j (j = 1..K) the
-gradients that update consumes (after clipping and unscaling) are copied for the parts already
-copied (1..j), and a pool of ``threads`` threads applies them to those parts with the same
-optimizer and the step's group settings (:func:`everystep.replay.replay_step`, the project's one
-replay): once step N+K's gradients are applied, every part holds S_{N+K}. A step a GradScaler
-skipped has no update, so nothing is applied for it. What is not a part (model buffers, RNG, the
-data position, the schedule, the scaler) is copied at S_{N+K}, and the consistent checkpoint is
-written and committed as any full one, in the background.
-
-``gockpt`` copies the gradients on the training thread right before the update (the stall GoCkpt's
-analysis counts, i/K of the parameters at step N+i). ``gockpt_o`` (GoCkpt-O) copies them in the
-background while the update and the next forward run — a gradient stays as it is until the next
-backward when ``zero_grad`` drops it (``set_to_none=True``, PyTorch's default) — and the next
-update waits for that copy; a gradient changed in place before it was copied is an error, never a
-silent inconsistency.
-
-The gradients are applied as they arrive, not all after the last part: each step's are dropped
-once applied (at most two steps' worth are held), and the reconstruction is over one step after the
-last part is copied. ``parts`` (K) defaults to the smallest number of parts whose copy fits under a
-step (measured: the steps before the first checkpoint, and timed warm copies of 16 MiB), at most 7
-(:func:`~everystep.policy.parts.choose_parts`).
-
-Exactness (I1) and ``reconstruct``: on the CPU the reconstruction is bitwise — the same optimizer
-class, the same kernels, and updates element by element, which do not depend on where a chunk
-starts (chunk boundaries fall on whole SIMD vectors besides). On a GPU the CPU's arithmetic rounds
-otherwise than the GPU's, so there (``reconstruct="device"``, the default for a model on a GPU) the
-gradients are not applied on the host: the parts are persisted as copied, each at its own version,
-with the gradients that bring them forward, as a checkpoint of kind ``spread``; recovery loads the
-parts into the live model and optimizer and applies those gradients there, on the training device,
-with the training optimizer's class and settings — the updates of training again, so bitwise. Its
-cost: the gradients of parts 1..j for every step N+j are written too, (K+1)/2 times the parameters'
-bytes more than a full checkpoint, and recovery applies up to K steps to part of the state. A
-``spread`` checkpoint is read by these strategies only; the other everystep strategies and tools
-read the full checkpoints (``everystep verify`` checks a spread one's objects). Copies from a GPU
-run on a stream of their own into pinned host memory, after an event recorded on the training
-stream.
+A checkpoint that starts after step N is cut into K parts (chunks of parameters with the same
+elements of their state); part k is copied from S_{N+k-1} while step N+k computes, and the
+gradients each later update consumes are copied for the parts already copied. With
+``reconstruct="host"`` a pool of threads applies them as they arrive (:func:`~everystep.replay.replay_step`),
+so that every part holds S_{N+K} and the checkpoint written is a full one; with ``"device"`` (the
+default on a GPU, where the host's arithmetic rounds otherwise) the parts are written as copied, with
+the gradients that bring them forward on the training device at recovery
+(:mod:`everystep.spread`). ``gockpt`` copies the gradients on the training thread before the update;
+``gockpt_o`` copies them in the background, the next update waiting for that copy. The design, its
+exactness and its costs: ``docs/strategies.md`` (GoCkpt).
 """
 
 from __future__ import annotations
@@ -51,7 +21,6 @@ import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -60,7 +29,7 @@ from .._faults import crash_point
 from ..background import Worker, settled
 from ..errors import ConfigError, CorruptCheckpointError, EverystepError, NoValidCheckpointError
 from ..policy.interval import due
-from ..policy.parts import ALIGN, MAX_PARTS, PartSplit, Unit, choose_parts
+from ..policy.parts import MAX_PARTS, PartSplit, Unit, choose_parts
 from ..recovery import Recovered, recover
 from ..replay import optimizer_like, replay_step
 from ..state import group_scalars
@@ -69,105 +38,10 @@ from ..storage.full import write_full
 from ..spread import SPREAD_KIND, bring_forward, read_spread
 from ..storage.sharded import RankShare, commit_parts, commit_tensors
 from ..transport.host import copy_bandwidth
-from .base import Strategy, StrategyConfig
+from .base import Strategy
+from .gockpt_plan import ELEMENTWISE, Chunk, GoCkptConfig, Param, Spread
 
 __all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig"]
-
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-               torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
-               torch.optim.Rprop)
-"""Optimizers whose update of an element reads only that element's gradient and state (and scalars):
-a part of a parameter can be brought forward on its own."""
-
-
-@dataclass(kw_only=True, slots=True)
-class GoCkptConfig(StrategyConfig):
-    quantities: ClassVar[dict[str, str]] = {"chunk_bytes": "size"}
-    every: int = 50
-    """A checkpoint starts every this many steps; it is complete ``parts`` steps later."""
-    parts: int | None = None
-    """K, the steps one checkpoint's copy is spread over; ``None``: the smallest K whose copy fits
-    under a step, at most 7 (and at most ``every``)."""
-    chunk_bytes: int = 4 << 20
-    """A parameter and its state are copied in chunks of about this many bytes."""
-    threads: int = 4
-    """Threads that apply the gradients to the parts copied (``reconstruct="host"``)."""
-    reconstruct: str | None = None
-    """Where the parts are brought forward: ``"host"`` (as they arrive, by ``threads`` threads; the
-    checkpoint written is a full one) or ``"device"`` (at recovery, on the training device; the
-    parts are written with their gradients). ``None``: ``"device"`` for a model on a GPU, else
-    ``"host"``."""
-
-    def __post_init__(self) -> None:
-        StrategyConfig.__post_init__(self)
-        if self.parts is not None and not 1 <= self.parts <= self.every:
-            raise ConfigError(f"parts must lie in 1..every ({self.every}): a checkpoint spans parts steps and the next "
-                              f"starts every steps later; got {self.parts}")
-        if self.chunk_bytes < ALIGN * 4:
-            raise ConfigError(f"chunk_bytes must be at least {ALIGN * 4}, got {self.chunk_bytes}")
-        if self.threads < 1:
-            raise ConfigError(f"threads must be at least 1, got {self.threads}")
-        if self.reconstruct not in (None, "host", "device"):
-            raise ConfigError(f"reconstruct must be 'host' or 'device' (or None: by where the model is), got "
-                              f"{self.reconstruct!r}")
-
-
-@dataclass(eq=False)
-class _Param:
-    """A parameter the optimizer updates, and where its tensors lie in the flat state."""
-
-    tensor: torch.Tensor
-    group: int
-    key: str
-    elementwise: dict[str, str]
-    """State name → key, for each state tensor of the parameter's shape (chunked with it)."""
-    whole: dict[str, str]
-    """State name → key, for the others (scalars such as Adam's step: each chunk has its own)."""
-
-
-@dataclass(eq=False)
-class _Chunk:
-    """A chunk's copy, brought forward by its shard's optimizer (whose state it is)."""
-
-    index: int
-    """The chunk's place in the plan, parts in order."""
-    param: int
-    start: int
-    stop: int
-    view: torch.Tensor
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Host: the state the chunk's optimizer brings forward. Device: the state as copied."""
-
-
-@dataclass(eq=False)
-class _Spread:
-    """One checkpoint in the making: S_start's parts copied over the next K steps."""
-
-    start: int
-    params: list[_Param]
-    """The parameters and their state's keys as S_start has them."""
-    plan: PartSplit
-    host: dict[str, torch.Tensor]
-    """Host tensors, full shape, for each parameter and each of its element-wise state tensors."""
-    copies: list[Future[Any]] = field(default_factory=list)
-    copied: list[list[_Chunk]] = field(default_factory=list)
-    """Per part copied, its chunks."""
-    shards: list[list[tuple[torch.optim.Optimizer, list[int], list[_Chunk]]]] = field(default_factory=list)
-    """Host: per part copied, per shard, its optimizer, the groups it has, its chunks."""
-    applied: list[Future[Any]] = field(default_factory=list)
-    gradient_copies: list[Future[Any]] = field(default_factory=list)
-    """gockpt_o: the copies of gradients made for this checkpoint, one per update (the next update
-    waits for the last)."""
-    records: list[tuple[dict[str, Any], dict[int, torch.Tensor]]] = field(default_factory=list)
-    """Device: per update, its step and group settings, and the gradients kept, by chunk index."""
-    events: list[Any] = field(default_factory=list)
-    """CUDA: events that complete with the copies of gradients on the copy stream."""
-    apply_seconds: list[float] = field(default_factory=list)
-
-    @property
-    def parts(self) -> int:
-        return len(self.plan.parts)
-
 
 class GoCkpt(Strategy):
     name: ClassVar[str] = "gockpt"
@@ -205,8 +79,8 @@ class GoCkpt(Strategy):
         self.on_device = self.config.reconstruct == "device" or (self.config.reconstruct is None and on_gpu)
         """The parts are brought forward at recovery, on the training device."""
         self._stream = self.ctx.copy_stream()
-        self._params: list[_Param] | None = None
-        self._spread: _Spread | None = None
+        self._params: list[Param] | None = None
+        self._spread: Spread | None = None
         self._last = -1
         self._step_times: list[float] = []
         self._copier = Worker(f"everystep-{self.name}-copy", self.errors)
@@ -303,11 +177,11 @@ class GoCkpt(Strategy):
         plan = PartSplit.of(units, k, self.config.chunk_bytes)
         host = {key: torch.empty(tensors[key].shape, dtype=tensors[key].dtype, pin_memory=self._stream is not None)
                 for p in params for key in (p.key, *p.elementwise.values())}
-        self._spread = _Spread(step, params, plan, host)
+        self._spread = Spread(step, params, plan, host)
         self.parts_used.append(len(plan.parts))
         self._copy_part(self._spread, 0)
 
-    def _find_params(self, tensors: dict[str, torch.Tensor]) -> list[_Param]:
+    def _find_params(self, tensors: dict[str, torch.Tensor]) -> list[Param]:
         params = []
         for found in self.ctx.optimizer_keys(tensors):
             p = found.param
@@ -315,7 +189,7 @@ class GoCkpt(Strategy):
                 raise EverystepError(f"optimizer parameter {found.index} is not among the model's tensors: strategy "
                                      f"{self.name!r} needs the optimizer to train the model's own parameters")
             elementwise = {n: k for n, k in found.state.items() if tensors[k].shape == p.shape and p.numel() > 1}
-            params.append(_Param(p, found.group, found.key, elementwise,
+            params.append(Param(p, found.group, found.key, elementwise,
                                  {n: k for n, k in found.state.items() if n not in elementwise}))
         return params
 
@@ -330,11 +204,11 @@ class GoCkpt(Strategy):
         ranks = self.ctx.ranks
         return max(ranks.all_gather("control", k)) if ranks.distributed else k  # every rank spreads alike
 
-    def _copy_part(self, spread: _Spread, index: int) -> None:
+    def _copy_part(self, spread: Spread, index: int) -> None:
         spread.copies.append(self._copier.submit(f"copy of part {index + 1} of the checkpoint started at step "
                                                  f"{spread.start}", self._copy_chunks, spread, index, self._event()))
 
-    def _copy_chunks(self, spread: _Spread, index: int, ready: Any) -> None:
+    def _copy_chunks(self, spread: Spread, index: int, ready: Any) -> None:
         """Copier thread: part ``index`` from the live state (on CUDA, once the training stream has
         reached ``ready``), then (host) the optimizers that bring it forward."""
         optimizer = self.ctx.components.optimizer
@@ -345,7 +219,7 @@ class GoCkpt(Strategy):
                 p = spread.params[c.unit]
                 view = spread.host[p.key].view(-1)[c.start:c.stop]
                 view.copy_(p.tensor.detach().reshape(-1)[c.start:c.stop], non_blocking=True)
-                chunk = _Chunk(first + n, c.unit, c.start, c.stop, view)
+                chunk = Chunk(first + n, c.unit, c.start, c.stop, view)
                 for name, value in optimizer.state.get(p.tensor, {}).items():
                     if name in p.elementwise:
                         chunk.state[name] = spread.host[p.elementwise[name]].view(-1)[c.start:c.stop]
@@ -366,12 +240,12 @@ class GoCkpt(Strategy):
         if not self.on_device:
             spread.shards.append(self._shards(spread.params, chunks))
 
-    def _shards(self, params: list[_Param], chunks: list[_Chunk]) -> list[tuple[torch.optim.Optimizer, list[int],
-                                                                               list[_Chunk]]]:
+    def _shards(self, params: list[Param], chunks: list[Chunk]) -> list[tuple[torch.optim.Optimizer, list[int],
+                                                                               list[Chunk]]]:
         """The chunks split over the threads by size, each share with an optimizer of the live one's
         class and groups whose state is the chunks'."""
         optimizer = self.ctx.components.optimizer
-        shares: list[list[_Chunk]] = [[] for _ in range(min(len(chunks), len(self._appliers)))]
+        shares: list[list[Chunk]] = [[] for _ in range(min(len(chunks), len(self._appliers)))]
         loads = [0] * len(shares)
         for chunk in sorted(chunks, key=lambda c: c.start - c.stop):
             i = loads.index(min(loads))
@@ -387,7 +261,7 @@ class GoCkpt(Strategy):
 
     # -- gradients -----------------------------------------------------------------------------
 
-    def _copy_gradients(self, spread: _Spread, step: int, parts: int, grads: dict[int, tuple[torch.Tensor | None, int]],
+    def _copy_gradients(self, spread: Spread, step: int, parts: int, grads: dict[int, tuple[torch.Tensor | None, int]],
                         groups: list[dict[str, Any]], ready: Any) -> None:
         """The gradients of the parts 1..``parts`` consumed by the update of ``step`` into host
         memory (on CUDA, once the training stream has reached ``ready``); then, host: handed to the
@@ -427,7 +301,7 @@ class GoCkpt(Strategy):
                    for part in spread.shards[:parts] for s in range(len(part))]
         spread.applied = [*futures, self._appliers[0].submit("release a gradient buffer", self._release, futures, buffer)]
 
-    def _apply(self, spread: _Spread, share: tuple[torch.optim.Optimizer, list[int], list[_Chunk]],
+    def _apply(self, spread: Spread, share: tuple[torch.optim.Optimizer, list[int], list[Chunk]],
                buffer: dict[int, torch.Tensor], present: set[int], groups: list[dict[str, Any]]) -> None:
         t0 = time.perf_counter()
         optimizer, group_index, chunks = share
@@ -452,7 +326,7 @@ class GoCkpt(Strategy):
 
     # -- the consistent checkpoint ---------------------------------------------------------------
 
-    def _finish(self, spread: _Spread, step: int) -> None:
+    def _finish(self, spread: Spread, step: int) -> None:
         """S_step: every part is copied and brought (or being brought) to it; copy the rest now and
         write the checkpoint in the background."""
         self._spread, self._finished = None, step
@@ -465,7 +339,7 @@ class GoCkpt(Strategy):
         self._persister.post(f"background write of the checkpoint at step {step}", write, spread, step, tensors,
                              rest, skeleton, replicated)
 
-    def _write(self, spread: _Spread, step: int, live: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
+    def _write(self, spread: Spread, step: int, live: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
                skeleton: Any, replicated: set[str]) -> None:
         settled(*spread.gradient_copies)
         settled(*spread.applied)
@@ -492,7 +366,7 @@ class GoCkpt(Strategy):
         tensors = {k: tensors[k] for k in live}  # (state the optimizer made after S_start is in ``rest``)
         self._persist(step, tensors, skeleton, replicated)
 
-    def _write_spread(self, spread: _Spread, step: int, live: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
+    def _write_spread(self, spread: Spread, step: int, live: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
                       skeleton: Any, replicated: set[str]) -> None:
         """Device: the parts as copied, the state of S_step that is not a part, and the gradients
         that bring each part to S_step, as one checkpoint of kind ``spread``."""

@@ -48,8 +48,11 @@ from ..errors import ConfigError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
 from ..recovery import Recovered, recover
-from ..state import bare_module, flatten, unflatten
-from ..storage.region import RegionLayout, RegionStore, SlotWriter, UnreadableRegionError, open_region
+from ..state import bare_module
+from ..tree import flatten, unflatten
+from ..storage.region import RegionStore, UnreadableRegionError
+from ..storage.region_map import RegionLayout, SlotWriter
+from ..storage.region_open import open_region
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig

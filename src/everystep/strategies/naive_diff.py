@@ -12,7 +12,7 @@ shadow: off from S_t by what the last difference dropped, its (1 − ``ratio``) 
 Training goes on from there close to the uninterrupted run: on the suite's MLP, killed at step 5
 of 8 with a full checkpoint every 3, every loss after the recovery stays within 1% of the
 uninterrupted run's (measured 0.09%); on gpt2-small the state after a 50-step chain was off by
-1.7e-2 (relative). Use :func:`everystep.state.state_error` to measure how far off it is.
+1.7e-2 (relative). Use :func:`everystep.tree.state_error` to measure how far off it is.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from ..background import Worker
 from ..errors import ConfigError
 from ..recovery import Link, Recovered
-from ..state import flatten, state_error
+from ..tree import flatten, state_error
 from ..storage.sharded import commit_tensors
 from .base import StrategyConfig
 from .differential import Differential

@@ -1,0 +1,107 @@
+"""One training run's configuration (``everystep train``'s flags), checked before any process starts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..compress import parse_spec
+from ..errors import ConfigError
+from ..strategies import STRATEGIES, create
+from .workloads import OPTIMIZERS, WORKLOADS, check_device
+
+__all__ = ["TrainConfig", "usable_cores"]
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run. Steps are numbered from 1."""
+
+    workload: str = "gpt2-tiny"
+    strategy: str = "checkfreq"
+    steps: int = 20
+    directory: str | None = None
+    every: int | None = None
+    """Checkpoint interval; None: the strategy's default."""
+    keep: int = 2
+    seed: int = 0
+    threads: int = 1
+    optimizer: str = "adamw"
+    fail_at: tuple[int, ...] = ()
+    fail_mode: str = "software"
+    options: dict[str, Any] = field(default_factory=dict)
+    compress: str | None = None
+    """Gradient compression for training itself (``topk:0.01``, ``quant8``); None trains dense."""
+    progress: bool = True
+    nproc: int = 1
+    """Training processes (ranks), each a DistributedDataParallel replica, started by the supervisor."""
+    deadline: float | None = None
+    """Unix time by which the run must have ended: it stops early with a final checkpoint."""
+    full_format: str = "safetensors"
+    """How full checkpoints are stored: ``safetensors`` or ``dcp`` (torch.distributed.checkpoint)."""
+    stagger: int | None = None
+    """At most this many ranks read the checkpoint at once when they restore; None: all."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda`` (each rank on a GPU of its own, NCCL between them, deterministic kernels)."""
+    max_nproc: int | None = None
+    """The most ranks ``nproc`` may ask for; None: the cores this process may run on."""
+    in_backward: bool = False
+    """Update each layer during backward (:class:`~everystep.OptimizerInBackward`; under DDP once its
+    bucket is all-reduced) instead of clipping the gradients and calling ``optimizer.step()``."""
+
+    def __post_init__(self) -> None:
+        self.fail_at = tuple(sorted(set(self.fail_at)))
+        if self.workload not in WORKLOADS:
+            raise ConfigError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(sorted(STRATEGIES))}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if self.steps < 1:
+            raise ConfigError(f"--steps must be at least 1, got {self.steps}")
+        if self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.stagger is not None and self.stagger < 1:
+            raise ConfigError(f"--stagger must be at least 1, got {self.stagger}")
+        if self.full_format not in ("safetensors", "dcp"):
+            raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
+        check_device(self.device, self.nproc)
+        if self.fail_mode not in ("software", "hardware"):
+            raise ConfigError(f"--fail-mode must be software or hardware, got {self.fail_mode!r}")
+        bad = [s for s in self.fail_at if not 1 <= s <= self.steps]
+        if bad:
+            raise ConfigError(f"--fail-at steps must lie in 1..{self.steps}; got {', '.join(map(str, bad))}")
+        if self.strategy != "none" and self.directory is None:
+            raise ConfigError(f"strategy {self.strategy!r} needs --dir")
+        if self.in_backward and (self.compress is not None or not STRATEGIES[self.strategy].layer_updates):
+            able = ", ".join(sorted(n for n, cls in STRATEGIES.items() if cls.layer_updates))
+            raise ConfigError(f"--in-backward takes no --compress, and one of the strategies {able}")
+        if self.compress is not None:
+            parse_spec(self.compress)  # validates the spec
+        elif STRATEGIES[self.strategy].needs_compression:
+            raise ConfigError(f"--strategy {self.strategy} reuses compressed gradients: add --compress topk:0.01, quant8 "
+                              "or powersgd:rank=4")
+        limit = self.max_nproc if self.max_nproc is not None else usable_cores()
+        if self.nproc > limit:
+            raise ConfigError(f"--nproc {self.nproc} is more ranks than this machine runs at once ({limit}, its usable "
+                              "cores); raise the limit with --max-nproc if you mean it")
+        flagged = sorted(set(self.options) & {"every", "keep"})
+        if flagged:
+            raise ConfigError(f"--option {flagged[0]}=…: give --{flagged[0]} instead")
+        given = {k: v for k, v in (("every", self.every), ("keep", self.keep)) if v is not None}
+        made = create(self.strategy, **given, **self.options)  # validates the options before any process starts
+        try:
+            made.config.check_job(self.nproc, self.full_format)
+        except ConfigError as e:
+            raise ConfigError(f"--option: {e} (--nproc {self.nproc}, --full-format {self.full_format})") from None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

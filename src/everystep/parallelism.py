@@ -1,0 +1,79 @@
+"""How a job's training state is laid out over its ranks: replicated, or sharded, and by what.
+
+Data parallelism (one process, or DistributedDataParallel) keeps the whole state on every rank;
+everystep stores it once, split across the ranks. A sharded layout keeps on each rank only its
+shards: FSDP2 (``fully_shard``: parameters are DTensors sharded over a 1-D mesh), HSDP (a 2-D mesh,
+replicated across its first dimension and sharded across its second), tensor parallelism
+(``parallelize_module``: DTensors placed by a TP plan), FSDP and TP on a 2-D mesh, FSDP1
+(``FullyShardedDataParallel``) and ZeRO-1 (``ZeroRedundancyOptimizer``: each rank holds the optimizer
+state of its parameters). :func:`sharded_layout` names which, from the objects themselves (DTensor
+placements, the wrapper and optimizer classes), never from private attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["sharded_layout", "LAYOUTS"]
+
+LAYOUTS = ("FSDP2", "HSDP", "TP", "FSDP+TP", "FSDP1", "ZeRO-1")
+"""The sharded layouts :func:`sharded_layout` tells apart."""
+
+
+def _dtensor_layout(model: torch.nn.Module) -> str | None:
+    """FSDP2, HSDP, TP or FSDP+TP, from the placements of the model's DTensor parameters; None when
+    it has none."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # a torch without DTensor has none of these layouts
+        return None
+    fsdp = _fully_sharded(model)
+    layouts = set()
+    for p in model.parameters():
+        if not isinstance(p, DTensor):
+            continue
+        placements = tuple(p.placements)
+        if len(placements) == 2 and fsdp:
+            layouts.add("HSDP" if isinstance(placements[0], Replicate) else "FSDP+TP")
+        elif fsdp:
+            layouts.add("FSDP2")
+        elif any(isinstance(q, (Shard, Replicate)) for q in placements):
+            layouts.add("TP")
+    if not layouts:
+        return None
+    # a model's modules under several plans (TP inside, FSDP over it): name the most complete
+    for name in ("FSDP+TP", "HSDP", "FSDP2", "TP"):
+        if name in layouts:
+            return name
+    return None
+
+
+def _fully_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to the model or one of its modules (FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def sharded_layout(model: torch.nn.Module, optimizer: Any) -> str | None:
+    """The sharded layout of a job's model and optimizer (one of :data:`LAYOUTS`), or None when its
+    state is replicated (one process, DistributedDataParallel)."""
+    module = getattr(model, "module", model)  # DistributedDataParallel's wrapped module
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        FullyShardedDataParallel = None  # noqa: N806
+    if FullyShardedDataParallel is not None and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return "FSDP1"
+    found = _dtensor_layout(module)
+    if found is not None:
+        return found
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:
+        return None
+    return "ZeRO-1" if isinstance(optimizer, ZeroRedundancyOptimizer) else None

@@ -1,0 +1,176 @@
+"""The region's file, mapped: where each tensor lies in a slot's data section, a slot's area mapped
+into memory, and the records of a slot (see :mod:`everystep.storage.region`)."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._memory import register_host, unregister_host
+from ..layout import LayoutEntry
+
+__all__ = ["ALIGN", "PAGE", "RegionLayout", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up"]
+
+ALIGN = 128
+"""Tensors of more than this many bytes start at multiples of it."""
+PAGE = mmap.ALLOCATIONGRANULARITY
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def on_volatile_memory(path: Path) -> bool:
+    """Whether ``path`` lies on a filesystem in memory (tmpfs, ramfs): it survives the process, not the host."""
+    try:
+        target = os.path.realpath(path)
+        best, kind = "", ""
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) >= 3 and (target == fields[1] or target.startswith(fields[1].rstrip("/") + "/")) \
+                        and len(fields[1]) >= len(best):
+                    best, kind = fields[1], fields[2]
+        return kind in ("tmpfs", "ramfs")
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class RegionLayout:
+    """Where each tensor lies in a slot's data section (offsets from its start): in copy order,
+    those of more than :data:`ALIGN` bytes at aligned offsets, then the small ones packed."""
+
+    entries: tuple[LayoutEntry, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor], order: Sequence[str] | None = None) -> "RegionLayout":
+        order = list(tensors) if order is None else list(order)
+        entries, offset = [], 0
+        sizes = {k: tensors[k].numel() * tensors[k].element_size() for k in order}
+        for key in (k for k in order if sizes[k] > ALIGN):
+            offset = round_up(offset, ALIGN)
+            entries.append(LayoutEntry(key, tensors[key].dtype, tuple(tensors[key].shape), offset, sizes[key]))
+            offset += sizes[key]
+        for key in (k for k in order if sizes[k] <= ALIGN):
+            offset = round_up(offset, tensors[key].element_size())
+            entries.append(LayoutEntry(key, tensors[key].dtype, tuple(tensors[key].shape), offset, sizes[key]))
+            offset += sizes[key]
+        return cls(tuple(entries), offset)
+
+    def to_json(self, checksums: dict[str, str]) -> list[list[Any]]:
+        return [[e.key, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset, e.nbytes, checksums[e.key]]
+                for e in self.entries]
+
+    @classmethod
+    def from_json(cls, rows: list[list[Any]], data_nbytes: int) -> tuple["RegionLayout", dict[str, str]]:
+        """Parse :meth:`to_json`'s rows; ValueError for anything but what it writes."""
+        entries, sums = [], {}
+        if not isinstance(rows, list):
+            raise ValueError("its tensors are not a list")
+        for row in rows:
+            if not isinstance(row, list) or len(row) != 6:
+                raise ValueError(f"{row!r} does not describe a tensor")
+            key, dtype, shape, offset, nbytes, digest = row
+            if not isinstance(key, str) or not isinstance(digest, str) or key in sums:
+                raise ValueError(f"{row!r} does not describe a tensor of its own")
+            if dtype not in _DTYPES:
+                raise ValueError(f"tensor {key!r} has an unknown dtype {dtype!r}")
+            if not isinstance(shape, list) or not all(type(v) is int and v >= 0 for v in (*shape, offset, nbytes)):
+                raise ValueError(f"tensor {key!r} has a shape, offset or size that is not whole numbers")
+            dt, shape = _DTYPES[dtype], tuple(shape)
+            if nbytes != math.prod(shape) * dt.itemsize or offset + nbytes > data_nbytes or offset % dt.itemsize:
+                raise ValueError(f"tensor {key!r} does not fit its slot ({offset}+{nbytes} of {data_nbytes} bytes)")
+            entries.append(LayoutEntry(key, dt, shape, offset, nbytes))
+            sums[key] = digest
+        return cls(tuple(entries), data_nbytes), sums
+
+
+class Area:
+    """One slot's area, mapped: ``meta`` then ``data``; ``bytes`` is a uint8 tensor over the mapping."""
+
+    def __init__(self, fd: int, offset: int, nbytes: int, meta_nbytes: int, *, writable: bool) -> None:
+        self.offset, self.nbytes, self.meta_nbytes = offset, nbytes, meta_nbytes
+        self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE,
+                            mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.registered = False
+        self._tried = False
+        self._views: tuple[RegionLayout, dict[str, torch.Tensor]] | None = None
+
+    def views(self, layout: "RegionLayout") -> dict[str, torch.Tensor]:
+        """A typed view of the data section per tensor of ``layout`` (made once per layout)."""
+        if self._views is None or self._views[0] != layout:
+            self._views = (layout, {e.key: self.data_view(e) for e in layout.entries})
+        return self._views[1]
+
+    def overlaps(self, offset: int, nbytes: int) -> bool:
+        return offset < self.offset + self.nbytes and self.offset < offset + nbytes
+
+    def data_view(self, entry: LayoutEntry) -> torch.Tensor:
+        start = self.meta_nbytes + entry.offset
+        return self.bytes[start:start + entry.nbytes].view(entry.dtype).view(entry.shape)
+
+    def register(self) -> bool:
+        """Pin the mapping for DMA from the GPU (False where the driver refuses)."""
+        if not self._tried and torch.cuda.is_available():
+            self._tried = True
+            self.registered = register_host(self.bytes[:self.nbytes])
+        return self.registered
+
+    def close(self) -> None:
+        if self.registered:
+            unregister_host(self.bytes)
+            self.registered = False
+        del self.bytes
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # tensors over the mapping are still referenced: it closes when the last one goes
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSlot:
+    """A slot whose header says complete (its data not yet verified)."""
+
+    slot: int
+    step: int
+    generation: int
+    area_offset: int
+    area_nbytes: int
+    meta_nbytes: int
+    meta_digest: bytes
+
+
+@dataclass(eq=False)
+class SlotWriter:
+    """A slot being written: copy into ``views``, then :meth:`RegionStore.commit`."""
+
+    slot: int
+    layout: RegionLayout
+    views: dict[str, torch.Tensor]
+    area: Area
+    generation: int
+
+
+@dataclass(frozen=True, eq=False)
+class SlotMeta:
+    """A slot's verified metadata: where its data starts in its area, its layout, its checksums."""
+
+    where: str
+    area: Area
+    meta: dict[str, Any]
+    base: int
+    layout: RegionLayout
+    sums: dict[str, str]

@@ -1,0 +1,76 @@
+"""Where a checkpoint directory's region lies, and opening it for its writer or a reader."""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import CheckpointDirectoryError
+from .region import RegionStore, UnreadableRegionError, UntrustedRegionError
+
+if TYPE_CHECKING:
+    from .directory import CheckpointDirectory
+
+__all__ = ["region_path", "open_region"]
+
+
+
+def region_path(directory: Path, region: str | None, rank: int, world: int) -> Path:
+    """Where rank ``rank``'s region lies, for a checkpoint directory and a ``region`` option."""
+    if region is None:
+        return directory / "region" / f"rank-{rank}.bin"
+    if "{rank}" in region:
+        return Path(region.replace("{rank}", str(rank)))
+    return Path(region) if world == 1 else Path(f"{region}.rank-{rank}")
+
+
+def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: bool | None = None,
+                rank: int | None = None) -> RegionStore | None:
+    """This rank's region of ``directory``: made if absent (a writer), or ``None`` for a reader
+    where there is none. A region records, when made, the token that its directory keeps in
+    ``region-r<rank>.owner``; a region that another directory made (a ``region=`` path given to two
+    runs in turn) is refused to a writer, nothing changed, and skipped with a warning by a reader.
+    ``rank``: a reader's choice of rank (default: this process's)."""
+    ranks = directory.ranks
+    rank = ranks.rank if rank is None else rank
+    world = ranks.world if directory.access != "read" else int(directory.marker.get("world_size", ranks.world))
+    path = region_path(directory.root, region, rank, world)
+    claim = directory.root / f"region-r{rank}.owner"
+    token = claim.read_text().strip() if claim.exists() else None
+    if directory.access == "read":
+        if not os.path.lexists(path):
+            return None
+        found = RegionStore.open(path, access="read", ranks=ranks)
+        if found.owner != token:
+            found.close()
+            warnings.warn(f"the region {path} belongs to another checkpoint directory than {directory.root}: not read",
+                          stacklevel=3)
+            return None
+        return found
+    claimed = token is None
+    if token is None:
+        token = uuid.uuid4().hex
+        directory.put_file(claim.name, token.encode())  # before the region: a region is always claimed
+    try:
+        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token)
+    except UntrustedRegionError:
+        if claimed:
+            claim.unlink(missing_ok=True)  # the directory stays as it was found
+        raise
+    except UnreadableRegionError as e:
+        if not directory.fulls():
+            raise CheckpointDirectoryError(
+                f"{e}; nothing was changed, since it may hold checkpoints that no full checkpoint in "
+                f"{directory.root} replaces: to start over, delete {path}") from None
+        warnings.warn(f"{e}: training resumes from the full checkpoints of {directory.root}, and the region is "
+                      "made anew", stacklevel=3)
+        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token, remake=True)
+    if found.owner != token:
+        found.close()
+        raise CheckpointDirectoryError(
+            f"the region {path} belongs to another checkpoint directory than {directory.root} (it may hold that "
+            f"run's checkpoints, so nothing was changed): give this run its own region= or delete {path}")
+    return found

@@ -1,0 +1,186 @@
+"""The state tree as flat tensors and a JSON skeleton, its hash, and the distance between two states.
+
+``flatten`` splits a tree of dicts, lists and tuples whose leaves are tensors or JSON scalars into a
+``{key: tensor}`` table and a JSON skeleton that refers to the table, storing tensors that share
+memory (tied weights) once. ``unflatten`` is its inverse; ``check_skeleton`` checks a skeleton read
+from storage before anything rebuilds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["flatten", "unflatten", "check_skeleton", "state_hash", "state_error", "storage_key", "MAX_DEPTH"]
+
+_TENSOR = "__tensor__"
+_TUPLE = "__tuple__"
+_INTKEYS = "__intkeys__"
+
+
+def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same view of the same memory (tied weights)."""
+    return (t.data_ptr(), t.device, t.shape, t.stride(), t.dtype)  # data_ptr: the storage's, plus the offset
+
+
+_PLAIN = frozenset({bool, int, float, str, type(None)})
+"""Types of JSON scalars a state holds as they are (checked by exact type: the fast path)."""
+
+
+def flatten(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a state tree into ``{key: tensor}`` and a JSON-serialisable skeleton.
+
+    Tensors that are the same view of the same memory (tied weights) are stored once; the
+    skeleton refers to the first key. Dicts with non-string keys (optimizer state) and tuples
+    survive the round trip.
+
+    It runs on the training thread at every checkpoint, so the common nodes take a fast path:
+    scalars of a plain type are kept without a call, and a tensor's full identity
+    (:func:`storage_key`) is computed only when its data pointer is another's.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    by_ptr: dict[int, list[tuple[tuple[Any, ...] | None, str]]] = {}
+
+    def tensor(node: torch.Tensor, path: str) -> dict[str, str]:
+        if node.layout != torch.strided:
+            raise TypeError(f"state entry {path!r} is a {node.layout} tensor; only dense tensors are supported")
+        if not node.numel():
+            tensors[path] = node
+            return {_TENSOR: path}
+        ptr = node.data_ptr()
+        same = by_ptr.get(ptr)
+        if same is None:
+            by_ptr[ptr] = [(None, path)]
+            tensors[path] = node
+            return {_TENSOR: path}
+        identity = storage_key(node)
+        for i, (other, key) in enumerate(same):
+            if other is None:
+                other = storage_key(tensors[key])
+                same[i] = (other, key)
+            if other == identity:
+                return {_TENSOR: key}
+        same.append((identity, path))
+        tensors[path] = node
+        return {_TENSOR: path}
+
+    def walk(node: Any, path: str) -> Any:
+        if type(node) in _PLAIN:
+            return node
+        if isinstance(node, torch.Tensor):
+            return tensor(node, path)
+        if isinstance(node, dict):
+            if all(isinstance(k, str) for k in node):
+                return {k: v if type(v) in _PLAIN else walk(v, f"{path}/{k}") for k, v in node.items()}
+            if all(isinstance(k, int) for k in node):
+                return {_INTKEYS: [[k, v if type(v) in _PLAIN else walk(v, f"{path}/{k}")] for k, v in node.items()]}
+            raise TypeError(f"state entry {path!r} is a dict with keys that are neither all str nor all int")
+        if isinstance(node, (list, tuple)):
+            items = [v if type(v) in _PLAIN else walk(v, f"{path}/{i}") for i, v in enumerate(node)]
+            return {_TUPLE: items} if isinstance(node, tuple) else items
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        raise TypeError(
+            f"state entry {path!r} has type {type(node).__name__}, which cannot be stored without pickle; "
+            "expose it as tensors or JSON scalars"
+        )
+
+    skeleton = walk(tree, prefix)
+    return tensors, skeleton
+
+
+def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten`."""
+    if isinstance(skeleton, dict):
+        if _TENSOR in skeleton:
+            key = skeleton[_TENSOR]
+            if key not in tensors:
+                raise KeyError(f"the checkpoint refers to tensor {key!r} but does not store it")
+            return tensors[key]
+        if _TUPLE in skeleton:
+            return tuple(unflatten(v, tensors) for v in skeleton[_TUPLE])
+        if _INTKEYS in skeleton:
+            return {int(k): unflatten(v, tensors) for k, v in skeleton[_INTKEYS]}
+        return {k: unflatten(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [unflatten(v, tensors) for v in skeleton]
+    return skeleton
+
+
+MAX_DEPTH = 64
+"""How deeply a stored skeleton may nest (a training state is a few levels deep)."""
+
+
+def check_skeleton(skeleton: Any, keys: set[str]) -> None:
+    """Raise ValueError unless ``skeleton`` is one :func:`flatten` could have made over tensors
+    named ``keys``: JSON values, tagged nodes of the right shape, references to ``keys`` only, at
+    most :data:`MAX_DEPTH` levels deep."""
+    stack = [(skeleton, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"it nests deeper than {MAX_DEPTH} levels")
+        if isinstance(node, dict):
+            if _TENSOR in node:
+                if len(node) != 1 or node[_TENSOR] not in keys:
+                    raise ValueError(f"it refers to tensor {node[_TENSOR]!r}, which it does not store")
+            elif _TUPLE in node:
+                if len(node) != 1 or not isinstance(node[_TUPLE], list):
+                    raise ValueError("a tuple of it is not a list")
+                stack.extend((v, depth + 1) for v in node[_TUPLE])
+            elif _INTKEYS in node:
+                pairs = node[_INTKEYS]
+                if len(node) != 1 or not isinstance(pairs, list) or \
+                        not all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int for p in pairs):
+                    raise ValueError("a dict of it with integer keys is not a list of [key, value] pairs")
+                stack.extend((v, depth + 1) for _, v in pairs)
+            else:
+                stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+        elif not (node is None or isinstance(node, (bool, int, float, str))):
+            raise ValueError(f"it holds a {type(node).__name__}")
+
+
+def state_hash(tree: Any) -> str:
+    """SHA-256 of every tensor's dtype, shape and values and every scalar, by path.
+
+    Independent of memory layout, device, dict order and of whether tied tensors are stored once.
+    """
+    h = hashlib.sha256()
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, torch.Tensor):
+            t = node.detach().to("cpu").contiguous()
+            h.update(f"T|{path}|{t.dtype}|{tuple(t.shape)}|".encode())
+            if t.numel():
+                h.update(t.view(-1).view(torch.uint8).numpy().data)
+            return
+        if isinstance(node, dict):
+            h.update(f"D|{path}|{len(node)}|".encode())
+            for k in sorted(node, key=lambda x: (str(type(x)), x)):
+                walk(node[k], f"{path}/{k}")
+            return
+        if isinstance(node, (list, tuple)):
+            h.update(f"L|{path}|{len(node)}|".encode())
+            for i, v in enumerate(node):
+                walk(v, f"{path}/{i}")
+            return
+        h.update(f"S|{path}|{json.dumps(node)}|".encode())
+
+    walk(tree, "")
+    return h.hexdigest()
+
+
+def state_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Relative L2 distance ‖a − b‖ / ‖b‖ over the floating-point tensors both have."""
+    num = den = 0.0
+    for k, t in b.items():
+        if k in a and t.is_floating_point():
+            num += float((a[k].double() - t.double()).square().sum())
+            den += float(t.double().square().sum())
+    return math.sqrt(num / den) if den else 0.0
