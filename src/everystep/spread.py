@@ -1,7 +1,7 @@
 """GoCkpt's ``spread`` checkpoint: the parts of one checkpoint as they were copied, each at its own
 version, with the gradients that bring each part to the checkpoint's step.
 
-``reconstruct="device"`` (:mod:`everystep.strategies.gockpt`) writes it; recovery reads it
+``reconstruct="device"`` (:mod:`everystep.strategies.gockpt`) writes it (:func:`write_spread`); recovery reads it
 (:func:`read_spread`, verified as every checkpoint is) and brings the parts forward on the training
 device (:func:`bring_forward`): each chunk by the updates after its copy, with the training
 optimizer's class and each update's group settings — the updates of training again, so bitwise.
@@ -10,6 +10,7 @@ A part brought forward is checked against the state of the step before anything 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,14 +19,55 @@ from .errors import CorruptCheckpointError
 from .recovery import read_state
 from .replay import optimizer_like, replay_step
 from .storage.base import Manifest, malformed
+from .storage.sharded import RankShare, commit_parts, commit_tensors
 
 if TYPE_CHECKING:
+    from .storage.catalog import Catalog
     from .storage.directory import CheckpointDirectory
 
-__all__ = ["SPREAD_KIND", "read_spread", "bring_forward"]
+__all__ = ["SPREAD_KIND", "write_spread", "read_spread", "bring_forward"]
 
 SPREAD_KIND = "spread"
 """The manifest kind of a checkpoint whose parts are brought forward at recovery."""
+
+
+def write_spread(catalog: "Catalog", step: int, state: dict[str, torch.Tensor], skeleton: Any, replicated: set[str], *,
+                 start: int, params: Sequence[Any], copied: Sequence[Sequence[Any]],
+                 records: Sequence[tuple[dict[str, Any], dict[int, torch.Tensor]]], distributed: bool,
+                 error: BaseException | None = None) -> None:
+    """Commit S_step as a spread checkpoint, from every rank (a collective): ``state`` is S_step's flat
+    state, each part as it was copied at its own version; ``params`` the parameters cut into parts
+    (each with ``key``, ``group``, ``elementwise`` and ``whole``: its state tensors chunked with it, and
+    the others), ``copied`` each part's chunks (``index``, ``param``, ``start``, ``stop`` and ``state``,
+    the chunk's copy of the parameter's ``whole`` state), ``records`` each update after the copies
+    began: its step and group settings, and the gradients kept, by chunk index. ``error``: this rank
+    failed; nothing is committed and the failure is raised on every rank."""
+    if error is not None:
+        commit_parts(catalog, "full", kind=SPREAD_KIND, step=step, chunks=None, share=RankShare({}, {}), meta={},
+                     rank_meta={}, error=error)
+    tensors, scalars = dict(state), {}
+    for c in (c for part in copied for c in part):
+        for name, value in c.state.items():
+            if name in params[c.param].whole:
+                if isinstance(value, torch.Tensor):
+                    tensors[f"spread/state/{c.index}/{name}"] = value.to("cpu")
+                else:
+                    scalars[f"{c.index}/{name}"] = value
+    kept = []
+    for record, grads in records:
+        kept.append({**record, "chunks": sorted(grads)})
+        tensors.update({f"spread/grad/{record['step']}/{i}": g for i, g in grads.items()})
+    description = {
+        "start": start,
+        "params": [{"key": p.key, "group": p.group, "elementwise": p.elementwise, "whole": p.whole} for p in params],
+        "chunks": [[k, c.param, c.start, c.stop] for k, part in enumerate(copied) for c in part],
+        "records": kept,
+        "scalars": scalars,
+    }
+    if distributed:  # the gradients are the all-reduced ones, the same on every rank
+        replicated = replicated | {k for k in tensors if k.startswith("spread/")}
+    commit_tensors(catalog, "full", kind=SPREAD_KIND, step=step, tensors=tensors, replicated=replicated, meta={},
+                   rank_meta={"skeleton": skeleton, "spread": description})
 
 
 def read_spread(directory: "CheckpointDirectory", manifest: Manifest) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:

@@ -35,8 +35,8 @@ from ..replay import optimizer_like, replay_step
 from ..state import group_scalars
 from ..storage.base import Manifest, malformed
 from ..storage.full import write_full
-from ..spread import SPREAD_KIND, bring_forward, read_spread
-from ..storage.sharded import RankShare, commit_parts, commit_tensors
+from ..spread import SPREAD_KIND, bring_forward, read_spread, write_spread
+from ..storage.sharded import RankShare
 from ..transport.host import copy_bandwidth
 from .base import Strategy
 from .gockpt_plan import ELEMENTWISE, Chunk, GoCkptConfig, Param, Spread
@@ -375,37 +375,12 @@ class GoCkpt(Strategy):
         for event in spread.events:
             event.synchronize()
         failed = next((f.exception() for f in spread.gradient_copies if f.exception() is not None), None)
-        if failed is not None:  # raised on every rank, nothing committed
-            commit_parts(self.ctx.catalog, "full", kind=SPREAD_KIND, step=step, chunks=None, share=RankShare({}, {}),
-                         meta={}, rank_meta={}, error=failed)
-        crash_point("gockpt.reconstructed")
-        tensors = {k: rest[k] if k in rest else spread.host[k] for k in live}
-        chunks = [c for part in spread.copied for c in part]
-        scalars: dict[str, Any] = {}
-        for c in chunks:
-            for name, value in c.state.items():
-                if name in spread.params[c.param].whole:
-                    if isinstance(value, torch.Tensor):
-                        tensors[f"spread/state/{c.index}/{name}"] = value.to("cpu")
-                    else:
-                        scalars[f"{c.index}/{name}"] = value
-        records = []
-        for record, kept in spread.records:
-            records.append({**record, "chunks": sorted(kept)})
-            tensors.update({f"spread/grad/{record['step']}/{i}": g for i, g in kept.items()})
-        description = {
-            "start": spread.start,
-            "params": [{"key": p.key, "group": p.group, "elementwise": p.elementwise, "whole": p.whole}
-                       for p in spread.params],
-            "chunks": [[k, c.param, c.start, c.stop] for k, part in enumerate(spread.copied) for c in part],
-            "records": records,
-            "scalars": scalars,
-        }
-        if self.ctx.ranks.distributed:  # the gradients are the all-reduced ones, the same on every rank
-            replicated = replicated | {k for k in tensors if k.startswith("spread/")}
+        if failed is None:
+            crash_point("gockpt.reconstructed")
         t0 = time.perf_counter()
-        commit_tensors(self.ctx.catalog, "full", kind=SPREAD_KIND, step=step, tensors=tensors, replicated=replicated,
-                       meta={}, rank_meta={"skeleton": skeleton, "spread": description})
+        write_spread(self.ctx.catalog, step, {k: rest[k] if k in rest else spread.host[k] for k in live}, skeleton,
+                     replicated, start=spread.start, params=spread.params, copied=spread.copied,
+                     records=spread.records, distributed=self.ctx.ranks.distributed, error=failed)
         self.ctx.record_durable(step, seconds=time.perf_counter() - t0)
         self.ctx.directory.retain(self.config.keep)
 

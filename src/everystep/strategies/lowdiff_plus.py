@@ -1,43 +1,13 @@
 """``lowdiff_plus``: LowDiff+ — every step's gradients update a CPU replica in a checkpoint agent.
 
-Gradient capture (:mod:`everystep.capture.grads`): each parameter's gradient is copied into a
-slot of shared memory the moment it is final for this backward pass (under DDP: as its bucket's
-reduction completes), checked again right before ``optimizer.step()`` and copied again where
-clipping or unscaling changed it, so the slot holds exactly what the optimizer consumes.
-``layerwise`` says whether copies happen during backward (None: until clipping makes them moot).
-
-The agent (:mod:`everystep.agent`), a separate process started from a fresh interpreter, holds S_t
-in shared memory and advances it with the same optimizer class on the CPU: the step's gradients,
-its param-group settings as the optimizer read them, and whether a GradScaler skipped it; then it
-takes over what gradients cannot rebuild (RNG, data position, scheduler, buffers, residuals). It
-persists the replica as a full checkpoint every ``every`` steps (default: as often as keeps its
-writer busy a quarter of the time, from the measured write and step times).
-
-Recovery: after a software failure the agent survives and the restarted process takes the replica
-from its memory (``source`` ``memory``); after a hardware failure, the newest full checkpoint on
-storage (``disk``). Every ``verify_every`` steps the agent compares a digest of its parameters and
-optimizer state with the live ones and a divergence is reported as a warning, then repaired by
-sending the agent the full state.
-
-Several ranks: each rank has an agent of its own, which holds a whole replica of its rank's
-state (what DDP replicates, and the rank's own RNG, data position and residuals). The ranks mark
-the same steps for persistence — they agree on the interval, and on whether any rank lost its
-agent, in one small all-gather on the ``control`` channel every ``every`` steps (every 8 with the
-measured default) — and each agent writes its rank's part of the checkpoint, which the training
-process commits with the other ranks' parts (:mod:`everystep.agent.commits`). Agents apply a step
-only when the next one arrives (see :mod:`everystep.agent.process`); at recovery the ranks agree
-on a step every agent can serve, else all load from storage. When any rank's agent is lost, every
-rank falls back at the next agreement. An agent never persists once its training process is gone.
-
-Backpressure: at most ``queue`` steps are in flight (memory: ``queue`` slots of one gradient
-each, one more under several ranks for the step an agent holds back). Training waits for a free
-slot, and the wait is measured (``snapshot_wait_seconds``). An agent that frees no slot within
-``agent_timeout`` seconds, or whose connection breaks, is lost: training warns, ends it if it
-still runs, and goes on with CheckFreq full checkpoints written by the training process itself.
-The agent writes one checkpoint at a time: with ``every`` set, each multiple of P is written, a
-write waiting for the one before it (the agent applies no later step meanwhile, so slow storage slows
-training, as with CheckFreq); with the measured default, a write due while the writer is busy
-moves to the first step after it is free.
+Each parameter's gradient is copied into a slot of shared memory as soon as it is final, and again
+before ``optimizer.step()`` where clipping or unscaling changed it (:mod:`everystep.capture.grads`);
+the agent (:mod:`everystep.agent`), a process of its own, applies the step to its replica with the
+same optimizer on the CPU, persists the replica every ``every`` steps, and serves recovery from
+memory after a software failure. Under several ranks each rank has its agent, and the ranks agree on
+the steps persisted, on a step every agent can serve at recovery, and on falling back to full
+checkpoints when an agent is lost. The design, the backpressure and the failure modes:
+``docs/strategies.md`` (LowDiff+ and its checkpoint agent).
 
 The strategy is a composition: :class:`~everystep.capture.grads.GradientCapture` fills the slots
 of the :class:`~everystep.agent.session.AgentSession`, which owns the link, the slots and what the
