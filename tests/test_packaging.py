@@ -103,3 +103,29 @@ def test_every_strategy_runs_with_the_runtime_dependencies_alone(tmp_path):
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == [w for name in names for w in (name, "5")]
+
+
+def test_the_suites_xdist_groups_keep_their_tests_on_one_worker(tmp_path):
+    """``make test`` runs ``--dist loadgroup``: the tests that share an expensive fixture (the GPU
+    check's dry run, the trainers imported in-process) are one ``xdist_group`` each, on one worker.
+    A pytest and pytest-xdist that disagree on test ids spread a group silently (pytest 9.2 with
+    pytest-xdist 3.8 did), and each worker then runs the group's fixture."""
+    (tmp_path / "test_grouped.py").write_text(textwrap.dedent("""
+        import os, pytest
+        together = pytest.mark.xdist_group("together")
+
+        @together
+        def test_a(): print("ran", os.environ["PYTEST_XDIST_WORKER"])
+        @together
+        def test_b(): print("ran", os.environ["PYTEST_XDIST_WORKER"])
+        @together
+        def test_c(): print("ran", os.environ["PYTEST_XDIST_WORKER"])
+        def test_d(): pass
+        def test_e(): pass
+    """))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:]
+    workers = {m[1] for m in re.finditer(r"\[(gw\d+)\] .*PASSED .*::test_[abc]@together", done.stdout)}
+    assert len(workers) == 1, done.stdout[-3000:]
