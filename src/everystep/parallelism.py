@@ -62,14 +62,13 @@ def _fully_sharded(model: torch.nn.Module) -> bool:
 def sharded_layout(model: torch.nn.Module, optimizer: Any) -> str | None:
     """The sharded layout of a job's model and optimizer (one of :data:`LAYOUTS`), or None when its
     state is replicated (one process, DistributedDataParallel)."""
-    module = getattr(model, "module", model)  # DistributedDataParallel's wrapped module
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:
         FullyShardedDataParallel = None  # noqa: N806
     if FullyShardedDataParallel is not None and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         return "FSDP1"
-    found = _dtensor_layout(module)
+    found = _dtensor_layout(model)  # (DistributedDataParallel's modules and parameters are its module's)
     if found is not None:
         return found
     try:

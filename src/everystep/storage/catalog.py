@@ -48,6 +48,14 @@ def _manifest_key(name: str) -> str:
     return f"{MANIFESTS}{check_manifest_name(name)}.json"
 
 
+def _new_object_key(name: str) -> str:
+    """The key of a new object: a name everystep writes, and a plain file name (no folder: an object's
+    own files are written by ``write_directory``'s ``fill``)."""
+    if "/" in name:
+        raise ValueError(f"invalid object name {name!r}")
+    return OBJECTS + check_object_name(name)
+
+
 class Catalog:
     """The objects and manifests of one checkpoint directory, kept in ``store`` (see the module docstring)."""
 
@@ -100,11 +108,8 @@ class Catalog:
 
     def write_object(self, name: str, chunks: Iterable[bytes | memoryview]) -> ObjectInfo:
         """Write the object ``name`` (a plain file name); durable when it returns."""
-        if "/" in name or name.startswith("."):
-            raise ValueError(f"invalid object name {name!r}")
-        check_object_name(name)
         hasher = new_hasher()
-        nbytes = self.store.put(OBJECTS + name, self._counted(chunks, hasher))
+        nbytes = self.store.put(_new_object_key(name), self._counted(chunks, hasher))
         return ObjectInfo(name=name, nbytes=nbytes, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
 
     def write_directory(self, name: str, fill: Callable[[Path], T]) -> T:
@@ -112,9 +117,7 @@ class Catalog:
         folder it is given; under several ranks every rank calls it at once (see
         :meth:`Store.put_directory <everystep.storage.base.Store.put_directory>`), rank 0 leading."""
         self.check_writable()
-        if "/" in name or name.startswith("."):
-            raise ValueError(f"invalid object name {name!r}")
-        return self.store.put_directory(OBJECTS + check_object_name(name), fill, lead=self.ranks.rank == 0)
+        return self.store.put_directory(_new_object_key(name), fill, lead=self.ranks.rank == 0)
 
     def commit(self, manifest: Manifest) -> None:
         """Make the checkpoint ``manifest`` names visible: its objects must be durable already."""
