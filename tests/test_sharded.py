@@ -119,3 +119,173 @@ def test_every_strategy_refuses_a_layout_it_does_not_checkpoint_naming_both_and_
                     f"ConfigError: strategy {name!r} cannot checkpoint a job sharded with {layout}"), (layout, name, refusal)
                 assert "nothing was written" in refusal and "torch.distributed.checkpoint" in refusal
                 assert not written, (layout, name)
+
+
+# -- FSDP2 and HSDP checkpointed: killed and restarted, resharded at load ------------------------------
+
+from everystep.eval.train import TrainConfig, run  # noqa: E402
+from everystep.storage.directory import CheckpointDirectory  # noqa: E402
+
+FSDP_JOB = dict(workload="gpt2-tiny", steps=12, nproc=2, progress=False, parallel="fsdp")
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference() -> dict:
+    """The uninterrupted two-rank FSDP2 run, without checkpointing."""
+    return run(TrainConfig(strategy="none", **FSDP_JOB))
+
+
+@pytest.mark.parametrize("strategy, mode, fail_at", [
+    ("full_sync", "hardware", (3, 8)),
+    ("checkfreq", "software", (4, 7)),
+    ("async", "hardware", (5, 10)),
+])
+def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_reference, strategy, mode, fail_at):
+    # The rank killed and the instant in its step (start, forward, backward, update, mid-write) are
+    # drawn from the seed for each step.
+    summary = run(TrainConfig(strategy=strategy, directory=str(tmp_path / strategy), fail_at=fail_at, fail_mode=mode,
+                              **FSDP_JOB))
+    assert [r["failed_at"] for r in summary["recoveries"]] == list(fail_at)
+    assert all(r["source"] in ("disk", "none") for r in summary["recoveries"])
+    assert summary["losses"] == fsdp_reference["losses"]
+    assert summary["rank_state_sha256"] == fsdp_reference["rank_state_sha256"]  # each rank's shards, bitwise
+
+
+def test_under_fsdp2_each_of_two_ranks_writes_half_the_state(tmp_path, fsdp_reference):
+    summary = run(TrainConfig(strategy="checkfreq", directory=str(tmp_path / "c"), **{**FSDP_JOB, "steps": 4}))
+    assert summary["losses"] == fsdp_reference["losses"][:4]
+    store = CheckpointDirectory.open(tmp_path / "c", create=False, access="read")
+    for record in store.catalog.manifests():
+        files = record.manifest.objects
+        state = [sum(i.nbytes for n, i in files.items() if n.startswith(f"dcp/__{r}_")) for r in range(2)]
+        assert all(abs(b / sum(state) - 0.5) <= 0.01 for b in state), state  # each rank's data file: half
+        assert files["dcp/.metadata"].nbytes < 0.03 * sum(state)  # DCP's index, written by rank 0
+    store.close()
+    written = summary["bytes_written_per_rank"]  # everything, DCP's index included
+    assert all(abs(b / sum(written) - 0.5) <= 0.02 for b in written), written
+
+
+def test_hsdp_on_four_ranks_killed_and_restarted_recovers_bitwise(tmp_path):
+    job = {**FSDP_JOB, "nproc": 4, "max_nproc": 4, "parallel": "hsdp", "steps": 9}
+    reference = run(TrainConfig(strategy="none", **job))
+    summary = run(TrainConfig(strategy="checkfreq", directory=str(tmp_path / "c"), fail_at=(3, 6),
+                              fail_mode="hardware", **job))
+    assert [r["failed_at"] for r in summary["recoveries"]] == [3, 6]
+    assert summary["losses"] == reference["losses"]
+    assert summary["rank_state_sha256"] == reference["rank_state_sha256"]
+    # Each shard is held by two ranks (the replicas) and written once: a quarter of the state per rank.
+    from everystep.eval.workloads import build
+
+    state = 3 * sum(p.numel() * p.element_size() for p in build("gpt2-tiny").model.parameters())  # AdamW: 3 copies
+    store = CheckpointDirectory.open(tmp_path / "c", create=False, access="read")
+    newest = max((r.manifest for r in store.catalog.manifests()), key=lambda m: m.step)
+    data = [sum(i.nbytes for n, i in newest.objects.items() if n.startswith(f"dcp/__{r}_")) for r in range(4)]
+    store.close()
+    assert state <= sum(data) < 1.5 * state, (data, state)  # once (DCP adds about 1.5 kB per tensor), not twice
+    assert all(abs(b / sum(data) - 0.25) <= 0.02 for b in data), data
+
+
+_RESHARD = """
+import json, os, sys, torch, torch.distributed as dist
+from everystep import Checkpointer
+from everystep.tree import state_hash
+from torch.distributed.tensor import DTensor
+
+layout, root, out, write = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "write"
+world = int(os.environ.get("WORLD_SIZE", "1"))
+if layout != "single":
+    dist.init_process_group("gloo")
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.ReLU(), torch.nn.Linear(40, 6))  # 40 over 3 ranks: uneven
+if layout == "fsdp":
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(net[0], mesh=mesh); fully_shard(net, mesh=mesh)
+elif layout in ("tp", "fsdp+tp"):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (world // 2, 2) if layout == "fsdp+tp" else (1, world), mesh_dim_names=("dp", "tp"))
+    net = parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if layout == "fsdp+tp":
+        fully_shard(net, mesh=mesh["dp"])
+elif layout == "ddp":
+    net = torch.nn.parallel.DistributedDataParallel(net)
+opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+
+def whole(tree):
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, dict):
+        return {k: whole(v) for k, v in tree.items()}
+    return tree
+
+
+def gathered():
+    module = net.module if layout == "ddp" else net
+    return state_hash({"model": whole(module.state_dict()), "optimizer": whole(opt.state_dict()["state"])})
+
+
+def step(i):
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(i * 100 + (dist.get_rank() if world > 1 else 0)))
+    net(x).square().mean().backward()
+    opt.step(); opt.zero_grad()
+
+
+# Moving between layouts needs DCP's format: a sharded job's default, which a replicated job is given.
+with Checkpointer(root, net, opt, strategy="full_sync", every=100, full_format="dcp") as ckpt:
+    start = ckpt.restore()
+    if write:
+        for i in range(1, 4):
+            step(i)
+        report = {"start": start, "hash": None}
+    else:
+        report = {"start": start, "hash": gathered()}
+        step(start + 1)  # training goes on at this world size
+        report["loss_finite"] = bool(torch.isfinite(net(torch.ones(2, 12)).sum()))
+written = gathered() if write else None  # after the final checkpoint: the state it holds
+if world == 1 or dist.get_rank() == 0:
+    with open(out, "w") as f:
+        json.dump({**report, "written": written}, f)
+if layout != "single":
+    dist.destroy_process_group()
+"""
+
+
+def _reshard_run(layout: str, world: int, root, out, *, write: bool) -> dict:
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-c", _RESHARD, layout, str(root), str(out), "write" if write else "read"]
+    if layout == "single":
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:
+        env.update(WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        procs = [subprocess.Popen(args, env={**env, "RANK": str(r)}, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for r in range(world)]
+        for p in procs:
+            _, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("writer, reader", [
+    (("fsdp", 2), ("single", 1)),
+    (("fsdp", 2), ("fsdp", 1)),
+    (("single", 1), ("fsdp", 2)),
+    (("fsdp", 2), ("fsdp", 3)),
+    (("fsdp", 2), ("ddp", 2)),
+    (("ddp", 2), ("fsdp", 2)),
+    (("fsdp", 2), ("tp", 2)),
+    (("fsdp+tp", 4), ("fsdp", 2)),
+])
+def test_a_checkpoint_loads_bitwise_at_another_world_size_and_layout(tmp_path, writer, reader):
+    root = tmp_path / "c"
+    saved = _reshard_run(*writer, root, tmp_path / "w.json", write=True)
+    loaded = _reshard_run(*reader, root, tmp_path / "r.json", write=False)
+    assert loaded["start"] == 3
+    assert loaded["hash"] == saved["written"]  # every tensor, gathered on both sides, bitwise
+    assert loaded["loss_finite"]

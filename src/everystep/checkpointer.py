@@ -47,21 +47,28 @@ from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, 
 __all__ = ["Checkpointer"]
 
 
-def _refuse_sharded(strategy: Strategy, model: Any, optimizer: Any) -> None:
+def _refuse_sharded(strategy: Strategy, layout: str | None, full_format: str | None) -> str | None:
     """Refuse a job whose state is sharded in a layout the strategy does not checkpoint, before anything
-    is written."""
-    layout = sharded_layout(model, optimizer) if isinstance(model, torch.nn.Module) else None
-    if layout is None or layout in strategy.sharded_layouts:
-        return
-    able = sorted(n for n, cls in STRATEGIES.items() if layout in cls.sharded_layouts)
-    instead = (f"use one of the strategies {', '.join(able)}" if able else
-               "checkpoint this job with torch.distributed.checkpoint (dcp.save of "
-               "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)), or train with "
-               "DistributedDataParallel")
-    raise ConfigError(
-        f"strategy {strategy.name!r} cannot checkpoint a job sharded with {layout}: it captures the state of data "
-        f"parallelism, where every rank holds the whole model and optimizer state, and each {layout} rank holds "
-        f"only its shards; nothing was written — {instead}")
+    is written; the full-checkpoint format to ask the directory for (None: the one it has, or
+    everystep's own for a new one). A sharded job's is DCP's, which reshards at load."""
+    if layout is None:
+        return full_format
+    if layout not in strategy.sharded_layouts:
+        able = sorted(n for n, cls in STRATEGIES.items() if layout in cls.sharded_layouts)
+        instead = (f"use one of the strategies {', '.join(able)}, or " if able else "") + \
+            "checkpoint this job with torch.distributed.checkpoint (dcp.save of " \
+            "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)), or train with " \
+            "DistributedDataParallel"
+        why = strategy.sharded_refusal or (
+            f"it captures the state of data parallelism, where every rank holds the whole model and optimizer "
+            f"state, and each {layout} rank holds only its shards")
+        raise ConfigError(f"strategy {strategy.name!r} cannot checkpoint a job sharded with {layout}: {why}; nothing "
+                          f"was written — {instead}")
+    if full_format == "safetensors":
+        raise ConfigError(f"full_format='safetensors' cannot hold a job sharded with {layout}: its full checkpoints "
+                          "are written in DCP's format (full_format='dcp', the default under sharding), which loads "
+                          "them at another world size or layout")
+    return "dcp"
 
 
 def _check_arguments(*, model: Any, optimizer: Any, final: Any, deadline: Any, k1: Any, k2: Any, stop_signals: Any,
@@ -84,8 +91,8 @@ def _check_arguments(*, model: Any, optimizer: Any, final: Any, deadline: Any, k
         raise TypeError(f"stop_signals must be a sequence of signal numbers (signal.SIGTERM, …), got {stop_signals!r}")
     if stagger is not None and (isinstance(stagger, bool) or not isinstance(stagger, int)):
         raise TypeError(f"stagger must be a whole number of ranks or None, got {stagger!r}")
-    if not isinstance(full_format, str):
-        raise TypeError(f"full_format must be 'safetensors' or 'dcp', got {full_format!r}")
+    if full_format is not None and not isinstance(full_format, str):
+        raise TypeError(f"full_format must be 'safetensors', 'dcp' or None, got {full_format!r}")
 
 
 class Checkpointer:
@@ -109,8 +116,11 @@ class Checkpointer:
         stop_signals: signals that ask for a stop at the next :meth:`should_stop` (a preemption
             notice such as ``signal.SIGTERM`` or ``signal.SIGUSR1``); handlers are installed
             while the Checkpointer is open, and a second signal of a kind acts as before.
-        full_format: ``"safetensors"`` (default) or ``"dcp"``: full checkpoints that plain
-            ``torch.distributed.checkpoint`` calls can load (see :mod:`everystep.storage.dcp`).
+        full_format: ``"safetensors"`` (everystep's own) or ``"dcp"``: full checkpoints that plain
+            ``torch.distributed.checkpoint`` calls can load, and that load at another world size or
+            sharded layout (see :mod:`everystep.storage.dcp`). ``None`` (default): the format the
+            directory holds; for a new one, ``"dcp"`` under sharding (FSDP2, HSDP, TP, FSDP+TP),
+            where it is the only one, and ``"safetensors"`` otherwise.
         store: an open :class:`~everystep.storage.CheckpointDirectory` to use instead of
             ``directory`` (the Checkpointer closes it, and keeps it as ``self.directory``); one
             opened with ``access="read"`` makes a reader, which restores and changes nothing.
@@ -143,7 +153,7 @@ class Checkpointer:
         k1: float = 10.0,
         k2: float = 2.0,
         stop_signals: Sequence[int] = (),
-        full_format: str = "safetensors",
+        full_format: str | None = None,
         stagger: int | None = None,
         **options: Any,
     ) -> None:
@@ -151,11 +161,15 @@ class Checkpointer:
         _check_arguments(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data,
                          compression=compression, final=final, deadline=deadline, k1=k1, k2=k2,
                          stop_signals=stop_signals, stagger=stagger, full_format=full_format)
+        if full_format not in ("safetensors", "dcp", None):
+            raise ConfigError(f"full_format must be 'safetensors', 'dcp' or None, got {full_format!r}")
         given = {k: v for k, v in (("every", every), ("keep", keep)) if v is not None}
         if not isinstance(strategy, (str, Strategy)):
             raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}")
         self.strategy: Strategy = create(strategy, **given, **options) if isinstance(strategy, str) else strategy
-        _refuse_sharded(self.strategy, model, optimizer)
+        self.layout = sharded_layout(model, optimizer)
+        """The job's sharded layout (:func:`everystep.parallelism.sharded_layout`), None where it is replicated."""
+        full_format = _refuse_sharded(self.strategy, self.layout, full_format)
         if isinstance(optimizer, OptimizerInBackward):
             if not self.strategy.layer_updates:
                 able = ", ".join(sorted(n for n, cls in STRATEGIES.items() if cls.layer_updates))
@@ -170,8 +184,6 @@ class Checkpointer:
         self.final = final
         self.stats = CheckpointStats()
         self.ranks = store.ranks if store is not None else Ranks.detect()
-        if full_format not in ("safetensors", "dcp"):
-            raise ConfigError(f"full_format must be 'safetensors' or 'dcp', got {full_format!r}")
         if stagger is not None and stagger < 1:
             raise ConfigError(f"stagger must be at least 1 rank per wave, got {stagger}")
         if store is None and self.strategy.needs_store:
@@ -179,10 +191,15 @@ class Checkpointer:
                 raise CheckpointDirectoryError(f"strategy {self.strategy.name!r} needs a checkpoint directory")
             store = CheckpointDirectory.open(directory, strategy=self.strategy.name, ranks=self.ranks,
                                              other_world=self.strategy.other_world_size,
-                                             extra={"full_format": full_format})
+                                             extra={"full_format": full_format} if full_format else None)
         self.directory = store
+        if store is not None and self.layout is not None and store.full_format != "dcp":
+            store.close()
+            raise ConfigError(f"{store.root} holds full checkpoints in everystep's own format, which a job sharded "
+                              f"with {self.layout} does not load: its full checkpoints are in DCP's format "
+                              "(full_format='dcp'); use another directory")
         try:
-            self._attach(full_format, deadline, k1, k2, stop_signals, stagger)
+            self._attach(deadline, k1, k2, stop_signals, stagger)
         except BaseException:
             if store is not None:
                 store.undo_create()  # a directory this failed constructor made stays as it was
@@ -190,7 +207,7 @@ class Checkpointer:
             raise
         self._closed = False
 
-    def _attach(self, full_format: str, deadline: float | None, k1: float, k2: float, stop_signals: Sequence[int],
+    def _attach(self, deadline: float | None, k1: float, k2: float, stop_signals: Sequence[int],
                 stagger: int | None) -> None:
         directory, model, optimizer, scaler = (self.directory, self.components.model, self.components.optimizer,
                                                self.components.scaler)

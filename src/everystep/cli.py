@@ -31,7 +31,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     deadline = time.time() + args.deadline if args.deadline is not None else deadline_from_environment()
     cfg = TrainConfig(
-        nproc=args.nproc, deadline=deadline, full_format=args.full_format, stagger=args.stagger,
+        nproc=args.nproc, parallel=args.parallel, deadline=deadline, full_format=args.full_format, stagger=args.stagger,
         workload=args.workload, strategy=args.strategy, steps=args.steps, directory=args.dir,
         every=args.every, keep=args.keep, seed=args.seed, threads=args.threads,
         optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode, compress=args.compress,
@@ -281,9 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--deadline", type=POSITIVE, metavar="SECONDS", help="stop with a final checkpoint before this many "
                    "seconds from now have passed (default: SLURM_JOB_END_TIME when set); SIGTERM and SIGUSR1 stop "
                    "the same way at any time")
-    t.add_argument("--full-format", choices=["safetensors", "dcp"], default="safetensors",
-                   help="how full checkpoints are stored: everystep's safetensors parts (default) or a "
-                   "torch.distributed.checkpoint directory that plain DCP calls load")
+    t.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
+                   help="how the ranks hold the state: DistributedDataParallel replicas (default), FSDP2 shards "
+                   "(fully_shard), or HSDP (two replicas, each sharded over half the ranks); sharded, full "
+                   "checkpoints are in DCP's format")
+    t.add_argument("--full-format", choices=["safetensors", "dcp"],
+                   help="how full checkpoints are stored: everystep's safetensors parts (default under ddp) or a "
+                   "torch.distributed.checkpoint directory that plain DCP calls load (default, and the only one, "
+                   "under --parallel fsdp or hsdp)")
     t.add_argument("--stagger", type=whole(1), metavar="K", help="at most K ranks read a checkpoint at once when they "
                    "restore (default: all)")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

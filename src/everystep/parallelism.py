@@ -16,10 +16,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["sharded_layout", "LAYOUTS"]
+__all__ = ["sharded_layout", "shard_like", "LAYOUTS", "DTENSOR_LAYOUTS"]
 
 LAYOUTS = ("FSDP2", "HSDP", "TP", "FSDP+TP", "FSDP1", "ZeRO-1")
 """The sharded layouts :func:`sharded_layout` tells apart."""
+
+DTENSOR_LAYOUTS = frozenset({"FSDP2", "HSDP", "TP", "FSDP+TP"})
+"""The layouts whose sharded state is DTensors: each rank's shards, and where they lie in the whole,
+are read from the tensors themselves."""
+
+
+def shard_like(local: torch.Tensor, like: Any) -> Any:
+    """``local`` (a copy of this rank's shard of the DTensor ``like``, wherever it lies: a host buffer)
+    as a DTensor placed as ``like`` is, without communication or a copy."""
+    from torch.distributed.tensor import DTensor
+
+    if local.device.type == like.device_mesh.device_type:
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
+    # A host copy of a device shard: from_local would copy it back to the device; the constructor
+    # keeps it where it is, as DCP's own staging of DTensors to host memory does.
+    return DTensor(local, like._spec, requires_grad=False)
 
 
 def _dtensor_layout(model: torch.nn.Module) -> str | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,16 +40,21 @@ class Recovered:
     seconds: float
 
 
-def read_full(directory: CheckpointDirectory, manifest: Manifest) -> dict[str, Any]:
-    """Read, verify and rebuild the state tree of a full checkpoint."""
-    return read_state(directory, manifest)[0]
+Shards = Mapping[str, torch.Tensor] | None
+"""A sharded job's live DTensors by key, whose tensors a checkpoint's are read as shards of
+(:func:`~everystep.storage.sharded.read_parts`); None: a replicated job's."""
 
 
-def read_state(directory: CheckpointDirectory, manifest: Manifest) -> tuple[dict[str, Any], dict[str, torch.Tensor],
-                                                                             dict[str, Any]]:
+def read_full(directory: CheckpointDirectory, manifest: Manifest, *, shards: Shards = None) -> dict[str, Any]:
+    """Read, verify and rebuild the state tree of a full checkpoint (``shards``: as :func:`read_state`)."""
+    return read_state(directory, manifest, shards=shards)[0]
+
+
+def read_state(directory: CheckpointDirectory, manifest: Manifest, *, shards: Shards = None
+               ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """Read and verify a checkpoint that holds a whole state (a full one, or GoCkpt's spread one):
     its state tree, all its tensors (the tree's and any others) and its meta."""
-    tensors, meta = read_parts(directory.catalog, manifest, full_format=directory.full_format)
+    tensors, meta = read_parts(directory.catalog, manifest, full_format=directory.full_format, shards=shards)
     if "skeleton" not in meta:
         raise CorruptCheckpointError(f"manifest {manifest.name} lacks the skeleton of its state tree")
     with malformed(f"checkpoint {manifest.name}"):
@@ -59,15 +64,16 @@ def read_state(directory: CheckpointDirectory, manifest: Manifest) -> tuple[dict
     return tree, tensors, meta
 
 
-def latest_full(directory: CheckpointDirectory) -> tuple[Manifest, dict[str, Any]] | None:
-    """The newest full checkpoint that verifies, with its state; ``None`` when there is none.
+def latest_full(directory: CheckpointDirectory, *, shards: Shards = None) -> tuple[Manifest, dict[str, Any]] | None:
+    """The newest full checkpoint that verifies, with its state (``shards``: as :func:`read_state`);
+    ``None`` when there is none.
 
     Each checkpoint that fails verification is skipped with a warning naming why; if every one
     fails, :class:`NoValidCheckpointError` lists the reasons.
     """
     for _ in range(_RELISTS):
         skipped: list[tuple[str, str]] = []
-        found = _latest_listed(directory, skipped)
+        found = _latest_listed(directory, skipped, shards)
         if found is _DISCARDED:
             continue  # warn only about the listing that is answered
         for warning, _ in skipped:
@@ -83,7 +89,8 @@ _RELISTS = 16
 _DISCARDED = object()
 
 
-def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]]) -> tuple[Manifest, dict[str, Any]] | None | object:
+def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]],
+                   shards: Shards) -> tuple[Manifest, dict[str, Any]] | None | object:
     """:func:`latest_full` over one listing of the manifests, each skipped one added to ``skipped``
     (its warning, its reason); ``_DISCARDED`` when a checkpoint was discarded by the directory's
     writer while it was read (list again: a newer one is there)."""
@@ -91,7 +98,7 @@ def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]
     skipped.extend((f"skipping {r.name}: {r.error}", r.error) for r in records if r.error)
     for manifest in directory.fulls(records):
         try:
-            return manifest, read_full(directory, manifest)
+            return manifest, read_full(directory, manifest, shards=shards)
         except CorruptCheckpointError as e:
             if not directory.catalog.committed(manifest.name):
                 return _DISCARDED
@@ -99,10 +106,11 @@ def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]
     return None
 
 
-def recover(directory: CheckpointDirectory) -> Recovered | None:
-    """The newest recoverable state in ``directory``, or ``None`` for an empty one."""
+def recover(directory: CheckpointDirectory, *, shards: Shards = None) -> Recovered | None:
+    """The newest recoverable state in ``directory`` (``shards``: as :func:`read_state`), or ``None``
+    for an empty one."""
     t0 = time.perf_counter()
-    found = latest_full(directory)
+    found = latest_full(directory, shards=shards)
     if found is None:
         return None
     manifest, tree = found

@@ -2,8 +2,10 @@
 
 ``flatten`` splits a tree of dicts, lists and tuples whose leaves are tensors or JSON scalars into a
 ``{key: tensor}`` table and a JSON skeleton that refers to the table, storing tensors that share
-memory (tied weights) once. ``unflatten`` is its inverse; ``check_skeleton`` checks a skeleton read
-from storage before anything rebuilds it.
+memory (tied weights) once. A sharded tensor (a DTensor: FSDP2, tensor parallelism) stands in the
+table as its local shard, and the DTensor itself, whose placements say where that shard lies in the
+whole, is handed to the caller. ``unflatten`` is its inverse; ``check_skeleton`` checks a skeleton
+read from storage before anything rebuilds it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["flatten", "unflatten", "check_skeleton", "state_hash", "state_error", "storage_key", "MAX_DEPTH"]
+__all__ = ["flatten", "unflatten", "check_skeleton", "state_hash", "state_error", "storage_key", "local_shard", "MAX_DEPTH"]
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support has no sharded tensors
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: its local shard where ``t`` is a DTensor, else ``t`` itself."""
+    if DTensor is not None and isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
@@ -31,8 +46,12 @@ _PLAIN = frozenset({bool, int, float, str, type(None)})
 """Types of JSON scalars a state holds as they are (checked by exact type: the fast path)."""
 
 
-def flatten(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
+def flatten(tree: Any, prefix: str = "", *, sharded: dict[str, torch.Tensor] | None = None
+            ) -> tuple[dict[str, torch.Tensor], Any]:
     """Split a state tree into ``{key: tensor}`` and a JSON-serialisable skeleton.
+
+    A DTensor is stored as its local shard, and put in ``sharded`` under its key (what it is a shard
+    of: its global shape, its mesh and placements); without ``sharded``, a DTensor is a TypeError.
 
     Tensors that are the same view of the same memory (tied weights) are stored once; the
     skeleton refers to the first key. Dicts with non-string keys (optimizer state) and tuples
@@ -46,6 +65,12 @@ def flatten(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
     by_ptr: dict[int, list[tuple[tuple[Any, ...] | None, str]]] = {}
 
     def tensor(node: torch.Tensor, path: str) -> dict[str, str]:
+        if type(node) is not torch.Tensor and DTensor is not None and isinstance(node, DTensor):
+            if sharded is None:
+                raise TypeError(f"state entry {path!r} is a DTensor (a shard of a sharded tensor), which this "
+                                "state does not store")
+            sharded[path] = node
+            node = local_shard(node)
         if node.layout != torch.strided:
             raise TypeError(f"state entry {path!r} is a {node.layout} tensor; only dense tensors are supported")
         if not node.numel():
@@ -90,6 +115,9 @@ def flatten(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
         )
 
     skeleton = walk(tree, prefix)
+    if sharded:
+        for key in [k for k in sharded if k not in tensors]:
+            del sharded[key]  # a tied DTensor: stored once, under the first key
     return tensors, skeleton
 
 
@@ -150,12 +178,13 @@ def state_hash(tree: Any) -> str:
     """SHA-256 of every tensor's dtype, shape and values and every scalar, by path.
 
     Independent of memory layout, device, dict order and of whether tied tensors are stored once.
+    Of a DTensor, it hashes this rank's shard.
     """
     h = hashlib.sha256()
 
     def walk(node: Any, path: str) -> None:
         if isinstance(node, torch.Tensor):
-            t = node.detach().to("cpu").contiguous()
+            t = local_shard(node.detach()).to("cpu").contiguous()
             h.update(f"T|{path}|{t.dtype}|{tuple(t.shape)}|".encode())
             if t.numel():
                 h.update(t.view(-1).view(torch.uint8).numpy().data)

@@ -51,7 +51,9 @@ class StepHooks:
     ) -> None:
         self._handles: list[Any] = []
         self._scaler = scaler
-        self._handles.append(model.register_forward_pre_hook(lambda module, args: activity()))
+        # First among the forward's pre-hooks: FSDP2's gathers the full parameters into the module, and a
+        # checkpoint taken after it (the state's shards, read through state_dict) would swap them out.
+        self._handles.append(model.register_forward_pre_hook(lambda module, args: activity(), prepend=True))
         # A forward may bypass the model (through a submodule), and gradients may accumulate over
         # micro-batches before optimizer.step(): the first gradient of a backward is activity too,
         # and it comes before any gradient hook of the parameters (a strategy's copies) runs.

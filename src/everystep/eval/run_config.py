@@ -9,7 +9,7 @@ from typing import Any
 from ..compress import parse_spec
 from ..errors import ConfigError
 from ..strategies import STRATEGIES, create
-from .workloads import OPTIMIZERS, WORKLOADS, check_device
+from .workloads import OPTIMIZERS, PARALLEL, WORKLOADS, check_device
 
 __all__ = ["TrainConfig", "usable_cores"]
 
@@ -35,11 +35,16 @@ class TrainConfig:
     """Gradient compression for training itself (``topk:0.01``, ``quant8``); None trains dense."""
     progress: bool = True
     nproc: int = 1
-    """Training processes (ranks), each a DistributedDataParallel replica, started by the supervisor."""
+    """Training processes (ranks), started by the supervisor."""
+    parallel: str = "ddp"
+    """How the ranks hold the state: ``ddp`` (each a DistributedDataParallel replica), ``fsdp`` (FSDP2
+    shards) or ``hsdp`` (two replicas, each sharded over half the ranks); sharded, full checkpoints are
+    in DCP's format."""
     deadline: float | None = None
     """Unix time by which the run must have ended: it stops early with a final checkpoint."""
-    full_format: str = "safetensors"
-    """How full checkpoints are stored: ``safetensors`` or ``dcp`` (torch.distributed.checkpoint)."""
+    full_format: str | None = None
+    """How full checkpoints are stored: ``safetensors`` or ``dcp`` (torch.distributed.checkpoint); None:
+    ``dcp`` when sharded, else ``safetensors``."""
     stagger: int | None = None
     """At most this many ranks read the checkpoint at once when they restore; None: all."""
     device: str = "cpu"
@@ -66,8 +71,14 @@ class TrainConfig:
             raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
         if self.stagger is not None and self.stagger < 1:
             raise ConfigError(f"--stagger must be at least 1, got {self.stagger}")
+        if self.parallel not in PARALLEL:
+            raise ConfigError(f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        if self.full_format is None:
+            self.full_format = "safetensors" if self.parallel == "ddp" else "dcp"
         if self.full_format not in ("safetensors", "dcp"):
             raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
+        if self.parallel != "ddp":
+            self._check_sharded()
         check_device(self.device, self.nproc)
         if self.fail_mode not in ("software", "hardware"):
             raise ConfigError(f"--fail-mode must be software or hardware, got {self.fail_mode!r}")
@@ -97,6 +108,23 @@ class TrainConfig:
             made.config.check_job(self.nproc, self.full_format)
         except ConfigError as e:
             raise ConfigError(f"--option: {e} (--nproc {self.nproc}, --full-format {self.full_format})") from None
+
+
+    def _check_sharded(self) -> None:
+        """What FSDP2 shards cannot go with: everystep's own format, compression, updates in backward, a
+        strategy that does not checkpoint shards."""
+        flag = f"--parallel {self.parallel}"
+        if self.full_format != "dcp":
+            raise ConfigError(f"{flag} writes full checkpoints in DCP's format: drop --full-format safetensors")
+        if self.compress is not None or self.in_backward:
+            raise ConfigError(f"{flag} takes no --compress and no --in-backward (both work through "
+                              "DistributedDataParallel's hooks)")
+        layout = {"fsdp": "FSDP2", "hsdp": "HSDP"}[self.parallel]
+        strategy = STRATEGIES[self.strategy]
+        if layout not in strategy.sharded_layouts:
+            able = ", ".join(sorted(n for n, cls in STRATEGIES.items() if layout in cls.sharded_layouts))
+            why = f" ({strategy.sharded_refusal})" if strategy.sharded_refusal else ""
+            raise ConfigError(f"--strategy {self.strategy} does not checkpoint {layout} shards{why}: use one of {able}")
 
 
 def usable_cores() -> int:

@@ -49,7 +49,7 @@ def run_record(cfg: TrainConfig) -> dict[str, Any]:
     """What ``everystep recover`` needs to rebuild the live objects a differential chain replays into."""
     return {"workload": cfg.workload, "optimizer": cfg.optimizer, "seed": cfg.seed, "compress": cfg.compress,
             "every": cfg.every, "keep": cfg.keep, "options": cfg.options, "full_format": cfg.full_format,
-            "device": cfg.device, "in_backward": cfg.in_backward}
+            "device": cfg.device, "in_backward": cfg.in_backward, "parallel": cfg.parallel}
 
 
 def recover_run(directory: str) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
     is one rank; the process group is created here when it does not exist yet.
     """
     torch.set_num_threads(cfg.threads)
-    owns_group = init_process_group(one_process=needs_ddp(cfg.compress), device=cfg.device)
+    owns_group = init_process_group(one_process=needs_ddp(cfg.compress) or cfg.parallel != "ddp", device=cfg.device)
     try:
         _train(cfg, journal, plan)
     finally:
@@ -174,7 +174,7 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
 def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     w = build(cfg.workload, seed=cfg.seed, optimizer=cfg.optimizer, rank=rank, world=world, compress=cfg.compress,
-              device=cfg.device, in_backward=cfg.in_backward)
+              device=cfg.device, in_backward=cfg.in_backward, parallel=cfg.parallel)
     inject = Injector(plan, rank)
     strategy = cfg.strategy
     directory = cfg.directory if STRATEGIES[strategy].needs_store else None

@@ -270,9 +270,37 @@ def resolve_device(name: str, *, rank: int = 0, world: int = 1) -> torch.device:
     return torch.device("cuda", local)
 
 
+PARALLEL = ("ddp", "fsdp", "hsdp")
+"""How a workload's ranks hold its state: DistributedDataParallel replicas, FSDP2 shards, or HSDP (two
+replicas, each sharded over half the ranks)."""
+
+
+def fully_shard_model(model: nn.Module, device_type: str, *, hsdp: bool = False) -> nn.Module:
+    """``model`` sharded with FSDP2 over every rank (``fully_shard``: each block of a ModuleList a unit
+    of its own, the rest in the root's), as TorchTitan shards its transformer's blocks; ``hsdp``: over a
+    2-D mesh, replicated across its first dimension (2) and sharded across its second (half the ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if hsdp and (world < 2 or world % 2):
+        raise ConfigError(f"parallel='hsdp' keeps two replicas, each sharded over half the ranks: it needs an even "
+                          f"number of ranks, got {world}")
+    mesh = init_device_mesh(device_type, (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp else \
+        init_device_mesh(device_type, (world,))
+    for child in model.children():
+        if isinstance(child, nn.ModuleList):
+            for block in child:
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | None = None, rank: int = 0,
           world: int = 1, compress: str | None = None, bucket_cap_mb: float | None = None,
-          device: str = "cpu", in_backward: bool = False, batch: int | None = None) -> Workload:
+          device: str = "cpu", in_backward: bool = False, batch: int | None = None, parallel: str = "ddp") -> Workload:
     """Build a workload deterministically from ``seed``: same seed, same bits.
 
     With ``world`` > 1 (torch.distributed initialised), the model is wrapped in
@@ -285,7 +313,10 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     :func:`resolve_device`) holds the model and its optimizer state; data is made on the CPU.
     ``in_backward``: the optimizer is an :class:`~everystep.OptimizerInBackward` (each parameter
     updated during backward; under DDP once its bucket is all-reduced), with no compression.
-    ``batch``: samples per step and rank (default: the workload's own).
+    ``batch``: samples per step and rank (default: the workload's own). ``parallel`` ``"fsdp"``: the
+    model is sharded with FSDP2 over the ranks (:func:`fully_shard_model`; torch.distributed
+    initialised, one process or several) instead of replicated by DistributedDataParallel; ``"hsdp"``:
+    HSDP, two replicas each sharded over half the ranks.
     """
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
@@ -293,6 +324,11 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if in_backward and compress is not None:
         raise ConfigError(f"in_backward=True takes no gradient compression; got compress={compress!r}")
+    if parallel not in PARALLEL:
+        raise ConfigError(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
+    if parallel != "ddp" and (compress is not None or in_backward):
+        raise ConfigError(f"parallel={parallel!r} takes no gradient compression and no updates in backward (both work through "
+                          "DistributedDataParallel's hooks)")
     where = resolve_device(device, rank=rank, world=world)
     torch.manual_seed(seed)
     random.seed(seed)
@@ -304,8 +340,10 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     model.to(where)
     data = SyntheticData(make_sample, size=4096, batch_size=batch, seed=seed, rank=rank, world=world)
     rate = lr if lr is not None else _DEFAULT_LR[optimizer]
-    wrapped = world > 1 or needs_ddp(compress)
-    if wrapped:
+    wrapped = parallel == "ddp" and (world > 1 or needs_ddp(compress))
+    if parallel != "ddp":
+        model = fully_shard_model(model, where.type, hsdp=parallel == "hsdp")
+    elif wrapped:
         kw: dict[str, Any] = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}
         if where.type == "cuda":
             kw["device_ids"] = [where.index]

@@ -2,9 +2,11 @@
 
 A DCP checkpoint is a directory ``objects/full-<step>.dcp/`` that plain ``torch.distributed.checkpoint``
 calls load (``dcp.load``, ``format_utils.dcp_to_torch_save``) without everystep. Its keys are the
-flat state keys (``/model/…``, ``/optimizer/state/…``); state that differs per rank is stored
-under ``rank<R>/…`` so that DCP's deduplication of replicated tensors, which also spreads them
-over the ranks, never merges two ranks' own state.
+flat state keys (``/model/…``, ``/optimizer/state/…``). A tensor every rank holds (what data
+parallelism replicates) is written by one rank, the ranks taking turns by size; a sharded tensor
+(a DTensor: FSDP2, HSDP, tensor parallelism) is written as each rank's shard of the whole, so that
+DCP loads it at another world size or layout (it writes a shard held by several replicas once); state
+that differs per rank is stored under ``rank<R>/…``.
 
 Commit follows the store's rules: DCP writes into ``objects/.tmp-full-<step>.dcp/``; each rank
 checksums the files it wrote; rank 0 renames the directory into place and commits a manifest
@@ -24,6 +26,7 @@ import io
 import math
 import pickle
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..errors import CorruptCheckpointError
+from ..parallelism import shard_like
 from .base import CHECKSUM_ALGORITHM, Manifest, ObjectInfo, new_hasher
 from .catalog import Catalog
 from .tensorfile import CHUNK
@@ -106,13 +110,34 @@ def _file_info(path: Path, name: str) -> ObjectInfo:
     return ObjectInfo(name=name, nbytes=nbytes, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
 
 
+def _owners(sizes: dict[str, int], world: int) -> dict[str, int]:
+    """The rank that writes each replicated tensor (every rank holds it): the largest first, each to
+    the rank with the fewest bytes so far — the same answer on every rank. (DCP would drop the
+    copies itself, but it balances them only among themselves, item by item: a checkpoint of many
+    small replicated tensors next to the shards, FSDP2's step counters, lands them on one rank.)"""
+    load = [0] * world
+    owners = {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[key] = rank
+        load[rank] += max(sizes[key], 1)
+    return owners
+
+
 def write_dcp(catalog: Catalog, channel: str, step: int, tensors: dict[str, torch.Tensor], replicated: set[str],
-              skeleton: Any, meta: dict[str, Any] | None = None) -> Manifest:
+              skeleton: Any, meta: dict[str, Any] | None = None, *,
+              sharded: Mapping[str, torch.Tensor] | None = None) -> Manifest:
     """Save S_step with DCP from every rank, through the store, and commit it (rank 0) once every
-    file is durable."""
+    file is durable. ``sharded``: keys whose tensor is this rank's shard of a DTensor, with the
+    DTensor; each is saved as a shard of the whole (DCP writes a replicated shard once)."""
     ranks = catalog.ranks
     name = f"full-{step:012d}{DCP_SUFFIX}"
-    state = {k if k in replicated else _rank_key(ranks.rank, k): t for k, t in tensors.items()}
+    sharded = sharded or {}
+    owners = _owners({k: t.numel() * t.element_size() for k, t in tensors.items() if k in replicated and k not in sharded},
+                     ranks.world)
+    state = {_rank_key(ranks.rank, k): t for k, t in tensors.items() if k not in replicated and k not in sharded}
+    state.update((k, tensors[k]) for k, owner in owners.items() if owner == ranks.rank)
+    state.update((k, shard_like(tensors[k], like)) for k, like in sharded.items() if k in tensors)
 
     def fill(folder: Path) -> list[dict[str, Any]]:
         error: BaseException | None = None
@@ -141,8 +166,14 @@ def write_dcp(catalog: Catalog, channel: str, step: int, tensors: dict[str, torc
     return manifest
 
 
-def read_dcp(catalog: Catalog, manifest: Manifest, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's tensors of a DCP checkpoint (rank r mod the writer's world size for its own state)."""
+def read_dcp(catalog: Catalog, manifest: Manifest, rank: int, *, shards: Mapping[str, torch.Tensor] | None = None
+             ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's tensors of a DCP checkpoint (rank r mod the writer's world size for its own state).
+
+    ``shards``: live DTensors by key; a stored tensor of such a key and of the DTensor's global shape
+    is read as a DTensor placed as the live one is (this rank's shard of it, whatever layout and
+    world size wrote it); every other tensor whole."""
+    shards = shards or {}
     parts = manifest.meta["parts"]
     mine = rank % len(parts)
     names = {info.name.split("/", 1)[0] for info in manifest.objects.values()}
@@ -166,7 +197,11 @@ def read_dcp(catalog: Catalog, manifest: Manifest, rank: int) -> tuple[dict[str,
         # IMPORTANT: nothing is allocated from the metadata's sizes beyond what the files hold.
         raise CorruptCheckpointError(f"checkpoint {manifest.name}: its metadata describes more bytes than its "
                                      f"{stored}-byte files hold")
-    template = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in wanted.items()}
+    template = {}
+    for key, (size, dtype) in wanted.items():
+        like = shards.get(key[len(own):] if key.startswith(own + "/") else key)
+        template[key] = torch.empty_like(like, dtype=dtype) if like is not None and tuple(like.shape) == size \
+            else torch.empty(size, dtype=dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(template, storage_reader=reader, no_dist=True)

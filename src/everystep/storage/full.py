@@ -46,7 +46,7 @@ def write_full(
             raise error
         assert tensors is not None
         from .dcp import write_dcp  # torch.distributed.checkpoint takes a second to import
-        return write_dcp(catalog, "full", step, tensors, set(share.replicated), skeleton, meta)
+        return write_dcp(catalog, "full", step, tensors, set(share.replicated), skeleton, meta, sharded=share.sharded)
     return commit_parts(catalog, "full", kind="full", step=step, chunks=chunks, share=share, meta=meta or {},
                         rank_meta={"skeleton": skeleton}, error=error)
 

@@ -22,7 +22,8 @@ where a part's ``meta`` holds what differs per rank (the skeleton of its state t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -44,12 +45,17 @@ class RankShare:
     local: dict[str, torch.Tensor]
     pieces: dict[str, list[Any]]
     replicated: frozenset[str] = frozenset()
+    sharded: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Keys whose tensor is this rank's shard of a DTensor, with the DTensor (its placements say where
+    the shard lies); written whole (``split`` False), by a format that knows shards (DCP)."""
 
     @classmethod
-    def of(cls, tensors: dict[str, torch.Tensor], replicated: set[str], ranks: Ranks, *, split: bool = True) -> "RankShare":
+    def of(cls, tensors: dict[str, torch.Tensor], replicated: set[str], ranks: Ranks, *, split: bool = True,
+           sharded: Mapping[str, torch.Tensor] | None = None) -> "RankShare":
         """``split`` False: every tensor whole (a format that spreads replicated tensors itself)."""
         if not ranks.distributed or not split:
-            return cls(dict(tensors), {}, frozenset(replicated))
+            return cls(dict(tensors), {}, frozenset(replicated), dict(sharded or {}))
+        assert not sharded, "the shards of DTensors are written by DCP (split=False)"
         keys = sorted(k for k in tensors if k in replicated)
         total = sum(tensors[k].numel() * tensors[k].element_size() for k in keys)
         lo, hi = total * ranks.rank // ranks.world, total * (ranks.rank + 1) // ranks.world
@@ -168,8 +174,13 @@ def commit_tensors(
                         meta=meta, rank_meta=rank_meta, requires=requires)
 
 
-def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safetensors") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safetensors",
+               shards: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's tensors of a checkpoint, replicated ones reassembled, and its per-rank meta.
+
+    ``shards``: the live DTensors of a sharded job by key; a DCP checkpoint's tensors of those keys
+    are read as this rank's shards of them (DCP reshards what another layout or world size wrote),
+    and a checkpoint in everystep's own format is refused.
 
     At another world size than the writer's, rank r takes the per-rank state of stored rank
     r mod W (only what is replicated is the same for every rank). A checkpoint in the DCP format
@@ -183,7 +194,11 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
                 f"{what} is in format 'dcp', but {catalog.root} holds full checkpoints in format {full_format!r} "
                 "(its everystep.json): it was not written there, and is not loaded")
         from .dcp import read_dcp  # torch.distributed.checkpoint takes a second to import
-        return read_dcp(catalog, manifest, catalog.ranks.rank)
+        return read_dcp(catalog, manifest, catalog.ranks.rank, shards=shards)
+    if shards:
+        raise CorruptCheckpointError(
+            f"{what} is in everystep's own format, whose parts a sharded job (DTensors) does not read: "
+            "a sharded job's full checkpoints are in DCP's format (full_format='dcp')")
     if "parts" not in manifest.meta:
         info = manifest.objects.get("tensors")
         if info is None:

@@ -33,8 +33,10 @@ raised once by the next lifecycle call.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -46,7 +48,7 @@ from ..errors import ConfigError, EverystepError
 from ..policy.interval import due
 from ..recovery import Recovered, recover
 from ..state import TrainingComponents
-from ..tree import flatten
+from ..tree import flatten, local_shard
 from ..layout import TensorLayout
 from ..storage.full import persist_full
 from ..storage.sharded import RankShare
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
     from ..storage.catalog import Catalog
     from ..storage.directory import CheckpointDirectory
 
-__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "ParamKeys"]
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "ParamKeys", "LiveShards"]
 
 
 RATE_PLAUSIBLE = 1e5
@@ -170,6 +172,35 @@ _COMPRESSION = "/compression/"
 """Where a gradient compression's state lies in the flat state (:meth:`TrainingComponents.capture`)."""
 
 
+class LiveShards(Mapping[str, torch.Tensor]):
+    """The live DTensors of a state by key; an optimizer's state entry that is not there (optimizers
+    make their state at the first step, after a restore) is placed as its parameter is, where the
+    parameter is a DTensor: ``/optimizer/state/<i>/<name>`` as the i-th parameter over the groups, the
+    index ``optimizer.state_dict()`` gives it. A reader places an entry so only where its shape is
+    the parameter's (``exp_avg``, not a step counter)."""
+
+    _STATE = re.compile(r"/optimizer/state/(\d+)/[^/]+")
+
+    def __init__(self, live: dict[str, torch.Tensor], params: list[torch.Tensor]) -> None:
+        self._live, self._params = live, params
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._live:
+            return self._live[key]
+        found = self._STATE.fullmatch(key)
+        if found is not None and int(found[1]) < len(self._params):
+            param = self._params[int(found[1])]
+            if local_shard(param) is not param:
+                return param
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
 class StrategyContext:
     """What a strategy may use: the live components, the checkpoint directory and its catalog, the
     boundary capture, stats."""
@@ -185,13 +216,32 @@ class StrategyContext:
         self.boundary: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._stable: tuple[Any, frozenset[str]] | None = None
+        self._sharded: dict[str, torch.Tensor] = {}
 
     def state_tree(self, step: int) -> dict[str, Any]:
         """S_step as a tree referencing live tensors (valid until the next update)."""
         return {"step": step, **self.components.capture(), **self.boundary}
 
     def flatten_state(self, step: int) -> tuple[dict[str, torch.Tensor], Any]:
-        return flatten(self.state_tree(step))
+        """S_step flattened (:func:`~everystep.tree.flatten`): a DTensor as its local shard, the DTensors
+        themselves kept as :attr:`sharded`."""
+        sharded: dict[str, torch.Tensor] = {}
+        flat = flatten(self.state_tree(step), sharded=sharded)
+        self._sharded = sharded
+        return flat
+
+    @property
+    def sharded(self) -> dict[str, torch.Tensor]:
+        """The live DTensors of the state by key, as of the last :meth:`flatten_state` (empty where the
+        state is replicated): the flat state holds their local shards under the same keys."""
+        return self._sharded
+
+    def live_shards(self) -> "LiveShards":
+        """The live DTensors of the state by key (a sharded job's checkpoint is read as their shards),
+        including the optimizer state that does not exist yet (:class:`LiveShards`)."""
+        self.flatten_state(0)
+        params = [p for group in self.components.optimizer.param_groups for p in group["params"]]
+        return LiveShards(dict(self._sharded), params)
 
     @property
     def full_format(self) -> str:
@@ -217,9 +267,10 @@ class StrategyContext:
 
     def _optimizer_storages(self) -> set[int]:
         opt = self.components.optimizer
-        ptrs = {p.untyped_storage().data_ptr() for g in opt.param_groups for p in g["params"]}
+        ptrs = {local_shard(p).untyped_storage().data_ptr() for g in opt.param_groups for p in g["params"]}
         for st in opt.state.values():
-            ptrs |= {v.untyped_storage().data_ptr() for v in st.values() if isinstance(v, torch.Tensor) and v.numel()}
+            ptrs |= {local_shard(v).untyped_storage().data_ptr() for v in st.values()
+                     if isinstance(v, torch.Tensor) and v.numel()}
         return ptrs
 
     @staticmethod
@@ -258,20 +309,27 @@ class StrategyContext:
         for gi, group in enumerate(self.components.optimizer.param_groups):
             for p in group["params"]:
                 prefix = f"/optimizer/state/{len(found)}/"
-                found.append(ParamKeys(len(found), p, gi, by_ptr.get(p.data_ptr()),
+                found.append(ParamKeys(len(found), p, gi, by_ptr.get(local_shard(p).data_ptr()),
                                        {k[len(prefix):]: k for k in tensors if k.startswith(prefix)}))
         return found
 
-    def replicated_keys(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+    def replicated_keys(self, tensors: dict[str, torch.Tensor], *, alone: bool = False) -> set[str]:
         """Keys of the state data parallelism keeps identical on every rank: parameters and
-        optimizer state. The rest (buffers, RNG, residuals) is treated as each rank's own."""
-        return self._keys_in(tensors, self._optimizer_storages()) if self.ranks.distributed else set()
+        optimizer state that are not shards (:attr:`sharded`: each rank holds its own). The rest
+        (buffers, RNG, residuals) is treated as each rank's own. In a single process none, unless
+        ``alone``: a format that loads at another world size stores them under the keys every rank reads."""
+        if not self.ranks.distributed and not alone:
+            return set()
+        return self._keys_in(tensors, self._optimizer_storages()) - self._sharded.keys()
 
     def full_share(self, step: int) -> tuple[RankShare, Any]:
         """The tensors of S_step this rank writes (all of them in a single process), and the skeleton."""
         tensors, skeleton = self.flatten_state(step)
         split = self.full_format != "dcp"  # DCP spreads whole replicated tensors over the ranks itself
-        return RankShare.of(tensors, self.replicated_keys(tensors), self.ranks, split=split), skeleton
+        if self._sharded and split:
+            raise EverystepError("a sharded state's full checkpoints are written in DCP's format (full_format='dcp')")
+        return RankShare.of(tensors, self.replicated_keys(tensors, alone=not split), self.ranks, split=split,
+                            sharded=self._sharded), skeleton
 
     def persist(self, step: int, source: "HostBuffer | dict[str, torch.Tensor]", skeleton: Any, *, share: RankShare,
                 keep: int, count: bool = True) -> tuple[Manifest, float]:
@@ -331,6 +389,8 @@ class Strategy:
     sharded_layouts: ClassVar[frozenset[str]] = frozenset()
     """The sharded layouts (:data:`everystep.parallelism.LAYOUTS`) whose ranks' shards it checkpoints;
     a job sharded otherwise is refused before anything is written."""
+    sharded_refusal: ClassVar[str] = ""
+    """Why it refuses a sharded job, where more can be said than that it checkpoints replicated state."""
 
     def __init__(self, config: StrategyConfig | None = None) -> None:
         self._taken = -1
@@ -440,7 +500,7 @@ class Strategy:
     def _restore(self) -> Recovered | None:
         """Default: the newest full checkpoint that verifies (see :mod:`everystep.recovery`)."""
         assert self.ctx.directory is not None
-        found = recover(self.ctx.directory)
+        found = recover(self.ctx.directory, shards=self.ctx.live_shards())
         if found is not None:
             self.ctx.components.restore(found.tree)
         return found

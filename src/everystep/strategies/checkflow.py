@@ -131,6 +131,8 @@ def _local_ranges(schedule: _Schedule, shard: RankShare) -> list[list[tuple[str,
 
 class Checkflow(Strategy):
     name: ClassVar[str] = "checkflow"
+    sharded_refusal: ClassVar[str] = (
+        "its schedule of snapshot and offload is planned over the whole state of one replica")
     other_world_size: ClassVar[bool] = True
     Config = CheckflowConfig
     config: CheckflowConfig

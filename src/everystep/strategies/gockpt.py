@@ -45,6 +45,9 @@ __all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig"]
 
 class GoCkpt(Strategy):
     name: ClassVar[str] = "gockpt"
+    sharded_refusal: ClassVar[str] = (
+        "its parts are cut from the replicated state and brought forward with the replicated gradients, so a "
+        "rank's shards are not parts it can make consistent")
     other_world_size: ClassVar[bool] = True
     Config = GoCkptConfig
     config: GoCkptConfig

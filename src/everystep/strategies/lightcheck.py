@@ -157,6 +157,9 @@ class _CopyOrder:
 
 class LightCheck(Strategy):
     name: ClassVar[str] = "lightcheck"
+    sharded_refusal: ClassVar[str] = (
+        "its region holds each rank's whole state, laid out from the replicated parameters, and its layer-"
+        "wise copy follows their updates; a rank's shards have no layout there")
     layer_updates: ClassVar[bool] = True
     Config = LightCheckConfig
     config: LightCheckConfig

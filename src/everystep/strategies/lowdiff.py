@@ -85,6 +85,9 @@ _TAKING = "moving a step's gradients to host memory for the differential batch"
 
 class LowDiff(Differential):
     name: ClassVar[str] = "lowdiff"
+    sharded_refusal: ClassVar[str] = (
+        "its differentials are the compressed gradients of a DDP communication hook, which FSDP2 and tensor "
+        "parallelism have no equivalent of")
     kind: ClassVar[str] = "diff"
     needs_compression: ClassVar[bool] = True
     Config = LowDiffConfig

@@ -73,6 +73,9 @@ class LowDiffPlusConfig(StrategyConfig):
 
 class LowDiffPlus(Strategy):
     name: ClassVar[str] = "lowdiff_plus"
+    sharded_refusal: ClassVar[str] = (
+        "its checkpoint agent keeps a replica of the replicated state and brings it forward with the all-"
+        "reduced gradients; a rank's shards and reduce-scattered gradients are not what it replays")
     needs_restore: ClassVar[bool] = True
     shares_store: ClassVar[bool] = True
     Config = LowDiffPlusConfig

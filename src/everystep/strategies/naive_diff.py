@@ -49,6 +49,8 @@ class NaiveDiffConfig(StrategyConfig):
 
 class NaiveDiff(Differential):
     name: ClassVar[str] = "naive_diff"
+    sharded_refusal: ClassVar[str] = (
+        "its differentials are deltas of the whole replicated state")
     kind: ClassVar[str] = "ndiff"
     exact: ClassVar[bool] = False
     Config = NaiveDiffConfig

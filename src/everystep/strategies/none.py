@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..parallelism import LAYOUTS
 from .base import Strategy
 
 __all__ = ["NoCheckpoint"]
@@ -13,3 +14,4 @@ class NoCheckpoint(Strategy):
     name: ClassVar[str] = "none"
     needs_store: ClassVar[bool] = False
     layer_updates: ClassVar[bool] = True
+    sharded_layouts: ClassVar[frozenset[str]] = frozenset(LAYOUTS)  # it captures nothing
