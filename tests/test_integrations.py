@@ -192,3 +192,19 @@ def test_a_trainer_resumed_where_training_ended_trains_no_further(tmp_path):
     again, callback = tiny_trainer(tmp_path, EverystepTrainer)
     again.train()
     assert callback.resumed_step == 3 and again.state.global_step == 3 and callback.checkpointer.step == 3
+
+
+@IN_PROCESS
+def test_the_lightning_callback_refuses_several_processes_naming_what_checkpoints_them(tmp_path):
+    # The refusal comes first in fit's start, from the Trainer's world size alone: a Trainer of two
+    # devices is stood in for by that one attribute (the callback reads nothing else before refusing).
+    from types import SimpleNamespace
+
+    from everystep.errors import ConfigError
+    from everystep.integrations.lightning import EverystepCallback
+
+    callback = EverystepCallback(tmp_path / "c")
+    with pytest.raises(ConfigError, match=r"this Trainer has 2: .*ModelParallelStrategy's FSDP2.*everystep.Checkpointer "
+                                          r"in a training loop.*FSDP2, HSDP and TP shards with full_sync, checkfreq"):
+        callback.on_fit_start(SimpleNamespace(world_size=2), None)
+    assert not (tmp_path / "c").exists()

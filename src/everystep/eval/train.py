@@ -166,6 +166,8 @@ def train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None = None) -
     owns_group = init_process_group(one_process=needs_ddp(cfg.compress) or cfg.parallel != "ddp", device=cfg.device)
     try:
         _train(cfg, journal, plan)
+        if owns_group and dist.get_world_size() > 1:
+            dist.barrier()  # every rank done with every group (a device mesh's too) before any is torn down
     finally:
         if owns_group:
             dist.destroy_process_group()

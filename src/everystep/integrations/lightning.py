@@ -158,8 +158,10 @@ class EverystepCallback(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1:
-            raise ConfigError("EverystepCallback runs in one process; under several, use everystep.Checkpointer "
-                              "in the training loop")
+            raise ConfigError(f"EverystepCallback runs in one process; this Trainer has {trainer.world_size}: under "
+                              "several (DDPStrategy, or ModelParallelStrategy's FSDP2 and tensor parallelism), use "
+                              "everystep.Checkpointer in a training loop, which checkpoints DDP replicas with any "
+                              "strategy and FSDP2, HSDP and TP shards with full_sync, checkfreq or async")
         if not pl_module.automatic_optimization:
             raise ConfigError("EverystepCallback needs automatic optimization (automatic_optimization = True)")
         if len(trainer.optimizers) != 1:

@@ -146,8 +146,10 @@ class EverystepTrainer(Trainer):
                                                    ("DeepSpeed", self.is_deepspeed_enabled),
                                                    ("FSDP", self.is_fsdp_enabled)) if on)
             raise ConfigError(f"EverystepTrainer runs in one process, without DeepSpeed or FSDP; this run has {given}: "
-                              "under several processes use everystep.Checkpointer in a training loop with "
-                              "DistributedDataParallel (sharded state, FSDP's or DeepSpeed's, is not checkpointed yet)")
+                              "under several processes use everystep.Checkpointer in a training loop, which "
+                              "checkpoints DistributedDataParallel replicas with any strategy and FSDP2 shards "
+                              "(fully_shard) with full_sync, checkfreq or async; DeepSpeed's and FSDP1's sharded "
+                              "state it does not checkpoint")
         self._resume, self._rng = None, None
         try:
             return super().train(None, *args, **kwargs)
