@@ -135,18 +135,23 @@ def fsdp_reference() -> dict:
     return run(TrainConfig(strategy="none", **FSDP_JOB))
 
 
-@pytest.mark.parametrize("strategy, mode, fail_at", [
-    ("full_sync", "hardware", (3, 8)),
-    ("checkfreq", "software", (4, 7)),
-    ("async", "hardware", (5, 10)),
+@pytest.mark.parametrize("strategy, mode, fail_at, options", [
+    ("full_sync", "hardware", (3, 8), {}),
+    ("checkfreq", "software", (4, 7), {}),
+    ("async", "hardware", (5, 10), {}),
+    ("lightcheck", "software", (4, 7), {"persist_every": 3}),
 ])
-def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_reference, strategy, mode, fail_at):
+def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_reference, strategy, mode, fail_at, options):
     # The rank killed and the instant in its step (start, forward, backward, update, mid-write) are
     # drawn from the seed for each step.
     summary = run(TrainConfig(strategy=strategy, directory=str(tmp_path / strategy), fail_at=fail_at, fail_mode=mode,
-                              **FSDP_JOB))
+                              options=options, **FSDP_JOB))
     assert [r["failed_at"] for r in summary["recoveries"]] == list(fail_at)
-    assert all(r["source"] in ("disk", "none") for r in summary["recoveries"])
+    if strategy == "lightcheck":  # each rank's region holds its shards; at most one done step lost
+        assert [r["source"] for r in summary["recoveries"]] == ["region", "region"]
+        assert all(r["resumed_from"] >= r["failed_at"] - 2 for r in summary["recoveries"])
+    else:
+        assert all(r["source"] in ("disk", "none") for r in summary["recoveries"])
     assert summary["losses"] == fsdp_reference["losses"]
     assert summary["rank_state_sha256"] == fsdp_reference["rank_state_sha256"]  # each rank's shards, bitwise
 
@@ -165,11 +170,20 @@ def test_under_fsdp2_each_of_two_ranks_writes_half_the_state(tmp_path, fsdp_refe
     assert all(abs(b / sum(written) - 0.5) <= 0.02 for b in written), written
 
 
-def test_hsdp_on_four_ranks_killed_and_restarted_recovers_bitwise(tmp_path):
-    job = {**FSDP_JOB, "nproc": 4, "max_nproc": 4, "parallel": "hsdp", "steps": 9}
-    reference = run(TrainConfig(strategy="none", **job))
-    summary = run(TrainConfig(strategy="checkfreq", directory=str(tmp_path / "c"), fail_at=(3, 6),
-                              fail_mode="hardware", **job))
+HSDP_JOB = {**FSDP_JOB, "nproc": 4, "max_nproc": 4, "parallel": "hsdp", "steps": 9}
+
+
+@pytest.fixture(scope="module")
+def hsdp_reference() -> dict:
+    """The uninterrupted four-rank HSDP run (two replicas of two shards), without checkpointing."""
+    return run(TrainConfig(strategy="none", **HSDP_JOB))
+
+
+@pytest.mark.parametrize("strategy, options", [("checkfreq", {}), ("lightcheck", {"persist_every": 2})])
+def test_hsdp_on_four_ranks_killed_and_restarted_recovers_bitwise(tmp_path, hsdp_reference, strategy, options):
+    reference = hsdp_reference
+    summary = run(TrainConfig(strategy=strategy, directory=str(tmp_path / "c"), fail_at=(3, 6), fail_mode="hardware",
+                              options=options, **HSDP_JOB))
     assert [r["failed_at"] for r in summary["recoveries"]] == [3, 6]
     assert summary["losses"] == reference["losses"]
     assert summary["rank_state_sha256"] == reference["rank_state_sha256"]

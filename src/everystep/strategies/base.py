@@ -48,6 +48,7 @@ from ..errors import ConfigError, EverystepError
 from ..policy.interval import due
 from ..recovery import Recovered, recover
 from ..state import TrainingComponents
+from ..parallelism import sharded_layout
 from ..tree import flatten, local_shard
 from ..layout import TensorLayout
 from ..storage.full import persist_full
@@ -197,6 +198,10 @@ class LiveShards(Mapping[str, torch.Tensor]):
     def __iter__(self) -> Iterator[str]:
         return iter(self._live)
 
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is a DTensor of the live state now (not one placed as its parameter)."""
+        return key in self._live
+
     def __len__(self) -> int:
         return len(self._live)
 
@@ -213,6 +218,10 @@ class StrategyContext:
         self.catalog: Catalog | None = directory.catalog if directory is not None else None
         """Where objects and manifests are written and read."""
         self.stats = stats
+        self.layout = sharded_layout(components.model, components.optimizer)
+        """The job's sharded layout (:func:`~everystep.parallelism.sharded_layout`); None: replicated. A
+        sharded state is read on the training thread only: FSDP2's ``state_dict()`` reshards the
+        parameters that a forward running meanwhile has gathered."""
         self.boundary: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._stable: tuple[Any, frozenset[str]] | None = None
@@ -313,14 +322,17 @@ class StrategyContext:
                                        {k[len(prefix):]: k for k in tensors if k.startswith(prefix)}))
         return found
 
-    def replicated_keys(self, tensors: dict[str, torch.Tensor], *, alone: bool = False) -> set[str]:
+    def replicated_keys(self, tensors: dict[str, torch.Tensor], *, alone: bool = False,
+                        sharded: Mapping[str, torch.Tensor] | None = None) -> set[str]:
         """Keys of the state data parallelism keeps identical on every rank: parameters and
         optimizer state that are not shards (:attr:`sharded`: each rank holds its own). The rest
         (buffers, RNG, residuals) is treated as each rank's own. In a single process none, unless
-        ``alone``: a format that loads at another world size stores them under the keys every rank reads."""
+        ``alone``: a format that loads at another world size stores them under the keys every rank reads.
+        ``sharded``: the DTensors of the flattening that made ``tensors`` (default: the last
+        :meth:`flatten_state`'s)."""
         if not self.ranks.distributed and not alone:
             return set()
-        return self._keys_in(tensors, self._optimizer_storages()) - self._sharded.keys()
+        return self._keys_in(tensors, self._optimizer_storages()) - (self._sharded if sharded is None else sharded).keys()
 
     def full_share(self, step: int) -> tuple[RankShare, Any]:
         """The tensors of S_step this rank writes (all of them in a single process), and the skeleton."""

@@ -49,7 +49,8 @@ from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
 from ..recovery import Recovered, recover
 from ..state import bare_module
-from ..tree import flatten, unflatten
+from ..parallelism import DTENSOR_LAYOUTS, shard_like
+from ..tree import flatten, local_shard, unflatten
 from ..storage.region import RegionStore, UnreadableRegionError
 from ..storage.region_map import RegionLayout, SlotWriter
 from ..storage.region_open import open_region
@@ -133,7 +134,8 @@ class _Progress:
             self._cond.wait_for(lambda: self._units is not None or self._over)
             units = self._units or []
             last = len(units) - 1
-            upto = last if params is None else max((self._index.get(p.data_ptr(), last) for p in params), default=-1)
+            upto = last if params is None else max((self._index.get(local_shard(p).data_ptr(), last) for p in params),
+                                                   default=-1)
             for i in range(self._waited, upto + 1):
                 self._cond.wait_for(lambda: self._done > i or self._over)
                 now = time.perf_counter()
@@ -153,13 +155,13 @@ class _CopyOrder:
     layout: RegionLayout
     replicated: frozenset[str]
     meta_hint: int
+    sharded: dict[str, torch.Tensor]
+    """Keys whose tensor is this rank's shard of a DTensor, with the live DTensor (its placements)."""
 
 
 class LightCheck(Strategy):
     name: ClassVar[str] = "lightcheck"
-    sharded_refusal: ClassVar[str] = (
-        "its region holds each rank's whole state, laid out from the replicated parameters, and its layer-"
-        "wise copy follows their updates; a rank's shards have no layout there")
+    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS
     layer_updates: ClassVar[bool] = True
     Config = LightCheckConfig
     config: LightCheckConfig
@@ -228,7 +230,12 @@ class LightCheck(Strategy):
             return found
         t0 = time.perf_counter()
         complete = self.region.slots(warn=False)
+        live = self.ctx.live_shards()
         for slot, tensors, meta in self.region.verified(copy=True):
+            if live and not _as_shards(tensors, live):
+                warnings.warn(f"skipping the region's slot of step {slot.step}: its shards are not this rank's "
+                              "(written under another layout)", stacklevel=3)
+                continue
             found[slot.step] = Recovered(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region",
                                          manifest=None, seconds=time.perf_counter() - t0)
             if not every:
@@ -243,7 +250,7 @@ class LightCheck(Strategy):
         (every rank reads the same directory, so every rank decides alike)."""
         assert self.ctx.directory is not None
         chosen, self._chosen = self._chosen, None  # read and verified while agreeing
-        disk = recover(self.ctx.directory) if self._use_disk else None
+        disk = recover(self.ctx.directory, shards=self.ctx.live_shards()) if self._use_disk else None
         found = chosen if chosen is not None and (disk is None or disk.step < chosen.step) else disk
         if found is None and self._damaged is not None:
             raise NoValidCheckpointError(f"no valid checkpoint for {self.ctx.directory.root}: {self._damaged}, and the "
@@ -270,8 +277,11 @@ class LightCheck(Strategy):
             copy.ready = torch.cuda.Event(enable_timing=True)
             copy.ready.record()
         slot, self._slot = self._slot, 1 - self._slot
+        # A sharded state is read here, on the training thread (see StrategyContext.layout); else on the
+        # copy thread, off the training path.
+        flat = self._flatten(step, self.ctx.boundary) if self.ctx.layout is not None else None
         copy.future = self._copier.submit(f"copy into the region of the state at step {step}", self._copy, copy, slot,
-                                          self.ctx.boundary)
+                                          self.ctx.boundary, flat)
         self._pending = copy
 
     def _on_cuda(self) -> bool:
@@ -287,15 +297,15 @@ class LightCheck(Strategy):
         with torch.no_grad():
             return {t.data_ptr(): t.detach().clone() for t in live if t.numel()}
 
-    def _copy_order(self, tensors: dict[str, torch.Tensor], skeleton: Any) -> _CopyOrder:
+    def _copy_order(self, tensors: dict[str, torch.Tensor], skeleton: Any, sharded: dict[str, torch.Tensor]) -> _CopyOrder:
         signature = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
         found = self._orders.get(signature)
         if found is None:
             units, index = self._units(tensors)
             keys = [k for _, unit in units for k in unit]
             hint = len(json.dumps(skeleton, default=str))
-            found = _CopyOrder(units, index, RegionLayout.of(tensors, keys), frozenset(self.ctx.replicated_keys(tensors)),
-                               hint)
+            replicated = frozenset(self.ctx.replicated_keys(tensors, sharded=sharded))
+            found = _CopyOrder(units, index, RegionLayout.of(tensors, keys), replicated, hint, sharded)
             self._orders = {signature: found}
         return found
 
@@ -313,28 +323,33 @@ class LightCheck(Strategy):
                 layer = owner.get(p, f"param{len(unit_of)}")
                 if layer not in layers:
                     layers.append(layer)
-                unit_of.setdefault(p.data_ptr(), layer)
+                unit_of.setdefault(local_shard(p).data_ptr(), layer)
                 for v in optimizer.state.get(p, {}).values():
                     if isinstance(v, torch.Tensor) and v.numel():
-                        unit_of.setdefault(v.data_ptr(), layer)
+                        unit_of.setdefault(local_shard(v).data_ptr(), layer)
         members: dict[str, list[str]] = {"(rest)": []}
         for key, t in tensors.items():
             members.setdefault(unit_of.get(t.data_ptr(), "(rest)") if t.numel() else "(rest)", []).append(key)
         units = [(name, members[name]) for name in ["(rest)", *reversed(layers)] if members.get(name)]
         position = {name: i for i, (name, _) in enumerate(units)}
-        params = {p.data_ptr() for group in optimizer.param_groups for p in group["params"]}
+        params = {local_shard(p).data_ptr() for group in optimizer.param_groups for p in group["params"]}
         return units, {ptr: position[layer] for ptr, layer in unit_of.items() if ptr in params and layer in position}
 
-    def _copy(self, copy: _Copy, slot: int, boundary: dict[str, Any]) -> None:
+    def _flatten(self, step: int, boundary: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, dict[str, torch.Tensor]]:
+        """S_step flattened: its tensors (DTensors as local shards), skeleton, and DTensors by key."""
+        sharded: dict[str, torch.Tensor] = {}
+        tensors, skeleton = flatten({"step": step, **self.ctx.components.capture(), **boundary}, sharded=sharded)
+        return tensors, skeleton, sharded
+
+    def _copy(self, copy: _Copy, slot: int, boundary: dict[str, Any], flat: Any) -> None:
         """Copy thread: S_step into ``slot``, unit by unit; then hand the slot to the commit thread."""
         try:
-            tree = {"step": copy.step, **self.ctx.components.capture(), **boundary}
-            tensors, skeleton = flatten(tree)
+            tensors, skeleton, sharded = flat if flat is not None else self._flatten(copy.step, boundary)
             for key, t in tensors.items():
                 frozen = copy.frozen.get(t.data_ptr()) if t.numel() else None
                 if frozen is not None and frozen.shape == t.shape and frozen.dtype == t.dtype:
                     tensors[key] = frozen
-            order = self._copy_order(tensors, skeleton)
+            order = self._copy_order(tensors, skeleton, sharded)
             copy.progress.start([name for name, _ in order.units], order.index)
             settled(self._committing[slot])  # the slot's previous commit is done
             assert self.region is not None
@@ -401,7 +416,8 @@ class LightCheck(Strategy):
     def _persist(self, step: int, writer: SlotWriter, skeleton: Any, order: _CopyOrder) -> None:
         """Copy the committed slot to a host buffer (waiting while the previous persist writes),
         then write it to the directory in the background."""
-        shard = RankShare.of(writer.views, set(order.replicated), self.ctx.ranks, split=self.ctx.full_format != "dcp")
+        shard = RankShare.of(writer.views, set(order.replicated), self.ctx.ranks, split=self.ctx.full_format != "dcp",
+                             sharded=order.sharded)
         buffer = self._staging.acquire(TensorLayout.of(shard.local))
         try:
             snapshot_into(buffer, shard.local)
@@ -471,3 +487,22 @@ class LightCheck(Strategy):
             worker.close()
         if self.region is not None:
             self.region.close()
+
+
+def _as_shards(tensors: dict[str, torch.Tensor], live: Any) -> bool:
+    """Make each of a slot's tensors that is this rank's shard of a live DTensor (``live``: a
+    :class:`~everystep.strategies.base.LiveShards`) a DTensor placed as the live one, in place; False
+    where a slot's tensor has not the live shard's shape (a slot written under another layout).
+    An optimizer state the live optimizer has not made yet is a shard where it has its parameter's
+    local shape (``exp_avg``; not a step counter)."""
+    for key, t in list(tensors.items()):
+        like = live.get(key)
+        if like is None:
+            continue
+        mine = tuple(local_shard(like).shape)
+        if tuple(t.shape) == mine and (t.dim() or live.holds(key)):
+            tensors[key] = shard_like(t, like)
+        elif live.holds(key):
+            return False
+    return True
+
