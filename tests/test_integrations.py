@@ -208,3 +208,16 @@ def test_the_lightning_callback_refuses_several_processes_naming_what_checkpoint
                                           r"in a training loop.*FSDP2, HSDP and TP shards with full_sync, checkfreq"):
         callback.on_fit_start(SimpleNamespace(world_size=2), None)
     assert not (tmp_path / "c").exists()
+
+
+@IN_PROCESS
+def test_the_everystep_trainer_refuses_fsdp_naming_what_checkpoints_fsdp2(tmp_path):
+    from everystep.errors import ConfigError
+    from everystep.integrations.transformers import EverystepTrainer
+
+    trainer, _ = tiny_trainer(tmp_path, EverystepTrainer)
+    trainer.is_fsdp_enabled = True  # what the Trainer sets from TrainingArguments(fsdp=...) under several processes
+    with pytest.raises(ConfigError, match=r"this run has FSDP: .*everystep.Checkpointer in a training loop.*FSDP2 "
+                                          r"shards \(fully_shard\) with full_sync, checkfreq or async"):
+        trainer.train()
+    assert not (tmp_path / "ckpt").exists()
