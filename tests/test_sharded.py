@@ -156,6 +156,29 @@ def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_referen
     assert summary["rank_state_sha256"] == fsdp_reference["rank_state_sha256"]  # each rank's shards, bitwise
 
 
+ZERO_JOB = {**FSDP_JOB, "parallel": "zero1", "steps": 9}
+
+
+@pytest.fixture(scope="module")
+def zero_reference() -> dict:
+    return run(TrainConfig(strategy="none", **ZERO_JOB))
+
+
+@pytest.mark.parametrize("strategy, options", [("checkfreq", {}), ("lightcheck", {"persist_every": 2})])
+def test_zero1_ranks_killed_and_restarted_recover_bitwise(tmp_path, zero_reference, strategy, options):
+    # ZeRO-1: DDP replicas whose optimizer state is partitioned; each rank stores its partition's state.
+    summary = run(TrainConfig(strategy=strategy, directory=str(tmp_path / "c"), fail_at=(3, 6), options=options,
+                              **ZERO_JOB))
+    assert [r["failed_at"] for r in summary["recoveries"]] == [3, 6]
+    assert summary["losses"] == zero_reference["losses"]
+    assert summary["rank_state_sha256"] == zero_reference["rank_state_sha256"]
+    store = CheckpointDirectory.open(tmp_path / "c", create=False, access="read")
+    newest = max((r.manifest for r in store.catalog.manifests()), key=lambda m: m.step)
+    owned = [{i for i, _ in part["meta"]["skeleton"]["optimizer"]["state"]["__intkeys__"]} for part in newest.meta["parts"]]
+    store.close()
+    assert owned[0] and owned[1] and not owned[0] & owned[1]  # each parameter's state stored by one rank
+
+
 def test_under_fsdp2_each_of_two_ranks_writes_half_the_state(tmp_path, fsdp_reference):
     summary = run(TrainConfig(strategy="checkfreq", directory=str(tmp_path / "c"), **{**FSDP_JOB, "steps": 4}))
     assert summary["losses"] == fsdp_reference["losses"][:4]
@@ -205,7 +228,7 @@ from everystep import Checkpointer
 from everystep.tree import state_hash
 from torch.distributed.tensor import DTensor
 
-layout, root, out, write = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "write"
+layout, root, out, write, fmt = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "write", sys.argv[5]
 world = int(os.environ.get("WORLD_SIZE", "1"))
 if layout != "single":
     dist.init_process_group("gloo")
@@ -224,9 +247,13 @@ elif layout in ("tp", "fsdp+tp"):
     net = parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     if layout == "fsdp+tp":
         fully_shard(net, mesh=mesh["dp"])
-elif layout == "ddp":
+elif layout in ("ddp", "zero"):
     net = torch.nn.parallel.DistributedDataParallel(net)
-opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+if layout == "zero":
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+else:
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
 
 
 def whole(tree):
@@ -237,9 +264,16 @@ def whole(tree):
     return tree
 
 
+def optimizer_state():
+    if layout != "zero":
+        return opt.state_dict()["state"]
+    opt.consolidate_state_dict(to=0)  # every rank's partition, gathered to rank 0
+    return opt.state_dict()["state"] if dist.get_rank() == 0 else None
+
+
 def gathered():
-    module = net.module if layout == "ddp" else net
-    return state_hash({"model": whole(module.state_dict()), "optimizer": whole(opt.state_dict()["state"])})
+    module = net.module if layout in ("ddp", "zero") else net
+    return state_hash({"model": whole(module.state_dict()), "optimizer": whole(optimizer_state())})
 
 
 def step(i):
@@ -248,8 +282,9 @@ def step(i):
     opt.step(); opt.zero_grad()
 
 
-# Moving between layouts needs DCP's format: a sharded job's default, which a replicated job is given.
-with Checkpointer(root, net, opt, strategy="full_sync", every=100, full_format="dcp") as ckpt:
+# Moving between DTensor layouts and others needs DCP's format: a sharded job's default, which a
+# replicated job is given; a reader takes the directory's.
+with Checkpointer(root, net, opt, strategy="full_sync", every=100, full_format=None if fmt == "any" else fmt) as ckpt:
     start = ckpt.restore()
     if write:
         for i in range(1, 4):
@@ -269,11 +304,12 @@ if layout != "single":
 """
 
 
-def _reshard_run(layout: str, world: int, root, out, *, write: bool) -> dict:
+def _reshard_run(layout: str, world: int, root, out, fmt: str = "dcp", *, write: bool) -> dict:
     import json
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-c", _RESHARD, layout, str(root), str(out), "write" if write else "read"]
+    args = [sys.executable, "-c", _RESHARD, layout, str(root), str(out), "write" if write else "read",
+            fmt if write else "any"]
     if layout == "single":
         done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -292,10 +328,11 @@ def written(tmp_path_factory):
     """Each writer's checkpoint directory and report, made when first asked for."""
     made: dict[tuple[str, int], tuple] = {}
 
-    def get(writer: tuple[str, int]):
+    def get(writer: tuple):
         if writer not in made:
             tmp = tmp_path_factory.mktemp("-".join(map(str, writer)))
-            made[writer] = tmp / "c", _reshard_run(*writer, tmp / "c", tmp / "w.json", write=True)
+            layout, world, *fmt = writer
+            made[writer] = tmp / "c", _reshard_run(layout, world, tmp / "c", tmp / "w.json", *fmt, write=True)
         return made[writer]
 
     return get
@@ -312,6 +349,9 @@ def written(tmp_path_factory):
     (("single", 1), ("fsdp", 2)),
     (("ddp", 2), ("fsdp", 2)),
     (("fsdp+tp", 4), ("fsdp", 2)),
+    (("zero", 2), ("single", 1)),  # ZeRO-1's optimizer state: each rank's partition, stored by that rank
+    (("zero", 2, "safetensors"), ("zero", 3)),
+    (("ddp", 2), ("zero", 2)),
 ])
 def test_a_checkpoint_loads_bitwise_at_another_world_size_and_layout(tmp_path, written, writer, reader):
     import shutil

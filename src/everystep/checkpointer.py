@@ -37,7 +37,7 @@ from .errors import (
     UnclosedCheckpointerWarning,
 )
 from .optim import OptimizerInBackward
-from .parallelism import sharded_layout
+from .parallelism import DTENSOR_LAYOUTS, sharded_layout
 from .recovery import Recovered
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
@@ -50,7 +50,7 @@ __all__ = ["Checkpointer"]
 def _refuse_sharded(strategy: Strategy, layout: str | None, full_format: str | None) -> str | None:
     """Refuse a job whose state is sharded in a layout the strategy does not checkpoint, before anything
     is written; the full-checkpoint format to ask the directory for (None: the one it has, or
-    everystep's own for a new one). A sharded job's is DCP's, which reshards at load."""
+    everystep's own for a new one). A job of DTensors' is DCP's, which reshards them at load."""
     if layout is None:
         return full_format
     if layout not in strategy.sharded_layouts:
@@ -64,6 +64,8 @@ def _refuse_sharded(strategy: Strategy, layout: str | None, full_format: str | N
             f"state, and each {layout} rank holds only its shards")
         raise ConfigError(f"strategy {strategy.name!r} cannot checkpoint a job sharded with {layout}: {why}; nothing "
                           f"was written — {instead}")
+    if layout not in DTENSOR_LAYOUTS:
+        return full_format  # ZeRO-1: replicated parameters, and each rank's optimizer state, in either format
     if full_format == "safetensors":
         raise ConfigError(f"full_format='safetensors' cannot hold a job sharded with {layout}: its full checkpoints "
                           "are written in DCP's format (full_format='dcp', the default under sharding), which loads "
@@ -131,7 +133,10 @@ class Checkpointer:
     Under ``torch.distributed`` (initialised before the Checkpointer is made, by every rank at the
     same point) every rank opens the same directory: the state that data parallelism replicates is
     written once, split across ranks, each rank's own state (RNG, data position) by that rank, and
-    rank 0 commits each checkpoint once every part is durable.
+    rank 0 commits each checkpoint once every part is durable. A sharded state (FSDP2, HSDP, tensor
+    parallelism, FSDP+TP: DTensors; ZeRO-1: each rank's optimizer partition) is written as each rank's
+    shards by the strategies whose ``sharded_layouts`` name its layout, and refused by the others
+    before anything is written (``docs/several-processes.md``).
     """
 
     def __init__(
@@ -193,7 +198,7 @@ class Checkpointer:
                                              other_world=self.strategy.other_world_size,
                                              extra={"full_format": full_format} if full_format else None)
         self.directory = store
-        if store is not None and self.layout is not None and store.full_format != "dcp":
+        if store is not None and self.layout in DTENSOR_LAYOUTS and store.full_format != "dcp":
             store.close()
             raise ConfigError(f"{store.root} holds full checkpoints in everystep's own format, which a job sharded "
                               f"with {self.layout} does not load: its full checkpoints are in DCP's format "

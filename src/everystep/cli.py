@@ -281,10 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--deadline", type=POSITIVE, metavar="SECONDS", help="stop with a final checkpoint before this many "
                    "seconds from now have passed (default: SLURM_JOB_END_TIME when set); SIGTERM and SIGUSR1 stop "
                    "the same way at any time")
-    t.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
+    t.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp", "zero1"], default="ddp",
                    help="how the ranks hold the state: DistributedDataParallel replicas (default), FSDP2 shards "
-                   "(fully_shard), or HSDP (two replicas, each sharded over half the ranks); sharded, full "
-                   "checkpoints are in DCP's format")
+                   "(fully_shard), HSDP (two replicas, each sharded over half the ranks; under both, full "
+                   "checkpoints are in DCP's format), or ZeRO-1 (DDP with a ZeroRedundancyOptimizer)")
     t.add_argument("--full-format", choices=["safetensors", "dcp"],
                    help="how full checkpoints are stored: everystep's safetensors parts (default under ddp) or a "
                    "torch.distributed.checkpoint directory that plain DCP calls load (default, and the only one, "

@@ -28,6 +28,34 @@ __all__ = [
 
 
 
+def zero_redundancy(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a ZeroRedundancyOptimizer (ZeRO-1: each rank holds the state of its
+    partition of the parameters, in its local optimizer ``optimizer.optim``)."""
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()``, referencing the live tensors. Of a ZeroRedundancyOptimizer, whose
+    ``state_dict()`` needs every rank's state gathered to one rank first, this rank's part of it
+    without communication: the param groups over every parameter, as ZeRO numbers them, and the state
+    of the parameters this rank updates (its local optimizer's), under those numbers. ZeRO's
+    ``load_state_dict`` takes it as it takes the gathered one (each rank loads its own partition's)."""
+    if not zero_redundancy(optimizer):
+        return optimizer.state_dict()
+    number = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    local = [p for g in optimizer.optim.param_groups for p in g["params"]]
+    state = optimizer.optim.state_dict()["state"]
+    return {
+        "state": {number[id(local[i])]: v for i, v in state.items()},
+        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [number[id(p)] for p in g["params"]]}
+                         for g in optimizer.param_groups],
+    }
+
+
 def bare_module(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` without DistributedDataParallel or ``torch.compile`` wrappers."""
     while True:
@@ -131,7 +159,7 @@ class TrainingComponents:
         """The heavy, slowly-changing part of the state, referencing live tensors (no copy)."""
         tree: dict[str, Any] = {
             "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state(self.optimizer),
         }
         if self.scheduler is not None:
             tree["scheduler"] = self.scheduler.state_dict()
@@ -181,7 +209,7 @@ class TrainingComponents:
     def _saved(self) -> dict[str, Any]:
         """Copies of every live object's state in host memory, to put back (:meth:`restore`)."""
         saved: dict[str, Any] = {"model": _host_copy(self.module.state_dict()),
-                                 "optimizer": _host_copy(self.optimizer.state_dict()), "rng": capture_rng()}
+                                 "optimizer": _host_copy(optimizer_state(self.optimizer)), "rng": capture_rng()}
         for name in self.OPTIONAL:
             component = getattr(self, name)
             if component is not None:
@@ -190,7 +218,8 @@ class TrainingComponents:
 
     def _load(self, tree: dict[str, Any]) -> None:
         self.module.load_state_dict(tree["model"])
-        self.optimizer.load_state_dict(tree["optimizer"])
+        # (a shallow copy: ZeroRedundancyOptimizer's load_state_dict blanks the entries of other ranks' parameters)
+        self.optimizer.load_state_dict({**tree["optimizer"], "state": dict(tree["optimizer"]["state"])})
         for name in self.OPTIONAL:
             component = getattr(self, name)
             if component is not None:

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["flatten", "unflatten", "check_skeleton", "state_hash", "state_error", "storage_key", "local_shard", "MAX_DEPTH"]
+__all__ = ["flatten", "unflatten", "check_skeleton", "state_hash", "state_error", "storage_key", "local_shard",
+           "union_optimizer_state", "OPTIMIZER_STATE", "MAX_DEPTH"]
 
 try:
     from torch.distributed.tensor import DTensor
@@ -119,6 +120,35 @@ def flatten(tree: Any, prefix: str = "", *, sharded: dict[str, torch.Tensor] | N
         for key in [k for k in sharded if k not in tensors]:
             del sharded[key]  # a tied DTensor: stored once, under the first key
     return tensors, skeleton
+
+
+OPTIMIZER_STATE = "/optimizer/state/"
+"""Where the optimizer's per-parameter state lies in a flat state."""
+
+
+def union_optimizer_state(skeleton: Any, others: list[Any]) -> Any:
+    """``skeleton`` (a state's) with the optimizer state of the parameters only ``others`` (other ranks'
+    skeletons of the same checkpoint) hold added: under ZeRO-1 each rank holds its partition's. What is
+    not a well-formed optimizer state of a skeleton is left as it is (checked when it is rebuilt)."""
+    def pairs(node: Any) -> list[list[Any]] | None:
+        opt = node.get("optimizer") if isinstance(node, dict) else None
+        state = opt.get("state") if isinstance(opt, dict) else None
+        if state == {}:
+            return []
+        if isinstance(state, dict) and list(state) == [_INTKEYS] and isinstance(state[_INTKEYS], list):
+            return [list(p) for p in state[_INTKEYS] if isinstance(p, list) and len(p) == 2 and type(p[0]) is int]
+        return None
+
+    mine = pairs(skeleton)
+    if mine is None:
+        return skeleton
+    have = {k for k, _ in mine}
+    for other in others:
+        for key, value in pairs(other) or ():
+            if key not in have:
+                mine.append([key, value])
+                have.add(key)
+    return {**skeleton, "optimizer": {**skeleton["optimizer"], "state": {_INTKEYS: mine}}}
 
 
 def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:

@@ -38,8 +38,8 @@ class TrainConfig:
     """Training processes (ranks), started by the supervisor."""
     parallel: str = "ddp"
     """How the ranks hold the state: ``ddp`` (each a DistributedDataParallel replica), ``fsdp`` (FSDP2
-    shards) or ``hsdp`` (two replicas, each sharded over half the ranks); sharded, full checkpoints are
-    in DCP's format."""
+    shards), ``hsdp`` (two replicas, each sharded over half the ranks), or ``zero1`` (DDP with a
+    ZeroRedundancyOptimizer); under FSDP2 and HSDP full checkpoints are in DCP's format."""
     deadline: float | None = None
     """Unix time by which the run must have ended: it stops early with a final checkpoint."""
     full_format: str | None = None
@@ -74,7 +74,7 @@ class TrainConfig:
         if self.parallel not in PARALLEL:
             raise ConfigError(f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         if self.full_format is None:
-            self.full_format = "safetensors" if self.parallel == "ddp" else "dcp"
+            self.full_format = "safetensors" if self.parallel in ("ddp", "zero1") else "dcp"
         if self.full_format not in ("safetensors", "dcp"):
             raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
         if self.parallel != "ddp":
@@ -114,12 +114,12 @@ class TrainConfig:
         """What FSDP2 shards cannot go with: everystep's own format, compression, updates in backward, a
         strategy that does not checkpoint shards."""
         flag = f"--parallel {self.parallel}"
-        if self.full_format != "dcp":
+        if self.full_format != "dcp" and self.parallel != "zero1":
             raise ConfigError(f"{flag} writes full checkpoints in DCP's format: drop --full-format safetensors")
         if self.compress is not None or self.in_backward:
-            raise ConfigError(f"{flag} takes no --compress and no --in-backward (both work through "
-                              "DistributedDataParallel's hooks)")
-        layout = {"fsdp": "FSDP2", "hsdp": "HSDP"}[self.parallel]
+            raise ConfigError(f"{flag} takes no --compress and no --in-backward (each is built on a "
+                              "DistributedDataParallel replica's whole gradients and optimizer)")
+        layout = {"fsdp": "FSDP2", "hsdp": "HSDP", "zero1": "ZeRO-1"}[self.parallel]
         strategy = STRATEGIES[self.strategy]
         if layout not in strategy.sharded_layouts:
             able = ", ".join(sorted(n for n, cls in STRATEGIES.items() if layout in cls.sharded_layouts))

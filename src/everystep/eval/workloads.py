@@ -218,11 +218,15 @@ WORKLOADS: dict[str, Callable[[int], Any]] = {
     "resnet": _resnet,
 }
 
+_OPTIMIZER_CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd": (torch.optim.SGD, {}),
+    "momentum": (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 1e-4}),
+    "adam": (torch.optim.Adam, {}),
+    "adamw": (torch.optim.AdamW, {"weight_decay": 0.01}),
+}
+
 OPTIMIZERS: dict[str, Callable[[Any, float], torch.optim.Optimizer]] = {
-    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
-    "momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4),
-    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
-    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
+    name: (lambda params, lr, cls=cls, kw=kw: cls(params, lr=lr, **kw)) for name, (cls, kw) in _OPTIMIZER_CLASSES.items()
 }
 
 _DEFAULT_LR = {"sgd": 0.05, "momentum": 0.02, "adam": 1e-3, "adamw": 1e-3}
@@ -270,9 +274,10 @@ def resolve_device(name: str, *, rank: int = 0, world: int = 1) -> torch.device:
     return torch.device("cuda", local)
 
 
-PARALLEL = ("ddp", "fsdp", "hsdp")
-"""How a workload's ranks hold its state: DistributedDataParallel replicas, FSDP2 shards, or HSDP (two
-replicas, each sharded over half the ranks)."""
+PARALLEL = ("ddp", "fsdp", "hsdp", "zero1")
+"""How a workload's ranks hold its state: DistributedDataParallel replicas, FSDP2 shards, HSDP (two
+replicas, each sharded over half the ranks), or ZeRO-1 (DDP replicas whose optimizer state is
+partitioned over the ranks by a ZeroRedundancyOptimizer)."""
 
 
 def fully_shard_model(model: nn.Module, device_type: str, *, hsdp: bool = False) -> nn.Module:
@@ -316,7 +321,8 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     ``batch``: samples per step and rank (default: the workload's own). ``parallel`` ``"fsdp"``: the
     model is sharded with FSDP2 over the ranks (:func:`fully_shard_model`; torch.distributed
     initialised, one process or several) instead of replicated by DistributedDataParallel; ``"hsdp"``:
-    HSDP, two replicas each sharded over half the ranks.
+    HSDP, two replicas each sharded over half the ranks; ``"zero1"``: DistributedDataParallel with a
+    ZeroRedundancyOptimizer (each rank updates, and holds the state of, its partition of the parameters).
     """
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
@@ -327,8 +333,8 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     if parallel not in PARALLEL:
         raise ConfigError(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
     if parallel != "ddp" and (compress is not None or in_backward):
-        raise ConfigError(f"parallel={parallel!r} takes no gradient compression and no updates in backward (both work through "
-                          "DistributedDataParallel's hooks)")
+        raise ConfigError(f"parallel={parallel!r} takes no gradient compression and no updates in backward (each is "
+                          "built on a DistributedDataParallel replica's whole gradients and optimizer)")
     where = resolve_device(device, rank=rank, world=world)
     torch.manual_seed(seed)
     random.seed(seed)
@@ -340,8 +346,8 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     model.to(where)
     data = SyntheticData(make_sample, size=4096, batch_size=batch, seed=seed, rank=rank, world=world)
     rate = lr if lr is not None else _DEFAULT_LR[optimizer]
-    wrapped = parallel == "ddp" and (world > 1 or needs_ddp(compress))
-    if parallel != "ddp":
+    wrapped = parallel == "zero1" or (parallel == "ddp" and (world > 1 or needs_ddp(compress)))
+    if parallel in ("fsdp", "hsdp"):
         model = fully_shard_model(model, where.type, hsdp=parallel == "hsdp")
     elif wrapped:
         kw: dict[str, Any] = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}
@@ -351,6 +357,11 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     if in_backward:
         opt: torch.optim.Optimizer = OptimizerInBackward(
             model.parameters(), lambda group: OPTIMIZERS[optimizer](group, rate), ddp=model if wrapped else None)
+    elif parallel == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        cls, kw = _OPTIMIZER_CLASSES[optimizer]
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, lr=rate, **kw)
     else:
         opt = OPTIMIZERS[optimizer](model.parameters(), rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine())

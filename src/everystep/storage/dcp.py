@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,6 +39,7 @@ from ..errors import CorruptCheckpointError
 from ..parallelism import shard_like
 from .base import CHECKSUM_ALGORITHM, Manifest, ObjectInfo, new_hasher
 from .catalog import Catalog
+from .sharded import merged_meta
 from .tensorfile import CHUNK
 
 __all__ = ["write_dcp", "read_dcp", "load_metadata", "DCP_SUFFIX"]
@@ -94,6 +96,10 @@ class _Reader(dcp.FileSystemReader):
             self._metadata.storage_meta = StorageMeta()
         self._metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return self._metadata
+
+
+_OTHER_RANKS_OPTIMIZER = re.compile(r"rank\d+(/optimizer/state/.+)")
+"""A rank's own optimizer state (ZeRO-1's), read by every rank at another world size."""
 
 
 def _rank_key(rank: int, key: str) -> str:
@@ -176,6 +182,7 @@ def read_dcp(catalog: Catalog, manifest: Manifest, rank: int, *, shards: Mapping
     shards = shards or {}
     parts = manifest.meta["parts"]
     mine = rank % len(parts)
+    other_world = len(parts) != catalog.ranks.world
     names = {info.name.split("/", 1)[0] for info in manifest.objects.values()}
     if len(names) != 1:
         raise CorruptCheckpointError(f"checkpoint {manifest.name} names files in several directories")
@@ -186,7 +193,8 @@ def read_dcp(catalog: Catalog, manifest: Manifest, rank: int, *, shards: Mapping
     own = _rank_key(mine, "")
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for key, md in reader.read_metadata().state_dict_metadata.items():
-        if key.startswith("rank") and not key.startswith(own + "/"):
+        if key.startswith("rank") and not key.startswith(own + "/") and \
+                not (other_world and _OTHER_RANKS_OPTIMIZER.fullmatch(key)):
             continue
         size, dtype = getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None)
         if size is None or not isinstance(dtype, torch.dtype) or not all(type(n) is int and n >= 0 for n in size):
@@ -206,4 +214,6 @@ def read_dcp(catalog: Catalog, manifest: Manifest, rank: int, *, shards: Mapping
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(template, storage_reader=reader, no_dist=True)
     tensors = {(k[len(own):] if k.startswith(own + "/") else k): t for k, t in template.items()}
-    return tensors, parts[mine]["meta"]
+    for key in [k for k in tensors if k.startswith("rank")]:  # (ZeRO-1: another rank's optimizer state)
+        tensors.setdefault(_OTHER_RANKS_OPTIMIZER.fullmatch(key)[1], tensors.pop(key))
+    return tensors, merged_meta(parts, mine, other_world)

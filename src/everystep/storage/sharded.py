@@ -34,6 +34,7 @@ from .base import Manifest, ObjectInfo, Reader, malformed
 from .catalog import Catalog
 from ..layout import TensorLayout
 from .tensorfile import load_tensors, tensor_chunks
+from ..tree import OPTIMIZER_STATE, union_optimizer_state
 
 __all__ = ["RankShare", "commit_parts", "commit_tensors", "commit_written", "read_parts", "write_part"]
 
@@ -208,6 +209,7 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
         parts = _check_parts(manifest.meta["parts"])
     world = len(parts)
     mine = catalog.ranks.rank % world
+    other_world = world != catalog.ranks.world
     tensors: dict[str, torch.Tensor] = {}
     flat: dict[str, torch.Tensor] = {}
     for r, part in enumerate(parts):
@@ -228,7 +230,19 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
             whole[start:end] = piece
         if r == mine:
             tensors.update(loaded)
-    return tensors, parts[mine]["meta"]
+        elif other_world:  # ZeRO-1: every rank's optimizer state, each rank to load its new partition's
+            tensors.update((k, t) for k, t in loaded.items() if k.startswith(OPTIMIZER_STATE) and k not in tensors)
+    return tensors, merged_meta(parts, mine, other_world)
+
+
+def merged_meta(parts: list[dict[str, Any]], mine: int, other_world: bool) -> dict[str, Any]:
+    """The meta of part ``mine``; read at another world size than the writer's, its skeleton holds
+    every part's optimizer state (:func:`~everystep.tree.union_optimizer_state`)."""
+    meta = parts[mine]["meta"]
+    if not other_world or not isinstance(meta, dict) or "skeleton" not in meta:
+        return meta
+    others = [p["meta"].get("skeleton") for p in parts if isinstance(p.get("meta"), dict)]
+    return {**meta, "skeleton": union_optimizer_state(meta["skeleton"], others)}
 
 
 def _check_parts(parts: Any) -> list[dict[str, Any]]:

@@ -47,7 +47,7 @@ from ..distributed import Ranks
 from ..errors import ConfigError, EverystepError
 from ..policy.interval import due
 from ..recovery import Recovered, recover
-from ..state import TrainingComponents
+from ..state import TrainingComponents, zero_redundancy
 from ..parallelism import sharded_layout
 from ..tree import flatten, local_shard
 from ..layout import TensorLayout
@@ -232,18 +232,12 @@ class StrategyContext:
         return {"step": step, **self.components.capture(), **self.boundary}
 
     def flatten_state(self, step: int) -> tuple[dict[str, torch.Tensor], Any]:
-        """S_step flattened (:func:`~everystep.tree.flatten`): a DTensor as its local shard, the DTensors
-        themselves kept as :attr:`sharded`."""
+        """S_step flattened (:func:`~everystep.tree.flatten`): a DTensor as its local shard; the DTensors
+        themselves are kept by key (what :meth:`full_share` and :meth:`replicated_keys` read)."""
         sharded: dict[str, torch.Tensor] = {}
         flat = flatten(self.state_tree(step), sharded=sharded)
         self._sharded = sharded
         return flat
-
-    @property
-    def sharded(self) -> dict[str, torch.Tensor]:
-        """The live DTensors of the state by key, as of the last :meth:`flatten_state` (empty where the
-        state is replicated): the flat state holds their local shards under the same keys."""
-        return self._sharded
 
     def live_shards(self) -> "LiveShards":
         """The live DTensors of the state by key (a sharded job's checkpoint is read as their shards),
@@ -275,9 +269,11 @@ class StrategyContext:
         return self.directory.ranks if self.directory is not None else Ranks()
 
     def _optimizer_storages(self) -> set[int]:
+        """Where the parameters and the optimizer state that ``optimizer.step()`` alone changes lie (of
+        ZeRO-1's state, none: each rank's is its own, held by its local optimizer)."""
         opt = self.components.optimizer
         ptrs = {local_shard(p).untyped_storage().data_ptr() for g in opt.param_groups for p in g["params"]}
-        for st in opt.state.values():
+        for st in () if zero_redundancy(opt) else opt.state.values():
             ptrs |= {local_shard(v).untyped_storage().data_ptr() for v in st.values()
                      if isinstance(v, torch.Tensor) and v.numel()}
         return ptrs
@@ -325,7 +321,7 @@ class StrategyContext:
     def replicated_keys(self, tensors: dict[str, torch.Tensor], *, alone: bool = False,
                         sharded: Mapping[str, torch.Tensor] | None = None) -> set[str]:
         """Keys of the state data parallelism keeps identical on every rank: parameters and
-        optimizer state that are not shards (:attr:`sharded`: each rank holds its own). The rest
+        optimizer state that are not shards of DTensors (each rank holds its own). The rest
         (buffers, RNG, residuals) is treated as each rank's own. In a single process none, unless
         ``alone``: a format that loads at another world size stores them under the keys every rank reads.
         ``sharded``: the DTensors of the flattening that made ``tensors`` (default: the last

@@ -65,7 +65,7 @@ class CheckFreq(Strategy):
     name: ClassVar[str] = "checkfreq"
     other_world_size: ClassVar[bool] = True
     layer_updates: ClassVar[bool] = True
-    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS
+    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS | {"ZeRO-1"}
     Config = CheckFreqConfig
     config: CheckFreqConfig
     overlap: ClassVar[bool] = True

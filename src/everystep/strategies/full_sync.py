@@ -17,7 +17,7 @@ class FullSync(Strategy):
     name: ClassVar[str] = "full_sync"
     other_world_size: ClassVar[bool] = True
     layer_updates: ClassVar[bool] = True
-    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS
+    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS | {"ZeRO-1"}
 
     def _on_state_ready(self, step: int, final: bool) -> None:
         if not self._due(step, final):

@@ -48,7 +48,7 @@ from ..errors import ConfigError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
 from ..recovery import Recovered, recover
-from ..state import bare_module
+from ..state import bare_module, zero_redundancy
 from ..parallelism import DTENSOR_LAYOUTS, shard_like
 from ..tree import flatten, local_shard, unflatten
 from ..storage.region import RegionStore, UnreadableRegionError
@@ -161,7 +161,7 @@ class _CopyOrder:
 
 class LightCheck(Strategy):
     name: ClassVar[str] = "lightcheck"
-    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS
+    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS | {"ZeRO-1"}
     layer_updates: ClassVar[bool] = True
     Config = LightCheckConfig
     config: LightCheckConfig
@@ -318,13 +318,14 @@ class LightCheck(Strategy):
         owner = {p: name.rpartition(".")[0] or name for name, p in module.named_parameters()}
         unit_of: dict[int, str] = {}
         layers: list[str] = []
+        states = optimizer.optim.state if zero_redundancy(optimizer) else optimizer.state  # ZeRO-1: this rank's
         for group in optimizer.param_groups:
             for p in group["params"]:
                 layer = owner.get(p, f"param{len(unit_of)}")
                 if layer not in layers:
                     layers.append(layer)
                 unit_of.setdefault(local_shard(p).data_ptr(), layer)
-                for v in optimizer.state.get(p, {}).values():
+                for v in states.get(p, {}).values():
                     if isinstance(v, torch.Tensor) and v.numel():
                         unit_of.setdefault(local_shard(v).data_ptr(), layer)
         members: dict[str, list[str]] = {"(rest)": []}
