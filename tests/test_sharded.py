@@ -140,6 +140,7 @@ def fsdp_reference() -> dict:
     ("checkfreq", "software", (4, 7), {}),
     ("async", "hardware", (5, 10), {}),
     ("lightcheck", "software", (4, 7), {"persist_every": 3}),
+    ("checkflow", "hardware", (3, 9), {}),
 ])
 def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_reference, strategy, mode, fail_at, options):
     # The rank killed and the instant in its step (start, forward, backward, update, mid-write) are

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..policy.schedule import StepProfile, Tensor
+from ..tree import local_shard
 
 __all__ = ["profile_step", "StepRecorder", "OperatorHooks"]
 
@@ -108,7 +109,7 @@ class _Recorder:
         """(operator that starts here, a clock mark, bytes alive when it starts)."""
         self.saved: dict[int, int] = {}
         self.updated: dict[torch.Tensor, int] = {}
-        self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.weights = {local_shard(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.operators = OperatorHooks(model, optimizer, self.mark)
         self.handles: list[Any] = []
         if updates_in_backward(optimizer):
@@ -141,9 +142,9 @@ class _Recorder:
     def alive(self) -> int:
         if self.cuda:
             return torch.cuda.memory_allocated()
-        state = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        params = list(self.model.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
+        state = [local_shard(v) for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        params = [local_shard(p) for p in self.model.parameters()]
+        grads = [local_shard(p.grad) for p in self.model.parameters() if p.grad is not None]
         return sum(t.numel() * t.element_size() for t in (*params, *grads, *state)) + sum(self.saved.values())
 
     def _on_layer_update(self, optimizer: Any, params: list[torch.Tensor]) -> None:
@@ -171,8 +172,10 @@ class _Recorder:
             for p in group["params"]:
                 at = self.updated.get(p)
                 if at is not None:  # (None: no gradient this step, nothing updates it)
-                    tensors.append(Tensor(f"param/{index}", p.numel() * p.element_size(), at))
+                    mine = local_shard(p)  # (of a DTensor, this rank's shard: what it copies)
+                    tensors.append(Tensor(f"param/{index}", mine.numel() * mine.element_size(), at))
                     for name, value in self.optimizer.state.get(p, {}).items():
+                        value = local_shard(value) if isinstance(value, torch.Tensor) else value
                         if isinstance(value, torch.Tensor) and value.numel() > 1:
                             tensors.append(Tensor(f"state/{index}/{name}", value.numel() * value.element_size(), at))
                 index += 1

@@ -40,6 +40,7 @@ from ..capture.profile import OperatorHooks, StepRecorder
 from ..errors import ConfigError
 from ..layout import TensorLayout
 from ..policy.schedule import ScheduleResult, StepProfile, coarsen, drifted, plan
+from ..parallelism import DTENSOR_LAYOUTS
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
 from .base import Strategy, StrategyConfig
@@ -131,8 +132,8 @@ def _local_ranges(schedule: _Schedule, shard: RankShare) -> list[list[tuple[str,
 
 class Checkflow(Strategy):
     name: ClassVar[str] = "checkflow"
-    sharded_refusal: ClassVar[str] = (
-        "its schedule of snapshot and offload is planned over the whole state of one replica")
+    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS
+    sharded_refusal: ClassVar[str] = "its profile reads the optimizer's state, which ZeRO-1 keeps in a local optimizer"
     other_world_size: ClassVar[bool] = True
     Config = CheckflowConfig
     config: CheckflowConfig
