@@ -135,18 +135,20 @@ def fsdp_reference() -> dict:
     return run(TrainConfig(strategy="none", **FSDP_JOB))
 
 
-@pytest.mark.parametrize("strategy, mode, fail_at, options", [
+@pytest.mark.parametrize("strategy, mode, fail_at, extra", [
     ("full_sync", "hardware", (3, 8), {}),
     ("checkfreq", "software", (4, 7), {}),
     ("async", "hardware", (5, 10), {}),
-    ("lightcheck", "software", (4, 7), {"persist_every": 3}),
+    ("lightcheck", "software", (4, 7), {"options": {"persist_every": 3}}),
     ("checkflow", "hardware", (3, 9), {}),
+    ("gockpt_o", "hardware", (6, 10), {"every": 3, "options": {"parts": 2, "chunk_bytes": 4096}}),
 ])
-def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_reference, strategy, mode, fail_at, options):
+def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_reference, strategy, mode, fail_at, extra):
     # The rank killed and the instant in its step (start, forward, backward, update, mid-write) are
-    # drawn from the seed for each step.
+    # drawn from the seed for each step. gockpt_o: each rank's shards in two parts, brought forward on
+    # the host with the gradient shards the updates consume.
     summary = run(TrainConfig(strategy=strategy, directory=str(tmp_path / strategy), fail_at=fail_at, fail_mode=mode,
-                              options=options, **FSDP_JOB))
+                              **extra, **FSDP_JOB))
     assert [r["failed_at"] for r in summary["recoveries"]] == list(fail_at)
     if strategy == "lightcheck":  # each rank's region holds its shards; at most one done step lost
         assert [r["source"] for r in summary["recoveries"]] == ["region", "region"]

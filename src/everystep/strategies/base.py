@@ -239,6 +239,12 @@ class StrategyContext:
         self._sharded = sharded
         return flat
 
+    @property
+    def sharded(self) -> dict[str, torch.Tensor]:
+        """The DTensors of the last :meth:`flatten_state` by key (empty where the state is replicated):
+        the flat state holds their local shards under the same keys."""
+        return self._sharded
+
     def live_shards(self) -> "LiveShards":
         """The live DTensors of the state by key (a sharded job's checkpoint is read as their shards),
         including the optimizer state that does not exist yet (:class:`LiveShards`)."""

@@ -30,6 +30,7 @@ from ..background import Worker, settled
 from ..errors import ConfigError, CorruptCheckpointError, EverystepError, NoValidCheckpointError
 from ..policy.interval import due
 from ..policy.parts import MAX_PARTS, PartSplit, Unit, choose_parts
+from ..parallelism import DTENSOR_LAYOUTS
 from ..recovery import Recovered, recover
 from ..replay import optimizer_like, replay_step
 from ..state import group_scalars
@@ -38,6 +39,7 @@ from ..storage.full import write_full
 from ..spread import SPREAD_KIND, bring_forward, read_spread, write_spread
 from ..storage.sharded import RankShare
 from ..transport.host import copy_bandwidth
+from ..tree import local_shard
 from .base import Strategy
 from .gockpt_plan import ELEMENTWISE, Chunk, GoCkptConfig, Param, Spread
 
@@ -45,9 +47,10 @@ __all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig"]
 
 class GoCkpt(Strategy):
     name: ClassVar[str] = "gockpt"
+    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS
     sharded_refusal: ClassVar[str] = (
-        "its parts are cut from the replicated state and brought forward with the replicated gradients, so a "
-        "rank's shards are not parts it can make consistent")
+        "it brings each part forward with the optimizer's state of its parameters, which ZeRO-1 keeps on another "
+        "rank for all but this rank's partition")
     other_world_size: ClassVar[bool] = True
     Config = GoCkptConfig
     config: GoCkptConfig
@@ -81,6 +84,10 @@ class GoCkpt(Strategy):
                               "reconstruct='device' (the default on a GPU)")
         self.on_device = self.config.reconstruct == "device" or (self.config.reconstruct is None and on_gpu)
         """The parts are brought forward at recovery, on the training device."""
+        if self.on_device and self.ctx.layout is not None:
+            raise ConfigError(f"strategy {self.name!r} with reconstruct='device' writes spread checkpoints in everystep's "
+                              f"own format, which does not hold the shards of a job sharded with {self.ctx.layout}: "
+                              "use reconstruct='host' (on the CPU), or checkfreq")
         self._stream = self.ctx.copy_stream()
         self._params: list[Param] | None = None
         self._spread: Spread | None = None
@@ -138,7 +145,8 @@ class GoCkpt(Strategy):
         self.errors.raise_pending()
         groups = group_scalars(self.ctx.components.optimizer)
         needed = {c.param for part in spread.copied[:j] for c in part}
-        grads = {i: (g, g._version if g is not None else 0) for i in needed for g in (spread.params[i].tensor.grad,)}
+        grads = {i: (g, g._version if g is not None else 0) for i in needed
+                 for g in (local_shard(spread.params[i].tensor.grad) if spread.params[i].tensor.grad is not None else None,)}
         ready = self._event()
         if self.overlap_gradients:
             spread.gradient_copies.append(self._copier.submit(f"copy of the gradients of step {step}",
@@ -173,8 +181,8 @@ class GoCkpt(Strategy):
         """S_step is the first version copied: plan the parts, copy the first."""
         tensors, _ = self.ctx.flatten_state(step)
         params = self._params = self._find_params(tensors)  # (state the optimizer made since is in it)
-        units = [Unit(p.key, p.tensor.numel(),
-                      p.tensor.element_size() + sum(tensors[k].element_size() for k in p.elementwise.values()))
+        units = [Unit(p.key, p.local.numel(),
+                      p.local.element_size() + sum(tensors[k].element_size() for k in p.elementwise.values()))
                  for p in params]
         k = self.config.parts or self._choose_parts(units, tensors)
         plan = PartSplit.of(units, k, self.config.chunk_bytes)
@@ -187,12 +195,12 @@ class GoCkpt(Strategy):
     def _find_params(self, tensors: dict[str, torch.Tensor]) -> list[Param]:
         params = []
         for found in self.ctx.optimizer_keys(tensors):
-            p = found.param
+            p = local_shard(found.param)  # (of a DTensor, this rank's shard: the part it copies)
             if found.key is None:
                 raise EverystepError(f"optimizer parameter {found.index} is not among the model's tensors: strategy "
                                      f"{self.name!r} needs the optimizer to train the model's own parameters")
             elementwise = {n: k for n, k in found.state.items() if tensors[k].shape == p.shape and p.numel() > 1}
-            params.append(Param(p, found.group, found.key, elementwise,
+            params.append(Param(found.param, found.group, found.key, elementwise,
                                  {n: k for n, k in found.state.items() if n not in elementwise}))
         return params
 
@@ -221,14 +229,14 @@ class GoCkpt(Strategy):
             for n, c in enumerate(spread.plan.parts[index]):
                 p = spread.params[c.unit]
                 view = spread.host[p.key].view(-1)[c.start:c.stop]
-                view.copy_(p.tensor.detach().reshape(-1)[c.start:c.stop], non_blocking=True)
+                view.copy_(p.local.detach().reshape(-1)[c.start:c.stop], non_blocking=True)
                 chunk = Chunk(first + n, c.unit, c.start, c.stop, view)
                 for name, value in optimizer.state.get(p.tensor, {}).items():
                     if name in p.elementwise:
                         chunk.state[name] = spread.host[p.elementwise[name]].view(-1)[c.start:c.stop]
-                        chunk.state[name].copy_(value.reshape(-1)[c.start:c.stop], non_blocking=True)
+                        chunk.state[name].copy_(local_shard(value).reshape(-1)[c.start:c.stop], non_blocking=True)
                     elif name in p.whole:  # each chunk brings its own copy forward
-                        chunk.state[name] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+                        chunk.state[name] = local_shard(value.detach()).clone() if isinstance(value, torch.Tensor) else value
                     else:
                         raise EverystepError(
                             f"the optimizer made state {name!r} for {p.key!r} after the checkpoint of step "
@@ -321,7 +329,7 @@ class GoCkpt(Strategy):
         if not make:
             return self._grad_buffers.get()
         assert self._params is not None
-        return {i: torch.empty(p.tensor.shape, dtype=p.tensor.dtype) for i, p in enumerate(self._params)}
+        return {i: torch.empty(p.local.shape, dtype=p.local.dtype) for i, p in enumerate(self._params)}
 
     def _release(self, futures: list[Future[Any]], buffer: dict[int, torch.Tensor]) -> None:
         settled(*futures)
@@ -334,22 +342,23 @@ class GoCkpt(Strategy):
         write the checkpoint in the background."""
         self._spread, self._finished = None, step
         tensors, skeleton = self.ctx.flatten_state(step)
+        sharded = self.ctx.sharded
         ours = {k for p in spread.params for k in (p.key, *p.elementwise.values(), *(() if self.on_device else p.whole.values()))}
         replicated = self.ctx.replicated_keys(tensors)
         with torch.no_grad():
             rest = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items() if k not in ours}
         write = self._write_spread if self.on_device else self._write
         self._persister.post(f"background write of the checkpoint at step {step}", write, spread, step, tensors,
-                             rest, skeleton, replicated)
+                             rest, skeleton, replicated, sharded)
 
     def _write(self, spread: Spread, step: int, live: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
-               skeleton: Any, replicated: set[str]) -> None:
+               skeleton: Any, replicated: set[str], sharded: dict[str, torch.Tensor]) -> None:
         settled(*spread.gradient_copies)
         settled(*spread.applied)
         if any(f.exception() is not None for f in (*spread.applied, *spread.gradient_copies)):
             assert self.ctx.catalog is not None
             failed = EverystepError(f"the checkpoint of step {step} was not reconstructed: applying the gradients failed")
-            share = RankShare.of(live, replicated, self.ctx.ranks, split=self.ctx.full_format != "dcp")
+            share = RankShare.of(live, replicated, self.ctx.ranks, split=self.ctx.full_format != "dcp", sharded=sharded)
             write_full(self.ctx.catalog, step, None, skeleton, share=share, error=failed)  # raises, on every rank
         self.reconstruct_seconds.append(sum(spread.apply_seconds))
         crash_point("gockpt.reconstructed")
@@ -367,10 +376,10 @@ class GoCkpt(Strategy):
                     raise EverystepError(f"the chunks of {p.key!r} disagree on {name!r} after reconstruction")
                 tensors[key] = values[0]
         tensors = {k: tensors[k] for k in live}  # (state the optimizer made after S_start is in ``rest``)
-        self._persist(step, tensors, skeleton, replicated)
+        self._persist(step, tensors, skeleton, replicated, sharded)
 
     def _write_spread(self, spread: Spread, step: int, live: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
-                      skeleton: Any, replicated: set[str]) -> None:
+                      skeleton: Any, replicated: set[str], sharded: dict[str, torch.Tensor]) -> None:
         """Device: the parts as copied, the state of S_step that is not a part, and the gradients
         that bring each part to S_step, as one checkpoint of kind ``spread``."""
         assert self.ctx.catalog is not None and self.ctx.directory is not None
@@ -387,10 +396,11 @@ class GoCkpt(Strategy):
         self.ctx.record_durable(step, seconds=time.perf_counter() - t0)
         self.ctx.directory.retain(self.config.keep)
 
-    def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replicated: set[str]) -> None:
+    def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replicated: set[str],
+                 sharded: dict[str, torch.Tensor]) -> None:
         assert self.ctx.catalog is not None and self.ctx.directory is not None
         split = self.ctx.full_format != "dcp"
-        share = RankShare.of(tensors, replicated, self.ctx.ranks, split=split)
+        share = RankShare.of(tensors, replicated, self.ctx.ranks, split=split, sharded=sharded)
         self.ctx.persist(step, share.local, skeleton, share=share, keep=self.config.keep)
 
     def _write_now(self, step: int) -> None:
@@ -401,7 +411,7 @@ class GoCkpt(Strategy):
         with torch.no_grad():
             copies = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
         settled(self._persister.submit(f"write of the last checkpoint at step {step}", self._persist, step, copies,
-                                       skeleton, replicated))
+                                       skeleton, replicated, self.ctx.sharded))
 
     def _abandon_spread(self) -> None:
         spread, self._spread = self._spread, None
@@ -425,7 +435,7 @@ class GoCkpt(Strategy):
             return found
         failed: NoValidCheckpointError | None = None
         try:
-            full = recover(directory)  # the newest full checkpoint that verifies, warning about the others
+            full = recover(directory, shards=self.ctx.live_shards())  # the newest that verifies, warning about others
         except NoValidCheckpointError as e:  # none does: a spread one older than them may
             full, failed = None, e
         above = full.step if full is not None else -1

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import ConfigError
 from ..policy.parts import ALIGN, PartSplit
+from ..tree import local_shard
 from .base import StrategyConfig
 
 __all__ = ["ELEMENTWISE", "GoCkptConfig", "Param", "Chunk", "Spread"]
@@ -59,12 +60,18 @@ class Param:
     """A parameter the optimizer updates, and where its tensors lie in the flat state."""
 
     tensor: torch.Tensor
+    """The parameter (of a DTensor, its shards are what the checkpoint holds: :attr:`local`)."""
     group: int
     key: str
     elementwise: dict[str, str]
     """State name → key, for each state tensor of the parameter's shape (chunked with it)."""
     whole: dict[str, str]
     """State name → key, for the others (scalars such as Adam's step: each chunk has its own)."""
+
+    @property
+    def local(self) -> torch.Tensor:
+        """What this rank holds of the parameter: all of it, or its shard of a DTensor."""
+        return local_shard(self.tensor)
 
 
 @dataclass(eq=False)
