@@ -1,6 +1,7 @@
 """``everystep bench``: every strategy on one workload, in one invocation, interleaved.
 
-Each (repeat, strategy) run is a fresh process (clean memory peaks, no state carried over);
+Each (repeat, strategy) run is a fresh process (clean memory peaks, no state carried over; on Linux
+forked from a process that only imported, :func:`measure_run`);
 repeat r runs the strategies in an order rotated by r, so that drift in the machine's speed hits
 every strategy alike. Overhead is each run's mean step time over the same repeat's ``none`` run,
 minus one; the reported figure is the median over repeats.
@@ -15,6 +16,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,6 +30,7 @@ from .measure import CHECKFLOW_MEMORY
 from .peers import PEERS
 from .workloads import WORKLOADS, check_device
 from .plotting import pyplot
+from .zygote import Zygote, start_ranks
 
 __all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table",
            "smallest_interval", "interleaved_order", "run_spec", "measure_run"]
@@ -123,12 +126,33 @@ def run_spec(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
     }
 
 
+_ZYGOTES: dict[str, Zygote] = {}
+"""The process each kind of run is forked from (by entry point), started at the first run."""
+
+
+def _zygote(entry: str) -> Zygote | None:
+    found = _ZYGOTES.get(entry)
+    if found is None or found.process.poll() is not None:
+        found = start_ranks(entry)
+        if found is None:
+            return None
+        _ZYGOTES[entry] = found
+    return found
+
+
 def measure_run(spec: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
-    """Measure one run in a fresh process and return what it reports. A run that fails raises
-    :class:`EverystepError` with its stderr's end; one still running after ``timeout`` seconds is
-    killed, with whatever it started (a process group of its own)."""
+    """Measure one run in a process of its own and return what it reports. A run that fails raises
+    :class:`EverystepError` with its output's end; one still running after ``timeout`` seconds is
+    killed, with whatever it started (a process group of its own).
+
+    On Linux each run is forked from a process that imported torch and the run's module once and ran
+    nothing (:mod:`everystep.eval.zygote`): a new process in all but the imports, which a fresh
+    interpreter spends seconds on; elsewhere each run is a new interpreter."""
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
     module = "everystep.eval.trainers" if spec.get("trainer") else "everystep.eval.measure"
+    zygote = _zygote(f"{module}:forked")
+    if zygote is not None:
+        return _forked_run(zygote, spec, env, timeout)
     proc = subprocess.Popen([sys.executable, "-m", module, json.dumps(spec)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
@@ -143,6 +167,35 @@ def measure_run(spec: dict[str, Any], *, timeout: float | None = None) -> dict[s
     if proc.returncode != 0:
         raise EverystepError(f"benchmark run of {spec['strategy']} failed:\n{err.strip()[-4000:]}")
     return json.loads(out.strip().splitlines()[-1])
+
+
+def _forked_run(zygote: Zygote, spec: dict[str, Any], env: dict[str, str], timeout: float | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="everystep-run-") as tmp:
+        report, output = os.path.join(tmp, "report.json"), os.path.join(tmp, "output.txt")
+        child = zygote.fork(env, [json.dumps(spec), report, output])
+        try:
+            code = child.wait_for(timeout)
+        except BaseException:  # interrupted: nothing is left running
+            _kill_group(child.pid)
+            raise
+        if code is None:
+            _kill_group(child.pid)
+            child.wait()
+            raise EverystepError(f"benchmark run of {spec['strategy']} was still running after {timeout:.0f} s "
+                                 "and was stopped")
+        if code != 0 or not os.path.exists(report):
+            with open(output, errors="replace") as f:
+                raise EverystepError(f"benchmark run of {spec['strategy']} failed:\n{f.read().strip()[-4000:]}")
+        with open(report) as f:
+            return json.loads(f.read())
+
+
+def _kill_group(pid: int) -> None:
+    """Kill a run and whatever it started (its session's process group), unless it has ended."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) -> dict[str, Any]:

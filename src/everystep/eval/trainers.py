@@ -161,5 +161,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def forked(argv: list[str]) -> int:
+    """The entry point of a run forked by ``everystep bench``'s zygote (:func:`~everystep.eval.zygote.report_entry`)."""
+    from .zygote import report_entry
+
+    return report_entry(measure, argv)
+
+
 if __name__ == "__main__":
     print(json.dumps(measure(json.loads(sys.argv[1]))))

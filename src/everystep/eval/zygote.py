@@ -26,6 +26,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 from .._process import die_with
 from ..errors import EverystepError
 
-__all__ = ["Zygote", "Forked", "start_ranks"]
+__all__ = ["Zygote", "Forked", "start_ranks", "report_entry"]
 
 
 class Forked:
@@ -63,6 +64,19 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+    def wait_for(self, timeout: float | None) -> int | None:
+        """Its exit status once it ends, or None if it is still running after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.returncode) is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            with selectors.DefaultSelector() as sel:
+                sel.register(self.zygote._replies, selectors.EVENT_READ)
+                if sel.select(left):
+                    self.zygote.collect(block=True)
+        return code
 
 
 class Zygote:
@@ -145,6 +159,21 @@ def start_ranks(entry: str) -> Zygote | None:
     if not hasattr(os, "pidfd_open") or not hasattr(selectors, "EpollSelector"):
         return None
     return Zygote(entry)
+
+
+def report_entry(measure: Callable[[dict[str, Any]], dict[str, Any]], argv: list[str]) -> int:
+    """A child that measures: ``argv`` is the spec (JSON), where its report goes and where its output
+    goes (stdout and stderr both); the report is written whole or not at all."""
+    spec, report, output = json.loads(argv[0]), argv[1], argv[2]
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    result = json.dumps(measure(spec))
+    with open(report + ".tmp", "w") as f:
+        f.write(result)
+    os.replace(report + ".tmp", report)
+    return 0
 
 
 def _child(request: dict[str, Any], inherited: list[int], entry: Callable[[list[str]], int]) -> None:
