@@ -141,6 +141,7 @@ def fsdp_reference() -> dict:
     ("async", "hardware", (5, 10), {}),
     ("lightcheck", "software", (4, 7), {"options": {"persist_every": 3}}),
     ("checkflow", "hardware", (3, 9), {}),
+    ("gockpt", "software", (5, 9), {"every": 2, "options": {"parts": 2, "chunk_bytes": 4096}}),
     ("gockpt_o", "hardware", (6, 10), {"every": 3, "options": {"parts": 2, "chunk_bytes": 4096}}),
 ])
 def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_reference, strategy, mode, fail_at, extra):
