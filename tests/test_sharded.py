@@ -168,12 +168,16 @@ def zero_reference() -> dict:
     return run(TrainConfig(strategy="none", **ZERO_JOB))
 
 
-@pytest.mark.parametrize("strategy, options", [("checkfreq", {}), ("lightcheck", {"persist_every": 2})])
-def test_zero1_ranks_killed_and_restarted_recover_bitwise(tmp_path, zero_reference, strategy, options):
+@pytest.mark.parametrize("strategy, fail_at, extra", [
+    ("checkfreq", (3, 6), {}),
+    ("lightcheck", (3, 6), {"options": {"persist_every": 2}}),
+    # GoCkpt's own setting: each rank brings its partition's parameters and state forward
+    ("gockpt", (5, 8), {"every": 3, "options": {"parts": 2, "chunk_bytes": 4096}}),
+])
+def test_zero1_ranks_killed_and_restarted_recover_bitwise(tmp_path, zero_reference, strategy, fail_at, extra):
     # ZeRO-1: DDP replicas whose optimizer state is partitioned; each rank stores its partition's state.
-    summary = run(TrainConfig(strategy=strategy, directory=str(tmp_path / "c"), fail_at=(3, 6), options=options,
-                              **ZERO_JOB))
-    assert [r["failed_at"] for r in summary["recoveries"]] == [3, 6]
+    summary = run(TrainConfig(strategy=strategy, directory=str(tmp_path / "c"), fail_at=fail_at, **extra, **ZERO_JOB))
+    assert [r["failed_at"] for r in summary["recoveries"]] == list(fail_at)
     assert summary["losses"] == zero_reference["losses"]
     assert summary["rank_state_sha256"] == zero_reference["rank_state_sha256"]
     store = CheckpointDirectory.open(tmp_path / "c", create=False, access="read")

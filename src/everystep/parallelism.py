@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .state import zero_redundancy
+
 __all__ = ["sharded_layout", "shard_like", "LAYOUTS", "DTENSOR_LAYOUTS"]
 
 LAYOUTS = ("FSDP2", "HSDP", "TP", "FSDP+TP", "FSDP1", "ZeRO-1")
@@ -88,8 +90,4 @@ def sharded_layout(model: torch.nn.Module, optimizer: Any) -> str | None:
     found = _dtensor_layout(model)  # (DistributedDataParallel's modules and parameters are its module's)
     if found is not None:
         return found
-    try:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-    except ImportError:
-        return None
-    return "ZeRO-1" if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    return "ZeRO-1" if zero_redundancy(optimizer) else None

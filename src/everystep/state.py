@@ -9,6 +9,7 @@ from __future__ import annotations
 import array
 import copy
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,11 +32,16 @@ __all__ = [
 def zero_redundancy(optimizer: Any) -> bool:
     """Whether ``optimizer`` is a ZeroRedundancyOptimizer (ZeRO-1: each rank holds the state of its
     partition of the parameters, in its local optimizer ``optimizer.optim``)."""
-    try:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-    except ImportError:  # a torch built without distributed support
-        return False
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
+    # Not imported here: importing torch.distributed.optim compiles TorchScript (deprecation warnings in
+    # every process); where it is not imported, no optimizer is one of its classes.
+    module = sys.modules.get("torch.distributed.optim")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that updates this rank's parameters: ``optimizer``, or a ZeroRedundancyOptimizer's
+    local one (over its partition; its param groups are the global ones, in order)."""
+    return optimizer.optim if zero_redundancy(optimizer) else optimizer
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

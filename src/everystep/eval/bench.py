@@ -9,6 +9,7 @@ minus one; the reported figure is the median over repeats.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
@@ -136,8 +137,16 @@ def _zygote(entry: str) -> Zygote | None:
         found = start_ranks(entry)
         if found is None:
             return None
+        if not _ZYGOTES:
+            atexit.register(_close_zygotes)
         _ZYGOTES[entry] = found
     return found
+
+
+def _close_zygotes() -> None:
+    """At exit: end the processes runs are forked from (they would end with this one, unwaited for)."""
+    while _ZYGOTES:
+        _ZYGOTES.popitem()[1].close()
 
 
 def measure_run(spec: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from ..policy.parts import MAX_PARTS, PartSplit, Unit, choose_parts
 from ..parallelism import DTENSOR_LAYOUTS
 from ..recovery import Recovered, recover
 from ..replay import optimizer_like, replay_step
-from ..state import group_scalars
+from ..state import group_scalars, local_optimizer
 from ..storage.base import Manifest, malformed
 from ..storage.full import write_full
 from ..spread import SPREAD_KIND, bring_forward, read_spread, write_spread
@@ -47,10 +47,7 @@ __all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig"]
 
 class GoCkpt(Strategy):
     name: ClassVar[str] = "gockpt"
-    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS
-    sharded_refusal: ClassVar[str] = (
-        "it brings each part forward with the optimizer's state of its parameters, which ZeRO-1 keeps on another "
-        "rank for all but this rank's partition")
+    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS | {"ZeRO-1"}
     other_world_size: ClassVar[bool] = True
     Config = GoCkptConfig
     config: GoCkptConfig
@@ -71,7 +68,8 @@ class GoCkpt(Strategy):
     # -- set-up --------------------------------------------------------------------------------
 
     def _attach(self) -> None:
-        optimizer = self.ctx.components.optimizer
+        optimizer = self._optimizer = local_optimizer(self.ctx.components.optimizer)
+        """The optimizer whose state the parts hold (ZeRO-1's: this rank's local one, over its partition)."""
         if not isinstance(optimizer, ELEMENTWISE) or type(optimizer).__module__.split(".")[0] != "torch":
             names = ", ".join(c.__name__ for c in ELEMENTWISE)
             raise ConfigError(f"strategy {self.name!r} brings each part of a parameter forward on its own, which needs "
@@ -193,8 +191,13 @@ class GoCkpt(Strategy):
         self._copy_part(self._spread, 0)
 
     def _find_params(self, tensors: dict[str, torch.Tensor]) -> list[Param]:
+        """The parameters this rank brings forward: every one, or under ZeRO-1 its partition's (the
+        others it copies whole when the checkpoint ends, with the rest of the state)."""
         params = []
+        updated = {id(p) for g in self._optimizer.param_groups for p in g["params"]}
         for found in self.ctx.optimizer_keys(tensors):
+            if id(found.param) not in updated:
+                continue
             p = local_shard(found.param)  # (of a DTensor, this rank's shard: the part it copies)
             if found.key is None:
                 raise EverystepError(f"optimizer parameter {found.index} is not among the model's tensors: strategy "
@@ -222,7 +225,7 @@ class GoCkpt(Strategy):
     def _copy_chunks(self, spread: Spread, index: int, ready: Any) -> None:
         """Copier thread: part ``index`` from the live state (on CUDA, once the training stream has
         reached ``ready``), then (host) the optimizers that bring it forward."""
-        optimizer = self.ctx.components.optimizer
+        optimizer = self._optimizer
         first = sum(len(part) for part in spread.plan.parts[:index])
         chunks = []
         with torch.no_grad(), self._copy_stream(ready):
@@ -255,7 +258,7 @@ class GoCkpt(Strategy):
                                                                                list[Chunk]]]:
         """The chunks split over the threads by size, each share with an optimizer of the live one's
         class and groups whose state is the chunks'."""
-        optimizer = self.ctx.components.optimizer
+        optimizer = self._optimizer
         shares: list[list[Chunk]] = [[] for _ in range(min(len(chunks), len(self._appliers)))]
         loads = [0] * len(shares)
         for chunk in sorted(chunks, key=lambda c: c.start - c.stop):
