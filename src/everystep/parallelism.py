@@ -12,11 +12,13 @@ placements, the wrapper and optimizer classes), never from private attributes.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
 from .state import zero_redundancy
+from .tree import dtensor_class
 
 __all__ = ["sharded_layout", "shard_like", "LAYOUTS", "DTENSOR_LAYOUTS"]
 
@@ -44,10 +46,10 @@ def shard_like(local: torch.Tensor, like: Any) -> Any:
 def _dtensor_layout(model: torch.nn.Module) -> str | None:
     """FSDP2, HSDP, TP or FSDP+TP, from the placements of the model's DTensor parameters; None when
     it has none."""
-    try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-    except ImportError:  # a torch without DTensor has none of these layouts
-        return None
+    if dtensor_class() is None:
+        return None  # (DTensor's module not imported: no parameter is one)
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     fsdp = _fully_sharded(model)
     layouts = set()
     for p in model.parameters():
@@ -71,21 +73,15 @@ def _dtensor_layout(model: torch.nn.Module) -> str | None:
 
 def _fully_sharded(model: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to the model or one of its modules (FSDP2)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)  # (not imported: none is one)
+    return module is not None and any(isinstance(m, module) for m in model.modules())
 
 
 def sharded_layout(model: torch.nn.Module, optimizer: Any) -> str | None:
     """The sharded layout of a job's model and optimizer (one of :data:`LAYOUTS`), or None when its
     state is replicated (one process, DistributedDataParallel)."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        FullyShardedDataParallel = None  # noqa: N806
-    if FullyShardedDataParallel is not None and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # (not imported: no module is one)
+    if fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules()):
         return "FSDP1"
     found = _dtensor_layout(model)  # (DistributedDataParallel's modules and parameters are its module's)
     if found is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from typing import Any
 
 import torch
@@ -20,15 +21,16 @@ import torch
 __all__ = ["flatten", "unflatten", "check_skeleton", "state_hash", "state_error", "storage_key", "local_shard",
            "union_optimizer_state", "OPTIMIZER_STATE", "MAX_DEPTH"]
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed support has no sharded tensors
-    DTensor = None  # type: ignore[assignment,misc]
+def dtensor_class() -> type | None:
+    """DTensor, where ``torch.distributed.tensor`` is imported; None where it is not (then no tensor is
+    one: importing it costs half a second, which a process that shards nothing does not pay)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of ``t``: its local shard where ``t`` is a DTensor, else ``t`` itself."""
-    if DTensor is not None and isinstance(t, DTensor):
+    if type(t) is not torch.Tensor and (dtensor := dtensor_class()) is not None and isinstance(t, dtensor):
         with torch.no_grad():
             return t.to_local()
     return t
@@ -64,9 +66,10 @@ def flatten(tree: Any, prefix: str = "", *, sharded: dict[str, torch.Tensor] | N
     """
     tensors: dict[str, torch.Tensor] = {}
     by_ptr: dict[int, list[tuple[tuple[Any, ...] | None, str]]] = {}
+    dtensor = dtensor_class()
 
     def tensor(node: torch.Tensor, path: str) -> dict[str, str]:
-        if type(node) is not torch.Tensor and DTensor is not None and isinstance(node, DTensor):
+        if type(node) is not torch.Tensor and dtensor is not None and isinstance(node, dtensor):
             if sharded is None:
                 raise TypeError(f"state entry {path!r} is a DTensor (a shard of a sharded tensor), which this "
                                 "state does not store")

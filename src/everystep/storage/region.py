@@ -135,9 +135,10 @@ class RegionStore:
         a writer makes such a file anew only when told to (``remake``), never on its own."""
         path = Path(path)
         folder = untrusted_folder(path.parent)
-        if folder is not None and access != "read" and not os.path.lexists(path.parent):
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            folder = untrusted_folder(path.parent)
+        if folder is not None and access != "read":
+            if not os.path.lexists(path.parent):
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder = untrusted_folder(path.parent)  # made here, or by another rank (the ranks share it) meanwhile
         if folder is not None:
             raise UntrustedRegionError(f"the region's folder {path.parent} cannot be trusted: {folder}; "
                                        "give region= a folder of your own (or /dev/shm)")
