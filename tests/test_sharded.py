@@ -1,6 +1,8 @@
 """Sharded training (FSDP2, HSDP, tensor parallel, FSDP+TP, ZeRO-1): real ranks on loopback (gloo), each
-layout told apart from the objects themselves, and every strategy that does not checkpoint a layout
-refusing it before anything is written, its message naming the strategy and the layout."""
+layout told apart from the objects themselves; every strategy that does not checkpoint a layout
+refusing it before anything is written, its message naming the strategy and the layout; the ones
+that do, killed and restarted, recovering bitwise; and checkpoints loaded at another world size or
+layout, every tensor gathered on both sides bitwise equal."""
 
 from __future__ import annotations
 
