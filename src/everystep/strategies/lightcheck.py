@@ -230,11 +230,13 @@ class LightCheck(Strategy):
             return found
         t0 = time.perf_counter()
         complete = self.region.slots(warn=False)
+        shapes = {k: tuple(t.shape) for k, t in self.ctx.flatten_state(0)[0].items()}
         live = self.ctx.live_shards()
         for slot, tensors, meta in self.region.verified(copy=True):
-            if live and not _as_shards(tensors, live):
-                warnings.warn(f"skipping the region's slot of step {slot.step}: its shards are not this rank's "
-                              "(written under another layout)", stacklevel=3)
+            if any(shapes.get(k, tuple(t.shape)) != tuple(t.shape) for k, t in tensors.items()) or \
+                    (live and not _as_shards(tensors, live)):
+                warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
+                              "(written under another layout or world size)", stacklevel=3)
                 continue
             found[slot.step] = Recovered(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region",
                                          manifest=None, seconds=time.perf_counter() - t0)
