@@ -42,7 +42,7 @@ from .recovery import Recovered
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
 from .storage.directory import CheckpointDirectory
-from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, create
+from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, create, sharded_refusal
 
 __all__ = ["Checkpointer"]
 
@@ -54,14 +54,11 @@ def _refuse_sharded(strategy: Strategy, layout: str | None, full_format: str | N
     if layout is None:
         return full_format
     if layout not in strategy.sharded_layouts:
-        able = sorted(n for n, cls in STRATEGIES.items() if layout in cls.sharded_layouts)
+        why, able = sharded_refusal(strategy, layout)
         instead = (f"use one of the strategies {', '.join(able)}, or " if able else "") + \
             "checkpoint this job with torch.distributed.checkpoint (dcp.save of " \
             "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)), or train with " \
             "DistributedDataParallel"
-        why = strategy.sharded_refusal or (
-            f"it captures the state of data parallelism, where every rank holds the whole model and optimizer "
-            f"state, and each {layout} rank holds only its shards")
         raise ConfigError(f"strategy {strategy.name!r} cannot checkpoint a job sharded with {layout}: {why}; nothing "
                           f"was written — {instead}")
     if layout not in DTENSOR_LAYOUTS:

@@ -20,7 +20,7 @@ import torch
 from .state import zero_redundancy
 from .tree import dtensor_class
 
-__all__ = ["sharded_layout", "shard_like", "LAYOUTS", "DTENSOR_LAYOUTS"]
+__all__ = ["sharded_layout", "shard_like", "LAYOUTS", "DTENSOR_LAYOUTS", "SHARDED_LAYOUTS"]
 
 LAYOUTS = ("FSDP2", "HSDP", "TP", "FSDP+TP", "FSDP1", "ZeRO-1")
 """The sharded layouts :func:`sharded_layout` tells apart."""
@@ -28,6 +28,10 @@ LAYOUTS = ("FSDP2", "HSDP", "TP", "FSDP+TP", "FSDP1", "ZeRO-1")
 DTENSOR_LAYOUTS = frozenset({"FSDP2", "HSDP", "TP", "FSDP+TP"})
 """The layouts whose sharded state is DTensors: each rank's shards, and where they lie in the whole,
 are read from the tensors themselves."""
+
+SHARDED_LAYOUTS = DTENSOR_LAYOUTS | {"ZeRO-1"}
+"""The layouts whose ranks' shards a strategy that writes each rank's state as it is checkpoints (all
+but FSDP1): DTensors, and ZeRO-1's optimizer partitions."""
 
 
 def shard_like(local: torch.Tensor, like: Any) -> Any:

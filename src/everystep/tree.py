@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 __all__ = ["flatten", "unflatten", "check_skeleton", "state_hash", "state_error", "storage_key", "local_shard",
-           "union_optimizer_state", "OPTIMIZER_STATE", "MAX_DEPTH"]
+           "union_optimizer_state", "dtensor_class", "OPTIMIZER_STATE", "MAX_DEPTH"]
+
 
 def dtensor_class() -> type | None:
     """DTensor, where ``torch.distributed.tensor`` is imported; None where it is not (then no tensor is
@@ -29,11 +30,13 @@ def dtensor_class() -> type | None:
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``t``: its local shard where ``t`` is a DTensor, else ``t`` itself."""
+    """What this rank holds of ``t``: its local shard where ``t`` is a DTensor, else ``t`` itself
+    (``None`` too: a gradient not there)."""
     if type(t) is not torch.Tensor and (dtensor := dtensor_class()) is not None and isinstance(t, dtensor):
         with torch.no_grad():
             return t.to_local()
     return t
+
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"

@@ -8,8 +8,9 @@ from typing import Any
 
 from ..compress import parse_spec
 from ..errors import ConfigError
-from ..strategies import STRATEGIES, create
-from .workloads import OPTIMIZERS, PARALLEL, WORKLOADS, check_device
+from ..parallelism import DTENSOR_LAYOUTS
+from ..strategies import STRATEGIES, create, sharded_refusal
+from .workloads import LAYOUT_OF, OPTIMIZERS, PARALLEL, WORKLOADS, check_device
 
 __all__ = ["TrainConfig", "usable_cores"]
 
@@ -74,7 +75,7 @@ class TrainConfig:
         if self.parallel not in PARALLEL:
             raise ConfigError(f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         if self.full_format is None:
-            self.full_format = "safetensors" if self.parallel in ("ddp", "zero1") else "dcp"
+            self.full_format = "dcp" if LAYOUT_OF[self.parallel] in DTENSOR_LAYOUTS else "safetensors"
         if self.full_format not in ("safetensors", "dcp"):
             raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
         if self.parallel != "ddp":
@@ -111,20 +112,19 @@ class TrainConfig:
 
 
     def _check_sharded(self) -> None:
-        """What FSDP2 shards cannot go with: everystep's own format, compression, updates in backward, a
-        strategy that does not checkpoint shards."""
-        flag = f"--parallel {self.parallel}"
-        if self.full_format != "dcp" and self.parallel != "zero1":
+        """What a sharded layout cannot go with: everystep's own format (under DTensors), compression,
+        updates in backward, a strategy that does not checkpoint its shards."""
+        flag, layout = f"--parallel {self.parallel}", LAYOUT_OF[self.parallel]
+        if self.full_format != "dcp" and layout in DTENSOR_LAYOUTS:
             raise ConfigError(f"{flag} writes full checkpoints in DCP's format: drop --full-format safetensors")
         if self.compress is not None or self.in_backward:
             raise ConfigError(f"{flag} takes no --compress and no --in-backward (each is built on a "
                               "DistributedDataParallel replica's whole gradients and optimizer)")
-        layout = {"fsdp": "FSDP2", "hsdp": "HSDP", "zero1": "ZeRO-1"}[self.parallel]
         strategy = STRATEGIES[self.strategy]
         if layout not in strategy.sharded_layouts:
-            able = ", ".join(sorted(n for n, cls in STRATEGIES.items() if layout in cls.sharded_layouts))
-            why = f" ({strategy.sharded_refusal})" if strategy.sharded_refusal else ""
-            raise ConfigError(f"--strategy {self.strategy} does not checkpoint {layout} shards{why}: use one of {able}")
+            why, able = sharded_refusal(strategy, layout)
+            raise ConfigError(f"--strategy {self.strategy} does not checkpoint {layout} shards ({why}): use one of "
+                              f"{', '.join(able)}")
 
 
 def usable_cores() -> int:

@@ -274,10 +274,13 @@ def resolve_device(name: str, *, rank: int = 0, world: int = 1) -> torch.device:
     return torch.device("cuda", local)
 
 
-PARALLEL = ("ddp", "fsdp", "hsdp", "zero1")
-"""How a workload's ranks hold its state: DistributedDataParallel replicas, FSDP2 shards, HSDP (two
-replicas, each sharded over half the ranks), or ZeRO-1 (DDP replicas whose optimizer state is
-partitioned over the ranks by a ZeroRedundancyOptimizer)."""
+LAYOUT_OF: dict[str, str | None] = {"ddp": None, "fsdp": "FSDP2", "hsdp": "HSDP", "zero1": "ZeRO-1"}
+"""How a workload's ranks hold its state, by ``parallel``: DistributedDataParallel replicas, FSDP2
+shards, HSDP (two replicas, each sharded over half the ranks), or ZeRO-1 (DDP replicas whose
+optimizer state is partitioned over the ranks by a ZeroRedundancyOptimizer); the sharded layout it
+is (:data:`everystep.parallelism.LAYOUTS`), None for replicas."""
+
+PARALLEL = tuple(LAYOUT_OF)
 
 
 def fully_shard_model(model: nn.Module, device_type: str, *, hsdp: bool = False) -> nn.Module:

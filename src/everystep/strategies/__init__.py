@@ -17,10 +17,19 @@ from .lightcheck import LightCheck
 from .naive_diff import NaiveDiff
 from .none import NoCheckpoint
 
-__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff", "LightCheck", "AsyncSnapshot", "GoCkpt", "GoCkptO", "Checkflow"]
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff", "LightCheck", "AsyncSnapshot", "GoCkpt", "GoCkptO", "Checkflow", "sharded_refusal"]
 
 STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq, AsyncSnapshot, LowDiff, LowDiffPlus,
                                                       NaiveDiff, LightCheck, GoCkpt, GoCkptO, Checkflow)}
+
+
+def sharded_refusal(strategy: Strategy | type[Strategy], layout: str) -> tuple[str, list[str]]:
+    """Why ``strategy`` does not checkpoint a job sharded with ``layout``, and the strategies that do
+    (``none``, which takes any job, checkpoints nothing)."""
+    why = strategy.sharded_refusal or (
+        f"it captures the state of data parallelism, where every rank holds the whole model and optimizer state, "
+        f"and each {layout} rank holds only its shards")
+    return why, sorted(n for n, cls in STRATEGIES.items() if layout in cls.sharded_layouts and cls.needs_store)
 
 
 def create(name: str, **options: Any) -> Strategy:

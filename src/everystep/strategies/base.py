@@ -178,12 +178,14 @@ class LiveShards(Mapping[str, torch.Tensor]):
     make their state at the first step, after a restore) is placed as its parameter is, where the
     parameter is a DTensor: ``/optimizer/state/<i>/<name>`` as the i-th parameter over the groups, the
     index ``optimizer.state_dict()`` gives it. A reader places an entry so only where its shape is
-    the parameter's (``exp_avg``, not a step counter)."""
+    the parameter's (``exp_avg``, not a step counter). :attr:`shapes`: the shape of each tensor of
+    the live flat state (of a DTensor, its local shard's)."""
 
     _STATE = re.compile(r"/optimizer/state/(\d+)/[^/]+")
 
-    def __init__(self, live: dict[str, torch.Tensor], params: list[torch.Tensor]) -> None:
-        self._live, self._params = live, params
+    def __init__(self, live: dict[str, torch.Tensor], params: list[torch.Tensor],
+                 shapes: dict[str, tuple[int, ...]]) -> None:
+        self._live, self._params, self.shapes = live, params, shapes
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self._live:
@@ -248,9 +250,9 @@ class StrategyContext:
     def live_shards(self) -> "LiveShards":
         """The live DTensors of the state by key (a sharded job's checkpoint is read as their shards),
         including the optimizer state that does not exist yet (:class:`LiveShards`)."""
-        self.flatten_state(0)
+        tensors, _ = self.flatten_state(0)
         params = [p for group in self.components.optimizer.param_groups for p in group["params"]]
-        return LiveShards(dict(self._sharded), params)
+        return LiveShards(dict(self._sharded), params, {k: tuple(t.shape) for k, t in tensors.items()})
 
     @property
     def full_format(self) -> str:

@@ -23,7 +23,7 @@ from ..agent.writer import WriterProcess
 from ..background import Worker, settled
 from ..errors import ConfigError
 from ..layout import TensorLayout
-from ..parallelism import DTENSOR_LAYOUTS
+from ..parallelism import SHARDED_LAYOUTS
 from ..storage.full import write_full
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
@@ -65,7 +65,7 @@ class CheckFreq(Strategy):
     name: ClassVar[str] = "checkfreq"
     other_world_size: ClassVar[bool] = True
     layer_updates: ClassVar[bool] = True
-    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS | {"ZeRO-1"}
+    sharded_layouts: ClassVar[frozenset[str]] = SHARDED_LAYOUTS
     Config = CheckFreqConfig
     config: CheckFreqConfig
     overlap: ClassVar[bool] = True

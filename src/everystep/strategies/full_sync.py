@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..parallelism import DTENSOR_LAYOUTS
+from ..parallelism import SHARDED_LAYOUTS
 from .base import Strategy
 
 __all__ = ["FullSync"]
@@ -17,7 +17,7 @@ class FullSync(Strategy):
     name: ClassVar[str] = "full_sync"
     other_world_size: ClassVar[bool] = True
     layer_updates: ClassVar[bool] = True
-    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS | {"ZeRO-1"}
+    sharded_layouts: ClassVar[frozenset[str]] = SHARDED_LAYOUTS
 
     def _on_state_ready(self, step: int, final: bool) -> None:
         if not self._due(step, final):

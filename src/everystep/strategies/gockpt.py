@@ -30,7 +30,7 @@ from ..background import Worker, settled
 from ..errors import ConfigError, CorruptCheckpointError, EverystepError, NoValidCheckpointError
 from ..policy.interval import due
 from ..policy.parts import MAX_PARTS, PartSplit, Unit, choose_parts
-from ..parallelism import DTENSOR_LAYOUTS
+from ..parallelism import SHARDED_LAYOUTS
 from ..recovery import Recovered, recover
 from ..replay import optimizer_like, replay_step
 from ..state import group_scalars, local_optimizer
@@ -47,7 +47,7 @@ __all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig"]
 
 class GoCkpt(Strategy):
     name: ClassVar[str] = "gockpt"
-    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS | {"ZeRO-1"}
+    sharded_layouts: ClassVar[frozenset[str]] = SHARDED_LAYOUTS
     other_world_size: ClassVar[bool] = True
     Config = GoCkptConfig
     config: GoCkptConfig
@@ -144,7 +144,7 @@ class GoCkpt(Strategy):
         groups = group_scalars(self.ctx.components.optimizer)
         needed = {c.param for part in spread.copied[:j] for c in part}
         grads = {i: (g, g._version if g is not None else 0) for i in needed
-                 for g in (local_shard(spread.params[i].tensor.grad) if spread.params[i].tensor.grad is not None else None,)}
+                 for g in (local_shard(spread.params[i].tensor.grad),)}
         ready = self._event()
         if self.overlap_gradients:
             spread.gradient_copies.append(self._copier.submit(f"copy of the gradients of step {step}",

@@ -48,8 +48,8 @@ from ..errors import ConfigError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
 from ..recovery import Recovered, recover
-from ..state import bare_module, zero_redundancy
-from ..parallelism import DTENSOR_LAYOUTS, shard_like
+from ..state import bare_module, local_optimizer
+from ..parallelism import SHARDED_LAYOUTS, shard_like
 from ..tree import flatten, local_shard, unflatten
 from ..storage.region import RegionStore, UnreadableRegionError
 from ..storage.region_map import RegionLayout, SlotWriter
@@ -161,7 +161,7 @@ class _CopyOrder:
 
 class LightCheck(Strategy):
     name: ClassVar[str] = "lightcheck"
-    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS | {"ZeRO-1"}
+    sharded_layouts: ClassVar[frozenset[str]] = SHARDED_LAYOUTS
     layer_updates: ClassVar[bool] = True
     Config = LightCheckConfig
     config: LightCheckConfig
@@ -230,14 +230,13 @@ class LightCheck(Strategy):
             return found
         t0 = time.perf_counter()
         complete = self.region.slots(warn=False)
-        shapes = {k: tuple(t.shape) for k, t in self.ctx.flatten_state(0)[0].items()}
         live = self.ctx.live_shards()
         for slot, tensors, meta in self.region.verified(copy=True):
-            if any(shapes.get(k, tuple(t.shape)) != tuple(t.shape) for k, t in tensors.items()) or \
-                    (live and not _as_shards(tensors, live)):
+            if any(live.shapes.get(k, tuple(t.shape)) != tuple(t.shape) for k, t in tensors.items()):
                 warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
                               "(written under another layout or world size)", stacklevel=3)
                 continue
+            _as_shards(tensors, live)
             found[slot.step] = Recovered(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region",
                                          manifest=None, seconds=time.perf_counter() - t0)
             if not every:
@@ -320,7 +319,7 @@ class LightCheck(Strategy):
         owner = {p: name.rpartition(".")[0] or name for name, p in module.named_parameters()}
         unit_of: dict[int, str] = {}
         layers: list[str] = []
-        states = optimizer.optim.state if zero_redundancy(optimizer) else optimizer.state  # ZeRO-1: this rank's
+        states = local_optimizer(optimizer).state  # (ZeRO-1: this rank's partition's)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 layer = owner.get(p, f"param{len(unit_of)}")
@@ -492,20 +491,13 @@ class LightCheck(Strategy):
             self.region.close()
 
 
-def _as_shards(tensors: dict[str, torch.Tensor], live: Any) -> bool:
+def _as_shards(tensors: dict[str, torch.Tensor], live: Any) -> None:
     """Make each of a slot's tensors that is this rank's shard of a live DTensor (``live``: a
-    :class:`~everystep.strategies.base.LiveShards`) a DTensor placed as the live one, in place; False
-    where a slot's tensor has not the live shard's shape (a slot written under another layout).
-    An optimizer state the live optimizer has not made yet is a shard where it has its parameter's
-    local shape (``exp_avg``; not a step counter)."""
+    :class:`~everystep.strategies.base.LiveShards`; the slot's shapes are the live state's) a DTensor
+    placed as the live one, in place. An optimizer state the live optimizer has not made yet is a
+    shard where it has its parameter's local shape (``exp_avg``; not a step counter)."""
     for key, t in list(tensors.items()):
         like = live.get(key)
-        if like is None:
-            continue
-        mine = tuple(local_shard(like).shape)
-        if tuple(t.shape) == mine and (t.dim() or live.holds(key)):
+        if like is not None and tuple(t.shape) == tuple(local_shard(like).shape) and (t.dim() or live.holds(key)):
             tensors[key] = shard_like(t, like)
-        elif live.holds(key):
-            return False
-    return True
 
