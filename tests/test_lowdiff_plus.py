@@ -23,7 +23,7 @@ from everystep.agent.client import AgentLink
 from everystep.agent.session import AgentSession
 from everystep.background import BackgroundErrors
 from everystep.distributed import Ranks
-from everystep.errors import BackgroundWriteError
+from everystep.errors import BackgroundWriteError, ConfigError, StateMismatchError
 from everystep.eval.summary import summarise
 from everystep.eval.train import WORKER, Journal, TrainConfig, run, training_state_hash, worker_argv
 from everystep.eval.zygote import Zygote
@@ -355,6 +355,36 @@ def test_an_exception_in_the_with_block_leaves_the_agent_for_the_restart(tmp_pat
     _assert_stored(tmp_path / "c", again, 5)
 
 
+def test_a_replica_of_another_model_or_layout_is_not_taken(tmp_path):
+    # The agent says what its replica fits (the model's keys, each shard's shape and place in the
+    # whole); a process whose state is laid out otherwise (another sharding at the same world size,
+    # or another model) ends that agent and goes to storage, where the mismatch is named.
+    w = build("mlp", seed=0, optimizer="adamw")
+    with pytest.raises(RuntimeError, match="a peer died"):
+        with _attach(w, tmp_path / "c", every=100) as ckpt:
+            ckpt.restore()
+            _train(w, 3)
+            pid = _agent_pid(tmp_path / "c")
+            raise RuntimeError("a peer died")
+    other = build("mlp", seed=0, optimizer="adamw")
+    other.model.extra = torch.nn.Linear(2, 2)  # one more layer: keys the replica does not have
+    other.optimizer.add_param_group({"params": list(other.model.extra.parameters())})
+    with pytest.warns(RuntimeWarning, match="holds the state of another layout"):
+        with pytest.raises(StateMismatchError):
+            _attach(other, tmp_path / "c", every=100).restore()
+    assert _gone_within(pid, 30)
+
+
+def test_full_checkpoints_in_dcp_format_are_refused_naming_why(tmp_path):
+    w = build("mlp", seed=0, optimizer="adamw")
+    with pytest.raises(ConfigError, match="strategy 'lowdiff_plus' writes full checkpoints in 'safetensors' format, not "
+                                          "full_format='dcp': its checkpoint agent"):
+        _attach(w, tmp_path / "c", full_format="dcp")
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ConfigError, match="--strategy lowdiff_plus writes no --full-format dcp"):
+        TrainConfig(workload="mlp", strategy="lowdiff_plus", directory=str(tmp_path / "c"), full_format="dcp")
+
+
 def test_hanging_up_closes_the_descriptor_only_after_the_reader_has_ended():
     # A descriptor closed while the reader thread may still read it can be given to the next
     # connection this process opens (a restarted Checkpointer's), whose messages the old reader
@@ -383,7 +413,8 @@ def test_a_release_that_arrives_while_the_first_update_waits_ends_the_wait():
     waits: list[float] = []
     components = types.SimpleNamespace(optimizer=types.SimpleNamespace(param_groups=[]))
     s = AgentSession(None, Ranks(), components, types.SimpleNamespace(waited=waits.append),  # type: ignore[arg-type]
-                     BackgroundErrors(), timeout=5.0, slots=2, keep=2, verify_sample=0)
+                     BackgroundErrors(), timeout=5.0, slots=2, keep=2, verify_sample=0,
+                     shards=types.SimpleNamespace())  # type: ignore[arg-type]
     s.link, s._handover = object(), threading.Event()  # type: ignore[assignment]
     threading.Timer(0.2, s._on_released, args=({"kind": "released", "step": 2},)).start()
     t0 = time.monotonic()

@@ -145,6 +145,7 @@ def fsdp_reference() -> dict:
     ("checkflow", "hardware", (3, 9), {}),
     ("gockpt", "software", (5, 9), {"every": 2, "options": {"parts": 2, "chunk_bytes": 4096}}),
     ("gockpt_o", "hardware", (6, 10), {"every": 3, "options": {"parts": 2, "chunk_bytes": 4096}}),
+    ("lowdiff_plus", "software", (4, 7), {"every": 3}),
 ])
 def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_reference, strategy, mode, fail_at, extra):
     # The rank killed and the instant in its step (start, forward, backward, update, mid-write) are
@@ -153,7 +154,9 @@ def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_referen
     summary = run(TrainConfig(strategy=strategy, directory=str(tmp_path / strategy), fail_at=fail_at, fail_mode=mode,
                               **extra, **FSDP_JOB))
     assert [r["failed_at"] for r in summary["recoveries"]] == list(fail_at)
-    if strategy == "lightcheck":  # each rank's region holds its shards; at most one done step lost
+    if strategy == "lowdiff_plus":  # each rank's agent holds its shards, brought forward by the gradient shards
+        assert [(r["source"], r["resumed_from"]) for r in summary["recoveries"]] == [("memory", 4), ("memory", 7)]
+    elif strategy == "lightcheck":  # each rank's region holds its shards; at most one done step lost
         assert [r["source"] for r in summary["recoveries"]] == ["region", "region"]
         assert all(r["resumed_from"] >= r["failed_at"] - 2 for r in summary["recoveries"])
         # One process without FSDP skips the regions (shards of another layout) for the final checkpoint
@@ -216,11 +219,14 @@ def hsdp_reference() -> dict:
     return run(TrainConfig(strategy="none", **HSDP_JOB))
 
 
-@pytest.mark.parametrize("strategy, options", [("checkfreq", {}), ("lightcheck", {"persist_every": 2})])
+@pytest.mark.parametrize("strategy, options", [("checkfreq", {}), ("lightcheck", {"persist_every": 2}),
+                                               ("lowdiff_plus", {})])
 def test_hsdp_on_four_ranks_killed_and_restarted_recovers_bitwise(tmp_path, hsdp_reference, strategy, options):
+    # Hardware failures: lowdiff_plus's agents die with their ranks, and recovery reads the full
+    # checkpoints they wrote, in everystep's format (each shard's rows split between its replicas).
     reference = hsdp_reference
     summary = run(TrainConfig(strategy=strategy, directory=str(tmp_path / "c"), fail_at=(3, 6), fail_mode="hardware",
-                              options=options, **HSDP_JOB))
+                              every=2 if strategy == "lowdiff_plus" else None, options=options, **HSDP_JOB))
     assert [r["failed_at"] for r in summary["recoveries"]] == [3, 6]
     assert summary["losses"] == reference["losses"]
     assert summary["rank_state_sha256"] == reference["rank_state_sha256"]
@@ -230,9 +236,10 @@ def test_hsdp_on_four_ranks_killed_and_restarted_recovers_bitwise(tmp_path, hsdp
     state = 3 * sum(p.numel() * p.element_size() for p in build("gpt2-tiny").model.parameters())  # AdamW: 3 copies
     store = CheckpointDirectory.open(tmp_path / "c", create=False, access="read")
     newest = max((r.manifest for r in store.catalog.manifests()), key=lambda m: m.step)
-    data = [sum(i.nbytes for n, i in newest.objects.items() if n.startswith(f"dcp/__{r}_")) for r in range(4)]
+    data = [sum(i.nbytes for n, i in newest.objects.items() if n.startswith((f"dcp/__{r}_", f"tensors-r{r}")))
+            for r in range(4)]
     store.close()
-    assert state <= sum(data) < 1.5 * state, (data, state)  # once (DCP adds about 1.5 kB per tensor), not twice
+    assert state <= sum(data) < 1.5 * state, (data, state)  # once (headers: about 1.5 kB per tensor), not twice
     assert all(abs(b / sum(data) - 0.25) <= 0.02 for b in data), data
 
 
@@ -296,8 +303,8 @@ def step(i):
     opt.step(); opt.zero_grad()
 
 
-# Moving between DTensor layouts and others needs DCP's format: a sharded job's default, which a
-# replicated job is given; a reader takes the directory's.
+# Either format moves between layouts: DCP's (a sharded job's default), through DCP; everystep's own,
+# through the boxes of the whole tensor its parts hold. A reader takes the directory's.
 with Checkpointer(root, net, opt, strategy="full_sync", every=100, full_format=None if fmt == "any" else fmt) as ckpt:
     start = ckpt.restore()
     if write:
@@ -361,7 +368,11 @@ def written(tmp_path_factory):
     (("ddp", 2), ("fsdp", 2)),
     (("fsdp+tp", 4), ("fsdp", 2)),  # TP's shards by column and by row, into FSDP2's by row
     (("zero", 2, "safetensors"), ("zero", 3)),  # ZeRO-1's optimizer state: each rank's partition, by that rank
-])
+    # everystep's own format: each rank's shards as boxes of the whole, cut to another rank's at load
+    (("fsdp", 2, "safetensors"), ("fsdp", 4)),
+    (("fsdp+tp", 4, "safetensors"), ("single", 1)),
+    (("ddp", 2, "safetensors"), ("fsdp", 2)),
+], ids=lambda v: "-".join(map(str, v)))
 def test_a_checkpoint_loads_bitwise_at_another_world_size_and_layout(tmp_path, written, writer, reader):
     import shutil
 
@@ -372,3 +383,20 @@ def test_a_checkpoint_loads_bitwise_at_another_world_size_and_layout(tmp_path, w
     assert loaded["start"] == 3
     assert loaded["hash"] == saved["written"]  # every tensor, gathered on both sides, bitwise
     assert loaded["loss_finite"]
+
+
+@pytest.mark.parametrize("boxes, why", [
+    ([[[0, 0], [2, 3], [4, 3]], [[1, 0], [3, 3], [4, 3]]], "overlap"),
+    ([[[0, 0], [2, 3], [4, 3]], [[3, 0], [1, 3], [4, 3]]], "do not cover"),
+    ([[[0, 0], [2, 3], [4, 3]], [[2, 0], [3, 3], [4, 3]]], "inside the shape"),
+    ([[[0, 0], [2, 3], [4, 3]], [[2, 0], [2, 3], [5, 3]]], "two shapes"),
+    ([[[0], [2, 3], [4, 3]], [[2, 0], [2, 3], [4, 3]]], "inside the shape"),
+])
+def test_boxes_that_do_not_tile_their_tensor_once_are_refused_before_anything_is_read(boxes, why):
+    from everystep.storage.sharded import _check_parts
+
+    good = [{"pieces": {}, "boxes": {"/model/w": [[0, 0], [2, 3], [4, 3]]}, "meta": {}},
+            {"pieces": {}, "boxes": {"/model/w": [[2, 0], [2, 3], [4, 3]]}, "meta": {}}]
+    assert _check_parts(good) == good
+    with pytest.raises(ValueError, match=why):
+        _check_parts([{"pieces": {}, "boxes": {"/model/w": box}, "meta": {}} for box in boxes])

@@ -37,23 +37,23 @@ from .errors import (
     UnclosedCheckpointerWarning,
 )
 from .optim import OptimizerInBackward
-from .parallelism import DTENSOR_LAYOUTS, sharded_layout
+from .parallelism import sharded_layout
 from .recovery import Recovered
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
 from .storage.directory import CheckpointDirectory
-from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, create, sharded_refusal
+from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, create, default_full_format, sharded_refusal
 
 __all__ = ["Checkpointer"]
 
 
-def _refuse_sharded(strategy: Strategy, layout: str | None, full_format: str | None) -> str | None:
-    """Refuse a job whose state is sharded in a layout the strategy does not checkpoint, before anything
-    is written; the full-checkpoint format to ask the directory for (None: the one it has, or
-    everystep's own for a new one). A job of DTensors' is DCP's, which reshards them at load."""
-    if layout is None:
-        return full_format
-    if layout not in strategy.sharded_layouts:
+def _refuse(strategy: Strategy, layout: str | None, full_format: str | None) -> None:
+    """Refuse a job whose state is sharded in a layout the strategy does not checkpoint, or a format
+    the strategy does not write, before anything is written."""
+    if full_format is not None and full_format not in strategy.full_formats:
+        raise ConfigError(f"strategy {strategy.name!r} writes full checkpoints in {' or '.join(map(repr, strategy.full_formats))} "
+                          f"format, not full_format={full_format!r}: {strategy.full_formats_reason}")
+    if layout is not None and layout not in strategy.sharded_layouts:
         why, able = sharded_refusal(strategy, layout)
         instead = (f"use one of the strategies {', '.join(able)}, or " if able else "") + \
             "checkpoint this job with torch.distributed.checkpoint (dcp.save of " \
@@ -61,13 +61,6 @@ def _refuse_sharded(strategy: Strategy, layout: str | None, full_format: str | N
             "DistributedDataParallel"
         raise ConfigError(f"strategy {strategy.name!r} cannot checkpoint a job sharded with {layout}: {why}; nothing "
                           f"was written — {instead}")
-    if layout not in DTENSOR_LAYOUTS:
-        return full_format  # ZeRO-1: replicated parameters, and each rank's optimizer state, in either format
-    if full_format == "safetensors":
-        raise ConfigError(f"full_format='safetensors' cannot hold a job sharded with {layout}: its full checkpoints "
-                          "are written in DCP's format (full_format='dcp', the default under sharding), which loads "
-                          "them at another world size or layout")
-    return "dcp"
 
 
 def _check_arguments(*, model: Any, optimizer: Any, final: Any, deadline: Any, k1: Any, k2: Any, stop_signals: Any,
@@ -116,10 +109,11 @@ class Checkpointer:
             notice such as ``signal.SIGTERM`` or ``signal.SIGUSR1``); handlers are installed
             while the Checkpointer is open, and a second signal of a kind acts as before.
         full_format: ``"safetensors"`` (everystep's own) or ``"dcp"``: full checkpoints that plain
-            ``torch.distributed.checkpoint`` calls can load, and that load at another world size or
-            sharded layout (see :mod:`everystep.storage.dcp`). ``None`` (default): the format the
-            directory holds; for a new one, ``"dcp"`` under sharding (FSDP2, HSDP, TP, FSDP+TP),
-            where it is the only one, and ``"safetensors"`` otherwise.
+            ``torch.distributed.checkpoint`` calls can load (see :mod:`everystep.storage.dcp`).
+            ``None`` (default): the format the
+            directory holds; for a new one, ``"dcp"`` under sharding (FSDP2, HSDP, TP, FSDP+TP)
+            where the strategy writes it (all but ``lowdiff_plus``, whose agent writes everystep's
+            own), and ``"safetensors"`` otherwise. Both formats load at another world size or layout.
         store: an open :class:`~everystep.storage.CheckpointDirectory` to use instead of
             ``directory`` (the Checkpointer closes it, and keeps it as ``self.directory``); one
             opened with ``access="read"`` makes a reader, which restores and changes nothing.
@@ -171,7 +165,7 @@ class Checkpointer:
         self.strategy: Strategy = create(strategy, **given, **options) if isinstance(strategy, str) else strategy
         self.layout = sharded_layout(model, optimizer)
         """The job's sharded layout (:func:`everystep.parallelism.sharded_layout`), None where it is replicated."""
-        full_format = _refuse_sharded(self.strategy, self.layout, full_format)
+        _refuse(self.strategy, self.layout, full_format)
         if isinstance(optimizer, OptimizerInBackward):
             if not self.strategy.layer_updates:
                 able = ", ".join(sorted(n for n, cls in STRATEGIES.items() if cls.layer_updates))
@@ -193,13 +187,14 @@ class Checkpointer:
                 raise CheckpointDirectoryError(f"strategy {self.strategy.name!r} needs a checkpoint directory")
             store = CheckpointDirectory.open(directory, strategy=self.strategy.name, ranks=self.ranks,
                                              other_world=self.strategy.other_world_size,
-                                             extra={"full_format": full_format} if full_format else None)
+                                             extra={"full_format": full_format} if full_format else None,
+                                             new_full_format=default_full_format(self.strategy, self.layout))
         self.directory = store
-        if store is not None and self.layout in DTENSOR_LAYOUTS and store.full_format != "dcp":
+        if store is not None and self.strategy.needs_store and store.full_format not in self.strategy.full_formats:
             store.close()
-            raise ConfigError(f"{store.root} holds full checkpoints in everystep's own format, which a job sharded "
-                              f"with {self.layout} does not load: its full checkpoints are in DCP's format "
-                              "(full_format='dcp'); use another directory")
+            raise ConfigError(f"{store.root} holds full checkpoints in the {store.full_format!r} format, which strategy "
+                              f"{self.strategy.name!r} does not write ({self.strategy.full_formats_reason}); use "
+                              "another directory")
         try:
             self._attach(deadline, k1, k2, stop_signals, stagger)
         except BaseException:

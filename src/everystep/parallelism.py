@@ -12,15 +12,17 @@ placements, the wrapper and optimizer classes), never from private attributes.
 
 from __future__ import annotations
 
+import re
 import sys
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 
 from .state import zero_redundancy
 from .tree import dtensor_class
 
-__all__ = ["sharded_layout", "shard_like", "LAYOUTS", "DTENSOR_LAYOUTS", "SHARDED_LAYOUTS"]
+__all__ = ["sharded_layout", "shard_like", "shard_box", "ShardBox", "state_boxes", "LAYOUTS", "DTENSOR_LAYOUTS", "SHARDED_LAYOUTS"]
 
 LAYOUTS = ("FSDP2", "HSDP", "TP", "FSDP+TP", "FSDP1", "ZeRO-1")
 """The sharded layouts :func:`sharded_layout` tells apart."""
@@ -91,3 +93,51 @@ def sharded_layout(model: torch.nn.Module, optimizer: Any) -> str | None:
     if found is not None:
         return found
     return "ZeRO-1" if zero_redundancy(optimizer) else None
+
+
+
+class ShardBox(NamedTuple):
+    """Where a rank's shard of a DTensor lies in the whole, and who else holds it."""
+
+    offsets: list[int]
+    sizes: list[int]
+    shape: list[int]
+    """The whole tensor's."""
+    index: int
+    replicas: int
+    """This rank is the ``index``-th of ``replicas`` ranks that hold the same shard (the mesh's
+    Replicate dimensions: HSDP's first; 1 under FSDP2)."""
+
+
+def shard_box(dtensor: Any) -> ShardBox:
+    """The :class:`ShardBox` of this rank's shard of ``dtensor``, from the chunk DCP itself saves
+    for it (``__create_chunk_list__``) and the placements."""
+    (chunk,) = dtensor.__create_chunk_list__()
+    mesh = dtensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    index, replicas = 0, 1
+    for dim, placement in enumerate(dtensor.placements):
+        if placement.is_replicate():
+            index, replicas = index * mesh.size(dim) + coordinate[dim], replicas * mesh.size(dim)
+    return ShardBox([int(v) for v in chunk.offsets], [int(v) for v in chunk.sizes], [int(v) for v in dtensor.shape],
+                    index, replicas)
+
+
+_OPTIMIZER_STATE = re.compile(r"/optimizer/state/(\d+)/[^/]+")
+"""The key of an entry of the i-th parameter's optimizer state, in a flat state."""
+
+
+def state_boxes(boxes: Mapping[str, ShardBox], params: list[str], tensors: Mapping[str, torch.Tensor]
+                ) -> dict[str, ShardBox]:
+    """``boxes`` (of the model's shards by key) and, for each optimizer state entry of ``tensors``
+    shaped as its parameter's shard (``exp_avg``, not a step counter), its parameter's box
+    (``params``: the key of each parameter, in the optimizer's order)."""
+    found = dict(boxes)
+    for key, t in tensors.items():
+        entry = _OPTIMIZER_STATE.fullmatch(key)
+        if entry is None or key in found or int(entry[1]) >= len(params):
+            continue
+        box = boxes.get(params[int(entry[1])])
+        if box is not None and list(t.shape) == list(box.sizes):
+            found[key] = box
+    return found

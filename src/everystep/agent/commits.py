@@ -80,6 +80,7 @@ class PartCommits:
         info = ObjectInfo.from_json(part["info"]) if part is not None and part["info"] else None
         try:
             commit_written(self.directory.catalog, "full", kind="full", step=step, info=info, pieces=part["pieces"] if part else {},
+                           boxes=part["boxes"] if part else {},
                            meta={"writer": "agent"}, rank_meta=part["meta"] if part else {}, error=error)
         except (AgentLostError, PeerFailedError) as e:
             if isinstance(e, PeerFailedError) and set(e.failed.values()) != {AgentLostError.__name__}:

@@ -49,6 +49,7 @@ from ..distributed import Ranks
 from ..policy.interval import busy_interval, median_gap, persist_due
 from ..storage.full import persist_full
 from ..storage.directory import CheckpointDirectory
+from ..parallelism import ShardBox, state_boxes
 from ..storage.sharded import RankShare, write_part
 from ..storage.tensorfile import buffer_chunks, tensor_chunks
 from ..transport.host import HostBuffer, TensorLayout
@@ -82,6 +83,10 @@ class Agent:
         # job's process groups, so it checks nothing.
         self.checkpoints = CheckpointDirectory.open(self.directory, strategy=None, create=False, access="shared")
         self.replica: Replica | None = None
+        self._boxes: dict[str, ShardBox] = {}
+        """The keys of the replica that are this rank's shards of DTensors, and where each lies in the whole."""
+        self._signature: str | None = None
+        """What the replica fits (:func:`~everystep.agent.session.signature`), told by the training process."""
         self.slots: list[HostBuffer] = []
         self._regions: list[SharedRegion] = []
         self._conn: connection.Connection | None = None
@@ -186,7 +191,7 @@ class Agent:
         servable = r is not None and r.servable()
         pending = self._pending["step"] if servable and self._pending is not None else None
         self._send("hello", pid=os.getpid(), step=r.step if servable and r else None, pending=pending,
-                   persisted=self._persisted)
+                   persisted=self._persisted, signature=self._signature)
 
     def _on_fetch(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         r = self.replica
@@ -212,6 +217,8 @@ class Agent:
             self.replica.region.close()
         self.replica = Replica(step=msg["step"], region=SharedRegion(msg["layout"].nbytes, fd=fd), layout=msg["layout"],
                                skeleton=msg["skeleton"], index_keys=msg["index_keys"], optimizer_class=msg["optimizer_class"])
+        self._boxes = {k: ShardBox(*box) for k, box in msg["boxes"].items()}
+        self._signature = msg["signature"]
         self._pending = None
         if msg["persist"] or (msg["persist"] is None and self._due(msg["step"])):
             self._start_persist()
@@ -330,17 +337,20 @@ class Agent:
     def _write_part(self, step: int, buffer: HostBuffer, skeleton: Any) -> None:
         """This rank's part of the checkpoint of ``step``; its training process commits it with the others."""
         t0 = time.perf_counter()
-        info, error, pieces = None, None, {}
+        info, error, pieces, boxes = None, None, {}, {}
         try:
             assert self.replica is not None
             ranks = Ranks(rank=self.config.rank, world=self.config.world)
-            share = RankShare.of(buffer.views, replayed_keys(self.replica.index_keys, buffer.views), ranks)
-            pieces = share.pieces
+            # (the optimizer state that step() made since the training process sent the boxes: its parameter's)
+            boxes = state_boxes(self._boxes, self.replica.index_keys, buffer.views)
+            replicated = replayed_keys(self.replica.index_keys, buffer.views) - boxes.keys()
+            share = RankShare.of(buffer.views, replicated, ranks, boxes=boxes)
+            pieces, boxes = share.pieces, share.boxes
             info = write_part(self.checkpoints.catalog, "full", step, tensor_chunks(TensorLayout.of(share.local), share.local), ranks)
             self._write_seconds = time.perf_counter() - t0
         except BaseException as e:
             error = _describe(e)
-        self._send("part", step=step, info=info.to_json() if info else None, pieces=pieces,
+        self._send("part", step=step, info=info.to_json() if info else None, pieces=pieces, boxes=boxes,
                    meta={"skeleton": skeleton}, error=error, seconds=time.perf_counter() - t0)
 
     def _finish_persist(self) -> None:

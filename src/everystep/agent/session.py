@@ -16,10 +16,13 @@ session stops sending, and its strategy falls back to checkpoints written by the
 
 from __future__ import annotations
 
+import hashlib
+import json
 import queue
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -30,7 +33,8 @@ from ..distributed import Ranks
 from ..errors import ConfigError
 from ..layout import TensorLayout
 from ..state import TrainingComponents
-from ..tree import storage_key, unflatten
+from ..parallelism import shard_box, shard_like
+from ..tree import local_shard, storage_key, unflatten
 from ..storage.directory import CheckpointDirectory
 from ..transport.host import HostBuffer, snapshot_into
 from ..transport.shared import SharedRegion
@@ -41,7 +45,27 @@ from .commits import PartCommits
 from .config import AgentConfig
 from .replica import optimizer_class_path, replayed_keys, slot_layout
 
-__all__ = ["AgentSession", "Progress"]
+__all__ = ["AgentSession", "Progress", "Shards", "signature"]
+
+
+def signature(tensors: dict[str, torch.Tensor], sharded: Mapping[str, torch.Tensor]) -> str:
+    """What a replica of ``tensors`` (a flat state; ``sharded``: the DTensors of the keys that hold
+    this rank's shards) fits: the model's keys, each tensor's shape, and where a shard lies in the
+    whole. A replica made under another layout or model is not taken."""
+    model = [(k, list(t.shape), shard_box(sharded[k]).offsets if k in sharded else None)
+             for k, t in sorted(tensors.items()) if k.startswith("/model/")]
+    return hashlib.sha256(json.dumps(model).encode()).hexdigest()[:32]
+
+
+class Shards(Protocol):
+    """Where the session learns how the state is sharded (the strategy's context)."""
+
+    @property
+    def sharded(self) -> dict[str, torch.Tensor]: ...
+
+    def flatten_state(self, step: int) -> tuple[dict[str, torch.Tensor], Any]: ...
+
+    def live_shards(self) -> Mapping[str, torch.Tensor]: ...
 
 
 class Progress(Protocol):
@@ -64,13 +88,16 @@ class AgentSession:
     """
 
     def __init__(self, directory: CheckpointDirectory, ranks: Ranks, components: TrainingComponents, progress: Progress,
-                 errors: BackgroundErrors, *, timeout: float, slots: int, keep: int, verify_sample: int) -> None:
+                 errors: BackgroundErrors, *, timeout: float, slots: int, keep: int, verify_sample: int,
+                 shards: Shards) -> None:
         self.directory, self.ranks, self.components, self.progress = directory, ranks, components, progress
+        self.shards = shards
         self.errors = errors
         self.timeout, self.slots, self.keep = timeout, slots, keep
         self.verify_sample = verify_sample
         self.shared = ranks.distributed
         self.params = [p for g in components.optimizer.param_groups for p in g["params"]]
+        """The optimizer's parameters (DTensors where the state is sharded: the agent holds their local shards)."""
         self.link: AgentLink | None = None
         self.lost: str | None = None
         self.pool = SlotPool()
@@ -102,6 +129,12 @@ class AgentSession:
                           "recovering from storage", RuntimeWarning, stacklevel=4)
             link.kill()
             return None
+        tensors, _ = self.shards.flatten_state(0)
+        if hello["step"] is not None and hello.get("signature") != signature(tensors, self.shards.sharded):
+            warnings.warn(f"the checkpoint agent (pid {link.pid}) holds the state of another layout (another sharding, "
+                          "or another model); recovering from storage", RuntimeWarning, stacklevel=4)
+            link.kill()
+            return None
         self.link = link
         if hello["step"] is None:
             return None
@@ -118,6 +151,11 @@ class AgentSession:
         # ``released``; the first update waits for that, :meth:`take_over`). Anything else is cloned.
         self._handover = threading.Event()
         tensors = {k: v if k.startswith(("/model/", "/optimizer/state/")) else v.clone() for k, v in buffer.views.items()}
+        live = self.shards.live_shards()
+        for key, t in tensors.items():
+            like = live.get(key)
+            if like is not None and tuple(local_shard(like).shape) == tuple(t.shape):
+                tensors[key] = shard_like(t, like)  # (the agent holds this rank's shards: placed as the live ones)
         try:
             self.components.restore(unflatten(reply["skeleton"], tensors))
         finally:
@@ -166,7 +204,7 @@ class AgentSession:
         where = {storage_key(t): k for k, t in tensors.items() if t.numel()}
         keys = []
         for i, p in enumerate(self.params):
-            key = where.get(storage_key(p.detach()))
+            key = where.get(storage_key(local_shard(p.detach())))
             if key is None:
                 raise ConfigError(f"optimizer parameter {i} is not in the model's state_dict; lowdiff_plus replicates "
                                   "the parameters the model holds")
@@ -302,16 +340,18 @@ class AgentSession:
         if self.shared:
             self.expect_part(step, bool(persist))
         try:
+            sharded = self.shards.sharded  # (the DTensors of the flattening that gave ``tensors``)
             self.link.send("init", fds=[region.fd], step=step, layout=buffer.layout, skeleton=skeleton,
                            index_keys=self._index_keys, optimizer_class=optimizer_class_path(self.components.optimizer),
-                           persist=persist)
+                           persist=persist, boxes={k: shard_box(dt) for k, dt in sharded.items()},
+                           signature=signature(tensors, sharded))
         finally:
             region.close()
 
     def _make_slots(self, tensors: dict[str, torch.Tensor]) -> None:
         assert self.link is not None
         _, volatile = self.split(tensors)
-        layout = slot_layout(dict(enumerate(self.params)), volatile)
+        layout = slot_layout({i: local_shard(p) for i, p in enumerate(self.params)}, volatile)
         count = self.slots + self.shared
         regions = self.pool.make(layout, count)
         try:

@@ -30,6 +30,7 @@ import torch
 from .._faults import crash_point
 from ..background import BackgroundErrors, Worker
 from ..transport.host import HostBuffer
+from ..tree import local_shard
 from .hooks import ReductionTap, after_backward, reduction_tap
 
 __all__ = ["GradientCapture"]
@@ -162,8 +163,9 @@ class GradientCapture:
         if buffer is not None:  # one job for all: each job is a GIL hand-over the training thread waits for
             for i, g in due:
                 self._copied[i] = (g, g._version)
-            self._copier.post("copying the gradients for the agent", self._copy_all_into, buffer, due,
-                              _event(due[0][1]))
+            local = [(i, local_shard(g)) for i, g in due]  # (a DTensor's: this rank's shard, what the slot holds)
+            self._copier.post("copying the gradients for the agent", self._copy_all_into, buffer, local,
+                              _event(local[0][1]))
         self._judge(early, stale)
         return [i for i, p in enumerate(self.params) if p.grad is not None]
 

@@ -8,8 +8,7 @@ from typing import Any
 
 from ..compress import parse_spec
 from ..errors import ConfigError
-from ..parallelism import DTENSOR_LAYOUTS
-from ..strategies import STRATEGIES, create, sharded_refusal
+from ..strategies import STRATEGIES, create, default_full_format, sharded_refusal
 from .workloads import LAYOUT_OF, OPTIMIZERS, PARALLEL, WORKLOADS, check_device
 
 __all__ = ["TrainConfig", "usable_cores"]
@@ -74,10 +73,14 @@ class TrainConfig:
             raise ConfigError(f"--stagger must be at least 1, got {self.stagger}")
         if self.parallel not in PARALLEL:
             raise ConfigError(f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        strategy = STRATEGIES[self.strategy]
         if self.full_format is None:
-            self.full_format = "dcp" if LAYOUT_OF[self.parallel] in DTENSOR_LAYOUTS else "safetensors"
+            self.full_format = default_full_format(strategy, LAYOUT_OF[self.parallel])
         if self.full_format not in ("safetensors", "dcp"):
             raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
+        if self.full_format not in strategy.full_formats:
+            raise ConfigError(f"--strategy {self.strategy} writes no --full-format {self.full_format} "
+                              f"({strategy.full_formats_reason}): drop --full-format")
         if self.parallel != "ddp":
             self._check_sharded()
         check_device(self.device, self.nproc)
@@ -112,11 +115,9 @@ class TrainConfig:
 
 
     def _check_sharded(self) -> None:
-        """What a sharded layout cannot go with: everystep's own format (under DTensors), compression,
-        updates in backward, a strategy that does not checkpoint its shards."""
+        """What a sharded layout cannot go with: compression, updates in backward, a strategy that
+        does not checkpoint its shards."""
         flag, layout = f"--parallel {self.parallel}", LAYOUT_OF[self.parallel]
-        if self.full_format != "dcp" and layout in DTENSOR_LAYOUTS:
-            raise ConfigError(f"{flag} writes full checkpoints in DCP's format: drop --full-format safetensors")
         if self.compress is not None or self.in_backward:
             raise ConfigError(f"{flag} takes no --compress and no --in-backward (each is built on a "
                               "DistributedDataParallel replica's whole gradients and optimizer)")

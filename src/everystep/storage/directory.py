@@ -149,8 +149,10 @@ class CheckpointDirectory:
         extra: dict[str, Any] | None = None,
         other_world: bool = False,
         access: Access = "write",
+        new_full_format: str = "safetensors",
     ) -> "CheckpointDirectory":
-        """Open a checkpoint directory, creating it when ``create`` and it is absent or empty.
+        """Open a checkpoint directory, creating it when ``create`` and it is absent or empty (its full
+        checkpoints in ``new_full_format`` unless ``extra["full_format"]`` asks for one).
 
         Refuses a directory that holds anything but an everystep checkpoint, or one written by
         another strategy (``None`` accepts any) or, unless ``other_world``, another world size, or
@@ -172,14 +174,14 @@ class CheckpointDirectory:
             return cls(Catalog(LocalStore(path, access=access), ranks), cls._read_marker(marker_path))
         try:
             return cls._open_as_rank0(path, marker_path, strategy, ranks, create and access == "write", extra,
-                                      other_world, access)
+                                      other_world, access, new_full_format)
         finally:
             ranks.barrier("control")
 
     @classmethod
     def _open_as_rank0(
         cls, path: Path, marker_path: Path, strategy: str | None, ranks: Ranks, create: bool,
-        extra: dict[str, Any] | None, other_world: bool, access: Access,
+        extra: dict[str, Any] | None, other_world: bool, access: Access, new_full_format: str,
     ) -> "CheckpointDirectory":
         if not marker_path.exists():
             if not create:
@@ -187,7 +189,8 @@ class CheckpointDirectory:
             cls._refuse_foreign(path)  # before anything is created there
         owner = cls._take(path) if access == "write" else None
         try:
-            directory = (cls._create(path, marker_path, strategy, ranks, extra) if not marker_path.exists()
+            directory = (cls._create(path, marker_path, strategy, ranks, {"full_format": new_full_format, **(extra or {})})
+                         if not marker_path.exists()
                          else cls._check(path, marker_path, strategy, ranks, extra, other_world, access))
         except BaseException:
             if owner is not None:

@@ -21,6 +21,7 @@ where a part's ``meta`` holds what differs per rank (the skeleton of its state t
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from ..errors import CorruptCheckpointError
 from .base import Manifest, ObjectInfo, Reader, malformed
 from .catalog import Catalog
 from ..layout import TensorLayout
+from ..parallelism import ShardBox, shard_box, shard_like
 from .tensorfile import load_tensors, tensor_chunks
 from ..tree import OPTIMIZER_STATE, union_optimizer_state
 
@@ -48,19 +50,39 @@ class RankShare:
     replicated: frozenset[str] = frozenset()
     sharded: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Keys whose tensor is this rank's shard of a DTensor, with the DTensor (its placements say where
-    the shard lies); written whole (``split`` False), by a format that knows shards (DCP)."""
+    the shard lies); for DCP, which writes them itself (``split`` False)."""
+    boxes: dict[str, list[Any]] = field(default_factory=dict)
+    """Keys of ``local`` that are a box of a sharded tensor: ``[offsets, sizes, shape]`` — where the
+    box lies in the whole tensor (of that ``shape``)."""
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """For each of ``boxes``: the elements of this rank's shard (flattened) that its box holds."""
 
     @classmethod
     def of(cls, tensors: dict[str, torch.Tensor], replicated: set[str], ranks: Ranks, *, split: bool = True,
-           sharded: Mapping[str, torch.Tensor] | None = None) -> "RankShare":
-        """``split`` False: every tensor whole (a format that spreads replicated tensors itself)."""
-        if not ranks.distributed or not split:
+           sharded: Mapping[str, torch.Tensor] | None = None, boxes: Mapping[str, ShardBox] | None = None
+           ) -> "RankShare":
+        """``split`` False: every tensor whole (a format that spreads replicated tensors itself).
+        ``sharded`` (DTensors by key), or their ``boxes`` where the DTensors are elsewhere (the
+        checkpoint agent's): those keys' tensors are this rank's shards, written as boxes of the whole
+        tensor; a shard that ``replicas`` ranks hold (HSDP) is cut into as many boxes, one each."""
+        if not split:
             return cls(dict(tensors), {}, frozenset(replicated), dict(sharded or {}))
-        assert not sharded, "the shards of DTensors are written by DCP (split=False)"
-        keys = sorted(k for k in tensors if k in replicated)
+        if boxes is None:
+            boxes = {k: shard_box(dt) for k, dt in (sharded or {}).items()}
+        local: dict[str, torch.Tensor] = {}
+        written: dict[str, list[Any]] = {}
+        rows: dict[str, tuple[int, int]] = {}
+        for key, box in boxes.items():
+            t = tensors.get(key)
+            if t is not None and (part := _replica_rows(t, box)) is not None:
+                local[key], written[key], rows[key] = part
+        if not ranks.distributed:
+            local.update((k, t) for k, t in tensors.items() if k not in boxes)
+            return cls(local, {}, frozenset(replicated), boxes=written, rows=rows)
+        keys = sorted(k for k in tensors if k in replicated and k not in boxes)
         total = sum(tensors[k].numel() * tensors[k].element_size() for k in keys)
         lo, hi = total * ranks.rank // ranks.world, total * (ranks.rank + 1) // ranks.world
-        local = {k: t for k, t in tensors.items() if k not in replicated}
+        local.update((k, t) for k, t in tensors.items() if k not in replicated and k not in boxes)
         pieces: dict[str, list[Any]] = {}
         offset = 0
         for key in keys:
@@ -76,7 +98,33 @@ class RankShare:
                 continue
             local[key] = t.detach().reshape(-1)[start:end]
             pieces[key] = [start, end, list(t.shape)]
-        return cls(local, pieces, frozenset(replicated))
+        return cls(local, pieces, frozenset(replicated), boxes=written, rows=rows)
+
+    def span(self, key: str) -> tuple[int, int] | None:
+        """The elements of this rank's tensor of ``key`` (flattened) that it writes, as a range;
+        None where it writes none. (A replicated tensor's piece; rows of a shard several ranks hold.)"""
+        if key in self.pieces:
+            start, end, _ = self.pieces[key]
+            return start, end
+        if key in self.rows:
+            return self.rows[key]
+        return (0, self.local[key].numel()) if key in self.local else None
+
+
+def _replica_rows(shard: torch.Tensor, box: ShardBox) -> tuple[torch.Tensor, list[Any], tuple[int, int]] | None:
+    """What of this rank's ``shard`` it writes, as a box of the whole tensor, and which of the shard's
+    elements that is: all of it; where ``box.replicas`` ranks hold it, the ``box.index``-th of as many
+    ranges of its rows (a shard without rows, or without elements: the first replica). None: nothing."""
+    offsets, sizes, shape = list(box.offsets), list(box.sizes), list(box.shape)
+    if list(shard.shape) != sizes:
+        raise ValueError(f"a shard of shape {list(shard.shape)} does not fill its box of sizes {sizes}")
+    if box.replicas == 1 or not sizes or not shard.numel():
+        return (shard, [offsets, sizes, shape], (0, shard.numel())) if box.index == 0 else None
+    lo, hi = sizes[0] * box.index // box.replicas, sizes[0] * (box.index + 1) // box.replicas
+    if lo == hi:
+        return None
+    row = shard.numel() // sizes[0]
+    return shard[lo:hi], [[offsets[0] + lo, *offsets[1:]], [hi - lo, *sizes[1:]], shape], (lo * row, hi * row)
 
 
 def object_name(kind: str, step: int, ranks: Ranks) -> str:
@@ -115,8 +163,8 @@ def commit_parts(
             info = write_part(catalog, kind, step, chunks, catalog.ranks)
         except BaseException as e:  # reported to every rank below
             error = e
-    return commit_written(catalog, channel, kind=kind, step=step, info=info, pieces=share.pieces, meta=meta,
-                          rank_meta=rank_meta, requires=requires, error=error)
+    return commit_written(catalog, channel, kind=kind, step=step, info=info, pieces=share.pieces, boxes=share.boxes,
+                          meta=meta, rank_meta=rank_meta, requires=requires, error=error)
 
 
 def commit_written(
@@ -131,6 +179,7 @@ def commit_written(
     rank_meta: dict[str, Any],
     requires: tuple[str, ...] = (),
     error: BaseException | None = None,
+    boxes: dict[str, list[Any]] | None = None,
 ) -> Manifest:
     """The commit half of :func:`commit_parts`, for a part written elsewhere (``info``) or not at
     all (``error``): the ranks exchange what they wrote, and rank 0 commits if every part is there."""
@@ -142,12 +191,14 @@ def commit_written(
         manifest = Manifest(kind=kind, step=step, objects={"tensors": info}, meta={**meta, **rank_meta}, requires=requires)
         catalog.commit(manifest)
         return manifest
-    report = {"info": info.to_json() if info else None, "pieces": pieces, "meta": rank_meta}
+    report = {"info": info.to_json() if info else None, "pieces": pieces, "boxes": boxes or {}, "meta": rank_meta}
     parts = ranks.exchange(channel, report, error, f"the {kind} checkpoint of step {step}")
     manifest = Manifest(
         kind=kind, step=step, requires=requires,
         objects={f"tensors-r{r}": ObjectInfo.from_json(p["info"]) for r, p in enumerate(parts)},
-        meta={**meta, "world_size": ranks.world, "parts": [{"pieces": p["pieces"], "meta": p["meta"]} for p in parts]},
+        meta={**meta, "world_size": ranks.world,
+              "parts": [{"pieces": p["pieces"], **({"boxes": p["boxes"]} if p["boxes"] else {}), "meta": p["meta"]}
+                        for p in parts]},
     )
     if ranks.rank == 0:
         catalog.commit(manifest)
@@ -179,15 +230,17 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
                shards: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's tensors of a checkpoint, replicated ones reassembled, and its per-rank meta.
 
-    ``shards``: the live DTensors of a sharded job by key; a DCP checkpoint's tensors of those keys
-    are read as this rank's shards of them (DCP reshards what another layout or world size wrote),
-    and a checkpoint in everystep's own format is refused.
+    ``shards``: the live DTensors of a sharded job by key; a stored tensor of such a key and of the
+    DTensor's global shape is read as this rank's shard of it, placed as the live one is, whatever
+    layout and world size wrote it (a DCP checkpoint through DCP; everystep's own from the boxes
+    its parts hold, or from the whole tensor). Any other tensor is read whole.
 
     At another world size than the writer's, rank r takes the per-rank state of stored rank
     r mod W (only what is replicated is the same for every rank). A checkpoint in the DCP format
     is read only where ``full_format`` (the directory's marker) says ``dcp``.
     """
     what = f"checkpoint {manifest.name}"
+    shards = shards or {}
     if manifest.meta.get("format") == "dcp":
         if full_format != "dcp":
             # IMPORTANT: the marker, not the manifest, says which loader may run on this directory.
@@ -196,23 +249,22 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
                 "(its everystep.json): it was not written there, and is not loaded")
         from .dcp import read_dcp  # torch.distributed.checkpoint takes a second to import
         return read_dcp(catalog, manifest, catalog.ranks.rank, shards=shards)
-    if shards:
-        raise CorruptCheckpointError(
-            f"{what} is in everystep's own format, whose parts a sharded job (DTensors) does not read: "
-            "a sharded job's full checkpoints are in DCP's format (full_format='dcp')")
     if "parts" not in manifest.meta:
         info = manifest.objects.get("tensors")
         if info is None:
             raise CorruptCheckpointError(f"{what} lacks its tensor object")
-        return load_tensors(catalog.read_object(info), what=f"object {info.name}"), manifest.meta
+        return _as_shards(load_tensors(catalog.read_object(info), what=f"object {info.name}"), shards), manifest.meta
     with malformed(what):
         parts = _check_parts(manifest.meta["parts"])
     world = len(parts)
     mine = catalog.ranks.rank % world
     other_world = world != catalog.ranks.world
+    boxes = _Boxes(shards)
     tensors: dict[str, torch.Tensor] = {}
     flat: dict[str, torch.Tensor] = {}
     for r, part in enumerate(parts):
+        if r != mine and not part["pieces"] and not other_world and not boxes.wants(part.get("boxes", {})):
+            continue  # (a sharded job's part that holds nothing this rank reads)
         info = manifest.objects.get(f"tensors-r{r}")
         if info is None:
             raise CorruptCheckpointError(f"{what} lacks the part of rank {r}")
@@ -228,11 +280,100 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
             if whole.dtype != piece.dtype:
                 raise CorruptCheckpointError(f"{what}: the parts of {key!r} differ in dtype")
             whole[start:end] = piece
+        for key, (offsets, sizes, shape) in part.get("boxes", {}).items():
+            box = loaded.pop(key, None)
+            if box is None or list(box.shape) != sizes:
+                raise CorruptCheckpointError(f"{what}: the part of rank {r} lacks the box {offsets}+{sizes} of {key!r}")
+            with malformed(what):
+                boxes.add(key, offsets, box, shape)
         if r == mine:
             tensors.update(loaded)
         elif other_world:  # ZeRO-1: every rank's optimizer state, each rank to load its new partition's
             tensors.update((k, t) for k, t in loaded.items() if k.startswith(OPTIMIZER_STATE) and k not in tensors)
-    return tensors, merged_meta(parts, mine, other_world)
+    with malformed(what):
+        assembled = boxes.finish()
+    return {**_as_shards(tensors, shards), **assembled}, merged_meta(parts, mine, other_world)
+
+
+class _Boxes:
+    """The tensors this rank reads, assembled from the boxes of the whole that the parts hold: for a
+    key of a live DTensor of the same shape, this rank's shard of it (as a DTensor placed as the live
+    one is); for any other, the whole tensor."""
+
+    def __init__(self, shards: Mapping[str, torch.Tensor]) -> None:
+        self.shards = shards
+        self._targets: dict[str, tuple[list[int], list[int]]] = {}
+        self._placed: set[str] = set()
+        """Keys read as this rank's shard of a live DTensor."""
+        self._out: dict[str, torch.Tensor] = {}
+        self._filled: dict[str, int] = {}
+
+    def _target(self, key: str, shape: list[int]) -> tuple[list[int], list[int]]:
+        found = self._targets.get(key)
+        if found is None:
+            like = self.shards.get(key)
+            if like is not None and list(like.shape) == list(shape):
+                box = shard_box(like)
+                found = (box.offsets, box.sizes)
+                self._placed.add(key)
+            else:
+                found = ([0] * len(shape), list(shape))
+            self._targets[key] = found
+        return found
+
+    def wants(self, boxes: dict[str, list[Any]]) -> bool:
+        """Whether any of ``boxes`` (a part's) holds an element of what this rank reads."""
+        for key, (offsets, sizes, shape) in boxes.items():
+            at, wanted = self._target(key, shape)
+            if _overlap(offsets, sizes, at, wanted) is not None or not math.prod(wanted):
+                return True  # (a tensor without elements: any part that has it gives its dtype)
+        return False
+
+    def add(self, key: str, offsets: list[int], box: torch.Tensor, shape: list[int]) -> None:
+        """Copy what of ``box`` (at ``offsets`` in the whole) this rank reads."""
+        at, sizes = self._target(key, shape)
+        out = self._out.get(key)
+        if out is None:
+            out = self._out[key] = torch.empty(sizes, dtype=box.dtype)
+            self._filled[key] = 0
+        if out.dtype != box.dtype:
+            raise ValueError(f"the parts of {key!r} differ in dtype")
+        common = _overlap(offsets, list(box.shape), at, sizes)
+        if common is None:
+            return
+        lo, hi = common
+        out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, at))] = \
+            box[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
+        self._filled[key] += math.prod(b - a for a, b in zip(lo, hi))
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Every key's tensor; raises ValueError where the parts read did not fill one."""
+        found = {}
+        for key, out in self._out.items():
+            if self._filled[key] != out.numel():
+                raise ValueError(f"the parts fill {self._filled[key]} of the {out.numel()} elements of {key!r} read here")
+            found[key] = shard_like(out, self.shards[key]) if key in self._placed else out
+        return found
+
+
+def _overlap(offsets: list[int], sizes: list[int], at: list[int], wanted: list[int]) -> tuple[list[int], list[int]] | None:
+    """Where two boxes of a tensor meet (from, to; a 0-d tensor's boxes always meet), or None."""
+    lo = [max(a, b) for a, b in zip(offsets, at)]
+    hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, at, wanted)]
+    return (lo, hi) if all(a < b for a, b in zip(lo, hi)) else None
+
+
+def _as_shards(tensors: dict[str, torch.Tensor], shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` read whole, each that a sharded job holds as a DTensor of its shape cut to this rank's
+    shard of it and placed as the live one is (a checkpoint of a job that did not shard it)."""
+    found = dict(tensors)
+    for key, t in tensors.items():
+        like = shards.get(key)
+        if like is not None and list(like.shape) == list(t.shape):
+            box = shard_box(like)
+            local = t[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+            found[key] = shard_like(local.clone(), like)
+    return found
 
 
 def merged_meta(parts: list[dict[str, Any]], mine: int, other_world: bool) -> dict[str, Any]:
@@ -247,15 +388,18 @@ def merged_meta(parts: list[dict[str, Any]], mine: int, other_world: bool) -> di
 
 def _check_parts(parts: Any) -> list[dict[str, Any]]:
     """The ``parts`` of a manifest, checked before anything is allocated from them: each a dict with
-    ``pieces`` (key → [start, end, shape]) and ``meta``; each key's pieces, over the parts, cover
-    its elements once, in order (so what is allocated is what the parts hold)."""
+    ``pieces`` (key → [start, end, shape]), optionally ``boxes`` (key → [offsets, sizes, shape]), and
+    ``meta``; each key's pieces, over the parts, cover its elements once, in order, and its boxes
+    cover the whole tensor without overlapping (so what is allocated is what the parts hold)."""
     if not isinstance(parts, list) or not parts:
         raise ValueError("its parts are not a non-empty list")
     spans: dict[str, list[tuple[int, int]]] = {}
     shapes: dict[str, list[int]] = {}
+    boxes: dict[str, list[tuple[list[int], list[int]]]] = {}
     for part in parts:
-        if not isinstance(part, dict) or not isinstance(part.get("pieces"), dict) or not isinstance(part.get("meta"), dict):
-            raise ValueError("a part is not a dict with pieces and meta")
+        if not isinstance(part, dict) or not isinstance(part.get("pieces"), dict) or not isinstance(part.get("meta"), dict) \
+                or not isinstance(part.get("boxes", {}), dict):
+            raise ValueError("a part is not a dict with pieces, boxes and meta")
         for key, piece in part["pieces"].items():
             start, end, shape = piece
             if not all(type(v) is int for v in (start, end, *shape)) or not 0 <= start <= end or min(shape, default=0) < 0:
@@ -263,7 +407,18 @@ def _check_parts(parts: Any) -> list[dict[str, Any]]:
             if shapes.setdefault(key, list(shape)) != list(shape):
                 raise ValueError(f"the parts give {key!r} two shapes")
             spans.setdefault(key, []).append((start, end))
+        for key, box in part.get("boxes", {}).items():
+            offsets, sizes, shape = box
+            if key in part["pieces"] or not all(type(v) is int for v in (*offsets, *sizes, *shape)) or \
+                    not len(offsets) == len(sizes) == len(shape) or \
+                    not all(0 <= o and 0 <= n and o + n <= m for o, n, m in zip(offsets, sizes, shape)):
+                raise ValueError(f"the box {box!r} of {key!r} is not [offsets, sizes, shape] of a box inside the shape")
+            if shapes.setdefault(key, list(shape)) != list(shape):
+                raise ValueError(f"the parts give {key!r} two shapes")
+            boxes.setdefault(key, []).append((offsets, sizes))
     for key, found in spans.items():
+        if key in boxes:
+            raise ValueError(f"the parts hold {key!r} both as pieces and as boxes")
         at = 0
         for start, end in sorted(found):
             if start != at:
@@ -271,4 +426,12 @@ def _check_parts(parts: Any) -> list[dict[str, Any]]:
             at = end
         if at != math.prod(shapes[key]):
             raise ValueError(f"the parts do not cover {key!r}")
+    for key, found in boxes.items():
+        filled = sorted(((o, n) for o, n in found if math.prod(n)), key=lambda box: box[0][:1])
+        for i, (o, n) in enumerate(filled):  # (sorted by their first offset: only those that start in this one's rows)
+            for other in itertools.takewhile(lambda b: not o or b[0][0] < o[0] + n[0], filled[i + 1:]):
+                if _overlap(o, n, *other) is not None:
+                    raise ValueError(f"two boxes of {key!r} overlap")
+        if sum(math.prod(n) for _, n in filled) != math.prod(shapes[key]):
+            raise ValueError(f"the boxes of {key!r} do not cover it")
     return parts

@@ -6,6 +6,7 @@ from dataclasses import fields
 from typing import Any
 
 from ..errors import ConfigError
+from ..parallelism import DTENSOR_LAYOUTS
 from .base import CheckpointStats, Strategy, StrategyConfig, StrategyContext
 from .checkflow import Checkflow
 from .checkfreq import AsyncSnapshot, CheckFreq
@@ -17,7 +18,7 @@ from .lightcheck import LightCheck
 from .naive_diff import NaiveDiff
 from .none import NoCheckpoint
 
-__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff", "LightCheck", "AsyncSnapshot", "GoCkpt", "GoCkptO", "Checkflow", "sharded_refusal"]
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff", "LightCheck", "AsyncSnapshot", "GoCkpt", "GoCkptO", "Checkflow", "sharded_refusal", "default_full_format"]
 
 STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq, AsyncSnapshot, LowDiff, LowDiffPlus,
                                                       NaiveDiff, LightCheck, GoCkpt, GoCkptO, Checkflow)}
@@ -30,6 +31,15 @@ def sharded_refusal(strategy: Strategy | type[Strategy], layout: str) -> tuple[s
         f"it captures the state of data parallelism, where every rank holds the whole model and optimizer state, "
         f"and each {layout} rank holds only its shards")
     return why, sorted(n for n, cls in STRATEGIES.items() if layout in cls.sharded_layouts and cls.needs_store)
+
+
+def default_full_format(strategy: Strategy | type[Strategy], layout: str | None) -> str:
+    """The format of a new directory's full checkpoints: DCP's for a job of DTensors (plain
+    ``torch.distributed.checkpoint`` loads it) where the strategy writes it, else everystep's own.
+    Both load at another world size or layout."""
+    if layout in DTENSOR_LAYOUTS and "dcp" in strategy.full_formats:
+        return "dcp"
+    return strategy.full_formats[0]
 
 
 def create(name: str, **options: Any) -> Strategy:

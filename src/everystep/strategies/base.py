@@ -342,8 +342,6 @@ class StrategyContext:
         """The tensors of S_step this rank writes (all of them in a single process), and the skeleton."""
         tensors, skeleton = self.flatten_state(step)
         split = self.full_format != "dcp"  # DCP spreads whole replicated tensors over the ranks itself
-        if self._sharded and split:
-            raise EverystepError("a sharded state's full checkpoints are written in DCP's format (full_format='dcp')")
         return RankShare.of(tensors, self.replicated_keys(tensors, alone=not split), self.ranks, split=split,
                             sharded=self._sharded), skeleton
 
@@ -406,6 +404,10 @@ class Strategy:
     """The sharded layouts (:data:`everystep.parallelism.LAYOUTS`) whose ranks' shards it checkpoints;
     a job sharded otherwise is refused before anything is written."""
     sharded_refusal: ClassVar[str] = ""
+    full_formats: ClassVar[tuple[str, ...]] = ("safetensors", "dcp")
+    """The formats of full checkpoints it writes (``full_format``)."""
+    full_formats_reason: ClassVar[str] = ""
+    """Why not the others."""
     """Why it refuses a sharded job, where more can be said than that it checkpoints replicated state."""
 
     def __init__(self, config: StrategyConfig | None = None) -> None:

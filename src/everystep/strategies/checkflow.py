@@ -113,19 +113,17 @@ class _Round:
 def _local_ranges(schedule: _Schedule, shard: RankShare) -> list[list[tuple[str, int, int]]]:
     """The schedule's pieces as this rank holds them. Under several ranks each rank writes one byte
     range of what data parallelism replicates (``shard.pieces``: a flat slice of each key, from its
-    first to its end element), so a piece's range is cut to the slice and moved to its start."""
-    if not shard.pieces:
+    first to its end element), and of a shard several ranks hold (HSDP) a range of its rows
+    (``shard.rows``), so a piece's range is cut to what this rank writes and moved to its start."""
+    if not shard.pieces and not shard.rows:
         return schedule.ranges
     local = []
     for ranges in schedule.ranges:
         mine = []
         for key, lo, hi in ranges:
-            if key in shard.pieces:
-                start, end, _ = shard.pieces[key]
-                if max(lo, start) < min(hi, end):
-                    mine.append((key, max(lo, start) - start, min(hi, end) - start))
-            elif key in shard.local:
-                mine.append((key, lo, hi))
+            span = shard.span(key)
+            if span is not None and max(lo, span[0]) < min(hi, span[1]):
+                mine.append((key, max(lo, span[0]) - span[0], min(hi, span[1]) - span[0]))
         local.append(mine)
     return local
 

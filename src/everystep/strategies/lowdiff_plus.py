@@ -27,6 +27,7 @@ from ..agent.config import AgentConfig
 from ..agent.session import AgentSession
 from ..capture.grads import GradientCapture
 from ..errors import ConfigError
+from ..parallelism import DTENSOR_LAYOUTS
 from ..policy.interval import busy_interval, due, median_gap, next_multiple
 from ..recovery import Recovered, common_step
 from ..state import group_scalars
@@ -73,9 +74,15 @@ class LowDiffPlusConfig(StrategyConfig):
 
 class LowDiffPlus(Strategy):
     name: ClassVar[str] = "lowdiff_plus"
+    sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS
     sharded_refusal: ClassVar[str] = (
-        "its checkpoint agent keeps a replica of the replicated state and brings it forward with the all-"
-        "reduced gradients; a rank's shards and reduce-scattered gradients are not what it replays")
+        "its checkpoint agent brings a replica of every parameter this rank holds forward with the optimizer, "
+        "and under ZeRO-1 a rank's optimizer updates only its partition: the optimizer state of the others is "
+        "not this rank's")
+    full_formats: ClassVar[tuple[str, ...]] = ("safetensors",)
+    full_formats_reason: ClassVar[str] = (
+        "its checkpoint agent, a process outside the job's process group, writes them, and DCP's writer needs "
+        "the group; everystep's own format loads at another world size or sharded layout too")
     needs_restore: ClassVar[bool] = True
     shares_store: ClassVar[bool] = True
     Config = LowDiffPlusConfig
@@ -117,10 +124,17 @@ class LowDiffPlus(Strategy):
         ctx, c = self.ctx, self.ctx.components
         assert ctx.directory is not None
         self.shared = ctx.ranks.distributed
+        layerwise = self.config.layerwise
+        if ctx.layout in DTENSOR_LAYOUTS:
+            if layerwise:
+                raise ConfigError(f"layerwise=True: under {ctx.layout} the gradients are reduce-scattered into the sharded "
+                                  "parameters once backward is done, and lowdiff_plus copies them at the step "
+                                  "(layerwise=None or False)")
+            layerwise = False
         self.session = AgentSession(ctx.directory, ctx.ranks, c, ctx, self.errors, timeout=self.config.agent_timeout,
                                     slots=self.config.queue, keep=self.config.keep,
-                                    verify_sample=self.config.verify_sample)
-        self.capture = GradientCapture(c.model, self.session.params, c.compression, layerwise=self.config.layerwise,
+                                    verify_sample=self.config.verify_sample, shards=ctx)
+        self.capture = GradientCapture(c.model, self.session.params, c.compression, layerwise=layerwise,
                                        errors=self.errors, target=self.session.slot)
         self._rebase = any(p.device.type != "cpu" for p in self.session.params)
 
