@@ -104,3 +104,35 @@ def test_peers_run_in_the_same_comparison_and_the_table_says_what_their_recovery
     table = markdown_table(summary)
     assert "| torch_save |" in table and table.splitlines()[0].endswith("| resumes bitwise |")
     assert table.count("\n") == 1 + len(cfg.strategies)
+
+
+def test_a_run_of_two_fsdp2_ranks_compares_with_dcp_as_torchtitan_runs_it_and_says_what_each_rank_wrote(tmp_path, capsys):
+    # Each run is two ranks forked together on a group over loopback, sharing one checkpoint folder;
+    # everystep's strategies and DCP's save and async save each write the ranks' shards, half each.
+    out = tmp_path / "b.json"
+    code, stdout, _ = call_cli(capsys, "bench", "--workload", "gpt2-tiny", "--nproc", "2", "--parallel", "fsdp",
+                               "--strategies", "lowdiff_plus,dcp_async", "--steps", "4", "--warmup", "1", "--repeats",
+                               "1", "--every", "1", "--json", str(out))
+    assert code == 0 and "on 2 ranks (fsdp)" in stdout and "dcp_async writes per step" in stdout
+    summary = json.loads(out.read_text())["summary"]
+    for name in ("lowdiff_plus", "dcp_async"):
+        per_rank = summary[name]["bytes_per_step_per_rank"]
+        assert summary[name]["bytes_per_step"] == sum(per_rank) > 0
+        assert all(abs(b / sum(per_rank) - 0.5) < 0.05 for b in per_rank), (name, per_rank)
+        assert summary[name]["recovery_error"] == 0  # every rank's shards, bitwise
+    assert summary["lowdiff_plus"]["resumes_bitwise"] is True  # on every rank
+    assert summary["lowdiff_plus"]["recovery_seconds_memory"] > 0  # from the two agents' memory
+    assert summary["dcp_async"]["resumes_bitwise"] is False  # (it keeps no RNG, no data position)
+
+
+def test_a_bench_of_several_ranks_refuses_what_cannot_run_there_naming_it():
+    import pytest
+
+    from everystep.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--parallel fsdp: strategy naive_diff does not checkpoint FSDP2 shards"):
+        BenchConfig(strategies=("naive_diff",), nproc=2, parallel="fsdp")
+    with pytest.raises(ConfigError, match="--nproc: torch_save writes one process's state_dict"):
+        BenchConfig(strategies=("torch_save",), nproc=2)
+    with pytest.raises(ConfigError, match="--trainer runs one process"):
+        BenchConfig(workload="native", trainer="lightning", strategies=("checkfreq",), nproc=2)

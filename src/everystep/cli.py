@@ -116,7 +116,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = bench.BenchConfig(workload=args.workload, strategies=args.strategies, steps=args.steps, warmup=args.warmup,
                             every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
                             compress=args.compress, options=options, device=args.device,
-                            scratch=args.scratch, in_backward=args.in_backward, trainer=args.trainer)
+                            scratch=args.scratch, in_backward=args.in_backward, trainer=args.trainer, nproc=args.nproc,
+                            parallel=args.parallel)
     if args.trainer:
         if args.region_layout or args.max_frequency or args.plot:
             raise ConfigError("--trainer takes none of --region-layout, --max-frequency, --plot")
@@ -149,7 +150,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     runs = bench.run_bench(cfg)
     result = bench.report(cfg, runs)
-    print(f"{cfg.workload} on {cfg.device}, {cfg.steps} steps ({cfg.warmup} warm-up), checkpoint every "
+    ranks = f" on {cfg.nproc} ranks ({cfg.parallel})" if cfg.nproc > 1 or cfg.parallel != "ddp" else ""
+    print(f"{cfg.workload} on {cfg.device}{ranks}, {cfg.steps} steps ({cfg.warmup} warm-up), checkpoint every "
           f"{cfg.every or 'default'} step(s), compression {cfg.compress or 'off'}, "
           f"{cfg.repeats} interleaved repeats, {cfg.threads} training thread(s)")
     for name, s in result["summary"].items():
@@ -161,6 +163,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             rec, sent = s["record_bytes_per_step"], s["compressed_bytes_per_step"]
             print(f"{name} writes per step: step records {rec / 2**20:.2f} MiB = {rec / sent:.2f}× the compressed "
                   f"gradient ({sent / 2**20:.2f} MiB), end states (residuals, RNG, …) {s['end_bytes_per_step'] / 2**20:.2f} MiB")
+    for name, s in result["summary"].items():
+        per_rank = s.get("bytes_per_step_per_rank")
+        if per_rank and sum(per_rank):
+            shares = ", ".join(f"{b / sum(per_rank):.1%}" for b in per_rank)
+            print(f"{name} writes per step {sum(per_rank) / 2**20:.2f} MiB over its {len(per_rank)} ranks: {shares}")
     print(bench.markdown_table(result["summary"]))
     _write_json(args.json, result)
     if args.plot:
@@ -332,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--region-layout", action="store_true", help="write throughput of lightcheck's region layout "
                    "against metadata interleaved with data, on the workload's state")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every run trains (default cpu)")
+    b.add_argument("--nproc", type=whole(1), default=1, help="ranks per run, processes on this machine on a group over "
+                   "loopback (default 1); each rank's bytes written are reported")
+    b.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp", "zero1"], default="ddp",
+                   help="how the ranks hold the state, as for train (default ddp)")
     b.add_argument("--scratch", default=None, help="where each run's checkpoint directory is made (default: the "
                    "temporary directory); /dev/shm keeps lightcheck's region in memory")
     b.add_argument("--in-backward", action="store_true", help="every run updates each layer during backward "

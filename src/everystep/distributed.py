@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,13 @@ class Ranks:
     def barrier(self, channel: str) -> None:
         if self.distributed:
             dist.barrier(group=self.groups[channel])
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (a job's rendezvous on one machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def init_process_group(*, one_process: bool = False, device: str = "cpu") -> bool:

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,11 +26,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..distributed import free_port
 from ..errors import ConfigError, EverystepError
-from ..strategies import STRATEGIES
+from ..strategies import STRATEGIES, sharded_refusal
 from .measure import CHECKFLOW_MEMORY
 from .peers import PEERS
-from .workloads import WORKLOADS, check_device
+from .workloads import LAYOUT_OF, WORKLOADS, check_device
 from .plotting import pyplot
 from .zygote import Zygote, start_ranks
 
@@ -61,6 +63,10 @@ class BenchConfig:
     trainer: str | None = None
     """``lightning`` or ``transformers``: every run trains in that trainer, checkpointed by everystep's
     integration (:mod:`everystep.eval.trainers`); ``none`` is the trainer alone."""
+    nproc: int = 1
+    """Ranks per run (processes on this machine, a gloo or NCCL group on loopback)."""
+    parallel: str = "ddp"
+    """How the ranks hold the state: ``ddp``, ``fsdp``, ``hsdp`` or ``zero1`` (:data:`~.workloads.LAYOUT_OF`)."""
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -80,6 +86,8 @@ class BenchConfig:
             raise ConfigError("--repeats, --every and --threads must be at least 1")
         if self.in_backward:
             self._check_in_backward()
+        if self.nproc != 1 or self.parallel != "ddp":
+            self._check_ranks()
         needs = [s for s in self.strategies if s in STRATEGIES and STRATEGIES[s].needs_compression] \
             if self.trainer is None else []
         if needs and not self.compress:
@@ -102,6 +110,29 @@ class BenchConfig:
         if self.every is None:
             self.every = 1  # what the integrations are for
 
+    def _check_ranks(self) -> None:
+        """Several ranks, or a sharded layout: what each run can be, before any starts."""
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.parallel not in LAYOUT_OF:
+            raise ConfigError(f"--parallel must be one of {', '.join(LAYOUT_OF)}, got {self.parallel!r}")
+        check_device(self.device, self.nproc)
+        if self.trainer is not None:
+            raise ConfigError("--trainer runs one process: it takes no --nproc or --parallel")
+        layout = LAYOUT_OF[self.parallel]
+        if layout is not None and (self.compress or self.in_backward):
+            raise ConfigError(f"--parallel {self.parallel} takes no --compress and no --in-backward (each is built on a "
+                              "DistributedDataParallel replica's whole gradients and optimizer)")
+        if self.nproc > 1 and "torch_save" in self.strategies:
+            raise ConfigError("--nproc: torch_save writes one process's state_dict to one file; under several ranks "
+                              "compare with dcp or dcp_async, which every rank writes")
+        for name in self.strategies:
+            strategy = STRATEGIES.get(name)
+            if layout is not None and strategy is not None and layout not in strategy.sharded_layouts:
+                why, able = sharded_refusal(strategy, layout)
+                raise ConfigError(f"--parallel {self.parallel}: strategy {name} does not checkpoint {layout} shards "
+                                  f"({why}); use one of {', '.join(able)}, or the peers dcp, dcp_async")
+
     def _check_in_backward(self) -> None:
         if self.compress:
             raise ConfigError("--in-backward takes no --compress (updates in backward train dense)")
@@ -123,7 +154,7 @@ def run_spec(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
         "trainer": cfg.trainer, "workload": cfg.workload, "strategy": strategy, "steps": cfg.steps, "warmup": cfg.warmup,
         "every": every, "threads": cfg.threads, "seed": cfg.seed, "repeat": repeat,
         "options": cfg.options.get(strategy, {}), "compress": cfg.compress, "device": cfg.device,
-        "scratch": cfg.scratch, "in_backward": cfg.in_backward,
+        "scratch": cfg.scratch, "in_backward": cfg.in_backward, "nproc": cfg.nproc, "parallel": cfg.parallel,
     }
 
 
@@ -160,6 +191,8 @@ def measure_run(spec: dict[str, Any], *, timeout: float | None = None) -> dict[s
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
     module = "everystep.eval.trainers" if spec.get("trainer") else "everystep.eval.measure"
     zygote = _zygote(f"{module}:forked")
+    if spec.get("nproc", 1) > 1:
+        return _ranks_run(zygote, module, spec, env, timeout)
     if zygote is not None:
         return _forked_run(zygote, spec, env, timeout)
     proc = subprocess.Popen([sys.executable, "-m", module, json.dumps(spec)], stdout=subprocess.PIPE,
@@ -197,6 +230,62 @@ def _forked_run(zygote: Zygote, spec: dict[str, Any], env: dict[str, str], timeo
                 raise EverystepError(f"benchmark run of {spec['strategy']} failed:\n{f.read().strip()[-4000:]}")
         with open(report) as f:
             return json.loads(f.read())
+
+
+def _ranks_run(zygote: Zygote | None, module: str, spec: dict[str, Any], env: dict[str, str],
+               timeout: float | None) -> dict[str, Any]:
+    """One run of ``spec["nproc"]`` ranks, each forked (or, without a zygote, started) with its rank in
+    the environment, on a group over loopback and a scratch folder they share; rank 0's report, with
+    what each rank wrote (``bytes_per_step_per_rank``; ``bytes_per_step``: all of them). A rank that
+    fails ends the others."""
+    world = spec["nproc"]
+    with tempfile.TemporaryDirectory(prefix="everystep-run-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch")) as shared:
+        job = {**spec, "shared": shared}
+        base = {**env, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        reports = [os.path.join(tmp, f"report-{r}.json") for r in range(world)]
+        outputs = [os.path.join(tmp, f"output-{r}.txt") for r in range(world)]
+        ranks: list[Any] = []
+        try:
+            for r in range(world):
+                rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
+                argv = [json.dumps(job), reports[r], outputs[r]]
+                ranks.append(zygote.fork(rank_env, argv) if zygote is not None else subprocess.Popen(
+                    [sys.executable, "-c", f"import sys; from {module} import forked; sys.exit(forked(sys.argv[1:]))",
+                     *argv], env=rank_env, start_new_session=True))
+            codes = _wait_ranks(ranks, timeout)
+        finally:
+            for child in ranks:  # (a rank still running: interrupted, or its peer failed)
+                _kill_group(child.pid)
+        failed = [r for r, code in enumerate(codes) if code is not None and (code != 0 or not os.path.exists(reports[r]))]
+        if failed:
+            with open(outputs[failed[0]], errors="replace") as f:
+                raise EverystepError(f"benchmark run of {spec['strategy']} failed on rank {failed[0]}:\n"
+                                     f"{f.read().strip()[-4000:]}")
+        if None in codes:
+            raise EverystepError(f"benchmark run of {spec['strategy']} on {world} ranks was still running after "
+                                 f"{timeout or 0:.0f} s and was stopped")
+        found = []
+        for path in reports:
+            with open(path) as f:
+                found.append(json.loads(f.read()))
+    per_rank = [r["bytes_per_step"] for r in found]
+    return {**found[0], "bytes_per_step": sum(per_rank), "bytes_per_step_per_rank": per_rank}
+
+
+def _wait_ranks(ranks: list[Any], timeout: float | None) -> list[int | None]:
+    """Each rank's exit status (None: still running), once every rank has ended, one has failed (the
+    others, waiting for it in a collective, are then ended by the caller), or ``timeout`` passed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    codes: list[int | None] = [None] * len(ranks)
+    while None in codes:
+        for r, child in enumerate(ranks):
+            if codes[r] is None:
+                codes[r] = child.poll()
+        if any(c not in (None, 0) for c in codes) or (deadline is not None and time.monotonic() > deadline):
+            return codes
+        time.sleep(0.05)
+    return codes
 
 
 def _kill_group(pid: int) -> None:
@@ -260,6 +349,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step",
                                          *CHECKFLOW_MEMORY) if key in mine[0]},
         }
+        if "bytes_per_step_per_rank" in mine[0]:  # several ranks: what each wrote
+            out[name]["bytes_per_step_per_rank"] = [statistics.median(r["bytes_per_step_per_rank"][i] for r in mine)
+                                                    for i in range(len(mine[0]["bytes_per_step_per_rank"]))]
     return out
 
 

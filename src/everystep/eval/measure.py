@@ -6,7 +6,9 @@ steps that a failure would lose at each step end, and the time to recover from w
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -15,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..checkpointer import Checkpointer
+from ..state import capture_rng, restore_rng
 from ..distributed import init_process_group
 from ..tree import flatten, state_error
 from ..strategies import STRATEGIES
@@ -32,8 +36,36 @@ RESUME_STEPS = 2
 
 
 def _build(spec: dict[str, Any], seed: int) -> Any:
+    """The run's workload; under several ranks (``RANK``, ``WORLD_SIZE``), this rank's, laid out as
+    ``spec["parallel"]`` says."""
     return build(spec["workload"], seed=seed, compress=spec.get("compress"), device=spec.get("device", "cpu"),
-                 in_backward=spec.get("in_backward", False))
+                 in_backward=spec.get("in_backward", False), rank=int(os.environ.get("RANK", "0")),
+                 world=int(os.environ.get("WORLD_SIZE", "1")), parallel=spec.get("parallel", "ddp"))
+
+
+def _scratch(spec: dict[str, Any]) -> Any:
+    """Where the run's checkpoints go: the folder its ranks share (``spec["shared"]``, made and removed
+    by the bench), or a temporary one of its own."""
+    if "shared" in spec:
+        return contextlib.nullcontext(spec["shared"])
+    return tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch"))
+
+
+def _across_ranks(result: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's result, where under several ranks every rank's recovery counts: it resumes bitwise
+    only if every rank does, and its errors are the largest of any rank's (each over its own shards)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return result
+    checks = ("resumes_bitwise", "recovery_error", "resume_error")
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, {k: result.get(k) for k in checks})
+    merged = dict(result)
+    if all(f["resumes_bitwise"] is not None for f in found):
+        merged["resumes_bitwise"] = all(f["resumes_bitwise"] for f in found)
+    for key in ("recovery_error", "resume_error"):
+        if all(f[key] is not None for f in found):
+            merged[key] = max(f[key] for f in found)
+    return merged
 
 
 def _attach(w: Any, directory: str | None, strategy: str, options: dict[str, Any], **kw: Any) -> Checkpointer:
@@ -42,7 +74,8 @@ def _attach(w: Any, directory: str | None, strategy: str, options: dict[str, Any
 
 
 def _model_and_optimizer(w: Any) -> dict[str, torch.Tensor]:
-    tensors, _ = flatten({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()["state"]})
+    """The model's and the optimizer's tensors (of a sharded state: this rank's shards)."""
+    tensors, _ = flatten({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()["state"]}, sharded={})
     return {k: t.detach().clone() for k, t in tensors.items()}
 
 
@@ -110,7 +143,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         return measure_peer(spec)
     strategy, steps, warmup = spec["strategy"], spec["steps"], spec["warmup"]
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
-    with tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch")) as tmp:
+    with _scratch(spec) as tmp:
         directory = f"{tmp}/ckpt" if STRATEGIES[strategy].needs_store else None
         w = _build(spec, spec["seed"])
         times, lost_sw, lost_hw = [], [], []
@@ -137,7 +170,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             bytes_measured = ckpt.bytes_written - bytes_at_warmup
             split = {**_split_bytes(ckpt, steps), **_checkflow_memory(ckpt.strategy)}
             live = _model_and_optimizer(w)
-            memory = None
+            memory, rng = None, None
             if strategy == "lowdiff_plus":  # a software failure: the agent outlives the training process
                 ckpt._activity()  # S_steps is complete; hand it over as the next forward would
                 ckpt.wait()
@@ -145,6 +178,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 ckpt.strategy.abandon()
                 ckpt.directory.close()  # the directory is free, as a dead process leaves it
                 memory = _recover(spec, directory, strategy, options)
+                rng = capture_rng()  # as recovered: the uninterrupted run's next steps, below, draw from it too
         after = _train_on(w)  # the uninterrupted run's next steps (the Checkpointer is closed)
         result: dict[str, Any] = {
             "strategy": strategy,
@@ -172,7 +206,16 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             if recovered != steps or again.recovered is None or again.recovered.source != "memory":
                 raise RuntimeError(f"recovered step {recovered} from {again.recovered}, expected {steps} from memory")
             result["recovery_seconds_memory"] = seconds
-        if directory is not None:
+        if memory is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            # Under several ranks the agents persist only the steps the ranks agree on (with the measured
+            # interval, maybe none of this short run's) and nothing as their processes go: what the
+            # run recovered from their memory is what is checked.
+            _, _, fresh, _ = memory
+            result["recovery_error"] = state_error(_model_and_optimizer(fresh), live)
+            assert rng is not None
+            restore_rng(rng)
+            result.update(_resume_check(fresh, after))
+        elif directory is not None:
             seconds, recovered, fresh, again = _recover(spec, directory, strategy, options)
             from_region = again.recovered is not None and again.recovered.source == "region"  # lightcheck's memory
             result["recovery_seconds_memory" if from_region else "recovery_seconds_disk"] = seconds
@@ -186,7 +229,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                     _, _, _, r = _recover(spec, directory, strategy, {**options, "replay_threads": threads})
                     replay[threads] = r.strategy.replay_seconds
                 result["replay_seconds"] = {"serial": replay[1], "parallel_2_threads": replay[2]}
-    return result
+    return _across_ranks(result)
 
 
 def measure_peer(spec: dict[str, Any]) -> dict[str, Any]:
@@ -194,7 +237,7 @@ def measure_peer(spec: dict[str, Any]) -> dict[str, Any]:
     from .peers import PEERS, Peer
 
     steps, warmup = spec["steps"], spec["warmup"]
-    with tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch")) as tmp:
+    with _scratch(spec) as tmp:
         w = _build(spec, spec["seed"])
         peer: Peer = PEERS[spec["strategy"]](Path(tmp) / "ckpt", w, spec.get("every") or 1)
         times, lost = [], []
@@ -222,7 +265,7 @@ def measure_peer(spec: dict[str, Any]) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
         if recovered != steps:
             raise RuntimeError(f"{spec['strategy']} recovered step {recovered}, expected {steps}")
-        return {
+        return _across_ranks({
             "strategy": spec["strategy"], "repeat": spec["repeat"], "every": spec["every"], "step_seconds": times,
             "mean_step_seconds": sum(times) / len(times), "stall_seconds": peer.stall_seconds - at_warmup[0],
             "checkpoints": peer.checkpoints - at_warmup[1],
@@ -233,7 +276,7 @@ def measure_peer(spec: dict[str, Any]) -> dict[str, Any]:
             "recovery_seconds_disk": seconds, "recovery_seconds_memory": None,
             "recovery_error": state_error(_model_and_optimizer(fresh), live), "replay_seconds": None,
             **_resume_check(fresh, after),
-        }
+        })
 
 
 def forked(argv: list[str]) -> int:

@@ -11,6 +11,10 @@ that ``everystep bench`` measures them beside everystep's strategies with the sa
   waiting for the previous upload and the next ``optimizer.step()`` for the staging, as TorchTitan
   does it.
 
+Under several ranks (``everystep bench --nproc``) ``dcp`` and ``dcp_async`` save from every rank into
+one directory per checkpoint, each rank its state (under FSDP2 its shards), as TorchTitan runs them;
+``torch_save``, one process's ``state_dict`` in one file, runs in one process only.
+
 Like a user's, none of them saves the RNG or the data position: the bench's resume check shows
 whether training goes on bitwise after their recovery. Their checkpoints live in the bench's own
 temporary directory; DCP stores the scheduler's plain values in pickle form, which its loader
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -125,28 +130,45 @@ class _AppState(Stateful):
         self.step = int(state["step"])
 
 
+def _ranks() -> tuple[int, int]:
+    """This process's rank and the job's world size (0 and 1 outside torch.distributed)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 class DcpSave(Peer):
+    """Under several ranks every rank saves its state (its shards, under FSDP2) into one directory per
+    checkpoint, as TorchTitan does; rank 0 removes the old ones."""
+
     name = "dcp"
     keep = 2
+
+    def __init__(self, directory: Path, workload: Any, every: int) -> None:
+        super().__init__(directory, workload, every)
+        self.rank, self.world = _ranks()
 
     def _checkpoint(self, step: int) -> Path:
         return self.directory / f"step-{step:012d}"
 
     def _committed(self, step: int) -> None:
-        self.bytes_written += _size(self._checkpoint(step))
+        path = self._checkpoint(step)
+        # this rank's files (DCP names them __<rank>_<n>.distcp), and its index on the coordinator
+        self.bytes_written += _size(path) if self.world == 1 else \
+            sum(_size(p) for p in path.glob(f"__{self.rank}_*")) + (_size(path / ".metadata") if self.rank == 0 else 0)
         self.last_durable_step = step
-        old = sorted(self.directory.glob("step-*"))[:-self.keep]
+        old = sorted(self.directory.glob("step-*"))[:-self.keep] if self.rank == 0 else []
         for path in old:
             shutil.rmtree(path, ignore_errors=True)
 
     def _save(self, step: int) -> None:
-        dcp.save({"app": _AppState(self.w, step)}, checkpoint_id=self._checkpoint(step), no_dist=True)
+        dcp.save({"app": _AppState(self.w, step)}, checkpoint_id=self._checkpoint(step), no_dist=self.world == 1)
         self._committed(step)
 
     def load(self, workload: Any) -> int:
         newest = sorted(self.directory.glob("step-*"))[-1]
         state = _AppState(workload)
-        dcp.load({"app": state}, checkpoint_id=newest, no_dist=True)
+        dcp.load({"app": state}, checkpoint_id=newest, no_dist=self.world == 1)
         return state.step
 
 
@@ -159,6 +181,9 @@ class DcpAsyncSave(DcpSave):
 
         on_gpu = torch.cuda.is_available() and any(p.is_cuda for p in workload.model.parameters())
         self._stager = DefaultStager(StagingOptions(on_gpu, on_gpu, on_gpu, on_gpu))
+        # TorchTitan's async save under several ranks: a gloo group of its own for the uploads' collectives,
+        # which run in the background beside training's
+        self._group = dist.new_group(backend="gloo") if self.world > 1 else None
         self._staging: Any = None
         self._upload: Any = None
         self._uploading = 0
@@ -167,7 +192,7 @@ class DcpAsyncSave(DcpSave):
         self._finish_upload()  # one upload at a time
         # The stager deep-copies what it is given: the state dicts, not the Stateful holding the workload.
         response = dcp.async_save({"app": _AppState(self.w, step).state_dict()}, checkpoint_id=self._checkpoint(step),
-                                  async_stager=self._stager, no_dist=True)
+                                  async_stager=self._stager, process_group=self._group, no_dist=self.world == 1)
         # An AsyncSaveResponse when staging runs in the background (CUDA); else staging is done, and
         # the response is the upload's future.
         self._staging = getattr(response, "staging_completion", None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..checkpointer import Checkpointer
-from ..distributed import Ranks, init_process_group
+from ..distributed import Ranks, free_port, init_process_group
 from ..errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError, EverystepError
 from ..recovery import recover
 from ..storage.directory import MARKER, CheckpointDirectory
@@ -252,12 +251,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     return run_supervised(cfg)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 FAILURE_GRACE = 10.0
 """Seconds the other ranks have to end on their own after one ended with an error."""
 
@@ -266,7 +259,7 @@ class _Job:
     """One lifetime of the job's ranks; a stop signal to the supervisor is passed on to each rank."""
 
     def __init__(self, cfg: TrainConfig, pending: list[int], journals: list[str], zygote: Zygote | None) -> None:
-        port = _free_port()
+        port = free_port()
         self.interrupted = False
         self.software = cfg.fail_mode == "software"
         self.journals = journals
