@@ -178,7 +178,7 @@ def test_two_ranks_many_buckets_powersgd_replays_and_trains_on(tmp_path):
 
     import torch.multiprocessing as mp
 
-    from everystep.eval.train import _free_port
+    from everystep.distributed import free_port as _free_port
 
     job = mp.start_processes(_two_rank_worker, args=(_free_port(), str(tmp_path / "c"), str(tmp_path / "out")),
                              nprocs=2, join=False, start_method="spawn")
