@@ -39,6 +39,7 @@ from .errors import (
 from .optim import OptimizerInBackward
 from .parallelism import sharded_layout
 from .recovery import Recovered
+from .storage.remote import RemoteTier
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
 from .storage.directory import CheckpointDirectory
@@ -151,6 +152,9 @@ class Checkpointer:
         stop_signals: Sequence[int] = (),
         full_format: str | None = None,
         stagger: int | None = None,
+        remote: str | None = None,
+        remote_every: int | None = None,
+        remote_mtbf: float = 86400.0,
         **options: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
@@ -190,12 +194,16 @@ class Checkpointer:
                                              extra={"full_format": full_format} if full_format else None,
                                              new_full_format=default_full_format(self.strategy, self.layout))
         self.directory = store
+        self.remote: RemoteTier | None = None
+        """The remote tier (``remote=``), or None."""
         if store is not None and self.strategy.needs_store and store.full_format not in self.strategy.full_formats:
             store.close()
             raise ConfigError(f"{store.root} holds full checkpoints in the {store.full_format!r} format, which strategy "
                               f"{self.strategy.name!r} does not write ({self.strategy.full_formats_reason}); use "
                               "another directory")
         try:
+            if remote is not None:
+                self.remote = self._remote(remote, remote_every, remote_mtbf)
             self._attach(deadline, k1, k2, stop_signals, stagger)
         except BaseException:
             if store is not None:
@@ -203,6 +211,27 @@ class Checkpointer:
                 store.close()
             raise
         self._closed = False
+
+    def _remote(self, url: Any, every: int | None, mtbf: float) -> RemoteTier:
+        if not isinstance(url, str) or not url.startswith("s3://"):
+            raise ConfigError(f"remote must be an s3://bucket/prefix URL, got {url!r}")
+        if self.directory is None:
+            raise ConfigError(f"strategy {self.strategy.name!r} stores nothing: it takes no remote")
+        if self.ranks.distributed:
+            raise ConfigError("remote= takes a job of one process: under several ranks each rank's parts would be "
+                              "uploaded and committed together, which is not built yet")
+        if every is not None and (type(every) is not int or every < 1):
+            raise ConfigError(f"remote_every must be a positive number of steps or None, got {every!r}")
+        if not isinstance(mtbf, (int, float)) or not mtbf > 0:
+            raise ConfigError(f"remote_mtbf must be a positive number of seconds, got {mtbf!r}")
+        try:
+            from .storage.s3 import parse_url
+
+            parse_url(url)
+        except ValueError as e:
+            raise ConfigError(f"remote: {e}") from None
+        return RemoteTier(url, self.directory, every=every, mtbf=float(mtbf), keep=self.strategy.config.keep,
+                          uploaded=lambda step: setattr(self.stats, "last_remote_step", step))
 
     def _attach(self, deadline: float | None, k1: float, k2: float, stop_signals: Sequence[int],
                 stagger: int | None) -> None:
@@ -249,6 +278,7 @@ class Checkpointer:
             self.strategy.on_start(0)
             return 0
         found, t0 = None, 0.0
+        pulled = self.remote.pull() if self.remote is not None and self.directory.access != "read" else None
         agreeing = time.perf_counter()
         self.strategy.agree_restore()  # collective: before the staggered waves, every rank at once
         agreeing = time.perf_counter() - agreeing
@@ -268,8 +298,9 @@ class Checkpointer:
             raise error
         if found is not None:
             self.step = self.stats.last_durable_step = found.step
+            from_remote = found.step == pulled and found.source == "disk"
             self.recovered = Recovered(
-                step=found.step, tree={}, source=found.source, manifest=found.manifest,
+                step=found.step, tree={}, source="remote" if from_remote else found.source, manifest=found.manifest,
                 seconds=agreeing + time.perf_counter() - t0,
             )
         if self.directory.access != "read":
@@ -351,8 +382,12 @@ class Checkpointer:
             try:
                 (self.strategy.abandon if failed else self.strategy.close)()
             finally:
-                if self.directory is not None:
-                    self.directory.close()
+                try:
+                    if self.remote is not None:  # the final checkpoint too, unless it ends as a crash would
+                        self.remote.close(upload=not failed)
+                finally:
+                    if self.directory is not None:
+                        self.directory.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -421,6 +456,8 @@ class Checkpointer:
         self._ctx.boundary = self.components.capture_boundary()
         self._state_ready_pending = True
         self.strategy.on_step_end(self.step)
+        if self.remote is not None:
+            self.remote.step_end(self.step)
 
     def _activity(self) -> None:
         if self._state_ready_pending:

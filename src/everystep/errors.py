@@ -7,7 +7,7 @@ __all__ = [
     "CheckpointDirectoryError",
     "DirectoryInUseError",
     "ReadOnlyStoreError",
-    "CorruptCheckpointError",
+    "RemoteStoreError", "CorruptCheckpointError",
     "StateMismatchError",
     "NoValidCheckpointError",
     "BackgroundWriteError",
@@ -45,6 +45,11 @@ class DirectoryInUseError(CheckpointDirectoryError):
 
 class ReadOnlyStoreError(EverystepError):
     """A store opened for reading was asked to write or delete."""
+
+
+class RemoteStoreError(EverystepError, OSError):
+    """A request to an object store failed (after the client's retries); the message names the
+    object's URL and the server's error code, never a credential."""
 
 
 class CorruptCheckpointError(EverystepError):

@@ -146,6 +146,8 @@ class CheckpointStats:
     """The newest step recoverable after a software failure from memory that outlives the process."""
     max_checkpoint_seconds: float = 0.0
     """The longest time one full checkpoint took to become durable (write and commit)."""
+    last_remote_step: int = -1
+    """The newest step committed in the remote tier (``remote=``); -1: none."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -155,6 +157,7 @@ class CheckpointStats:
             "snapshot_wait_seconds": self.snapshot_wait_seconds,
             "stall_per_checkpoint_seconds": self.stall_seconds / self.checkpoints if self.checkpoints else 0.0,
             "last_durable_step": self.last_durable_step,
+            "last_remote_step": self.last_remote_step,
         }
 
 

@@ -1,0 +1,192 @@
+"""The remote tier: full checkpoints copied to an object store in the background, and brought back
+to a local directory that has nothing as new (a new machine, a lost disk).
+
+Every strategy keeps checkpointing to its fast tier (the local directory, its region, its agent) as
+without a remote. At a step end on which an upload is due and none is running, the newest committed
+full checkpoint of the local directory is uploaded by a thread of its own: each object read back and
+verified against its checksum, put in the remote store under the same name, and the manifest put
+last — the commit, as locally (:class:`~everystep.storage.catalog.Catalog` over an
+:class:`~everystep.storage.s3.S3Store`). Then the remote keeps its newest ``keep`` full checkpoints.
+Training never waits for an upload; a failed one is reported once (a warning), checkpoints stay
+local, and the next due upload tries again; a success after failures says uploads resumed.
+
+When an upload is due: every ``every`` steps, or — ``every=None`` — at the Young/Daly interval for
+the measured upload time and step time and the given MTBF of a machine (the failure the remote tier is
+for), the first one at once.
+
+At restore, :meth:`RemoteTier.pull` takes the newest remote full checkpoint that verifies, if it is
+newer than the local directory's newest, into the local directory (objects, then the manifest), and
+the strategy recovers as from its own: on a new machine, training resumes where the remote left it.
+
+The remote holds a copy of the local directory's marker (``everystep.json``): a prefix holding
+another job's checkpoints (another strategy, format or world size) is refused, naming the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from ..background import BackgroundErrors, Worker
+from ..errors import CheckpointDirectoryError, CorruptCheckpointError, EverystepError
+from ..policy.interval import median_gap
+from ..policy.young_daly import young_daly_interval
+from .base import Manifest
+from .catalog import OBJECTS, Catalog
+
+if TYPE_CHECKING:
+    from .directory import CheckpointDirectory
+
+__all__ = ["RemoteTier", "MARKER_KEY"]
+
+MARKER_KEY = "everystep.json"
+_SAME_JOB = ("strategy", "full_format", "world_size")
+"""What of the markers must agree for a prefix to hold this job's checkpoints."""
+
+
+class RemoteTier:
+    """Uploads ``directory``'s full checkpoints to ``url`` and brings them back (see the module docstring)."""
+
+    def __init__(self, url: str, directory: "CheckpointDirectory", *, every: int | None, mtbf: float, keep: int,
+                 store: Any = None, uploaded: Callable[[int], None] | None = None) -> None:
+        from .s3 import S3Store
+
+        if every is not None and every < 1:
+            raise ValueError(f"remote_every must be a positive number of steps or None, got {every}")
+        if not mtbf > 0:
+            raise ValueError(f"remote_mtbf must be a positive number of seconds, got {mtbf}")
+        self.url, self.directory, self.every, self.mtbf, self.keep = url, directory, every, mtbf, keep
+        self.store = store if store is not None else S3Store(url)
+        self.catalog = Catalog(self.store)
+        self.uploaded_step = -1
+        """The newest step committed remotely (by this run, or found there at :meth:`pull`)."""
+        self._uploaded = uploaded or (lambda step: None)
+        self.upload_seconds: float | None = None
+        """How long the newest upload took."""
+        self._started_at = -math.inf
+        self._marks: list[float] = []
+        self._failed: str | None = None
+        self._upload: Future[Any] | None = None
+        self._lock = threading.Lock()
+        self._worker = Worker("everystep-remote-upload", BackgroundErrors())
+        self._check_marker()
+
+    def _check_marker(self) -> None:
+        """Refuse a prefix of another job's; give a new one this directory's marker."""
+        ours = self.directory.marker
+        try:
+            theirs = json.loads(self.store.get(MARKER_KEY))
+        except FileNotFoundError:
+            if self.directory.access != "read":
+                self.store.create(MARKER_KEY, json.dumps(ours, sort_keys=True).encode())
+            return
+        except ValueError:
+            raise CheckpointDirectoryError(f"{self.url}/{MARKER_KEY} is not an everystep marker: the prefix holds "
+                                           "something else; choose another") from None
+        differ = [f"{k} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in _SAME_JOB if theirs.get(k) != ours.get(k)]
+        if not isinstance(theirs, dict) or theirs.get("format") != "everystep" or differ:
+            raise CheckpointDirectoryError(f"{self.url} holds another job's checkpoints ({'; '.join(differ) or 'not everystep'}"
+                                           "); choose another remote prefix")
+
+    # -- bringing back ---------------------------------------------------------------------------
+
+    def pull(self) -> int | None:
+        """Take the newest remote full checkpoint that verifies into the local directory, if it is newer
+        than the local newest; its step, or None."""
+        local = self.directory.newest_full_step()
+        for record in sorted(self._fulls(), key=lambda r: -r.manifest.step):
+            manifest = record.manifest
+            if manifest.step > self.uploaded_step:
+                self.uploaded_step = manifest.step
+                self._uploaded(manifest.step)
+            if manifest.step <= local:
+                return None
+            try:
+                data = {info.name: self.catalog.read_object(info) for info in manifest.objects.values()}
+            except (CorruptCheckpointError, FileNotFoundError) as e:
+                warnings.warn(f"the remote checkpoint of step {manifest.step} at {self.url} does not verify ({e}); "
+                              "trying the one before", RuntimeWarning, stacklevel=2)
+                continue
+            local_catalog = self.directory.catalog
+            for name, value in data.items():
+                local_catalog.store.put(OBJECTS + name, [value])
+            local_catalog.commit(manifest)
+            return manifest.step
+        return None
+
+    def _fulls(self) -> list[Any]:
+        return [r for r in self.catalog.manifests() if r.manifest is not None and r.manifest.kind == "full"]
+
+    # -- uploading -------------------------------------------------------------------------------
+
+    def step_end(self, step: int) -> None:
+        """After each step (training thread): start an upload if one is due and none is running."""
+        self._marks = (self._marks + [time.perf_counter()])[-21:]
+        with self._lock:
+            if self._upload is not None and not self._upload.done():
+                return
+            if step - self._started_at < self.interval():
+                return
+            self._started_at = step
+            self._upload = self._worker.submit(f"the upload to {self.url}", self._upload_newest)
+
+    def interval(self) -> float:
+        """Steps between uploads: ``every``, or Young/Daly's for the measured upload and step times."""
+        if self.every is not None:
+            return self.every
+        step_seconds = median_gap(self._marks)
+        if self.upload_seconds is None or not step_seconds:
+            return 1  # nothing measured yet: the first upload measures it
+        return max(1.0, young_daly_interval(step_seconds=step_seconds, ckpt_seconds=self.upload_seconds,
+                                            mtbf_seconds=self.mtbf))
+
+    def _upload_newest(self) -> None:
+        newest = self.directory.fulls()
+        if not newest or newest[0].step <= self.uploaded_step:
+            return
+        manifest = newest[0]
+        t0 = time.perf_counter()
+        try:
+            self._copy(manifest)
+        except (EverystepError, OSError) as e:
+            if self._failed is None:
+                warnings.warn(f"uploading the checkpoint of step {manifest.step} to {self.url} failed ({e}); training goes "
+                              "on with checkpoints kept locally, and later uploads try again", RuntimeWarning, stacklevel=1)
+            self._failed = str(e)
+            return
+        self.upload_seconds = time.perf_counter() - t0
+        self.uploaded_step = manifest.step
+        self._uploaded(manifest.step)
+        if self._failed is not None:
+            warnings.warn(f"uploads to {self.url} resumed with step {manifest.step}", RuntimeWarning, stacklevel=1)
+            self._failed = None
+
+    def _copy(self, manifest: Manifest) -> None:
+        local = self.directory.catalog
+        for info in manifest.objects.values():
+            self.store.put(OBJECTS + info.name, [local.read_object(info)])  # verified on the way out
+        self.catalog.commit(manifest)  # last: the checkpoint is visible remotely from here on
+        for old in sorted(self._fulls(), key=lambda r: -r.manifest.step)[self.keep:]:
+            self.catalog.discard(old.name)
+
+    def wait(self) -> None:
+        """Wait for the upload in flight, if any (its failure is reported, never raised)."""
+        with self._lock:
+            running = self._upload
+        if running is not None:
+            running.result()
+
+    def close(self, *, upload: bool = True) -> None:
+        """Wait for the upload in flight; with ``upload``, then upload the newest checkpoint (the final
+        one) if it is not there yet."""
+        self.wait()
+        if upload:
+            self._upload_newest()
+        self._worker.close()
+        self.store.close()

@@ -1,0 +1,283 @@
+"""The store in S3-compatible object storage, against a real server: moto's standalone server, started
+as a process of its own on loopback and reached over HTTP by boto3, as any S3 endpoint is
+(``AWS_ENDPOINT_URL``). Nothing of the client is patched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from everystep.distributed import free_port
+from everystep.errors import CorruptCheckpointError, RemoteStoreError
+from everystep.storage.base import Manifest
+from everystep.storage.catalog import Catalog
+
+from .conftest import ROOT
+
+from everystep.storage.s3 import PART_BYTES, S3Store, parse_url
+
+SECRET = "everystep-test-secret-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A moto S3 server in a process of its own; the environment a job reaching it would have."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while True:  # until it accepts connections (it says nothing on a pipe when it does)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the S3 server (moto) did not start: {proc.communicate()[1][-2000:]}")
+            time.sleep(0.1)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def bucket(server, request):
+    import boto3
+
+    import hashlib
+
+    name = "b-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]  # one per test (and parameter)
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name
+
+
+def test_urls_are_parsed_and_bad_ones_named():
+    assert parse_url("s3://my-bucket/runs/job-1") == ("my-bucket", "runs/job-1/")
+    assert parse_url("s3://my-bucket") == ("my-bucket", "")
+    for bad in ("s3:/b/p", "http://b/p", "s3://B/p", "s3://bucket/a/../b"):
+        with pytest.raises(ValueError, match="s3://"):
+            parse_url(bad)
+
+
+def test_values_are_put_whole_listed_with_versions_read_and_deleted(bucket):
+    store = S3Store(f"s3://{bucket}/job")
+    big = os.urandom(2 * PART_BYTES + 12345)  # three parts of a multipart upload
+    assert store.put("objects/big", [big[:100], memoryview(big)[100:]]) == len(big)
+    assert store.put("manifests/a.json", [b"{}"]) == 2
+    listed = store.list("")
+    assert set(listed) == {"objects/big", "manifests/a.json"} and all(listed.values())
+    assert store.get("objects/big") == big
+    first = listed["manifests/a.json"]
+    store.put("manifests/a.json", [b'{"x": 1}'])
+    assert store.list("manifests/")["manifests/a.json"] != first  # its version changed with its value
+    store.delete("objects/big")
+    assert "objects/big" not in store.list("objects/")
+    with pytest.raises(FileNotFoundError):
+        store.get("objects/big")
+    for bad in ("../x", "/abs", "objects//x", "objects/.."):
+        with pytest.raises(ValueError, match="is not a key"):
+            store.get(bad)
+
+
+def test_a_directory_value_is_uploaded_file_by_file_fetched_and_deleted_whole(bucket):
+    store = S3Store(f"s3://{bucket}/d")
+
+    def fill(folder):
+        folder.mkdir(parents=True)
+        (folder / "__0_0.distcp").write_bytes(b"zero")
+        (folder / ".metadata").write_bytes(b"meta")
+        return "filled"
+
+    assert store.put_directory("objects/full-1.dcp", fill) == "filled"
+    assert set(store.list("objects/")) == {"objects/full-1.dcp/__0_0.distcp", "objects/full-1.dcp/.metadata"}
+    local = store.fetch("objects/full-1.dcp")
+    assert (local / "__0_0.distcp").read_bytes() == b"zero"
+    store.delete("objects/full-1.dcp")
+    assert store.list("objects/") == {}
+    store.close()
+    assert not local.exists()
+
+
+def test_of_two_writers_creating_one_key_exactly_one_succeeds(bucket):
+    a, b = S3Store(f"s3://{bucket}/p"), S3Store(f"s3://{bucket}/p")
+    assert a.create("writer.lock", b"a") is True
+    assert b.create("writer.lock", b"b") is False
+    assert a.get("writer.lock") == b"a"
+
+
+_KILLED_MID_UPLOAD = """
+import os, signal, sys
+from everystep.storage.s3 import PART_BYTES, S3Store
+
+def chunks():
+    yield os.urandom(PART_BYTES + 1)  # the first part goes up with the next chunk
+    yield b"x"
+    os.kill(os.getpid(), signal.SIGKILL)  # killed between parts, the upload in progress
+    yield b"never"
+
+S3Store(sys.argv[1]).put("objects/full-000000000007.safetensors", chunks())
+"""
+
+
+def test_a_writer_killed_mid_upload_leaves_nothing_visible_and_its_upload_is_aborted(bucket):
+    url = f"s3://{bucket}/k"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", _KILLED_MID_UPLOAD, url], env=env, capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    store = S3Store(url)
+    assert store.list("") == {}  # nothing of it is an object
+    (token, key), = store.leftovers()
+    assert key == "objects/full-000000000007.safetensors"
+    store.delete(token)
+    assert store.leftovers() == []
+
+
+def test_a_catalog_in_s3_commits_reads_and_refuses_a_tampered_object(bucket):
+    import boto3
+
+    catalog = Catalog(S3Store(f"s3://{bucket}/c"))
+    info = catalog.write_object("full-000000000003.safetensors", [b"tensor bytes"])
+    catalog.commit(Manifest(kind="full", step=3, objects={"tensors": info}))
+    (record,) = catalog.manifests()
+    assert record.manifest.step == 3 and catalog.read_object(info) == b"tensor bytes"
+    # re-uploaded with other bytes by someone else: its checksum no longer matches
+    boto3.client("s3").put_object(Bucket=bucket, Key="c/objects/full-000000000003.safetensors", Body=b"tensor bytez")
+    with pytest.raises(CorruptCheckpointError):
+        Catalog(S3Store(f"s3://{bucket}/c", access="read")).read_object(info)
+
+
+def test_a_missing_bucket_is_one_error_naming_the_url_and_never_the_secret(server):
+    with pytest.raises(RemoteStoreError) as failed:
+        S3Store("s3://no-such-bucket/x").put("objects/a", [b"1"])
+    message = str(failed.value)
+    assert "s3://no-such-bucket/x/objects/a" in message and "NoSuchBucket" in message and "bucket does not exist" in message
+    assert SECRET not in message and "testing" not in message
+
+
+# -- the remote tier: checkpoints that outlive the machine -------------------------------------------
+
+_JOB = """
+import json, os, signal, sys
+from everystep import Checkpointer
+from everystep.eval.train import training_state_hash
+from everystep.eval.workloads import build
+
+local, url, strategy, steps, kill_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+w = build("gpt2-tiny", seed=0, optimizer="adamw")
+options = {"every": 2} if strategy == "lowdiff_plus" else {}
+ckpt = Checkpointer(local, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=strategy,
+                    remote=url or None, remote_every=2, **options)
+start = ckpt.restore()
+for step in range(start + 1, steps + 1):
+    w.loss(w.data.next()).backward()
+    w.update()
+    if step == kill_at:  # the host is lost after this step: its processes, its disk (an upload may be in flight)
+        os.killpg(0, signal.SIGKILL)
+ckpt.close()
+print(json.dumps({"start": start, "source": ckpt.recovered.source if ckpt.recovered else None,
+                  "remote_step": ckpt.stats.last_remote_step,
+                  "hash": training_state_hash({"step": steps, **ckpt.components.capture(),
+                                               **ckpt.components.capture_boundary()})}))
+"""
+
+
+def _job(tmp_path, local, url, strategy, steps, kill_at=0):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _JOB, str(local), url, strategy, str(steps), str(kill_at)], env=env,
+                          capture_output=True, text=True, timeout=240, start_new_session=True)
+    if kill_at:
+        assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+        return None
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("strategy, seed", [("checkfreq", 1), ("lowdiff_plus", 2)])
+def test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise(tmp_path, bucket, strategy, seed):
+    import random
+
+    steps = 14
+    kill_at = random.Random(seed).randint(5, 11)  # an instant drawn from the seed, an upload maybe in flight
+    url = f"s3://{bucket}/job"
+    reference = _job(tmp_path, tmp_path / "ref", "", strategy, steps)
+    _job(tmp_path, tmp_path / "lost", url, strategy, steps, kill_at)
+    resumed = _job(tmp_path, tmp_path / "new", url, strategy, steps)  # a new machine: its local directory empty
+    # the newest checkpoint uploaded before the loss (uploads run behind training, every 2 steps)
+    assert resumed["source"] == "remote" and 0 <= resumed["start"] <= kill_at
+    assert resumed["hash"] == reference["hash"]  # I1: bitwise the uninterrupted run
+    assert resumed["remote_step"] == steps  # its final checkpoint uploaded as it closed
+
+
+def _moto(port):
+    """A moto server on ``port``, answering."""
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("the S3 server (moto) did not start")
+            time.sleep(0.1)
+
+
+def test_a_server_that_goes_away_is_reported_once_training_goes_on_and_uploads_resume(server, tmp_path, monkeypatch):
+    import boto3
+
+    from everystep import Checkpointer
+    from everystep.eval.workloads import build
+
+    port = free_port()  # a server of this test's own, stopped and started again
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    proc = _moto(port)
+    boto3.client("s3").create_bucket(Bucket="gone")
+    w = build("mlp", seed=0, optimizer="adamw")
+
+    def train(ckpt, n):
+        for _ in range(n):
+            w.loss(w.data.next()).backward()
+            w.update()
+            ckpt.remote.wait()  # (the test's sequence; training itself never waits)
+
+    try:
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", remote="s3://gone/job",
+                          remote_every=1) as ckpt:
+            ckpt.restore()
+            train(ckpt, 3)
+            # (an upload takes the newest checkpoint committed at its step's end: S_2, committed as step 3 began)
+            assert ckpt.stats.last_remote_step == 2
+            proc.kill()
+            proc.wait()
+            with pytest.warns(RuntimeWarning, match="to s3://gone/job failed") as failed:
+                train(ckpt, 4)
+            assert len([x for x in failed if "failed" in str(x.message)]) == 1  # once, not every step
+            assert ckpt.stats.last_durable_step == 6 and ckpt.stats.last_remote_step == 2  # checkpoints stay local
+            proc = _moto(port)  # back (empty: moto keeps nothing), its bucket made again
+            boto3.client("s3").create_bucket(Bucket="gone")
+            with pytest.warns(RuntimeWarning, match="uploads to s3://gone/job resumed"):
+                train(ckpt, 2)
+            assert ckpt.stats.last_remote_step == 8
+    finally:
+        proc.kill()
+        proc.wait()
