@@ -115,9 +115,12 @@ def test_a_directory_value_is_uploaded_file_by_file_fetched_and_deleted_whole(bu
 
 def test_of_two_writers_creating_one_key_exactly_one_succeeds(bucket):
     a, b = S3Store(f"s3://{bucket}/p"), S3Store(f"s3://{bucket}/p")
-    assert a.create("writer.lock", b"a") is True
-    assert b.create("writer.lock", b"b") is False
+    version = a.create("writer.lock", b"a")
+    assert version and b.create("writer.lock", b"b") is None
     assert a.get("writer.lock") == b"a"
+    # a conditional replace: whoever holds the version it read, once
+    newer = b.replace("writer.lock", b"b", version)
+    assert newer and a.replace("writer.lock", b"a", version) is None and a.get("writer.lock") == b"b"
 
 
 _KILLED_MID_UPLOAD = """
@@ -181,7 +184,7 @@ local, url, strategy, steps, kill_at = sys.argv[1], sys.argv[2], sys.argv[3], in
 w = build("gpt2-tiny", seed=0, optimizer="adamw")
 options = {"every": 2} if strategy == "lowdiff_plus" else {}
 ckpt = Checkpointer(local, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=strategy,
-                    remote=url or None, remote_every=2, **options)
+                    remote=url or None, remote_every=2, remote_lease=3.0, **options)
 start = ckpt.restore()
 for step in range(start + 1, steps + 1):
     w.loss(w.data.next()).backward()
@@ -218,7 +221,8 @@ def test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwis
     url = f"s3://{bucket}/job"
     reference = _job(tmp_path, tmp_path / "ref", "", strategy, steps)
     _job(tmp_path, tmp_path / "lost", url, strategy, steps, kill_at)
-    resumed = _job(tmp_path, tmp_path / "new", url, strategy, steps)  # a new machine: its local directory empty
+    # a new machine, its local directory empty; the lost host's lock expires after its lease (3 s here)
+    resumed = _job(tmp_path, tmp_path / "new", url, strategy, steps)
     # the newest checkpoint uploaded before the loss (uploads run behind training, every 2 steps)
     assert resumed["source"] == "remote" and 0 <= resumed["start"] <= kill_at
     assert resumed["hash"] == reference["hash"]  # I1: bitwise the uninterrupted run
@@ -281,3 +285,56 @@ def test_a_server_that_goes_away_is_reported_once_training_goes_on_and_uploads_r
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_second_writer_on_a_live_writers_prefix_is_refused(bucket, tmp_path):
+    from everystep import Checkpointer
+    from everystep.errors import DirectoryInUseError
+    from everystep.eval.workloads import build
+
+    url = f"s3://{bucket}/one"
+    a, b = build("mlp", seed=0), build("mlp", seed=0)
+    with Checkpointer(tmp_path / "a", a.model, a.optimizer, strategy="full_sync", remote=url, remote_lease=1.5) as first:
+        first.restore()
+        with pytest.warns(RuntimeWarning, match=r"waiting \d+ s for the lock to expire"):
+            with pytest.raises(DirectoryInUseError, match=f"{url} is being written by another job .host .*, pid {os.getpid()}"):
+                Checkpointer(tmp_path / "b", b.model, b.optimizer, strategy="full_sync", remote=url, remote_lease=1.5)
+
+
+_BIG = """
+import os, sys, torch
+from everystep import Checkpointer
+
+local, url, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.manual_seed(0)
+model = torch.nn.Linear(1500, 1500)  # 27 MB with AdamW's state: each upload is a multipart one of 4 parts
+opt = torch.optim.AdamW(model.parameters())
+with Checkpointer(local, model, opt, strategy="full_sync", remote=url, remote_every=1, remote_lease=1.0) as ckpt:
+    start = ckpt.restore()
+    for step in range(start + 1, steps + 1):
+        model(torch.ones(4, 1500)).square().mean().backward()
+        opt.step(); opt.zero_grad()
+    print(start, ckpt.recovered.source if ckpt.recovered else None)
+"""
+
+
+@pytest.mark.parametrize("point", ["store.remote.part:4", "store.remote.part:5", "remote.before_manifest:2"])
+def test_an_upload_killed_at_any_point_leaves_the_previous_remote_checkpoint_and_is_collected(bucket, tmp_path, point):
+    # The job is killed in its second upload: between two parts of the object (a multipart upload in
+    # progress), or with every object up and the manifest not. Nothing of it is visible; a new machine
+    # resumes from the first upload, and collects what the killed one left.
+    url = f"s3://{bucket}/big"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", _BIG, str(tmp_path / "lost"), url, "6"], capture_output=True,
+                            text=True, timeout=240, env={**env, "EVERYSTEP_CRASH": point})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    store = S3Store(url)
+    (committed,) = [int(k[len("manifests/full-"):-len(".json")]) for k in store.list("manifests/")]
+    assert bool(store.leftovers()) == point.startswith("store.remote.part")  # an upload in progress, invisible
+    again = subprocess.run([sys.executable, "-c", _BIG, str(tmp_path / "new"), url, "6"], capture_output=True,
+                           text=True, timeout=240, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.split() == [str(committed), "remote"]
+    assert store.leftovers() == []
+    named = {f"objects/{o.name}" for r in Catalog(store).manifests() for o in r.manifest.objects.values()}
+    assert set(store.list("objects/")) == named  # what the killed upload wrote without a manifest: collected

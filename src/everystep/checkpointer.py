@@ -155,6 +155,7 @@ class Checkpointer:
         remote: str | None = None,
         remote_every: int | None = None,
         remote_mtbf: float = 86400.0,
+        remote_lease: float = 60.0,
         **options: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
@@ -203,7 +204,7 @@ class Checkpointer:
                               "another directory")
         try:
             if remote is not None:
-                self.remote = self._remote(remote, remote_every, remote_mtbf)
+                self.remote = self._remote(remote, remote_every, remote_mtbf, remote_lease)
             self._attach(deadline, k1, k2, stop_signals, stagger)
         except BaseException:
             if store is not None:
@@ -212,7 +213,7 @@ class Checkpointer:
             raise
         self._closed = False
 
-    def _remote(self, url: Any, every: int | None, mtbf: float) -> RemoteTier:
+    def _remote(self, url: Any, every: int | None, mtbf: float, lease: float) -> RemoteTier:
         if not isinstance(url, str) or not url.startswith("s3://"):
             raise ConfigError(f"remote must be an s3://bucket/prefix URL, got {url!r}")
         if self.directory is None:
@@ -222,8 +223,9 @@ class Checkpointer:
                               "uploaded and committed together, which is not built yet")
         if every is not None and (type(every) is not int or every < 1):
             raise ConfigError(f"remote_every must be a positive number of steps or None, got {every!r}")
-        if not isinstance(mtbf, (int, float)) or not mtbf > 0:
-            raise ConfigError(f"remote_mtbf must be a positive number of seconds, got {mtbf!r}")
+        for name, value in (("remote_mtbf", mtbf), ("remote_lease", lease)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         try:
             from .storage.s3 import parse_url
 
@@ -231,7 +233,7 @@ class Checkpointer:
         except ValueError as e:
             raise ConfigError(f"remote: {e}") from None
         return RemoteTier(url, self.directory, every=every, mtbf=float(mtbf), keep=self.strategy.config.keep,
-                          uploaded=lambda step: setattr(self.stats, "last_remote_step", step))
+                          uploaded=lambda step: setattr(self.stats, "last_remote_step", step), lease=float(lease))
 
     def _attach(self, deadline: float | None, k1: float, k2: float, stop_signals: Sequence[int],
                 stagger: int | None) -> None:

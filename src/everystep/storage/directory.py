@@ -36,7 +36,7 @@ from .catalog import MANIFESTS, OBJECTS, Catalog
 from .local import LocalStore, fsync_dir
 from .retention import plan_retention
 
-__all__ = ["CheckpointDirectory", "MARKER", "LOCK", "FORMAT_VERSION", "marker_bytes"]
+__all__ = ["CheckpointDirectory", "MARKER", "LOCK", "FORMAT_VERSION", "marker_bytes", "collect_garbage"]
 
 MARKER = "everystep.json"
 LOCK = "everystep.lock"
@@ -365,17 +365,23 @@ class CheckpointDirectory:
         if self.access != "write":
             self.catalog.check_writable()
             return []
-        catalog = self.catalog
-        records = catalog.manifests()
-        used = {o.name for r in records if r.manifest for o in r.manifest.objects.values()}
-        used |= {name.split("/", 1)[0] for name in used if "/" in name}
-        unreadable = tuple(r.name for r in records if r.manifest is None)
-        orphans = [name for name in catalog.object_names()
-                   if _OWN_OBJECT.match(name) and name not in used and not name.startswith(unreadable)]
-        leftovers = [token for token, final in catalog.interrupted_writes() if _OWN_OBJECT.match(final.rsplit("/", 1)[-1])]
-        removed = [catalog.delete_leftover(token) for token in leftovers]  # first: a deleted object may be kept as a spare
-        removed += [catalog.delete_object(name) for name in orphans]
-        if removed:
-            log.warning("removed %d file(s) an interrupted run left in %s: %s", len(removed), self.root,
-                        ", ".join(sorted(removed)))
-        return removed
+        return collect_garbage(self.catalog)
+
+
+def collect_garbage(catalog: Catalog) -> list[str]:
+    """Delete what an interrupted writer left in ``catalog``'s store — everystep's own temporaries
+    (or uploads in progress), and its own objects that no manifest names — and log it; the names
+    removed. Only the store's one writer may call it, when it has no write in flight."""
+    records = catalog.manifests()
+    used = {o.name for r in records if r.manifest for o in r.manifest.objects.values()}
+    used |= {name.split("/", 1)[0] for name in used if "/" in name}
+    unreadable = tuple(r.name for r in records if r.manifest is None)
+    orphans = [name for name in catalog.object_names()
+               if _OWN_OBJECT.match(name) and name not in used and not name.startswith(unreadable)]
+    leftovers = [token for token, final in catalog.interrupted_writes() if _OWN_OBJECT.match(final.rsplit("/", 1)[-1])]
+    removed = [catalog.delete_leftover(token) for token in leftovers]  # first: a deleted object may be kept as a spare
+    removed += [catalog.delete_object(name) for name in orphans]
+    if removed:
+        log.warning("removed %d file(s) an interrupted run left in %s: %s", len(removed), catalog.root,
+                    ", ".join(sorted(removed)))
+    return removed

@@ -20,32 +20,48 @@ the strategy recovers as from its own: on a new machine, training resumes where 
 
 The remote holds a copy of the local directory's marker (``everystep.json``): a prefix holding
 another job's checkpoints (another strategy, format or world size) is refused, naming the URL.
+
+One writer per prefix (:class:`RemoteLock`): ``writer.lock`` is created only where none is
+(``If-None-Match``), renewed by its holder every third of ``lease`` seconds (``If-Match`` its own
+version), and taken over by a successor only once its holder has not renewed it for ``lease``
+seconds by the server's clock (``If-Match`` the stale version: of several successors, one wins). A
+holder that finds its lock taken stops uploading. What this rests on: S3's conditional writes, and a
+holder that renews within the lease — a writer stalled for longer than ``lease`` (a frozen
+machine) can have one upload in flight when a successor takes over; its manifest is then an older
+step's, which retention and recovery order by step, so nothing newer is lost. Once the lock is
+held, what interrupted writers left (uploads in progress, objects no manifest names) is collected.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import threading
+import uuid
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from .._faults import crash_point
 from ..background import BackgroundErrors, Worker
-from ..errors import CheckpointDirectoryError, CorruptCheckpointError, EverystepError
+from ..errors import CheckpointDirectoryError, CorruptCheckpointError, DirectoryInUseError, EverystepError
 from ..policy.interval import median_gap
 from ..policy.young_daly import young_daly_interval
 from .base import Manifest
 from .catalog import OBJECTS, Catalog
+from .directory import collect_garbage
 
 if TYPE_CHECKING:
-    from .directory import CheckpointDirectory
+    from .directory import CheckpointDirectory  # noqa: F811
 
-__all__ = ["RemoteTier", "MARKER_KEY"]
+__all__ = ["RemoteTier", "RemoteLock", "MARKER_KEY", "LOCK_KEY"]
 
 MARKER_KEY = "everystep.json"
+LOCK_KEY = "writer.lock"
 _SAME_JOB = ("strategy", "full_format", "world_size")
 """What of the markers must agree for a prefix to hold this job's checkpoints."""
 
@@ -54,7 +70,7 @@ class RemoteTier:
     """Uploads ``directory``'s full checkpoints to ``url`` and brings them back (see the module docstring)."""
 
     def __init__(self, url: str, directory: "CheckpointDirectory", *, every: int | None, mtbf: float, keep: int,
-                 store: Any = None, uploaded: Callable[[int], None] | None = None) -> None:
+                 store: Any = None, uploaded: Callable[[int], None] | None = None, lease: float = 60.0) -> None:
         from .s3 import S3Store
 
         if every is not None and every < 1:
@@ -76,6 +92,10 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._worker = Worker("everystep-remote-upload", BackgroundErrors())
         self._check_marker()
+        self.lock: RemoteLock | None = None
+        if directory.access == "write":
+            self.lock = RemoteLock(self.store, url, lease=lease)
+            collect_garbage(self.catalog)
 
     def _check_marker(self) -> None:
         """Refuse a prefix of another job's; give a new one this directory's marker."""
@@ -147,6 +167,11 @@ class RemoteTier:
                                             mtbf_seconds=self.mtbf))
 
     def _upload_newest(self) -> None:
+        if self.lock is not None and self.lock.lost is not None:
+            if self._failed != self.lock.lost:
+                warnings.warn(f"no more uploads to {self.url}: {self.lock.lost}", RuntimeWarning, stacklevel=1)
+                self._failed = self.lock.lost
+            return
         newest = self.directory.fulls()
         if not newest or newest[0].step <= self.uploaded_step:
             return
@@ -171,6 +196,7 @@ class RemoteTier:
         local = self.directory.catalog
         for info in manifest.objects.values():
             self.store.put(OBJECTS + info.name, [local.read_object(info)])  # verified on the way out
+        crash_point("remote.before_manifest")
         self.catalog.commit(manifest)  # last: the checkpoint is visible remotely from here on
         for old in sorted(self._fulls(), key=lambda r: -r.manifest.step)[self.keep:]:
             self.catalog.discard(old.name)
@@ -186,7 +212,86 @@ class RemoteTier:
         """Wait for the upload in flight; with ``upload``, then upload the newest checkpoint (the final
         one) if it is not there yet."""
         self.wait()
-        if upload:
-            self._upload_newest()
-        self._worker.close()
-        self.store.close()
+        try:
+            if upload:
+                self._upload_newest()
+        finally:
+            self._worker.close()
+            if self.lock is not None:
+                self.lock.release()
+            self.store.close()
+
+
+class RemoteLock:
+    """One writer per prefix of an object store (see the module docstring); raises
+    :class:`DirectoryInUseError` naming the holder when a live one holds it."""
+
+    def __init__(self, store: Any, url: str, *, lease: float) -> None:
+        self.store, self.url, self.lease = store, url, lease
+        self.lost: str | None = None
+        """Why this writer no longer holds the lock (another took it over), or None."""
+        self._holder_id = {"holder": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
+        self._renewals = 0
+        self._version = self._take()
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew, name="everystep-remote-lock", daemon=True)
+        self._renewer.start()
+
+    def _body(self) -> bytes:
+        """The lock's value: who holds it, and how many times it renewed it (each renewal a new
+        version, so that a successor's takeover of a version it saw fails once the holder renewed)."""
+        return json.dumps({**self._holder_id, "renewals": self._renewals}).encode()
+
+    def _take(self) -> str:
+        version = self.store.create(LOCK_KEY, self._body())
+        if version is not None:
+            return str(version)
+        seen = self.store.age(LOCK_KEY)
+        if seen is not None and seen[1] < self.lease:
+            # Held, and renewed within the lease: a job restarted after its host was lost finds its own
+            # predecessor's lock so; it expires unless its holder renews it within the lease.
+            holder = self._holder()
+            left = self.lease - seen[1]
+            warnings.warn(f"{self.url} is locked by {holder}; waiting {left:.0f} s for the lock to expire (a live writer "
+                          "renews it before then)", RuntimeWarning, stacklevel=4)
+            time.sleep(left + 0.5)  # (a lease's expiry is a matter of time: there is nothing to wait on)
+            again = self.store.age(LOCK_KEY)
+            if again is not None and again[0] != seen[0]:
+                raise DirectoryInUseError(f"{self.url} is being written by another job ({self._holder()}), which renewed "
+                                          "its lock: choose another remote prefix", None)
+        version = self.store.replace(LOCK_KEY, self._body(), seen[0]) if seen is not None else \
+            self.store.create(LOCK_KEY, self._body())
+        if version is None:
+            raise DirectoryInUseError(f"{self.url}: another job took over its stale lock at the same moment "
+                                      f"({self._holder()})", None)
+        return str(version)
+
+    def _holder(self) -> str:
+        try:
+            found = json.loads(self.store.get(LOCK_KEY))
+            return f"host {found.get('host')}, pid {found.get('pid')}"
+        except (FileNotFoundError, ValueError, EverystepError, OSError, AttributeError):
+            return "holder unknown"
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease / 3):  # (a period, not a synchronisation)
+            self._renewals += 1
+            try:
+                version = self.store.replace(LOCK_KEY, self._body(), self._version)
+            except (EverystepError, OSError):
+                continue  # the server away: try again; a successor can take the lock only after the lease
+            if version is None:
+                self.lost = f"another job took over the lock of {self.url} ({self._holder()})"
+                return
+            self._version = version
+
+    def release(self) -> None:
+        """Stop renewing, and delete the lock if this writer still holds it."""
+        self._stop.set()
+        self._renewer.join()
+        if self.lost is None:
+            try:
+                if (found := self.store.age(LOCK_KEY)) is not None and found[0] == self._version:
+                    self.store.delete(LOCK_KEY)
+            except (EverystepError, OSError):
+                pass  # (the server away: the lock expires after its lease)

@@ -27,6 +27,7 @@ What the store protocol asks, and what in S3 gives it:
 
 from __future__ import annotations
 
+import email.utils
 import re
 import shutil
 import tempfile
@@ -34,6 +35,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .._faults import crash_point
 from ..errors import CheckpointDirectoryError, ReadOnlyStoreError, RemoteStoreError
 from .base import Access
 
@@ -121,6 +123,7 @@ class S3Store:
                         upload = self._s3.create_multipart_upload(Bucket=self.bucket, Key=name)["UploadId"]
                     parts.append(self._part(name, upload, len(parts) + 1, pending[:PART_BYTES]))
                     del pending[:PART_BYTES]
+                    crash_point("store.remote.part")  # a part uploaded, the value not complete
             if upload is None:
                 self._s3.put_object(Bucket=self.bucket, Key=name, Body=bytes(pending))
                 return total
@@ -144,18 +147,39 @@ class S3Store:
         except Exception:
             pass  # (then it is a leftover, which garbage collection aborts)
 
-    def create(self, key: str, data: bytes) -> bool:
-        """Write ``key`` only if no value has it (``If-None-Match: *``): True when this call created it,
-        False when one was there. Of several writers at once, exactly one gets True."""
+    def create(self, key: str, data: bytes) -> str | None:
+        """Write ``key`` only if no value has it (``If-None-Match: *``): its version (ETag) when this
+        call created it, None when one was there. Of several writers at once, exactly one succeeds."""
+        return self._conditional("creating", key, data, IfNoneMatch="*")
+
+    def replace(self, key: str, data: bytes, version: str) -> str | None:
+        """Write ``key`` only if its value is still the one of ``version`` (``If-Match``): the new
+        version, or None when it changed meanwhile. Of several writers at once, at most one succeeds."""
+        return self._conditional("replacing", key, data, IfMatch=version)
+
+    def _conditional(self, what: str, key: str, data: bytes, **condition: str) -> str | None:
         self._check_writable()
         name = self._key(key)
         try:
-            self._s3.put_object(Bucket=self.bucket, Key=name, Body=data, IfNoneMatch="*")
+            return str(self._s3.put_object(Bucket=self.bucket, Key=name, Body=data, **condition)["ETag"])
         except Exception as e:
-            if _code(e) in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
-                return False
-            raise self._failed("creating", key, e) from None
-        return True
+            if _code(e) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "NoSuchKey", "404"):
+                return None
+            raise self._failed(what, key, e) from None
+
+    def age(self, key: str) -> tuple[str, float] | None:
+        """The version of ``key`` and the seconds since it was written, by the server's clock (its
+        ``Date`` against the value's ``Last-Modified``: no clock of this machine enters); None when
+        there is no value."""
+        name = self._key(key)
+        try:
+            head = self._s3.head_object(Bucket=self.bucket, Key=name)
+        except Exception as e:
+            if _code(e) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise self._failed("reading", key, e) from None
+        now = email.utils.parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
+        return str(head["ETag"]), (now - head["LastModified"]).total_seconds()
 
     def put_directory(self, key: str, fill: Callable[[Path], T], *, lead: bool = True) -> T:
         """``fill`` writes into a local temporary folder; its files are then uploaded under ``key/``
