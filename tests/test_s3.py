@@ -338,3 +338,36 @@ def test_an_upload_killed_at_any_point_leaves_the_previous_remote_checkpoint_and
     assert store.leftovers() == []
     named = {f"objects/{o.name}" for r in Catalog(store).manifests() for o in r.manifest.objects.values()}
     assert set(store.list("objects/")) == named  # what the killed upload wrote without a manifest: collected
+
+
+def test_the_cli_trains_with_a_remote_and_inspects_verifies_and_recovers_it_by_url(bucket, tmp_path, capsys):
+    import boto3
+
+    from .conftest import call_cli
+
+    url = f"s3://{bucket}/cli"
+    code, out, err = call_cli(capsys, "train", "--workload", "mlp", "--strategy", "checkfreq", "--steps", "6",
+                              "--dir", str(tmp_path / "a"), "--remote", url, "--remote-every", "2")
+    assert code == 0, err
+    trained = out.strip().splitlines()[-1].split()[-1]
+    code, out, _ = call_cli(capsys, "inspect", url)
+    assert code == 0 and out.startswith(f"{url}: strategy checkfreq") and "full step        6" in out
+    assert call_cli(capsys, "verify", url)[:2] == (0, f"{url}: 2 checkpoint(s), all verify\n")
+    code, out, _ = call_cli(capsys, "recover", "--dir", url)
+    assert code == 0 and out.split()[:2] == ["step", "6,"] and trained in out  # the final state, bitwise
+    # The newest remote object replaced by someone with other bytes: verify names it; a new machine
+    # falls back to the checkpoint before it
+    s3 = boto3.client("s3")
+    key = next(k["Key"] for k in s3.list_objects_v2(Bucket=bucket, Prefix="cli/objects/")["Contents"] if "000006" in k["Key"])
+    s3.put_object(Bucket=bucket, Key=key, Body=b"not the checkpoint")
+    code, out, _ = call_cli(capsys, "verify", url)
+    assert code == 1 and "full-000000000006" in out and "1 problem(s)" in out
+    with pytest.warns(RuntimeWarning, match="the remote checkpoint of step 6 at .* does not verify"):
+        code, out, err = call_cli(capsys, "train", "--workload", "mlp", "--strategy", "checkfreq", "--steps", "6",
+                                  "--dir", str(tmp_path / "b"), "--remote", url, "--remote-every", "2", "--json",
+                                  str(tmp_path / "b.json"))
+    assert code == 0, err
+    import json
+
+    summary = json.loads((tmp_path / "b.json").read_text())
+    assert summary["final_state_sha256"] == trained and 1 < summary["first_step"] <= 6  # resumed before step 6

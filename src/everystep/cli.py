@@ -37,6 +37,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode, compress=args.compress,
         options={**({"batch": args.batch} if args.batch is not None else {}), **dict(args.option)},
         device=args.device, max_nproc=args.max_nproc, in_backward=args.in_backward,
+        remote=args.remote, remote_every=args.remote_every,
     )
     summary = run(cfg)
     if os.environ.get("RANK", "0") != "0":
@@ -293,9 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(fully_shard), HSDP (two replicas, each sharded over half the ranks; under both, full "
                    "checkpoints are in DCP's format), or ZeRO-1 (DDP with a ZeroRedundancyOptimizer)")
     t.add_argument("--full-format", choices=["safetensors", "dcp"],
-                   help="how full checkpoints are stored: everystep's safetensors parts (default under ddp) or a "
-                   "torch.distributed.checkpoint directory that plain DCP calls load (default, and the only one, "
-                   "under --parallel fsdp or hsdp)")
+                   help="how full checkpoints are stored: everystep's safetensors parts or a "
+                   "torch.distributed.checkpoint directory that plain DCP calls load (the default under --parallel fsdp "
+                   "or hsdp, but for lowdiff_plus)")
+    t.add_argument("--remote", metavar="s3://BUCKET/PREFIX", help="also upload full checkpoints there in the background, "
+                   "and resume from there when --dir has nothing as new (one process; credentials and endpoint from "
+                   "the AWS chain: AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...)")
+    t.add_argument("--remote-every", type=whole(1), metavar="N", help="upload every N steps (default: Young/Daly's "
+                   "interval for the measured upload time and a one-day MTBF)")
     t.add_argument("--stagger", type=whole(1), metavar="K", help="at most K ranks read a checkpoint at once when they "
                    "restore (default: all)")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

@@ -108,7 +108,7 @@ def verify_store(directory: CheckpointDirectory, rows: list[dict[str, Any]] | No
         step = _STEP.match(top)
         if name in named or top in in_progress or (live and step is not None and int(step[1]) > newest):
             continue  # named, or a live writer's write in progress (its manifest not committed yet)
-        problems.append(f"{catalog.root / 'objects' / name}: no checkpoint names this file")
+        problems.append(f"{catalog.where(f'objects/{name}')}: no checkpoint names this file")
     return problems
 
 

@@ -51,6 +51,10 @@ class TrainConfig:
     """``cpu`` or ``cuda`` (each rank on a GPU of its own, NCCL between them, deterministic kernels)."""
     max_nproc: int | None = None
     """The most ranks ``nproc`` may ask for; None: the cores this process may run on."""
+    remote: str | None = None
+    """An s3:// URL the full checkpoints are also uploaded to (:class:`~everystep.storage.remote.RemoteTier`)."""
+    remote_every: int | None = None
+    """Steps between uploads; None: Young/Daly's."""
     in_backward: bool = False
     """Update each layer during backward (:class:`~everystep.OptimizerInBackward`; under DDP once its
     bucket is all-reduced) instead of clipping the gradients and calling ``optimizer.step()``."""
@@ -83,6 +87,8 @@ class TrainConfig:
                               f"({strategy.full_formats_reason}): drop --full-format")
         if self.parallel != "ddp":
             self._check_sharded()
+        if self.remote is not None and (self.nproc > 1 or not STRATEGIES[self.strategy].needs_store):
+            raise ConfigError("--remote takes one process (--nproc 1) and a strategy that stores checkpoints")
         check_device(self.device, self.nproc)
         if self.fail_mode not in ("software", "hardware"):
             raise ConfigError(f"--fail-mode must be software or hardware, got {self.fail_mode!r}")

@@ -187,7 +187,7 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
     with Checkpointer(
         directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
         strategy=strategy, every=cfg.every, keep=cfg.keep, store=store, deadline=cfg.deadline, full_format=cfg.full_format,
-        stagger=cfg.stagger,
+        stagger=cfg.stagger, remote=cfg.remote, remote_every=cfg.remote_every,
         stop_signals=(signal.SIGTERM, signal.SIGUSR1), **cfg.options,
     ) as ckpt:
         t0 = time.perf_counter()

@@ -36,7 +36,7 @@ from .catalog import MANIFESTS, OBJECTS, Catalog
 from .local import LocalStore, fsync_dir
 from .retention import plan_retention
 
-__all__ = ["CheckpointDirectory", "MARKER", "LOCK", "FORMAT_VERSION", "marker_bytes", "collect_garbage"]
+__all__ = ["CheckpointDirectory", "MARKER", "LOCK", "FORMAT_VERSION", "marker_bytes", "parse_marker", "collect_garbage"]
 
 MARKER = "everystep.json"
 LOCK = "everystep.lock"
@@ -52,6 +52,24 @@ def marker_bytes(marker: dict[str, Any]) -> bytes:
     body = {k: v for k, v in marker.items() if k != "checksum"}
     body["checksum"] = checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
     return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+def parse_marker(data: bytes, where: str) -> dict[str, Any]:
+    """A directory's marker from its bytes (``where``: named in errors), checked: everystep's, of a
+    version this code reads, its checksum right."""
+    try:
+        marker = json.loads(data)
+    except ValueError as e:
+        raise CheckpointDirectoryError(f"cannot read {where}: {e}") from None
+    if not isinstance(marker, dict) or marker.get("format") != "everystep":
+        raise CheckpointDirectoryError(f"{where} is not an everystep marker file")
+    if marker.get("version") not in (1, FORMAT_VERSION):
+        raise CheckpointDirectoryError(
+            f"{where} has format version {marker.get('version')}; this everystep reads 1 to {FORMAT_VERSION}"
+        )
+    if marker["version"] >= 2 and marker_bytes_ok(marker) is not True:
+        raise CheckpointDirectoryError(f"{where} fails its checksum (corrupted, or edited by hand)")
+    return marker
 
 
 def marker_bytes_ok(marker: dict[str, Any]) -> bool | None:
@@ -165,6 +183,8 @@ class CheckpointDirectory:
         ranks = ranks or Ranks()
         if access not in ("write", "shared", "read"):
             raise ValueError(f"access must be 'write', 'shared' or 'read', got {access!r}")
+        if str(root).startswith("s3://"):
+            return cls._open_remote(str(root), access)
         path = Path(root)
         if path.exists() and not path.is_dir():
             raise CheckpointDirectoryError(f"{path} is a file, not a checkpoint directory")
@@ -177,6 +197,27 @@ class CheckpointDirectory:
                                       other_world, access, new_full_format)
         finally:
             ranks.barrier("control")
+
+    @property
+    def remote(self) -> bool:
+        """Whether this is a remote tier's prefix (``s3://…``: full checkpoints only, read only)."""
+        return str(self.root).startswith("s3://")
+
+    @classmethod
+    def _open_remote(cls, url: str, access: Access) -> "CheckpointDirectory":
+        """The checkpoints a remote tier uploaded to ``url`` (:mod:`everystep.storage.remote`), for
+        reading: ``inspect``, ``verify`` and ``recover`` take the URL."""
+        from .s3 import S3Store
+
+        if access != "read":
+            raise CheckpointDirectoryError(f"{url} is read here, never written: a job writes to a local directory and "
+                                           "uploads there with remote= (--remote)")
+        store = S3Store(url, access="read")
+        try:
+            data = store.get(MARKER)
+        except FileNotFoundError:
+            raise CheckpointDirectoryError(f"no everystep checkpoints at {url} (no {MARKER} there)") from None
+        return cls(Catalog(store, Ranks()), parse_marker(bytes(data), f"{url}/{MARKER}"))
 
     @classmethod
     def _open_as_rank0(
@@ -211,6 +252,11 @@ class CheckpointDirectory:
     def owner(root: str | os.PathLike[str]) -> int | None:
         """The pid of the process that holds ``root`` for writing (0 if it cannot be told), or None
         when no process does. Creates nothing: a reader may ask."""
+        if str(root).startswith("s3://"):
+            from .remote import LOCK_KEY
+            from .s3 import S3Store
+
+            return None if S3Store(str(root), access="read").age(LOCK_KEY) is None else 0
         try:
             fd = os.open(Path(root) / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -280,18 +326,10 @@ class CheckpointDirectory:
     @staticmethod
     def _read_marker(marker_path: Path) -> dict[str, Any]:
         try:
-            marker = json.loads(marker_path.read_bytes())
-        except (OSError, ValueError) as e:
+            data = marker_path.read_bytes()
+        except OSError as e:
             raise CheckpointDirectoryError(f"cannot read {marker_path}: {e}") from None
-        if not isinstance(marker, dict) or marker.get("format") != "everystep":
-            raise CheckpointDirectoryError(f"{marker_path} is not an everystep marker file")
-        if marker.get("version") not in (1, FORMAT_VERSION):
-            raise CheckpointDirectoryError(
-                f"{marker_path.parent} has format version {marker.get('version')}; this everystep reads 1 to {FORMAT_VERSION}"
-            )
-        if marker["version"] >= 2 and marker_bytes_ok(marker) is not True:
-            raise CheckpointDirectoryError(f"{marker_path} fails its checksum (corrupted, or edited by hand)")
-        return marker
+        return parse_marker(data, str(marker_path))
 
     def _make_folders(self) -> None:
         """The catalog's folders, made by a writer at open (the store would make them at its first write)."""

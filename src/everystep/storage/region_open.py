@@ -34,6 +34,8 @@ def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: 
     ``region-r<rank>.owner``; a region that another directory made (a ``region=`` path given to two
     runs in turn) is refused to a writer, nothing changed, and skipped with a warning by a reader.
     ``rank``: a reader's choice of rank (default: this process's)."""
+    if directory.remote:
+        return None  # (a remote tier holds full checkpoints only; regions are the machine's)
     ranks = directory.ranks
     rank = ranks.rank if rank is None else rank
     world = ranks.world if directory.access != "read" else int(directory.marker.get("world_size", ranks.world))

@@ -53,14 +53,13 @@ from ..policy.interval import median_gap
 from ..policy.young_daly import young_daly_interval
 from .base import Manifest
 from .catalog import OBJECTS, Catalog
-from .directory import collect_garbage
+from .directory import MARKER, collect_garbage, marker_bytes, parse_marker
 
 if TYPE_CHECKING:
     from .directory import CheckpointDirectory  # noqa: F811
 
-__all__ = ["RemoteTier", "RemoteLock", "MARKER_KEY", "LOCK_KEY"]
+__all__ = ["RemoteTier", "RemoteLock", "LOCK_KEY"]
 
-MARKER_KEY = "everystep.json"
 LOCK_KEY = "writer.lock"
 _SAME_JOB = ("strategy", "full_format", "world_size")
 """What of the markers must agree for a prefix to hold this job's checkpoints."""
@@ -101,18 +100,17 @@ class RemoteTier:
         """Refuse a prefix of another job's; give a new one this directory's marker."""
         ours = self.directory.marker
         try:
-            theirs = json.loads(self.store.get(MARKER_KEY))
+            theirs = parse_marker(bytes(self.store.get(MARKER)), f"{self.url}/{MARKER}")
         except FileNotFoundError:
             if self.directory.access != "read":
-                self.store.create(MARKER_KEY, json.dumps(ours, sort_keys=True).encode())
+                self.store.create(MARKER, marker_bytes(ours))
             return
-        except ValueError:
-            raise CheckpointDirectoryError(f"{self.url}/{MARKER_KEY} is not an everystep marker: the prefix holds "
-                                           "something else; choose another") from None
+        except CheckpointDirectoryError as e:
+            raise CheckpointDirectoryError(f"{e}: the prefix holds something else; choose another") from None
         differ = [f"{k} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in _SAME_JOB if theirs.get(k) != ours.get(k)]
-        if not isinstance(theirs, dict) or theirs.get("format") != "everystep" or differ:
-            raise CheckpointDirectoryError(f"{self.url} holds another job's checkpoints ({'; '.join(differ) or 'not everystep'}"
-                                           "); choose another remote prefix")
+        if differ:
+            raise CheckpointDirectoryError(f"{self.url} holds another job's checkpoints ({'; '.join(differ)}); choose "
+                                           "another remote prefix")
 
     # -- bringing back ---------------------------------------------------------------------------
 
