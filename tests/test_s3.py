@@ -229,10 +229,10 @@ def test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwis
     assert resumed["remote_step"] == steps  # its final checkpoint uploaded as it closed
 
 
-def _moto(port):
-    """A moto server on ``port``, answering."""
+def _moto(port, **env):
+    """A moto server on ``port``, answering (``env``: its settings)."""
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -371,3 +371,25 @@ def test_the_cli_trains_with_a_remote_and_inspects_verifies_and_recovers_it_by_u
 
     summary = json.loads((tmp_path / "b.json").read_text())
     assert summary["final_state_sha256"] == trained and 1 < summary["first_step"] <= 6  # resumed before step 6
+
+
+def test_credentials_the_server_does_not_know_are_one_error_naming_the_url_and_never_the_secret(server, tmp_path,
+                                                                                                 monkeypatch):
+    from everystep import Checkpointer
+    from everystep.eval.workloads import build
+
+    port = free_port()
+    proc = _moto(port, INITIAL_NO_AUTH_ACTION_COUNT="0")  # a server that checks every request's signature
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEVERYSTEPWRONG01")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    w = build("mlp", seed=0)
+    try:
+        with pytest.raises(RemoteStoreError) as refused:
+            Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="checkfreq", remote="s3://creds/job")
+    finally:
+        proc.kill()
+        proc.wait()
+    message = str(refused.value)
+    assert message.startswith("reading s3://creds/job/everystep.json failed: InvalidAccessKeyId")
+    assert "check AWS_ACCESS_KEY_ID" in message and SECRET not in message and "AKIAEVERYSTEPWRONG01" not in message

@@ -118,6 +118,12 @@ class Checkpointer:
         store: an open :class:`~everystep.storage.CheckpointDirectory` to use instead of
             ``directory`` (the Checkpointer closes it, and keeps it as ``self.directory``); one
             opened with ``access="read"`` makes a reader, which restores and changes nothing.
+        remote: an ``s3://bucket/prefix`` URL: full checkpoints are also uploaded there in the
+            background, and :meth:`restore` takes the newest one from there when the directory holds
+            nothing as new (a new machine); one process. See :mod:`everystep.storage.remote`.
+        remote_every: upload every this many steps; ``None``: Young/Daly's interval for the
+            measured upload time and ``remote_mtbf`` (seconds between losses of a machine).
+        remote_lease: seconds without renewal after which the remote's writer lock is taken over.
         stagger: at most this many ranks read the checkpoint at once in :meth:`restore` (ranks
             0..k-1 first, then k..2k-1, …), so that many ranks starting together do not all hit
             storage at the same instant; ``None``: all at once.
