@@ -118,7 +118,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
                             compress=args.compress, options=options, device=args.device,
                             scratch=args.scratch, in_backward=args.in_backward, trainer=args.trainer, nproc=args.nproc,
-                            parallel=args.parallel)
+                            parallel=args.parallel, remote=args.remote)
     if args.trainer:
         if args.region_layout or args.max_frequency or args.plot:
             raise ConfigError("--trainer takes none of --region-layout, --max-frequency, --plot")
@@ -151,6 +151,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     runs = bench.run_bench(cfg)
     result = bench.report(cfg, runs)
+    if cfg.remote:
+        from .eval.remote_bench import upload_throughput
+        from .eval.workloads import state_bytes
+
+        result["upload_throughput"] = upload_throughput(cfg.remote, state_bytes(cfg.workload), repeats=cfg.repeats)
     ranks = f" on {cfg.nproc} ranks ({cfg.parallel})" if cfg.nproc > 1 or cfg.parallel != "ddp" else ""
     print(f"{cfg.workload} on {cfg.device}{ranks}, {cfg.steps} steps ({cfg.warmup} warm-up), checkpoint every "
           f"{cfg.every or 'default'} step(s), compression {cfg.compress or 'off'}, "
@@ -170,6 +175,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             shares = ", ".join(f"{b / sum(per_rank):.1%}" for b in per_rank)
             print(f"{name} writes per step {sum(per_rank) / 2**20:.2f} MiB over its {len(per_rank)} ranks: {shares}")
     print(bench.markdown_table(result["summary"]))
+    if "upload_throughput" in result:
+        t = result["upload_throughput"]
+        print(f"upload of {t['bytes'] / 2**20:.1f} MiB to {cfg.remote}: everystep {t['everystep_bytes_per_second'] / 1e6:.0f} "
+              f"MB/s, boto3's upload_fileobj {t['boto3_bytes_per_second'] / 1e6:.0f} MB/s ({t['ratio']:.0%}; medians of "
+              f"{t['repeats']}, interleaved)")
     _write_json(args.json, result)
     if args.plot:
         bench.plot(result["summary"], args.plot, f"{cfg.workload}: checkpoint every {cfg.every or 'default'} step(s), "
@@ -349,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "loopback (default 1); each rank's bytes written are reported")
     b.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp", "zero1"], default="ddp",
                    help="how the ranks hold the state, as for train (default ddp)")
+    b.add_argument("--remote", metavar="s3://BUCKET/PREFIX", help="also run each strategy that stores with the remote "
+                   "tier on (as STRATEGY+remote), and compare the upload throughput with boto3's own upload")
     b.add_argument("--scratch", default=None, help="where each run's checkpoint directory is made (default: the "
                    "temporary directory); /dev/shm keeps lightcheck's region in memory")
     b.add_argument("--in-backward", action="store_true", help="every run updates each layer during backward "

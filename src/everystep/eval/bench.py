@@ -65,6 +65,9 @@ class BenchConfig:
     integration (:mod:`everystep.eval.trainers`); ``none`` is the trainer alone."""
     nproc: int = 1
     """Ranks per run (processes on this machine, a gloo or NCCL group on loopback)."""
+    remote: str | None = None
+    """An ``s3://bucket/prefix``: each everystep strategy that stores is also run with the remote tier
+    on (as ``<strategy>+remote``, each run under a prefix of its own there)."""
     parallel: str = "ddp"
     """How the ranks hold the state: ``ddp``, ``fsdp``, ``hsdp`` or ``zero1`` (:data:`~.workloads.LAYOUT_OF`)."""
 
@@ -93,6 +96,8 @@ class BenchConfig:
         if needs and not self.compress:
             raise ConfigError(f"{', '.join(needs)} reuses compressed gradients: give --compress (applied to every "
                               "strategy)")
+        if self.remote is not None:
+            self._add_remote()
 
 
     def _check_trainer(self) -> None:
@@ -109,6 +114,20 @@ class BenchConfig:
                               f"--option or peers{' (not ' + ', '.join(unable) + ')' if unable else ''}")
         if self.every is None:
             self.every = 1  # what the integrations are for
+
+    def _add_remote(self) -> None:
+        from ..storage.s3 import parse_url
+
+        try:
+            parse_url(self.remote or "")
+        except ValueError as e:
+            raise ConfigError(f"--remote: {e}") from None
+        if self.nproc != 1 or self.trainer is not None:
+            raise ConfigError("--remote takes one process and no --trainer")
+        tiered = [s for s in self.strategies if s in STRATEGIES and STRATEGIES[s].needs_store]
+        if not tiered:
+            raise ConfigError("--remote needs an everystep strategy that stores checkpoints among --strategies")
+        self.strategies = (*self.strategies, *(f"{s}+remote" for s in tiered if f"{s}+remote" not in self.strategies))
 
     def _check_ranks(self) -> None:
         """Several ranks, or a sharded layout: what each run can be, before any starts."""
@@ -153,8 +172,9 @@ def run_spec(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
     return {
         "trainer": cfg.trainer, "workload": cfg.workload, "strategy": strategy, "steps": cfg.steps, "warmup": cfg.warmup,
         "every": every, "threads": cfg.threads, "seed": cfg.seed, "repeat": repeat,
-        "options": cfg.options.get(strategy, {}), "compress": cfg.compress, "device": cfg.device,
+        "options": cfg.options.get(strategy.removesuffix("+remote"), {}), "compress": cfg.compress, "device": cfg.device,
         "scratch": cfg.scratch, "in_backward": cfg.in_backward, "nproc": cfg.nproc, "parallel": cfg.parallel,
+        "remote": cfg.remote,
     }
 
 

@@ -7,6 +7,7 @@ steps that a failure would lose at each step end, and the time to recover from w
 from __future__ import annotations
 
 import contextlib
+import uuid
 import json
 import os
 import resource
@@ -81,6 +82,7 @@ def _model_and_optimizer(w: Any) -> dict[str, torch.Tensor]:
 
 def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[str, Any]) -> tuple[float, int, Any, Checkpointer]:
     fresh = _build(spec, spec["seed"])  # the same workload (its data, its targets) at S_0: recovery must bring S_steps
+    options = {k: v for k, v in options.items() if k != "remote"}  # (recovery from this machine's tiers)
     t0 = time.perf_counter()
     with _attach(fresh, directory, strategy, options, final=False) as again:
         recovered = again.restore()
@@ -139,10 +141,14 @@ def _checkflow_memory(strategy: Any) -> dict[str, Any]:
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     init_process_group(one_process=needs_ddp(spec.get("compress")), device=spec.get("device", "cpu"))  # PowerSGD: DDP's hook
-    if spec["strategy"] not in STRATEGIES:  # a peer: only its runs import DCP (a second of start-up)
+    name = spec["strategy"]
+    strategy = name.removesuffix("+remote")  # (with the remote tier on: the same strategy, uploading)
+    if strategy not in STRATEGIES:  # a peer: only its runs import DCP (a second of start-up)
         return measure_peer(spec)
-    strategy, steps, warmup = spec["strategy"], spec["steps"], spec["warmup"]
+    steps, warmup = spec["steps"], spec["warmup"]
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
+    if name != strategy:
+        options["remote"] = f"{spec['remote']}/{uuid.uuid4().hex[:12]}"  # a prefix of the run's own
     with _scratch(spec) as tmp:
         directory = f"{tmp}/ckpt" if STRATEGIES[strategy].needs_store else None
         w = _build(spec, spec["seed"])
@@ -181,7 +187,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 rng = capture_rng()  # as recovered: the uninterrupted run's next steps, below, draw from it too
         after = _train_on(w)  # the uninterrupted run's next steps (the Checkpointer is closed)
         result: dict[str, Any] = {
-            "strategy": strategy,
+            "strategy": name,
             "repeat": spec["repeat"],
             "every": spec["every"],
             "step_seconds": times,
@@ -200,6 +206,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "resumes_bitwise": None,
             "resume_error": None,
             **split,
+            **({"remote_step": ckpt.stats.last_remote_step} if name != strategy else {}),
         }
         if memory is not None:
             seconds, recovered, fresh, again = memory

@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from ..optim import OptimizerInBackward
 from .data import SyntheticData
 
-__all__ = ["Workload", "WORKLOADS", "OPTIMIZERS", "build", "needs_ddp", "check_device", "resolve_device", "GPT",
+__all__ = ["Workload", "WORKLOADS", "OPTIMIZERS", "build", "state_bytes", "needs_ddp", "check_device", "resolve_device", "GPT",
            "GPTConfig"]
 
 
@@ -379,3 +379,13 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
 def needs_ddp(compress: str | None) -> bool:
     """Whether compression ``compress`` runs in a DDP communication hook even in one process."""
     return compress is not None and parse_spec(compress)[0] == "powersgd"
+
+
+def state_bytes(name: str) -> int:
+    """The bytes of the workload's model and AdamW optimizer state after a step (what a full
+    checkpoint of it holds, less the small rest)."""
+    w = build(name)
+    w.loss(w.data.next()).backward()
+    w.update()
+    tensors = [*w.model.state_dict().values(), *(v for s in w.optimizer.state.values() for v in s.values())]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

@@ -10,7 +10,7 @@ than AWS's — and are never written into a checkpoint, a log or a message: erro
 What the store protocol asks, and what in S3 gives it:
 
 - :meth:`put` is atomic and durable. A value of up to :data:`PART_BYTES` is one ``PutObject``; a
-  larger one a multipart upload, which becomes an object only when ``CompleteMultipartUpload``
+  larger one a multipart upload (its parts :data:`PARALLEL_PARTS` at a time), which becomes an object only when ``CompleteMultipartUpload``
   succeeds. S3 makes an object visible whole or not at all, and durable once the request returns.
   An upload that fails is aborted; one whose process was killed stays in progress, invisible — no
   listing or read shows it — until :meth:`leftovers` lists it and :meth:`delete` aborts it.
@@ -32,6 +32,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,6 +46,8 @@ T = TypeVar("T")
 
 PART_BYTES = 8 << 20
 """A value larger than this is uploaded in parts of this size (S3's minimum is 5 MiB)."""
+PARALLEL_PARTS = 4
+"""Parts of one value in flight at once (boto3's clients are thread-safe)."""
 
 _URL = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(?P<prefix>[^?#]*))?")
 _PART = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.][A-Za-z0-9_.\-]*")
@@ -110,9 +113,13 @@ class S3Store:
     # -- writing -------------------------------------------------------------------------------
 
     def put(self, key: str, chunks: Iterable[bytes | memoryview]) -> int:
+        """One ``PutObject``, or above :data:`PART_BYTES` a multipart upload whose parts go up
+        :data:`PARALLEL_PARTS` at a time (memory: that many parts, and the one being filled)."""
         self._check_writable()
         name = self._key(key)
-        pending, total, upload, parts = bytearray(), 0, None, []
+        pending, total, upload = bytearray(), 0, None
+        sent: list[Future[dict[str, Any]]] = []
+        pool: ThreadPoolExecutor | None = None
         try:
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
@@ -121,24 +128,36 @@ class S3Store:
                 while len(pending) >= PART_BYTES:  # a part's worth: the value is uploaded in parts
                     if upload is None:
                         upload = self._s3.create_multipart_upload(Bucket=self.bucket, Key=name)["UploadId"]
-                    parts.append(self._part(name, upload, len(parts) + 1, pending[:PART_BYTES]))
+                        pool = ThreadPoolExecutor(PARALLEL_PARTS, thread_name_prefix="everystep-s3-part")
+                    assert pool is not None
+                    in_flight = [f for f in sent if not f.done()]
+                    if len(in_flight) >= PARALLEL_PARTS:
+                        in_flight[0].result()  # (raises the part's failure)
+                    sent.append(pool.submit(self._part, name, upload, len(sent) + 1, bytes(pending[:PART_BYTES])))
                     del pending[:PART_BYTES]
-                    crash_point("store.remote.part")  # a part uploaded, the value not complete
+                    crash_point("store.remote.part")  # a part on its way, the value not complete
             if upload is None:
                 self._s3.put_object(Bucket=self.bucket, Key=name, Body=bytes(pending))
                 return total
-            if pending or not parts:
-                parts.append(self._part(name, upload, len(parts) + 1, pending))
+            assert pool is not None
+            if pending or not sent:
+                sent.append(pool.submit(self._part, name, upload, len(sent) + 1, bytes(pending)))
+            parts = [f.result() for f in sent]
             self._s3.complete_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload,
                                                MultipartUpload={"Parts": parts})
         except Exception as e:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
             if upload is not None:
                 self._abort(name, upload)
             raise self._failed("writing", key, e) from None
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
         return total
 
-    def _part(self, name: str, upload: str, number: int, data: bytearray) -> dict[str, Any]:
-        done = self._s3.upload_part(Bucket=self.bucket, Key=name, UploadId=upload, PartNumber=number, Body=bytes(data))
+    def _part(self, name: str, upload: str, number: int, data: bytes) -> dict[str, Any]:
+        done = self._s3.upload_part(Bucket=self.bucket, Key=name, UploadId=upload, PartNumber=number, Body=data)
         return {"PartNumber": number, "ETag": done["ETag"]}
 
     def _abort(self, name: str, upload: str) -> None:
