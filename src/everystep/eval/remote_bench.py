@@ -18,10 +18,10 @@ __all__ = ["upload_throughput"]
 
 
 def upload_throughput(url: str, nbytes: int, *, repeats: int = 3) -> dict[str, Any]:
-    from ..storage.s3 import S3Store, _client
+    from ..storage.s3 import S3Store, client as s3_client
 
     store = S3Store(url)
-    client = _client()
+    client = s3_client()
     data = os.urandom(nbytes)
     ours, theirs = [], []
     try:

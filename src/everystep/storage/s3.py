@@ -40,7 +40,7 @@ from .._faults import crash_point
 from ..errors import CheckpointDirectoryError, ReadOnlyStoreError, RemoteStoreError
 from .base import Access
 
-__all__ = ["S3Store", "parse_url", "PART_BYTES"]
+__all__ = ["S3Store", "parse_url", "client", "PART_BYTES"]
 
 T = TypeVar("T")
 
@@ -68,7 +68,8 @@ def parse_url(url: str) -> tuple[str, str]:
     return found["bucket"], f"{prefix}/" if prefix else ""
 
 
-def _client() -> Any:
+def client() -> Any:
+    """A boto3 S3 client from the AWS chain (credentials, endpoint, region), with standard retries."""
     try:
         import boto3
         from botocore.config import Config
@@ -82,12 +83,13 @@ def _client() -> Any:
 class S3Store:
     """Values as the objects under ``s3://bucket/prefix/`` (see the module docstring)."""
 
-    def __init__(self, url: str, *, access: Access = "write", client: Any = None) -> None:
+    def __init__(self, url: str, *, access: Access = "write", s3: Any = None) -> None:
+        """``s3``: a boto3 S3 client to use (default: :func:`client`'s)."""
         self.bucket, self.prefix = parse_url(url)
         self.root = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         """The URL, named in messages."""
         self.access: Access = access
-        self._s3 = client if client is not None else _client()
+        self._s3 = s3 if s3 is not None else client()
         self._cache: Path | None = None
 
     # -- keys and errors -----------------------------------------------------------------------
