@@ -10,7 +10,7 @@ than AWS's — and are never written into a checkpoint, a log or a message: erro
 What the store protocol asks, and what in S3 gives it:
 
 - :meth:`put` is atomic and durable. A value of up to :data:`PART_BYTES` is one ``PutObject``; a
-  larger one a multipart upload (its parts :data:`PARALLEL_PARTS` at a time), which becomes an object only when ``CompleteMultipartUpload``
+  larger one a multipart upload (:data:`PARALLEL_PARTS` parts in flight), which becomes an object only when ``CompleteMultipartUpload``
   succeeds. S3 makes an object visible whole or not at all, and durable once the request returns.
   An upload that fails is aborted; one whose process was killed stays in progress, invisible — no
   listing or read shows it — until :meth:`leftovers` lists it and :meth:`delete` aborts it.
@@ -46,7 +46,7 @@ T = TypeVar("T")
 
 PART_BYTES = 8 << 20
 """A value larger than this is uploaded in parts of this size (S3's minimum is 5 MiB)."""
-PARALLEL_PARTS = 4
+PARALLEL_PARTS = 8
 """Parts of one value in flight at once (boto3's clients are thread-safe)."""
 
 _URL = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(?P<prefix>[^?#]*))?")
@@ -122,22 +122,34 @@ class S3Store:
         pending, total, upload = bytearray(), 0, None
         sent: list[Future[dict[str, Any]]] = []
         pool: ThreadPoolExecutor | None = None
+
+        def send(part: bytes) -> None:  # a part's worth: the value is uploaded in parts
+            nonlocal upload, pool
+            if upload is None:
+                upload = self._s3.create_multipart_upload(Bucket=self.bucket, Key=name)["UploadId"]
+                pool = ThreadPoolExecutor(PARALLEL_PARTS, thread_name_prefix="everystep-s3-part")
+            assert pool is not None
+            in_flight = [f for f in sent if not f.done()]
+            if len(in_flight) >= PARALLEL_PARTS:
+                in_flight[0].result()  # (raises the part's failure)
+            sent.append(pool.submit(self._part, name, upload, len(sent) + 1, part))
+            crash_point("store.remote.part")  # a part on its way, the value not complete
+
         try:
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
                 total += len(view)
-                pending += view
-                while len(pending) >= PART_BYTES:  # a part's worth: the value is uploaded in parts
-                    if upload is None:
-                        upload = self._s3.create_multipart_upload(Bucket=self.bucket, Key=name)["UploadId"]
-                        pool = ThreadPoolExecutor(PARALLEL_PARTS, thread_name_prefix="everystep-s3-part")
-                    assert pool is not None
-                    in_flight = [f for f in sent if not f.done()]
-                    if len(in_flight) >= PARALLEL_PARTS:
-                        in_flight[0].result()  # (raises the part's failure)
-                    sent.append(pool.submit(self._part, name, upload, len(sent) + 1, bytes(pending[:PART_BYTES])))
-                    del pending[:PART_BYTES]
-                    crash_point("store.remote.part")  # a part on its way, the value not complete
+                at = 0
+                if pending:  # the part begun by earlier chunks first
+                    at = min(PART_BYTES - len(pending), len(view))
+                    pending += view[:at]
+                    if len(pending) == PART_BYTES:
+                        send(bytes(pending))
+                        pending.clear()
+                while len(view) - at >= PART_BYTES:  # (one copy per part, straight from the chunk)
+                    send(bytes(view[at:at + PART_BYTES]))
+                    at += PART_BYTES
+                pending += view[at:]
             if upload is None:
                 self._s3.put_object(Bucket=self.bucket, Key=name, Body=bytes(pending))
                 return total
