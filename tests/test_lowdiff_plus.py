@@ -329,15 +329,22 @@ def test_recovery_from_memory_restores_what_a_fresh_process_needs(tmp_path):
     assert recovered == _reference(tmp_path, steps=step)["final_state_sha256"]
 
 
-def test_an_exception_in_the_with_block_leaves_the_agent_for_the_restart(tmp_path):
-    """A rank whose peer died leaves its block on an exception: that must not end its agent."""
+def _leave_agent_on_an_error(directory: Path) -> int:
+    """Train 3 steps and leave the ``with`` block on an exception, as a rank whose peer died does; the
+    agent's pid (it outlives the block)."""
     w = build("mlp", seed=0, optimizer="adamw")
     with pytest.raises(RuntimeError, match="a peer died"):
-        with _attach(w, tmp_path / "c", every=100) as ckpt:
+        with _attach(w, directory, every=100) as ckpt:
             ckpt.restore()
             _train(w, 3)
-            pid = _agent_pid(tmp_path / "c")
+            pid = _agent_pid(directory)
             raise RuntimeError("a peer died")
+    return pid
+
+
+def test_an_exception_in_the_with_block_leaves_the_agent_for_the_restart(tmp_path):
+    """A rank whose peer died leaves its block on an exception: that must not end its agent."""
+    pid = _leave_agent_on_an_error(tmp_path / "c")
     # The restarted process takes the replica's optimizer state over without a copy and trains on:
     # the agent must have moved out of that memory (else both would update it), so the replica stays
     # equal to the live state (a divergence warns) and the run to an uninterrupted one.
@@ -359,13 +366,7 @@ def test_a_replica_of_another_model_or_layout_is_not_taken(tmp_path):
     # The agent says what its replica fits (the model's keys, each shard's shape and place in the
     # whole); a process whose state is laid out otherwise (another sharding at the same world size,
     # or another model) ends that agent and goes to storage, where the mismatch is named.
-    w = build("mlp", seed=0, optimizer="adamw")
-    with pytest.raises(RuntimeError, match="a peer died"):
-        with _attach(w, tmp_path / "c", every=100) as ckpt:
-            ckpt.restore()
-            _train(w, 3)
-            pid = _agent_pid(tmp_path / "c")
-            raise RuntimeError("a peer died")
+    pid = _leave_agent_on_an_error(tmp_path / "c")
     other = build("mlp", seed=0, optimizer="adamw")
     other.model.extra = torch.nn.Linear(2, 2)  # one more layer: keys the replica does not have
     other.optimizer.add_param_group({"params": list(other.model.extra.parameters())})

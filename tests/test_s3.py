@@ -190,8 +190,9 @@ for step in range(start + 1, steps + 1):
     w.loss(w.data.next()).backward()
     w.update()
     if step == kill_at:  # the host is lost after this step: its processes, its disk (an upload may be in flight)
-        if ckpt.stats.last_remote_step < 1:
-            ckpt.remote.wait()  # (but not before one upload made it: else there is nothing to resume from)
+        if ckpt.stats.last_remote_step < 1:  # (but not before a checkpoint past step 0 is up: else it resumes from 0)
+            ckpt.wait()
+            ckpt.remote.flush()
         os.killpg(0, signal.SIGKILL)
 ckpt.close()
 print(json.dumps({"start": start, "source": ckpt.recovered.source if ckpt.recovered else None,

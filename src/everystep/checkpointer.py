@@ -227,19 +227,8 @@ class Checkpointer:
         if self.ranks.distributed:
             raise ConfigError("remote= takes a job of one process: under several ranks each rank's parts would be "
                               "uploaded and committed together, which is not built yet")
-        if every is not None and (type(every) is not int or every < 1):
-            raise ConfigError(f"remote_every must be a positive number of steps or None, got {every!r}")
-        for name, value in (("remote_mtbf", mtbf), ("remote_lease", lease)):
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        try:
-            from .storage.s3 import parse_url
-
-            parse_url(url)
-        except ValueError as e:
-            raise ConfigError(f"remote: {e}") from None
-        return RemoteTier(url, self.directory, every=every, mtbf=float(mtbf), keep=self.strategy.config.keep,
-                          uploaded=lambda step: setattr(self.stats, "last_remote_step", step), lease=float(lease))
+        return RemoteTier(url, self.directory, every=every, mtbf=mtbf, keep=self.strategy.config.keep,
+                          uploaded=lambda step: setattr(self.stats, "last_remote_step", step), lease=lease)
 
     def _attach(self, deadline: float | None, k1: float, k2: float, stop_signals: Sequence[int],
                 stagger: int | None) -> None:

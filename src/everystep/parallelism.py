@@ -12,7 +12,6 @@ placements, the wrapper and optimizer classes), never from private attributes.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -20,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .state import zero_redundancy
-from .tree import dtensor_class
+from .tree import OPTIMIZER_STATE_ENTRY, dtensor_class
 
 __all__ = ["sharded_layout", "shard_like", "shard_box", "ShardBox", "state_boxes", "LAYOUTS", "DTENSOR_LAYOUTS", "SHARDED_LAYOUTS"]
 
@@ -123,10 +122,6 @@ def shard_box(dtensor: Any) -> ShardBox:
                     index, replicas)
 
 
-_OPTIMIZER_STATE = re.compile(r"/optimizer/state/(\d+)/[^/]+")
-"""The key of an entry of the i-th parameter's optimizer state, in a flat state."""
-
-
 def state_boxes(boxes: Mapping[str, ShardBox], params: list[str], tensors: Mapping[str, torch.Tensor]
                 ) -> dict[str, ShardBox]:
     """``boxes`` (of the model's shards by key) and, for each optimizer state entry of ``tensors``
@@ -134,7 +129,7 @@ def state_boxes(boxes: Mapping[str, ShardBox], params: list[str], tensors: Mappi
     (``params``: the key of each parameter, in the optimizer's order)."""
     found = dict(boxes)
     for key, t in tensors.items():
-        entry = _OPTIMIZER_STATE.fullmatch(key)
+        entry = OPTIMIZER_STATE_ENTRY.fullmatch(key)
         if entry is None or key in found or int(entry[1]) >= len(params):
             continue
         box = boxes.get(params[int(entry[1])])

@@ -13,13 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import sys
 from typing import Any
 
 import torch
 
 __all__ = ["flatten", "unflatten", "check_skeleton", "state_hash", "state_error", "storage_key", "local_shard",
-           "union_optimizer_state", "dtensor_class", "OPTIMIZER_STATE", "MAX_DEPTH"]
+           "union_optimizer_state", "dtensor_class", "OPTIMIZER_STATE", "OPTIMIZER_STATE_ENTRY", "MAX_DEPTH"]
 
 
 def dtensor_class() -> type | None:
@@ -130,6 +131,9 @@ def flatten(tree: Any, prefix: str = "", *, sharded: dict[str, torch.Tensor] | N
 
 OPTIMIZER_STATE = "/optimizer/state/"
 """Where the optimizer's per-parameter state lies in a flat state."""
+
+OPTIMIZER_STATE_ENTRY = re.compile(r"/optimizer/state/(\d+)/[^/]+")
+"""The key of an entry of the i-th parameter's optimizer state (its group 1: i), in a flat state."""
 
 
 def union_optimizer_state(skeleton: Any, others: list[Any]) -> Any:

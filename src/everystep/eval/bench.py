@@ -28,11 +28,12 @@ from tqdm import tqdm
 
 from ..distributed import free_port
 from ..errors import ConfigError, EverystepError
-from ..strategies import STRATEGIES, sharded_refusal
+from ..strategies import STRATEGIES
 from .measure import CHECKFLOW_MEMORY
 from .peers import PEERS
 from .workloads import LAYOUT_OF, WORKLOADS, check_device
 from .plotting import pyplot
+from .run_config import check_layout
 from .zygote import Zygote, start_ranks
 
 __all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table",
@@ -138,19 +139,11 @@ class BenchConfig:
         check_device(self.device, self.nproc)
         if self.trainer is not None:
             raise ConfigError("--trainer runs one process: it takes no --nproc or --parallel")
-        layout = LAYOUT_OF[self.parallel]
-        if layout is not None and (self.compress or self.in_backward):
-            raise ConfigError(f"--parallel {self.parallel} takes no --compress and no --in-backward (each is built on a "
-                              "DistributedDataParallel replica's whole gradients and optimizer)")
+        check_layout(self.parallel, self.strategies, compress=self.compress, in_backward=self.in_backward,
+                     others=", or the peers dcp, dcp_async")
         if self.nproc > 1 and "torch_save" in self.strategies:
             raise ConfigError("--nproc: torch_save writes one process's state_dict to one file; under several ranks "
                               "compare with dcp or dcp_async, which every rank writes")
-        for name in self.strategies:
-            strategy = STRATEGIES.get(name)
-            if layout is not None and strategy is not None and layout not in strategy.sharded_layouts:
-                why, able = sharded_refusal(strategy, layout)
-                raise ConfigError(f"--parallel {self.parallel}: strategy {name} does not checkpoint {layout} shards "
-                                  f"({why}); use one of {', '.join(able)}, or the peers dcp, dcp_async")
 
     def _check_in_backward(self) -> None:
         if self.compress:

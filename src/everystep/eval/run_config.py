@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,7 @@ from ..errors import ConfigError
 from ..strategies import STRATEGIES, create, default_full_format, sharded_refusal
 from .workloads import LAYOUT_OF, OPTIMIZERS, PARALLEL, WORKLOADS, check_device
 
-__all__ = ["TrainConfig", "usable_cores"]
+__all__ = ["TrainConfig", "usable_cores", "check_layout"]
 
 
 @dataclass(kw_only=True)
@@ -87,7 +88,7 @@ class TrainConfig:
                               f"({strategy.full_formats_reason}): drop --full-format")
         if self.parallel != "ddp":
             self._check_sharded()
-        if self.remote is not None and (self.nproc > 1 or not STRATEGIES[self.strategy].needs_store):
+        if self.remote is not None and (self.nproc > 1 or not strategy.needs_store):
             raise ConfigError("--remote takes one process (--nproc 1) and a strategy that stores checkpoints")
         check_device(self.device, self.nproc)
         if self.fail_mode not in ("software", "hardware"):
@@ -121,17 +122,25 @@ class TrainConfig:
 
 
     def _check_sharded(self) -> None:
-        """What a sharded layout cannot go with: compression, updates in backward, a strategy that
-        does not checkpoint its shards."""
-        flag, layout = f"--parallel {self.parallel}", LAYOUT_OF[self.parallel]
-        if self.compress is not None or self.in_backward:
-            raise ConfigError(f"{flag} takes no --compress and no --in-backward (each is built on a "
-                              "DistributedDataParallel replica's whole gradients and optimizer)")
-        strategy = STRATEGIES[self.strategy]
-        if layout not in strategy.sharded_layouts:
+        check_layout(self.parallel, [self.strategy], compress=self.compress, in_backward=self.in_backward)
+
+
+def check_layout(parallel: str, strategies: Iterable[str], *, compress: Any, in_backward: bool,
+                 others: str = "") -> None:
+    """What a sharded layout (``--parallel``) cannot go with: compression, updates in backward, an
+    everystep strategy that does not checkpoint its shards (``others``: what else to suggest)."""
+    layout = LAYOUT_OF[parallel]
+    if layout is None:
+        return
+    if compress is not None or in_backward:
+        raise ConfigError(f"--parallel {parallel} takes no --compress and no --in-backward (each is built on a "
+                          "DistributedDataParallel replica's whole gradients and optimizer)")
+    for name in strategies:
+        strategy = STRATEGIES.get(name)
+        if strategy is not None and layout not in strategy.sharded_layouts:
             why, able = sharded_refusal(strategy, layout)
-            raise ConfigError(f"--strategy {self.strategy} does not checkpoint {layout} shards ({why}): use one of "
-                              f"{', '.join(able)}")
+            raise ConfigError(f"--parallel {parallel}: strategy {name} does not checkpoint {layout} shards ({why}); use "
+                              f"one of {', '.join(able)}{others}")
 
 
 def usable_cores() -> int:

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._faults import crash_point
 from ..background import BackgroundErrors, Worker
-from ..errors import CheckpointDirectoryError, CorruptCheckpointError, DirectoryInUseError, EverystepError
+from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, DirectoryInUseError, EverystepError
 from ..policy.interval import median_gap
 from ..policy.young_daly import young_daly_interval
 from .base import Manifest
@@ -70,13 +70,18 @@ class RemoteTier:
 
     def __init__(self, url: str, directory: "CheckpointDirectory", *, every: int | None, mtbf: float, keep: int,
                  store: Any = None, uploaded: Callable[[int], None] | None = None, lease: float = 60.0) -> None:
-        from .s3 import S3Store
+        from .s3 import S3Store, parse_url
 
-        if every is not None and every < 1:
-            raise ValueError(f"remote_every must be a positive number of steps or None, got {every}")
-        if not mtbf > 0:
-            raise ValueError(f"remote_mtbf must be a positive number of seconds, got {mtbf}")
-        self.url, self.directory, self.every, self.mtbf, self.keep = url, directory, every, mtbf, keep
+        if every is not None and (type(every) is not int or every < 1):
+            raise ConfigError(f"remote_every must be a positive number of steps or None, got {every!r}")
+        for name, value in (("remote_mtbf", mtbf), ("remote_lease", lease)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        try:
+            parse_url(url)
+        except ValueError as e:
+            raise ConfigError(f"remote: {e}") from None
+        self.url, self.directory, self.every, self.mtbf, self.keep = url, directory, every, float(mtbf), keep
         self.store = store if store is not None else S3Store(url)
         self.catalog = Catalog(self.store)
         self.uploaded_step = -1
@@ -93,7 +98,7 @@ class RemoteTier:
         self._check_marker()
         self.lock: RemoteLock | None = None
         if directory.access == "write":
-            self.lock = RemoteLock(self.store, url, lease=lease)
+            self.lock = RemoteLock(self.store, url, lease=float(lease))
             collect_garbage(self.catalog)
 
     def _check_marker(self) -> None:
@@ -206,13 +211,20 @@ class RemoteTier:
         if running is not None:
             running.result()
 
+    def flush(self) -> None:
+        """Wait for the upload in flight, then upload the newest checkpoint if it is not there yet, on
+        the calling thread."""
+        self.wait()
+        self._upload_newest()
+
     def close(self, *, upload: bool = True) -> None:
         """Wait for the upload in flight; with ``upload``, then upload the newest checkpoint (the final
         one) if it is not there yet."""
-        self.wait()
         try:
             if upload:
-                self._upload_newest()
+                self.flush()
+            else:
+                self.wait()
         finally:
             self._worker.close()
             if self.lock is not None:

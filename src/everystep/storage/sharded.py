@@ -365,15 +365,14 @@ def _overlap(offsets: list[int], sizes: list[int], at: list[int], wanted: list[i
 
 def _as_shards(tensors: dict[str, torch.Tensor], shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` read whole, each that a sharded job holds as a DTensor of its shape cut to this rank's
-    shard of it and placed as the live one is (a checkpoint of a job that did not shard it)."""
-    found = dict(tensors)
+    shard of it and placed as the live one is (a checkpoint of a job that did not shard it): a whole
+    tensor is the one box of itself."""
+    boxes = _Boxes(shards)
     for key, t in tensors.items():
         like = shards.get(key)
         if like is not None and list(like.shape) == list(t.shape):
-            box = shard_box(like)
-            local = t[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
-            found[key] = shard_like(local.clone(), like)
-    return found
+            boxes.add(key, [0] * t.dim(), t, list(t.shape))
+    return {**tensors, **boxes.finish()}
 
 
 def merged_meta(parts: list[dict[str, Any]], mine: int, other_world: bool) -> dict[str, Any]:

@@ -33,7 +33,6 @@ raised once by the next lifecycle call.
 from __future__ import annotations
 
 import math
-import re
 import threading
 import typing
 from collections.abc import Iterator, Mapping
@@ -49,7 +48,7 @@ from ..policy.interval import due
 from ..recovery import Recovered, recover
 from ..state import TrainingComponents, zero_redundancy
 from ..parallelism import sharded_layout
-from ..tree import flatten, local_shard
+from ..tree import OPTIMIZER_STATE_ENTRY, flatten, local_shard
 from ..layout import TensorLayout
 from ..storage.full import persist_full
 from ..storage.sharded import RankShare
@@ -184,8 +183,6 @@ class LiveShards(Mapping[str, torch.Tensor]):
     the parameter's (``exp_avg``, not a step counter). :attr:`shapes`: the shape of each tensor of
     the live flat state (of a DTensor, its local shard's)."""
 
-    _STATE = re.compile(r"/optimizer/state/(\d+)/[^/]+")
-
     def __init__(self, live: dict[str, torch.Tensor], params: list[torch.Tensor],
                  shapes: dict[str, tuple[int, ...]]) -> None:
         self._live, self._params, self.shapes = live, params, shapes
@@ -193,7 +190,7 @@ class LiveShards(Mapping[str, torch.Tensor]):
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self._live:
             return self._live[key]
-        found = self._STATE.fullmatch(key)
+        found = OPTIMIZER_STATE_ENTRY.fullmatch(key)
         if found is not None and int(found[1]) < len(self._params):
             param = self._params[int(found[1])]
             if local_shard(param) is not param:
