@@ -26,19 +26,37 @@ from everystep.errors import CheckpointDirectoryError, CorruptCheckpointError, R
 from everystep.storage import Catalog, CheckpointDirectory, LocalStore, Manifest, plan_retention
 from everystep.storage.directory import marker_bytes
 from everystep.storage.region import RegionStore
+from everystep.storage.s3 import S3Store
 from everystep.storage.region_map import RegionLayout
 from everystep.storage.tensorfile import load_tensors, tensor_chunks
 from everystep.transport import HostBuffer, TensorLayout, snapshot_into
 from everystep.storage.tensorfile import buffer_chunks
 
 from .conftest import ROOT, FullDisk, files_of
+from .test_s3 import server  # noqa: F401 (the S3 server the s3 store reaches)
 
-STORES = {"local": LocalStore}
-"""Every Store implementation: each passes the tests that take ``store`` (made at a path, with an access)."""
+def _s3(where: Path | str, access: str = "write") -> S3Store:
+    """An S3Store for ``where``: a bucket of its own for a new path (made here), or a store's URL."""
+    if str(where).startswith("s3://"):
+        return S3Store(str(where), access=access)
+    import hashlib
+
+    import boto3
+
+    bucket = "st-" + hashlib.sha256(str(where).encode()).hexdigest()[:16]
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return S3Store(f"s3://{bucket}/root", access=access)
+
+
+STORES = {"local": LocalStore, "s3": _s3}
+"""Every Store implementation: each passes the tests that take ``store`` (made at a path, with an access;
+``s3``: against moto's server, a process of its own, reached over HTTP)."""
 
 
 @pytest.fixture(params=sorted(STORES))
 def store(request, tmp_path):
+    if request.param == "s3":
+        request.getfixturevalue("server")
     return STORES[request.param](tmp_path / "root")
 
 
@@ -48,7 +66,8 @@ def _reopen(catalog: Catalog, access: str = "write") -> Catalog:
 
 
 CATALOGS = {
-    **{name: (lambda path, make=make: Catalog(make(path))) for name, make in STORES.items()},
+    # (the catalog over S3 is tested in test_s3.py: these tests damage its files on a local disk)
+    **{name: (lambda path, make=make: Catalog(make(path))) for name, make in STORES.items() if name != "s3"},
     "local in a directory": lambda path: CheckpointDirectory.open(path, strategy="test").catalog,
 }
 """A catalog over every Store implementation, and as a directory's caller gets it; each passes the tests
@@ -127,7 +146,7 @@ def test_every_store_refuses_keys_outside_it(store, tmp_path):
 
 def test_every_store_opened_for_reading_refuses_every_change(store, tmp_path):
     store.put("objects/a.bin", [b"a"])
-    reader = STORES[next(k for k, v in STORES.items() if isinstance(store, v))](store.root, access="read")
+    reader = (_s3 if isinstance(store, S3Store) else type(store))(store.root, access="read")
     before = files_of(tmp_path)
     assert bytes(reader.get("objects/a.bin")) == b"a" and list(reader.list("objects/")) == ["objects/a.bin"]
     for change in (lambda: reader.put("objects/b.bin", [b"b"]), lambda: reader.delete("objects/a.bin"),

@@ -109,7 +109,7 @@ class S3Store:
 
     def _failed(self, what: str, key: str, error: BaseException) -> RemoteStoreError:
         """A failed request as the store's error, naming the object's URL and S3's code (never a credential)."""
-        code = _code(error) or type(error).__name__
+        code = _code(error) or f"{type(error).__name__}: {error}"  # (a client error: its code alone)
         return RemoteStoreError(f"{what} s3://{self.bucket}/{self.prefix}{key} failed: {code}{_hint(code)}")
 
     # -- writing -------------------------------------------------------------------------------
@@ -272,10 +272,10 @@ class S3Store:
 
     def fetch(self, key: str) -> Path:
         """The value ``key`` downloaded (a directory value: each of its files) into the store's folder."""
+        self._key(key)
         if self._cache is None:
             self._cache = Path(tempfile.mkdtemp(prefix="everystep-s3-cache-"))
         target = self._cache.joinpath(*key.split("/"))
-        self._key(key)
         inside = self.list(f"{key}/")
         if not inside:
             target.parent.mkdir(parents=True, exist_ok=True)
