@@ -167,6 +167,21 @@ def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_referen
         assert all(r["source"] in ("disk", "none") for r in summary["recoveries"])
     assert summary["losses"] == fsdp_reference["losses"]
     assert summary["rank_state_sha256"] == fsdp_reference["rank_state_sha256"]  # each rank's shards, bitwise
+    if strategy == "checkfreq":
+        _each_of_two_ranks_wrote_half(tmp_path / strategy, summary)
+
+
+def _each_of_two_ranks_wrote_half(root, summary):
+    """Under FSDP2 each of two ranks writes its shards, half the state; rank 0 also DCP's small index."""
+    store = CheckpointDirectory.open(root, create=False, access="read")
+    for record in store.catalog.manifests():
+        files = record.manifest.objects
+        state = [sum(i.nbytes for n, i in files.items() if n.startswith(f"dcp/__{r}_")) for r in range(2)]
+        assert all(abs(b / sum(state) - 0.5) <= 0.01 for b in state), state  # each rank's data file: half
+        assert files["dcp/.metadata"].nbytes < 0.03 * sum(state)  # DCP's index, written by rank 0
+    store.close()
+    written = summary["bytes_written_per_rank"]  # everything, DCP's index included
+    assert all(abs(b / sum(written) - 0.5) <= 0.02 for b in written), written
 
 
 ZERO_JOB = {**FSDP_JOB, "parallel": "zero1", "steps": 9}
@@ -196,20 +211,6 @@ def test_zero1_ranks_killed_and_restarted_recover_bitwise(tmp_path, zero_referen
     assert owned[0] and owned[1] and not owned[0] & owned[1]  # each parameter's state stored by one rank
 
 
-def test_under_fsdp2_each_of_two_ranks_writes_half_the_state(tmp_path, fsdp_reference):
-    summary = run(TrainConfig(strategy="checkfreq", directory=str(tmp_path / "c"), **{**FSDP_JOB, "steps": 4}))
-    assert summary["losses"] == fsdp_reference["losses"][:4]
-    store = CheckpointDirectory.open(tmp_path / "c", create=False, access="read")
-    for record in store.catalog.manifests():
-        files = record.manifest.objects
-        state = [sum(i.nbytes for n, i in files.items() if n.startswith(f"dcp/__{r}_")) for r in range(2)]
-        assert all(abs(b / sum(state) - 0.5) <= 0.01 for b in state), state  # each rank's data file: half
-        assert files["dcp/.metadata"].nbytes < 0.03 * sum(state)  # DCP's index, written by rank 0
-    store.close()
-    written = summary["bytes_written_per_rank"]  # everything, DCP's index included
-    assert all(abs(b / sum(written) - 0.5) <= 0.02 for b in written), written
-
-
 HSDP_JOB = {**FSDP_JOB, "nproc": 4, "max_nproc": 4, "parallel": "hsdp", "steps": 9}
 
 
@@ -219,8 +220,7 @@ def hsdp_reference() -> dict:
     return run(TrainConfig(strategy="none", **HSDP_JOB))
 
 
-@pytest.mark.parametrize("strategy, options", [("checkfreq", {}), ("lightcheck", {"persist_every": 2}),
-                                               ("lowdiff_plus", {})])
+@pytest.mark.parametrize("strategy, options", [("lightcheck", {"persist_every": 2}), ("lowdiff_plus", {})])
 def test_hsdp_on_four_ranks_killed_and_restarted_recovers_bitwise(tmp_path, hsdp_reference, strategy, options):
     # Hardware failures: lowdiff_plus's agents die with their ranks, and recovery reads the full
     # checkpoints they wrote, in everystep's format (each shard's rows split between its replicas).
@@ -249,32 +249,34 @@ from everystep import Checkpointer
 from everystep.tree import state_hash
 from torch.distributed.tensor import DTensor
 
-layout, root, out, write, fmt = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "write", sys.argv[5]
+layout, jobs = sys.argv[1], json.loads(sys.argv[2])
 world = int(os.environ.get("WORLD_SIZE", "1"))
 if layout != "single":
     dist.init_process_group("gloo")
-torch.manual_seed(0)
-net = torch.nn.Sequential(torch.nn.Linear(12, 42), torch.nn.ReLU(), torch.nn.Linear(42, 6))
-if layout == "fsdp":
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (world,))
-    fully_shard(net[0], mesh=mesh); fully_shard(net, mesh=mesh)
-elif layout in ("tp", "fsdp+tp"):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    mesh = init_device_mesh("cpu", (world // 2, 2) if layout == "fsdp+tp" else (1, world), mesh_dim_names=("dp", "tp"))
-    net = parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    if layout == "fsdp+tp":
-        fully_shard(net, mesh=mesh["dp"])
-elif layout in ("ddp", "zero"):
-    net = torch.nn.parallel.DistributedDataParallel(net)
-if layout == "zero":
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
-else:
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+
+def build():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(12, 42), torch.nn.ReLU(), torch.nn.Linear(42, 6))
+    if layout == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(net[0], mesh=mesh); fully_shard(net, mesh=mesh)
+    elif layout in ("tp", "fsdp+tp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (world // 2, 2) if layout == "fsdp+tp" else (1, world), mesh_dim_names=("dp", "tp"))
+        net = parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if layout == "fsdp+tp":
+            fully_shard(net, mesh=mesh["dp"])
+    elif layout in ("ddp", "zero"):
+        net = torch.nn.parallel.DistributedDataParallel(net)
+    if layout == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return net, ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
 
 
 def whole(tree):
@@ -285,82 +287,70 @@ def whole(tree):
     return tree
 
 
-def optimizer_state():
-    if layout != "zero":
-        return opt.state_dict()["state"]
-    opt.consolidate_state_dict(to=0)  # every rank's partition, gathered to rank 0
-    return opt.state_dict()["state"] if dist.get_rank() == 0 else None
-
-
-def gathered():
+def gathered(net, opt):
+    if layout == "zero":
+        opt.consolidate_state_dict(to=0)  # every rank's partition, gathered to rank 0
+        state = opt.state_dict()["state"] if dist.get_rank() == 0 else None
+    else:
+        state = opt.state_dict()["state"]
     module = net.module if layout in ("ddp", "zero") else net
-    return state_hash({"model": whole(module.state_dict()), "optimizer": whole(optimizer_state())})
+    return state_hash({"model": whole(module.state_dict()), "optimizer": whole(state)})
 
 
-def step(i):
+def step(net, opt, i):
     x = torch.randn(8, 12, generator=torch.Generator().manual_seed(i * 100 + (dist.get_rank() if world > 1 else 0)))
     net(x).square().mean().backward()
     opt.step(); opt.zero_grad()
 
 
 # Either format moves between layouts: DCP's (a sharded job's default), through DCP; everystep's own,
-# through the boxes of the whole tensor its parts hold. A reader takes the directory's.
-with Checkpointer(root, net, opt, strategy="full_sync", every=100, full_format=None if fmt == "any" else fmt) as ckpt:
-    start = ckpt.restore()
-    if write:
-        for i in range(1, 4):
-            step(i)
-        report = {"start": start, "hash": None}
-    else:
-        report = {"start": start, "hash": gathered()}
-        step(start + 1)  # training goes on at this world size
-        report["loss_finite"] = bool(torch.isfinite(net(torch.ones(2, 12)).sum()))
-written = gathered() if write else None  # after the final checkpoint: the state it holds
+# through the boxes of the whole tensor its parts hold. A reader takes the directory's. Each job of
+# this launch is a fresh model at this layout: a writer's (3 steps, then the final checkpoint) or a
+# reader's (what it restored, gathered, then a step at this layout).
+reports = {}
+for job in jobs:
+    net, opt = build()
+    fmt = job.get("format")
+    with Checkpointer(job["root"], net, opt, strategy="full_sync", every=100, full_format=fmt) as ckpt:
+        start = ckpt.restore()
+        if fmt is not None:
+            for i in range(1, 4):
+                step(net, opt, i)
+            report = {"start": start, "hash": None}
+        else:
+            report = {"start": start, "hash": gathered(net, opt)}
+            step(net, opt, start + 1)  # training goes on at this world size
+            report["loss_finite"] = bool(torch.isfinite(net(torch.ones(2, 12)).sum()))
+    report["written"] = gathered(net, opt) if fmt is not None else None  # after the final checkpoint: what it holds
+    reports[job["root"]] = report
 if world == 1 or dist.get_rank() == 0:
-    with open(out, "w") as f:
-        json.dump({**report, "written": written}, f)
+    print(json.dumps(reports))
 if layout != "single":
     dist.barrier()  # every rank done with every group before any is torn down (gloo aborts otherwise, now and then)
     dist.destroy_process_group()
 """
 
 
-def _reshard_run(layout: str, world: int, root, out, fmt: str = "dcp", *, write: bool) -> dict:
+def _reshard_run(layout: str, world: int, jobs: list[dict]) -> dict:
+    """One launch of ``world`` ranks at ``layout`` running ``jobs`` in turn: each rank-0 report by root."""
     import json
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-c", _RESHARD, layout, str(root), str(out), "write" if write else "read",
-            fmt if write else "any"]
+    args = [sys.executable, "-c", _RESHARD, layout, json.dumps(jobs)]
     if layout == "single":
         done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
-    else:
-        env.update(WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        procs = [subprocess.Popen(args, env={**env, "RANK": str(r)}, text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE) for r in range(world)]
-        for p in procs:
-            _, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err[-3000:]
-    return json.loads(out.read_text())
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    env.update(WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    procs = [subprocess.Popen(args, env={**env, "RANK": str(r)}, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for r in range(world)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    """Each writer's checkpoint directory and report, made when first asked for."""
-    made: dict[tuple[str, int], tuple] = {}
-
-    def get(writer: tuple):
-        if writer not in made:
-            tmp = tmp_path_factory.mktemp("-".join(map(str, writer)))
-            layout, world, *fmt = writer
-            made[writer] = tmp / "c", _reshard_run(layout, world, tmp / "c", tmp / "w.json", *fmt, write=True)
-        return made[writer]
-
-    return get
-
-
-@pytest.mark.xdist_group("resharding")  # one worker: each writer's checkpoint is written once
-@pytest.mark.parametrize("writer, reader", [
+_PAIRS = [
     (("fsdp", 2), ("single", 1)),
     (("fsdp", 2), ("fsdp", 4)),  # 42 rows over 4 ranks: shards of 11, 11, 10 and 10
     (("fsdp", 2), ("ddp", 2)),
@@ -372,14 +362,39 @@ def written(tmp_path_factory):
     (("fsdp", 2, "safetensors"), ("fsdp", 4)),
     (("fsdp+tp", 4, "safetensors"), ("single", 1)),
     (("ddp", 2, "safetensors"), ("fsdp", 2)),
-], ids=lambda v: "-".join(map(str, v)))
-def test_a_checkpoint_loads_bitwise_at_another_world_size_and_layout(tmp_path, written, writer, reader):
+]
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """Each pair's writer report and reader report. Launches are shared: one per writing layout (each
+    of its formats a job) and one per reading layout (each checkpoint it reads a job, from a copy:
+    a reader's first step may write)."""
     import shutil
 
-    source, saved = written(writer)
-    root = tmp_path / "c"
-    shutil.copytree(source, root)  # the reader's first step may write: each reads a copy
-    loaded = _reshard_run(*reader, root, tmp_path / "r.json", write=False)
+    tmp = tmp_path_factory.mktemp("resharding")
+    written: dict[tuple, tuple] = {}
+    for layout, world in dict.fromkeys(w[:2] for w, _ in _PAIRS):
+        writers = [w for w in dict.fromkeys(w for w, _ in _PAIRS) if w[:2] == (layout, world)]
+        roots = {w: str(tmp / ("w-" + "-".join(map(str, w)))) for w in writers}
+        reports = _reshard_run(layout, world, [{"root": roots[w], "format": (w[2:] or ("dcp",))[0]} for w in writers])
+        written.update((w, (roots[w], reports[roots[w]])) for w in writers)
+    found = {}
+    for reader in dict.fromkeys(r for _, r in _PAIRS):
+        pairs = [(w, r) for w, r in _PAIRS if r == reader]
+        roots = {}
+        for w, r in pairs:
+            roots[w, r] = str(tmp / ("r-" + "-".join(map(str, (*w, "to", *r)))))
+            shutil.copytree(written[w][0], roots[w, r])
+        reports = _reshard_run(*reader, [{"root": roots[p]} for p in pairs])
+        found.update((p, (written[p[0]][1], reports[roots[p]])) for p in pairs)
+    return found
+
+
+@pytest.mark.xdist_group("resharding")  # one worker: the launches are shared by every pair
+@pytest.mark.parametrize("writer, reader", _PAIRS, ids=lambda v: "-".join(map(str, v)))
+def test_a_checkpoint_loads_bitwise_at_another_world_size_and_layout(resharded, writer, reader):
+    saved, loaded = resharded[writer, reader]
     assert loaded["start"] == 3
     assert loaded["hash"] == saved["written"]  # every tensor, gathered on both sides, bitwise
     assert loaded["loss_finite"]
