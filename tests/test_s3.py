@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,11 +27,12 @@ SECRET = "everystep-test-secret-key"
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     """A moto S3 server in a process of its own; the environment a job reaching it would have."""
     port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "log"  # (a file: a pipe nobody reads fills, and the server stops)
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
     deadline = time.monotonic() + 60
     while True:  # until it accepts connections (it says nothing on a pipe when it does)
         try:
@@ -39,7 +41,8 @@ def server():
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                pytest.fail(f"the S3 server (moto) did not start: {proc.communicate()[1][-2000:]}")
+                proc.wait()
+                pytest.fail(f"the S3 server (moto) did not start: {log.read_text()[-2000:]}")
             time.sleep(0.1)
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
@@ -176,12 +179,18 @@ def test_a_missing_bucket_is_one_error_naming_the_url_and_never_the_secret(serve
 
 _JOB = """
 import json, os, signal, sys
+import torch.distributed as dist
 from everystep import Checkpointer
 from everystep.eval.train import training_state_hash
 from everystep.eval.workloads import build
 
-local, url, strategy, steps, kill_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-w = build("gpt2-tiny", seed=0, optimizer="adamw")
+local, url, strategy, steps, kill_at, parallel = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                                  int(sys.argv[5]), sys.argv[6])
+world = int(os.environ.get("WORLD_SIZE", "1"))
+rank = int(os.environ.get("RANK", "0"))
+if world > 1:
+    dist.init_process_group("gloo")
+w = build("gpt2-tiny", seed=0, optimizer="adamw", rank=rank, world=world, parallel=parallel)
 options = {"every": 2} if strategy == "lowdiff_plus" else {}
 ckpt = Checkpointer(local, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=strategy,
                     remote=url or None, remote_every=2, remote_lease=1.5, **options)
@@ -195,41 +204,64 @@ for step in range(start + 1, steps + 1):
             ckpt.remote.flush()
         os.killpg(0, signal.SIGKILL)
 ckpt.close()
-print(json.dumps({"start": start, "source": ckpt.recovered.source if ckpt.recovered else None,
-                  "remote_step": ckpt.stats.last_remote_step,
-                  "hash": training_state_hash({"step": steps, **ckpt.components.capture(),
-                                               **ckpt.components.capture_boundary()})}))
+with open(f"{local}.r{rank}.json", "w") as f:
+    json.dump({"start": start, "source": ckpt.recovered.source if ckpt.recovered else None,
+               "remote_step": ckpt.stats.last_remote_step, "up": ckpt.remote.bytes_up if url else 0,
+               "down": ckpt.remote.bytes_down if url else 0,
+               "hash": training_state_hash({"step": steps, **ckpt.components.capture(),
+                                            **ckpt.components.capture_boundary()})}, f)
+if world > 1:
+    dist.destroy_process_group()
 """
 
 
-def _job(tmp_path, local, url, strategy, steps, kill_at=0):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _JOB, str(local), url, strategy, str(steps), str(kill_at)], env=env,
-                          capture_output=True, text=True, timeout=240, start_new_session=True)
-    if kill_at:
-        assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
-        return None
-    assert done.returncode == 0, done.stderr[-3000:]
+_HOST = """
+import json, os, subprocess, sys
+ranks = [subprocess.Popen(json.loads(sys.argv[1]), env={**os.environ, "RANK": str(r)}) for r in range(int(sys.argv[2]))]
+sys.exit(max(abs(p.wait()) for p in ranks))
+"""
+"""A host: the job's ranks, children of one process in a session of its own (killed together)."""
+
+
+def _job(tmp_path, local, url, strategy, steps, kill_at=0, *, nproc=1, parallel="ddp"):
+    """The job's ranks on one host; each rank's report."""
     import json
 
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(nproc),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    argv = [sys.executable, "-c", _JOB, str(local), url, strategy, str(steps), str(kill_at), parallel]
+    done = subprocess.run([sys.executable, "-c", _HOST, json.dumps(argv), str(nproc)], env=env, capture_output=True,
+                          text=True, timeout=240, start_new_session=True)
+    assert done.returncode == (-signal.SIGKILL if kill_at else 0), done.stderr[-3000:]
+    return None if kill_at else [json.loads(Path(f"{local}.r{rank}.json").read_text()) for rank in range(nproc)]
 
 
-@pytest.mark.parametrize("strategy, seed", [("checkfreq", 1), ("lowdiff_plus", 2)])
-def test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise(tmp_path, bucket, strategy, seed):
+@pytest.mark.parametrize("strategy, seed, nproc, parallel", [
+    ("checkfreq", 1, 1, "ddp"),
+    ("lowdiff_plus", 2, 2, "ddp"),  # each rank's agent writes its part; each rank uploads, and downloads, a share
+    ("checkfreq", 3, 2, "fsdp"),  # DCP's files, each rank's shards, through the remote and back
+])
+def test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise(tmp_path, bucket, strategy, seed,
+                                                                                  nproc, parallel):
     import random
 
     steps = 14
     kill_at = random.Random(seed).randint(5, 11)  # an instant drawn from the seed, an upload maybe in flight
     url = f"s3://{bucket}/job"
-    reference = _job(tmp_path, tmp_path / "ref", "", strategy, steps)
-    _job(tmp_path, tmp_path / "lost", url, strategy, steps, kill_at)
+    job = dict(nproc=nproc, parallel=parallel)
+    reference = _job(tmp_path, tmp_path / "ref", "", strategy, steps, **job)
+    _job(tmp_path, tmp_path / "lost", url, strategy, steps, kill_at, **job)
     # a new machine, its local directory empty; the lost host's lock expires after its lease (1.5 s here)
-    resumed = _job(tmp_path, tmp_path / "new", url, strategy, steps)
-    # the newest checkpoint uploaded before the loss (uploads run behind training, every 2 steps)
-    assert resumed["source"] == "remote" and 0 < resumed["start"] <= kill_at
-    assert resumed["hash"] == reference["hash"]  # I1: bitwise the uninterrupted run
-    assert resumed["remote_step"] == steps  # its final checkpoint uploaded as it closed
+    resumed = _job(tmp_path, tmp_path / "new", url, strategy, steps, **job)
+    for mine, theirs in zip(resumed, reference):
+        # the newest checkpoint uploaded before the loss (uploads run behind training, every 2 steps)
+        assert mine["source"] == "remote" and 0 < mine["start"] <= kill_at
+        assert mine["hash"] == theirs["hash"]  # I1: bitwise the uninterrupted run, on every rank
+        assert mine["remote_step"] == steps  # its final checkpoint uploaded as it closed
+    assert len({r["start"] for r in resumed}) == 1
+    for moved in ("down", "up"):  # each rank moved its share, the largest objects first to the least loaded
+        shares = [r[moved] for r in resumed]
+        assert min(shares) > 0.3 * max(shares), (moved, shares)
 
 
 def _moto(port, **env):

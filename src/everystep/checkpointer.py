@@ -120,7 +120,8 @@ class Checkpointer:
             opened with ``access="read"`` makes a reader, which restores and changes nothing.
         remote: an ``s3://bucket/prefix`` URL: full checkpoints are also uploaded there in the
             background, and :meth:`restore` takes the newest one from there when the directory holds
-            nothing as new (a new machine); one process. See :mod:`everystep.storage.remote`.
+            nothing as new (a new machine); under several ranks each uploads and downloads a share
+            of each checkpoint, rank 0 committing it. See :mod:`everystep.storage.remote`.
         remote_every: upload every this many steps; ``None``: Young/Daly's interval for the
             measured upload time and ``remote_mtbf`` (seconds between losses of a machine).
         remote_lease: seconds without renewal after which the remote's writer lock is taken over.
@@ -224,9 +225,6 @@ class Checkpointer:
             raise ConfigError(f"remote must be an s3://bucket/prefix URL, got {url!r}")
         if self.directory is None:
             raise ConfigError(f"strategy {self.strategy.name!r} stores nothing: it takes no remote")
-        if self.ranks.distributed:
-            raise ConfigError("remote= takes a job of one process: under several ranks each rank's parts would be "
-                              "uploaded and committed together, which is not built yet")
         return RemoteTier(url, self.directory, every=every, mtbf=mtbf, keep=self.strategy.config.keep,
                           uploaded=lambda step: setattr(self.stats, "last_remote_step", step), lease=lease)
 

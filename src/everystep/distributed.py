@@ -7,6 +7,8 @@ thread of checkpoint work that talks to the other ranks — gets a gloo group of
 ``full``     commit of full checkpoints (the thread that writes them)
 ``diff``     commit of differential checkpoints (the differential writer thread)
 ``control``  start-up barriers and the agreement on a stop (the training thread)
+``remote``   uploads to the remote tier, rank 0 leading (its upload thread; made only for a job
+             with a remote, :meth:`Ranks.add_channel`)
 ===========  ====================================================================
 
 Within a group every rank issues the same collectives in the same order, because one thread per
@@ -93,9 +95,34 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups[channel])
         return bool(t.item())
 
+    def broadcast(self, channel: str, obj: Any) -> Any:
+        """Rank 0's ``obj``, on every rank, over the channel's own group."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.groups[channel], 0), group=self.groups[channel])
+        return box[0]
+
     def barrier(self, channel: str) -> None:
         if self.distributed:
             dist.barrier(group=self.groups[channel])
+
+    def add_channel(self, name: str, *, timeout: float = COLLECTIVE_TIMEOUT) -> None:
+        """Give the channel ``name`` a gloo group of its own (collective: every rank calls it at the
+        same point); ``timeout``: seconds a collective on it waits for its peers."""
+        if self.distributed and name not in self.groups:
+            self.groups[name] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+
+    def owners(self, sizes: dict[str, int]) -> dict[str, int]:
+        """The rank that handles each item of ``sizes`` (bytes by name): the largest first, each to
+        the rank with the fewest bytes so far — the same answer on every rank."""
+        load = [0] * self.world
+        owners = {}
+        for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+            rank = min(range(self.world), key=lambda r: (load[r], r))
+            owners[key] = rank
+            load[rank] += max(sizes[key], 1)
+        return owners
 
 
 def free_port() -> int:

@@ -123,8 +123,8 @@ class BenchConfig:
             parse_url(self.remote or "")
         except ValueError as e:
             raise ConfigError(f"--remote: {e}") from None
-        if self.nproc != 1 or self.trainer is not None:
-            raise ConfigError("--remote takes one process and no --trainer")
+        if self.trainer is not None:
+            raise ConfigError("--remote takes no --trainer")
         tiered = [s for s in self.strategies if s in STRATEGIES and STRATEGIES[s].needs_store]
         if not tiered:
             raise ConfigError("--remote needs an everystep strategy that stores checkpoints among --strategies")

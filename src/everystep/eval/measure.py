@@ -148,7 +148,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     steps, warmup = spec["steps"], spec["warmup"]
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
     if name != strategy:
-        options["remote"] = f"{spec['remote']}/{uuid.uuid4().hex[:12]}"  # a prefix of the run's own
+        # a prefix of the run's own (under several ranks, the name of the folder they share)
+        options["remote"] = f"{spec['remote']}/{os.path.basename(spec['shared']) if 'shared' in spec else uuid.uuid4().hex[:12]}"
     with _scratch(spec) as tmp:
         directory = f"{tmp}/ckpt" if STRATEGIES[strategy].needs_store else None
         w = _build(spec, spec["seed"])

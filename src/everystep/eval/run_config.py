@@ -88,8 +88,8 @@ class TrainConfig:
                               f"({strategy.full_formats_reason}): drop --full-format")
         if self.parallel != "ddp":
             self._check_sharded()
-        if self.remote is not None and (self.nproc > 1 or not strategy.needs_store):
-            raise ConfigError("--remote takes one process (--nproc 1) and a strategy that stores checkpoints")
+        if self.remote is not None and not strategy.needs_store:
+            raise ConfigError(f"--remote takes a strategy that stores checkpoints; {self.strategy!r} stores nothing")
         check_device(self.device, self.nproc)
         if self.fail_mode not in ("software", "hardware"):
             raise ConfigError(f"--fail-mode must be software or hardware, got {self.fail_mode!r}")

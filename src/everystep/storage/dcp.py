@@ -116,20 +116,6 @@ def _file_info(path: Path, name: str) -> ObjectInfo:
     return ObjectInfo(name=name, nbytes=nbytes, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
 
 
-def _owners(sizes: dict[str, int], world: int) -> dict[str, int]:
-    """The rank that writes each replicated tensor (every rank holds it): the largest first, each to
-    the rank with the fewest bytes so far — the same answer on every rank. (DCP would drop the
-    copies itself, but it balances them only among themselves, item by item: a checkpoint of many
-    small replicated tensors next to the shards, FSDP2's step counters, lands them on one rank.)"""
-    load = [0] * world
-    owners = {}
-    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owners[key] = rank
-        load[rank] += max(sizes[key], 1)
-    return owners
-
-
 def write_dcp(catalog: Catalog, channel: str, step: int, tensors: dict[str, torch.Tensor], replicated: set[str],
               skeleton: Any, meta: dict[str, Any] | None = None, *,
               sharded: Mapping[str, torch.Tensor] | None = None) -> Manifest:
@@ -139,8 +125,11 @@ def write_dcp(catalog: Catalog, channel: str, step: int, tensors: dict[str, torc
     ranks = catalog.ranks
     name = f"full-{step:012d}{DCP_SUFFIX}"
     sharded = sharded or {}
-    owners = _owners({k: t.numel() * t.element_size() for k, t in tensors.items() if k in replicated and k not in sharded},
-                     ranks.world)
+    # Each replicated tensor written by one rank, balanced (DCP would drop the copies itself, but it
+    # balances them only among themselves, item by item: a checkpoint of many small replicated
+    # tensors next to the shards, FSDP2's step counters, lands them on one rank).
+    owners = ranks.owners({k: t.numel() * t.element_size() for k, t in tensors.items()
+                           if k in replicated and k not in sharded})
     state = {_rank_key(ranks.rank, k): t for k, t in tensors.items() if k not in replicated and k not in sharded}
     state.update((k, tensors[k]) for k, owner in owners.items() if owner == ranks.rank)
     state.update((k, shard_like(tensors[k], like)) for k, like in sharded.items() if k in tensors)

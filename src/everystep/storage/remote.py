@@ -21,6 +21,13 @@ the strategy recovers as from its own: on a new machine, training resumes where 
 The remote holds a copy of the local directory's marker (``everystep.json``): a prefix holding
 another job's checkpoints (another strategy, format or world size) is refused, naming the URL.
 
+Under several ranks the job is one writer, rank 0 leading: it holds the lock, checks the marker,
+collects garbage and decides when an upload is due; for each upload it sends the manifest to the
+other ranks (the ``remote`` channel, a gloo group of its own), every rank uploads its share of the
+objects (by size, :meth:`~everystep.distributed.Ranks.owners`), and rank 0 puts the manifest once
+every rank's share is durable. A pull is shared the same way: rank 0 names the candidates, each rank
+downloads and verifies its share, and rank 0 commits locally once every share verified.
+
 One writer per prefix (:class:`RemoteLock`): ``writer.lock`` is created only where none is
 (``If-None-Match``), renewed by its holder every third of ``lease`` seconds (``If-Match`` its own
 version), and taken over by a successor only once its holder has not renewed it for ``lease``
@@ -51,7 +58,8 @@ from ..background import BackgroundErrors, Worker
 from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, DirectoryInUseError, EverystepError
 from ..policy.interval import median_gap
 from ..policy.young_daly import young_daly_interval
-from .base import Manifest
+from ..distributed import Ranks
+from .base import Manifest, ObjectInfo
 from .catalog import OBJECTS, Catalog
 from .directory import MARKER, collect_garbage, marker_bytes, parse_marker
 
@@ -63,6 +71,9 @@ __all__ = ["RemoteTier", "RemoteLock", "LOCK_KEY"]
 LOCK_KEY = "writer.lock"
 _SAME_JOB = ("strategy", "full_format", "world_size")
 """What of the markers must agree for a prefix to hold this job's checkpoints."""
+FOLLOW_TIMEOUT = 7 * 86400.0
+"""Seconds a rank following rank 0's uploads waits for the next one (the ``remote`` channel's timeout):
+uploads can be an hour apart (Young/Daly's interval), and rank 0 says when the job closes."""
 
 
 class RemoteTier:
@@ -89,17 +100,40 @@ class RemoteTier:
         self._uploaded = uploaded or (lambda step: None)
         self.upload_seconds: float | None = None
         """How long the newest upload took."""
+        self.bytes_up = self.bytes_down = 0
+        """Bytes this rank uploaded (each object once, retries not counted), and downloaded at :meth:`pull`."""
         self._started_at = -math.inf
         self._marks: list[float] = []
         self._failed: str | None = None
         self._upload: Future[Any] | None = None
         self._lock = threading.Lock()
+        self.ranks: Ranks = directory.ranks
+        self.lead = self.ranks.rank == 0
+        """Whether this rank leads (rank 0, or the only process): it decides, locks and commits."""
+        self._follows = self.ranks.distributed and directory.access == "write"
         self._worker = Worker("everystep-remote-upload", BackgroundErrors())
-        self._check_marker()
         self.lock: RemoteLock | None = None
-        if directory.access == "write":
-            self.lock = RemoteLock(self.store, url, lease=float(lease))
-            collect_garbage(self.catalog)
+        error: BaseException | None = None
+        if self.lead:
+            try:
+                self._check_marker()
+                if directory.access == "write":
+                    self.lock = RemoteLock(self.store, url, lease=float(lease))
+                    collect_garbage(self.catalog)
+            except BaseException as e:
+                error = e
+        try:
+            self.ranks.exchange("control", {}, error, f"opening the remote {url}")
+            if self._follows:
+                self.ranks.add_channel("remote", timeout=FOLLOW_TIMEOUT)
+                if not self.lead:
+                    self._worker.post(f"the uploads to {url} that rank 0 leads", self._follow)
+        except BaseException:
+            self._worker.close()
+            if self.lock is not None:
+                self.lock.release()
+            self.store.close()
+            raise
 
     def _check_marker(self) -> None:
         """Refuse a prefix of another job's; give a new one this directory's marker."""
@@ -121,27 +155,62 @@ class RemoteTier:
 
     def pull(self) -> int | None:
         """Take the newest remote full checkpoint that verifies into the local directory, if it is newer
-        than the local newest; its step, or None."""
-        local = self.directory.newest_full_step()
-        for record in sorted(self._fulls(), key=lambda r: -r.manifest.step):
-            manifest = record.manifest
-            if manifest.step > self.uploaded_step:
-                self.uploaded_step = manifest.step
-                self._uploaded(manifest.step)
-            if manifest.step <= local:
-                return None
+        than the local newest; its step, or None. Under several ranks every rank calls it at once
+        (the training thread's ``control`` channel): each downloads its share."""
+        found: dict[str, Any] = {"candidates": [], "newest": -1}
+        error: BaseException | None = None
+        if self.lead:
             try:
-                data = {info.name: self.catalog.read_object(info) for info in manifest.objects.values()}
+                local = self.directory.newest_full_step()
+                records = sorted(self._fulls(), key=lambda r: -r.manifest.step)
+                found = {"newest": records[0].manifest.step if records else -1,
+                         "candidates": [r.manifest.to_bytes() for r in records if r.manifest.step > local]}
+            except BaseException as e:
+                error = e
+        found = self.ranks.exchange("control", found, error, f"the listing of {self.url}")[0]
+        if found["newest"] > self.uploaded_step:
+            self.uploaded_step = found["newest"]
+            self._uploaded(found["newest"])
+        for body in found["candidates"]:
+            manifest = Manifest.from_bytes(body)
+            step, data, bad = manifest.step, {}, None
+            try:
+                data = {info.name: self.catalog.read_object(info) for info in self._share(manifest)}
+                self.bytes_down += sum(len(v) for v in data.values())
             except (CorruptCheckpointError, FileNotFoundError) as e:
-                warnings.warn(f"the remote checkpoint of step {manifest.step} at {self.url} does not verify ({e}); "
-                              "trying the one before", RuntimeWarning, stacklevel=2)
+                bad = str(e)
+            except BaseException as e:
+                error = e
+            bads = [r["bad"] for r in self.ranks.exchange("control", {"bad": bad}, error,
+                                                          f"the download of step {step} from {self.url}") if r["bad"]]
+            if bads:
+                if self.lead:
+                    warnings.warn(f"the remote checkpoint of step {step} at {self.url} does not verify ({bads[0]}); "
+                                  "trying the one before", RuntimeWarning, stacklevel=2)
                 continue
-            local_catalog = self.directory.catalog
-            for name, value in data.items():
-                local_catalog.store.put(OBJECTS + name, [value])
-            local_catalog.commit(manifest)
-            return manifest.step
+            what = f"the download of step {step} from {self.url}"
+            try:
+                for name, value in data.items():
+                    self.directory.catalog.store.put(OBJECTS + name, [value])
+            except BaseException as e:
+                error = e
+            self.ranks.exchange("control", {}, error, what)  # every rank's share in the local directory
+            if self.lead:
+                try:
+                    self.directory.catalog.commit(manifest)
+                except BaseException as e:
+                    error = e
+            self.ranks.exchange("control", {}, error, what)  # committed, before any rank restores
+            return step
         return None
+
+    def _share(self, manifest: Manifest) -> list[ObjectInfo]:
+        """The objects of ``manifest`` this rank moves: all of them in a job of one process."""
+        infos = list(manifest.objects.values())
+        if not self.ranks.distributed:
+            return infos
+        owners = self.ranks.owners({info.name: info.nbytes for info in infos})
+        return [info for info in infos if owners[info.name] == self.ranks.rank]
 
     def _fulls(self) -> list[Any]:
         return [r for r in self.catalog.manifests() if r.manifest is not None and r.manifest.kind == "full"]
@@ -149,7 +218,10 @@ class RemoteTier:
     # -- uploading -------------------------------------------------------------------------------
 
     def step_end(self, step: int) -> None:
-        """After each step (training thread): start an upload if one is due and none is running."""
+        """After each step (training thread): start an upload if one is due and none is running (rank
+        0 decides for the job)."""
+        if not self.lead:
+            return
         self._marks = (self._marks + [time.perf_counter()])[-21:]
         with self._lock:
             if self._upload is not None and not self._upload.done():
@@ -175,7 +247,7 @@ class RemoteTier:
                 warnings.warn(f"no more uploads to {self.url}: {self.lock.lost}", RuntimeWarning, stacklevel=1)
                 self._failed = self.lock.lost
             return
-        newest = self.directory.fulls()
+        newest = [m for m in self.directory.fulls() if m.rank == 0]  # the job's (a rank's own is not full state)
         if not newest or newest[0].step <= self.uploaded_step:
             return
         manifest = newest[0]
@@ -196,13 +268,42 @@ class RemoteTier:
             self._failed = None
 
     def _copy(self, manifest: Manifest) -> None:
-        local = self.directory.catalog
-        for info in manifest.objects.values():
-            self.store.put(OBJECTS + info.name, [local.read_object(info)])  # verified on the way out
+        if self._follows:
+            self.ranks.broadcast("remote", manifest.to_bytes())  # the followers upload their shares with it
+        self._round(manifest)
+
+    def _round(self, manifest: Manifest) -> None:
+        """One upload, on every rank: its share of the objects, each verified on the way out; rank 0
+        puts the manifest once every share is durable (raised on every rank if any failed)."""
+        error: BaseException | None = None
+        try:
+            local = self.directory.catalog
+            for info in self._share(manifest):
+                self.bytes_up += self.store.put(OBJECTS + info.name, [local.read_object(info)])  # verified on the way out
+        except (EverystepError, OSError) as e:
+            error = e
+        what = f"the upload of step {manifest.step} to {self.url}"
+        self.ranks.exchange("remote", {}, error, what)
         crash_point("remote.before_manifest")
-        self.catalog.commit(manifest)  # last: the checkpoint is visible remotely from here on
-        for old in sorted(self._fulls(), key=lambda r: -r.manifest.step)[self.keep:]:
-            self.catalog.discard(old.name)
+        if self.lead:
+            try:
+                self.catalog.commit(manifest)  # last: the checkpoint is visible remotely from here on
+                for old in sorted(self._fulls(), key=lambda r: -r.manifest.step)[self.keep:]:
+                    self.catalog.discard(old.name)
+            except (EverystepError, OSError) as e:
+                error = e
+        self.ranks.exchange("remote", {}, error, what)
+
+    def _follow(self) -> None:
+        """A rank other than 0: take part in each upload rank 0 starts, until it says the job closes."""
+        while (command := self.ranks.broadcast("remote", None)) is not None:
+            manifest = Manifest.from_bytes(command)
+            try:
+                self._round(manifest)
+            except (EverystepError, OSError):
+                continue  # rank 0 reports it
+            self.uploaded_step = manifest.step
+            self._uploaded(manifest.step)
 
     def wait(self) -> None:
         """Wait for the upload in flight, if any (its failure is reported, never raised)."""
@@ -212,24 +313,32 @@ class RemoteTier:
             running.result()
 
     def flush(self) -> None:
-        """Wait for the upload in flight, then upload the newest checkpoint if it is not there yet, on
-        the calling thread."""
+        """Wait for the upload in flight, then upload the newest checkpoint if it is not there yet
+        (rank 0; under several ranks every rank calls it, the others taking part in its upload)."""
         self.wait()
-        self._upload_newest()
+        if self.lead:
+            self._worker.submit(f"the upload to {self.url}", self._upload_newest).result()
 
     def close(self, *, upload: bool = True) -> None:
         """Wait for the upload in flight; with ``upload``, then upload the newest checkpoint (the final
-        one) if it is not there yet."""
+        one) if it is not there yet. Under several ranks, rank 0 then tells the others the job is
+        closing, and each waits for that (``upload=False``, a failed rank's close: it does not)."""
         try:
             if upload:
                 self.flush()
             else:
                 self.wait()
         finally:
-            self._worker.close()
-            if self.lock is not None:
-                self.lock.release()
-            self.store.close()
+            try:
+                if self._follows and self.lead:  # (after a failure a peer may be gone: not waited for)
+                    said = self._worker.submit("closing the uploads", self.ranks.broadcast, "remote", None)
+                    if upload:
+                        said.result()
+            finally:
+                self._worker.close(wait=upload)
+                if self.lock is not None:
+                    self.lock.release()
+                self.store.close()
 
 
 class RemoteLock:
