@@ -51,8 +51,11 @@ def test_killed_runs_recover_bit_exactly(tmp_path, reference, strategy, mode):
     assert s["recoveries"][0]["resumed_from"] == 0 and s["recoveries"][0]["source"] == "none"
     assert len(s["losses"]) == STEPS and s["steps"] == STEPS
     assert s["bytes_written"] > 0 and s["mean_step_seconds"] > 0
-    # every process lifetime's checkpoints count: at least one per step that was finished and kept
-    assert s["checkpoints"] >= STEPS - 1
+    # Every process lifetime's checkpoints count: at least one per step that was finished and kept.
+    # A lifetime's count is the one it journaled at its last step's end; one killed (hardware) may
+    # have committed up to `in_flight` more after that, which its successor resumes from and does not
+    # write again: those are durable but not counted.
+    assert s["checkpoints"] >= STEPS - 1 - (in_flight * len(fail_at) if mode == "hardware" else 0)
 
 
 def test_cli_train_recover_inspect(tmp_path, reference, capsys):
