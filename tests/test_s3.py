@@ -198,7 +198,8 @@ start = ckpt.restore()
 for step in range(start + 1, steps + 1):
     w.loss(w.data.next()).backward()
     w.update()
-    if step == kill_at:  # the host is lost after this step: its processes, its disk (an upload may be in flight)
+    if step == kill_at and rank == 0:  # the host is lost after this step: its processes, its disk (an upload may be
+        # in flight); rank 0 kills them all (the others wait for it in their next step's collectives)
         if ckpt.stats.last_remote_step < 1:  # (but not before a checkpoint past step 0 is up: else it resumes from 0)
             ckpt.wait()
             ckpt.remote.flush()

@@ -168,11 +168,12 @@ def test_fsdp2_ranks_killed_and_restarted_recover_bitwise(tmp_path, fsdp_referen
     assert summary["losses"] == fsdp_reference["losses"]
     assert summary["rank_state_sha256"] == fsdp_reference["rank_state_sha256"]  # each rank's shards, bitwise
     if strategy == "checkfreq":
-        _each_of_two_ranks_wrote_half(tmp_path / strategy, summary)
+        _each_of_two_ranks_wrote_half(tmp_path / strategy)
 
 
-def _each_of_two_ranks_wrote_half(root, summary):
-    """Under FSDP2 each of two ranks writes its shards, half the state; rank 0 also DCP's small index."""
+def _each_of_two_ranks_wrote_half(root):
+    """Under FSDP2 each of two ranks writes its shards, half the state; rank 0 also DCP's small index.
+    (What each rank reports it wrote, DCP's index included, is the bench's two-rank test's.)"""
     store = CheckpointDirectory.open(root, create=False, access="read")
     for record in store.catalog.manifests():
         files = record.manifest.objects
@@ -180,8 +181,6 @@ def _each_of_two_ranks_wrote_half(root, summary):
         assert all(abs(b / sum(state) - 0.5) <= 0.01 for b in state), state  # each rank's data file: half
         assert files["dcp/.metadata"].nbytes < 0.03 * sum(state)  # DCP's index, written by rank 0
     store.close()
-    written = summary["bytes_written_per_rank"]  # everything, DCP's index included
-    assert all(abs(b / sum(written) - 0.5) <= 0.02 for b in written), written
 
 
 ZERO_JOB = {**FSDP_JOB, "parallel": "zero1", "steps": 9}

@@ -9,7 +9,6 @@ minus one; the reported figure is the median over repeats.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import platform
@@ -34,7 +33,7 @@ from .peers import PEERS
 from .workloads import LAYOUT_OF, WORKLOADS, check_device
 from .plotting import pyplot
 from .run_config import check_layout
-from .zygote import Zygote, start_ranks
+from .zygote import Zygote, shared
 
 __all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table",
            "smallest_interval", "interleaved_order", "run_spec", "measure_run"]
@@ -171,28 +170,6 @@ def run_spec(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
     }
 
 
-_ZYGOTES: dict[str, Zygote] = {}
-"""The process each kind of run is forked from (by entry point), started at the first run."""
-
-
-def _zygote(entry: str) -> Zygote | None:
-    found = _ZYGOTES.get(entry)
-    if found is None or found.process.poll() is not None:
-        found = start_ranks(entry)
-        if found is None:
-            return None
-        if not _ZYGOTES:
-            atexit.register(_close_zygotes)
-        _ZYGOTES[entry] = found
-    return found
-
-
-def _close_zygotes() -> None:
-    """At exit: end the processes runs are forked from (they would end with this one, unwaited for)."""
-    while _ZYGOTES:
-        _ZYGOTES.popitem()[1].close()
-
-
 def measure_run(spec: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
     """Measure one run in a process of its own and return what it reports. A run that fails raises
     :class:`EverystepError` with its output's end; one still running after ``timeout`` seconds is
@@ -203,7 +180,7 @@ def measure_run(spec: dict[str, Any], *, timeout: float | None = None) -> dict[s
     interpreter spends seconds on; elsewhere each run is a new interpreter."""
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
     module = "everystep.eval.trainers" if spec.get("trainer") else "everystep.eval.measure"
-    zygote = _zygote(f"{module}:forked")
+    zygote = shared(f"{module}:forked")
     if spec.get("nproc", 1) > 1:
         return _ranks_run(zygote, module, spec, env, timeout)
     if zygote is not None:

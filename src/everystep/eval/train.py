@@ -16,7 +16,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from ..strategies import STRATEGIES
 from .faults import FailurePlan, Injector
 from .workloads import build, needs_ddp
 from .._process import die_with
-from .zygote import Forked, Zygote, start_ranks
+from .zygote import Forked, Zygote, shared
 from .run_config import TrainConfig
 from .summary import merge_ranks, summarise
 
@@ -356,12 +355,12 @@ def _ranks_with(codes: list[int], code: int) -> str:
 
 def run_supervised(cfg: TrainConfig) -> dict[str, Any]:
     """Run the job's ranks as child processes (forks of a zygote that imported everything once, where
-    the platform allows: :mod:`.zygote`); after a planned kill, start them all again."""
+    the platform allows, kept for this process's later runs: :func:`.zygote.shared`); after a planned
+    kill, start them all again."""
     with tempfile.TemporaryDirectory(prefix="everystep-run-") as tmp:
         journals = [os.path.join(tmp, f"journal-r{r}.jsonl") for r in range(cfg.nproc)]
         pending = list(cfg.fail_at)
-        with start_ranks(WORKER) or nullcontext() as zygote:
-            return _supervise(cfg, pending, journals, zygote)
+        return _supervise(cfg, pending, journals, shared(WORKER))
 
 
 def _supervise(cfg: TrainConfig, pending: list[int], journals: list[str], zygote: Zygote | None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ child ends (``C`` as :attr:`subprocess.Popen.returncode`: ``-9`` for SIGKILL).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -34,7 +35,7 @@ from typing import Any
 from .._process import die_with
 from ..errors import EverystepError
 
-__all__ = ["Zygote", "Forked", "start_ranks", "report_entry"]
+__all__ = ["Zygote", "Forked", "start_ranks", "shared", "report_entry"]
 
 
 class Forked:
@@ -159,6 +160,49 @@ def start_ranks(entry: str) -> Zygote | None:
     if not hasattr(os, "pidfd_open") or not hasattr(selectors, "EpollSelector"):
         return None
     return Zygote(entry)
+
+
+_SHARED: dict[str, tuple[tuple[Any, ...], Zygote]] = {}
+
+
+def _outputs() -> tuple[Any, ...]:
+    """What this process's standard output and error are now (a zygote's children inherit its own)."""
+    found = []
+    for fd in (1, 2):
+        try:
+            st = os.fstat(fd)
+            found.append((st.st_dev, st.st_ino))
+        except OSError:
+            found.append(None)
+    return tuple(found)
+
+
+def shared(entry: str) -> Zygote | None:
+    """The zygote this process forks every run of ``entry`` from, started at the first call and ended
+    at exit (a run's children are new processes in all but their imports: nothing of one run is left
+    in the zygote for the next). A new one replaces it when this process's standard output or error
+    is no longer the zygote's (a test capturing them), which its children write to. None where one
+    cannot run."""
+    outputs = _outputs()
+    held = _SHARED.get(entry)
+    if held is not None and (held[0] != outputs or held[1].process.poll() is not None):
+        del _SHARED[entry]
+        held[1].close()
+        held = None
+    if held is None:
+        found = start_ranks(entry)
+        if found is None:
+            return None
+        if not _SHARED:
+            atexit.register(_close_shared)
+        held = _SHARED[entry] = (outputs, found)
+    return held[1]
+
+
+def _close_shared() -> None:
+    """At exit: end the zygotes (they would end with this process, unwaited for)."""
+    while _SHARED:
+        _SHARED.popitem()[1][1].close()
 
 
 def report_entry(measure: Callable[[dict[str, Any]], dict[str, Any]], argv: list[str]) -> int:
