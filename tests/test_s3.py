@@ -265,6 +265,24 @@ def test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwis
         assert min(shares) > 0.3 * max(shares), (moved, shares)
 
 
+def test_a_share_tampered_with_on_one_rank_sends_every_rank_to_the_remote_checkpoint_before(tmp_path, bucket):
+    import boto3
+
+    url = f"s3://{bucket}/job"
+    _job(tmp_path, tmp_path / "first", url, "checkfreq", 6, nproc=2)  # the final checkpoint, step 6, uploaded last
+    s3 = boto3.client("s3")
+    objects = {o["Key"]: o["Size"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="job/objects/")["Contents"]}
+    newest = sorted(k for k in objects if "full-000000000006" in k)
+    assert len(newest) == 2  # each rank's part; the ranks share them out one each
+    steps = sorted(int(o["Key"].rsplit("-", 1)[1][:12]) for o in
+                   s3.list_objects_v2(Bucket=bucket, Prefix="job/manifests/")["Contents"])
+    assert steps[-1] == 6 and len(steps) == 2  # the remote keeps two (which ones: as the uploads fell due)
+    s3.put_object(Bucket=bucket, Key=newest[0], Body=b"\0" * objects[newest[0]])  # one rank's share fails its checksum
+    resumed = _job(tmp_path, tmp_path / "new", url, "checkfreq", 7, nproc=2)
+    assert {(r["source"], r["start"]) for r in resumed} == {("remote", steps[0])}  # on both ranks, the one before
+    assert sum(r["down"] for r in resumed) > 0
+
+
 def _moto(port, **env):
     """A moto server on ``port``, answering (``env``: its settings)."""
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
