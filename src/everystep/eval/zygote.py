@@ -165,27 +165,33 @@ def start_ranks(entry: str) -> Zygote | None:
 _SHARED: dict[str, tuple[tuple[Any, ...], Zygote]] = {}
 
 
-def _outputs() -> tuple[Any, ...]:
-    """What this process's standard output and error are now (a zygote's children inherit its own)."""
-    found = []
+_READ_AT_IMPORT = ("EVERYSTEP_", "TORCH", "OMP_", "MKL_", "CUDA", "NCCL_", "GLOO_", "PYTHON", "LD_")
+"""The environment variables a zygote's interpreter and imports may read once, at their start (by
+name prefix): everystep's settings (``EVERYSTEP_COLLECTIVE_TIMEOUT``), torch's and its libraries'."""
+
+
+def _context() -> tuple[Any, ...]:
+    """What a zygote started now would inherit: this process's standard output and error (its
+    children write there) and the environment its imports read (:data:`_READ_AT_IMPORT`)."""
+    found: list[Any] = []
     for fd in (1, 2):
         try:
             st = os.fstat(fd)
             found.append((st.st_dev, st.st_ino))
         except OSError:
             found.append(None)
-    return tuple(found)
+    return (*found, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_READ_AT_IMPORT))))
 
 
 def shared(entry: str) -> Zygote | None:
     """The zygote this process forks every run of ``entry`` from, started at the first call and ended
     at exit (a run's children are new processes in all but their imports: nothing of one run is left
-    in the zygote for the next). A new one replaces it when this process's standard output or error
-    is no longer the zygote's (a test capturing them), which its children write to. None where one
-    cannot run."""
-    outputs = _outputs()
+    in the zygote for the next). A new one replaces it when this process's standard output, error or
+    environment changed since it started (:func:`_context`): a run forks from a zygote as if it had
+    started it itself. None where one cannot run."""
+    context = _context()
     held = _SHARED.get(entry)
-    if held is not None and (held[0] != outputs or held[1].process.poll() is not None):
+    if held is not None and (held[0] != context or held[1].process.poll() is not None):
         del _SHARED[entry]
         held[1].close()
         held = None
@@ -195,7 +201,7 @@ def shared(entry: str) -> Zygote | None:
             return None
         if not _SHARED:
             atexit.register(_close_shared)
-        held = _SHARED[entry] = (outputs, found)
+        held = _SHARED[entry] = (context, found)
     return held[1]
 
 
