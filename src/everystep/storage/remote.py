@@ -129,10 +129,7 @@ class RemoteTier:
                 if not self.lead:
                     self._worker.post(f"the uploads to {url} that rank 0 leads", self._follow)
         except BaseException:
-            self._worker.close()
-            if self.lock is not None:
-                self.lock.release()
-            self.store.close()
+            self._release(wait=True)
             raise
 
     def _check_marker(self) -> None:
@@ -335,10 +332,14 @@ class RemoteTier:
                     if upload:
                         said.result()
             finally:
-                self._worker.close(wait=upload)
-                if self.lock is not None:
-                    self.lock.release()
-                self.store.close()
+                self._release(wait=upload)
+
+    def _release(self, *, wait: bool) -> None:
+        """End the upload thread (``wait``: for it to end), release the lock, close the store."""
+        self._worker.close(wait=wait)
+        if self.lock is not None:
+            self.lock.release()
+        self.store.close()
 
 
 class RemoteLock:
