@@ -3,7 +3,8 @@
 A new interpreter per rank and per lifetime spends seconds importing torch before it trains a step
 (more when the ranks of a job start together on a machine of a few cores). The supervisor instead
 starts one *zygote* per job: a process that imports the module of the entry point it is given
-(``module:function``; the training driver's ``worker_main``) and then only forks. Each
+(``module:function``; the training driver's ``worker_main``), and torch's compiler, which a
+rank's first optimizer would import, and then only forks. Each
 rank's lifetime is a child forked from it — a new process in all but the imports: its own session
 (as ``start_new_session``), its own environment, stdin on ``/dev/null``. The zygote runs no torch
 operation, so no thread pool is lost in the fork, and it dies with the supervisor (``PR_SET_PDEATHSIG``
@@ -256,6 +257,11 @@ def main(argv: list[str]) -> None:
     reply_fd, supervisor, (module, _, function) = int(argv[0]), int(argv[1]), argv[2].partition(":")
     die_with(supervisor)
     entry = getattr(importlib.import_module(module), function)  # the imports every rank needs, done once
+    if "torch" in sys.modules:
+        # Imported by the first optimizer a process builds (torch.optim's constructor is wrapped to
+        # keep torch.compile out, and the wrapper imports the compiler at its first call): a second
+        # or more of each rank's start. It starts no thread.
+        importlib.import_module("torch._dynamo")
 
     replies = os.fdopen(reply_fd, "wb", buffering=0)
     sel = selectors.EpollSelector()
