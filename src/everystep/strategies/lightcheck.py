@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 import time
 import warnings
 from concurrent.futures import Future
@@ -50,10 +51,12 @@ from ..optim import OptimizerInBackward
 from ..recovery import Recovered, recover
 from ..state import bare_module, local_optimizer
 from ..parallelism import SHARDED_LAYOUTS, shard_like
-from ..tree import flatten, local_shard, unflatten
+from ..tree import check_skeleton, flatten, local_shard, unflatten
 from ..storage.region import RegionStore, UnreadableRegionError
 from ..storage.region_map import RegionLayout, SlotWriter
-from ..storage.region_open import open_region
+from ..storage.region_open import open_region, region_path
+from .. import peers
+from ..errors import CorruptCheckpointError
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig
@@ -72,6 +75,11 @@ class LightCheckConfig(StrategyConfig):
     """Write a complete slot to the checkpoint directory every this many steps (0: never)."""
     flush: bool | None = None
     """Flush (``msync``) each slot before its header; ``None``: unless the region lies on tmpfs."""
+    peers: bool = False
+    """Mirror each rank's own state (all but the replicated parameters and optimizer state) every
+    step into the memory of a rank on another host (:mod:`everystep.peers`), so that a lost host's
+    ranks recover from the survivors' memory, not storage. Give ``region`` a path on each host's
+    own memory (``/dev/shm/…{rank}…``)."""
 
     def __post_init__(self) -> None:
         StrategyConfig.__post_init__(self)
@@ -203,6 +211,10 @@ class LightCheck(Strategy):
         self._chosen: Recovered | None = None
         self._use_disk = False
         self._layered = isinstance(self.ctx.components.optimizer, OptimizerInBackward)
+        self._mirroring: dict[int, Future[Any] | None] = {0: None, 1: None}
+        self._peers: _Peers | None = None
+        if self.config.peers and directory.access != "read":
+            self._peers = _Peers.start(self, directory)
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -212,6 +224,10 @@ class LightCheck(Strategy):
         the disk holds a newer full checkpoint."""
         assert self.ctx.directory is not None
         ranks = self.ctx.directory.ranks
+        if self._peers is not None:
+            self._chosen = self._peers.agree(self.ctx.directory.newest_full_step())
+            self._use_disk = self._chosen is None
+            return
         verified = self._read_slots(every=ranks.distributed)
         disk = self.ctx.directory.newest_full_step()
         common = set(verified)
@@ -264,6 +280,8 @@ class LightCheck(Strategy):
         if self.region is not None and self.region.access != "read":
             self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
             self._slot = self.region.next_slot()
+        if self._peers is not None:
+            self._peers.discard_newer(step)
 
     # -- every step ----------------------------------------------------------------------------
 
@@ -354,6 +372,7 @@ class LightCheck(Strategy):
             order = self._copy_order(tensors, skeleton, sharded)
             copy.progress.start([name for name, _ in order.units], order.index)
             settled(self._committing[slot])  # the slot's previous commit is done
+            settled(self._mirroring[slot])  # and its mirroring, which reads it
             assert self.region is not None
             writer = self.region.begin(order.layout, order.meta_hint, slot=slot)
             if copy.ready is not None:
@@ -404,6 +423,10 @@ class LightCheck(Strategy):
             settled(copy.future)
         assert self.region is not None
         self.region.commit(writer, copy.step, skeleton)
+        if self._peers is not None:  # off the training path: the slot is not reused until it is done
+            self._mirroring[writer.slot] = self._peers.worker.submit(
+                f"mirroring of the state at step {copy.step}", self._peers.mirror, copy.step, writer.views, skeleton,
+                order.replicated)
         assert self.ctx.catalog is not None
         self.ctx.catalog.count_written_elsewhere(writer.layout.nbytes)  # the region's bytes count as written
         self.ctx.in_memory(copy.step)
@@ -482,11 +505,15 @@ class LightCheck(Strategy):
             settled(pending.future)
         self._copier.drain()
         self._committer.drain()
+        if self._peers is not None:
+            self._peers.worker.drain()
         self._persister.drain()
 
     def _close(self) -> None:
         for worker in (self._copier, self._committer, self._persister):
             worker.close()
+        if self._peers is not None:
+            self._peers.close()
         if self.region is not None:
             self.region.close()
 
@@ -501,3 +528,137 @@ def _as_shards(tensors: dict[str, torch.Tensor], live: Any) -> None:
         if like is not None and tuple(t.shape) == tuple(local_shard(like).shape) and (t.dim() or live.holds(key)):
             tensors[key] = shard_like(t, like)
 
+
+
+class _Peers:
+    """This rank's part in the replicas on peers (:mod:`everystep.peers`): its buddy, its wards and
+    their mirrors, the thread that sends and receives every step, and the agreement at a restart."""
+
+    def __init__(self, owner: LightCheck, directory: Any, host: str, hosts: list[str], buddy: int,
+                 wards: list[int]) -> None:
+        self.owner, self.directory, self.ranks = owner, directory, directory.ranks
+        self.host, self.hosts, self.buddy, self.wards = host, hosts, buddy, wards
+        self.worker = Worker("everystep-lightcheck-peers", owner.errors)
+        self.mirrors: dict[int, RegionStore] = {}
+        assert owner.region is not None
+        for ward in wards:
+            self.mirrors[ward] = RegionStore.open(self._path("mirror", ward), ranks=self.ranks,
+                                                  flush=owner.config.flush, owner=owner.region.owner)
+
+    @classmethod
+    def start(cls, owner: LightCheck, directory: Any) -> "_Peers | None":
+        """Collective: the hosts of every rank, this rank's buddy and wards; None (with a warning)
+        where the job runs on one host."""
+        ranks = directory.ranks
+        if not ranks.distributed:
+            return None
+        ranks.add_channel(peers.CHANNEL)
+        hosts = ranks.all_gather("control", peers.host_name())
+        chosen = peers.buddies(hosts)
+        if owner.region is None:  # (skipped with a warning: unreadable)
+            return None
+        if chosen[ranks.rank] is None:
+            warnings.warn("peers=True, but every rank of the job runs on one host: nothing is mirrored (a lost host "
+                          "loses every rank)", stacklevel=4)
+            return None
+        wards = [r for r, b in enumerate(chosen) if b == ranks.rank]
+        return cls(owner, directory, hosts[ranks.rank], hosts, chosen[ranks.rank], wards)
+
+    def _path(self, kind: str, rank: int) -> Path:
+        path = region_path(self.directory.root, self.owner.config.region, rank, self.ranks.world)
+        return peers.mirror_path(path) if kind == "mirror" else path
+
+    # -- every step (the mirroring thread) --------------------------------------------------------
+
+    def mirror(self, step: int, views: dict[str, torch.Tensor], skeleton: Any, replicated: frozenset[str]) -> None:
+        """Send this rank's own part of S_step (read from its committed slot) to its buddy; receive
+        each ward's and commit it in the ward's mirror."""
+        own = {k: t for k, t in views.items() if k not in replicated}
+        received = peers.swap(self.ranks, peers.pack(step, self.ranks.rank, own, skeleton), self.buddy, self.wards)
+        for ward, buffer in zip(self.wards, received):
+            got, rank, tensors, theirs = peers.unpack(buffer, sender=ward)
+            if (got, rank) != (step, ward):
+                raise CorruptCheckpointError(f"rank {ward} sent the state of rank {rank} at step {got} for that of "
+                                             f"rank {ward} at step {step}")
+            peers.commit_mirror(self.mirrors[ward], step, tensors, theirs)
+
+    def discard_newer(self, step: int) -> None:
+        for store in self.mirrors.values():
+            store.discard_newer(step)
+
+    # -- at a restart ------------------------------------------------------------------------------
+
+    def agree(self, disk: int) -> Recovered | None:
+        """Collective: every rank says what its host's memory holds; the ranks take the newest step
+        not older than the disk's (``disk``) that every rank's state can be put together at, and the
+        ranks short of theirs receive it from the survivors. None: no such step (storage, as without
+        peers)."""
+        t0 = time.perf_counter()
+        world, me = self.ranks.world, self.ranks.rank
+        stores = {(kind, k): self._open(kind, k) for kind in ("region", "mirror") for k in range(world)}
+        try:
+            mine = peers.Holdings(self.host, {k: peers.read_steps(stores["region", k]) for k in range(world)},
+                                  {k: peers.read_steps(stores["mirror", k]) for k in range(world)})
+            held = [peers.Holdings.from_json(h) for h in self.ranks.all_gather("control", mine.as_json())]
+            found = peers.plan_recovery(held, disk - 1)
+            if found is None:
+                return None
+            step, transfers = found
+            whole: dict[str, torch.Tensor] | None = None  # this rank's whole state, or its own part and the rest
+            own: tuple[dict[str, torch.Tensor], Any] | None = None
+            rest: dict[str, torch.Tensor] | None = None
+            source = "region"
+            if step in mine.region.get(me, ()):
+                whole, skeleton = peers.read_step(stores["region", me], step)
+            for t in transfers:
+                if t.src == me:  # (a part of a region: the whole slot; the receiver keeps what it lacks)
+                    theirs, skel = peers.read_step(stores[t.kind, t.of], step)
+                    peers.send(self.ranks, peers.pack(step, t.of, theirs, skel), t.dst)
+                if t.dst == me:
+                    got, of, part, skel = peers.unpack(peers.receive(self.ranks, t.src), sender=t.src)
+                    if (got, of) != (step, t.of):
+                        raise CorruptCheckpointError(f"rank {t.src} sent the state of rank {of} at step {got} for that "
+                                                     f"of rank {t.of} at step {step}")
+                    if t.part == "whole":
+                        whole, skeleton = part, skel
+                    elif t.part == "own":
+                        own = part, skel
+                    else:
+                        rest = part
+                    if t.part != "replicated":
+                        source = f"peer memory (host {held[t.src].host})"
+            if whole is None:
+                if own is None:  # this host holds this rank's own part, in a mirror
+                    own = peers.read_step(stores["mirror", me], step)
+                    source = f"peer memory (host {self.host})"
+                if rest is None:  # and the rest in a region of another rank
+                    rest, _ = peers.read_step(stores["region", next(k for k in range(world) if step in mine.region[k])], step)
+                whole, skeleton = {**{k: v for k, v in rest.items() if k not in own[0]}, **own[0]}, own[1]
+            tensors = whole
+        finally:
+            for store in stores.values():
+                if store is not None:
+                    store.close()
+        try:
+            check_skeleton(skeleton, set(tensors))
+        except ValueError as e:
+            raise CorruptCheckpointError(f"the state of step {step} put together from the peers' memory is not whole: "
+                                         f"{e}") from None
+        _as_shards(tensors, self.owner.ctx.live_shards())
+        return Recovered(step=step, tree=unflatten(skeleton, tensors), source=source, manifest=None,
+                         seconds=time.perf_counter() - t0)
+
+    def _open(self, kind: str, rank: int) -> RegionStore | None:
+        """A region or mirror of this host, for reading: None where there is none, or where it is
+        not this directory's (its owner token is none of the directory's)."""
+        tokens = {p.read_text().strip() for p in self.directory.root.glob("region-r*.owner")}
+        store = peers.open_read(self._path(kind, rank), None)
+        if store is not None and store.owner not in tokens:
+            store.close()
+            return None
+        return store
+
+    def close(self) -> None:
+        self.worker.close()
+        for store in self.mirrors.values():
+            store.close()

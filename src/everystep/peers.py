@@ -1,0 +1,251 @@
+"""Replicas on peers: each rank's own state kept, every step, in the memory of a rank on another host.
+
+Under data parallelism what a lost host takes with it is only what is per rank — random
+generators, the data position, buffers, compression residuals — and, in a sharded job, the rank's
+shards: the replicated parameters and optimizer state are in every survivor's memory. So each rank
+sends that part of the state (its *own* keys, and the skeleton with the scalars) to its *buddy*,
+a rank on the next host, which keeps it in a two-slot region of its own (a *mirror*, beside its
+region: ``<region>.mirror``, one per rank it mirrors). After a restart the ranks agree on the
+newest step for which every rank's own part is in some survivor's memory (its region, or its
+buddy's mirror) and the replicated part in some region; the ranks that lost theirs receive them
+from the survivors over the job's own process group, storage untouched.
+
+Hosts: ``EVERYSTEP_HOST`` where set, else the machine's name and torchrun's node (``GROUP_RANK``).
+Buddies: the hosts in the order of their first rank; the i-th rank of a host mirrors to the i-th
+rank (modulo their number) of the next host, so losing any one host leaves every rank's own state
+on another. Two hosts lost at once may take a rank's state and its mirror: recovery then reads
+storage, as without mirrors.
+
+The wire: a length (int64), then one buffer — a JSON header (what a region slot's metadata holds:
+the step, the rank whose state it is, the skeleton, each tensor's dtype, shape, place and
+checksum) followed by the tensors' bytes. Nothing received is unpickled; every checksum is
+verified before a tensor is used (I8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .distributed import Ranks
+from .errors import CorruptCheckpointError
+from .storage.base import MALFORMED, refuse_constant
+from .storage.region import RegionStore, checksum_of
+from .storage.region_map import RegionLayout
+
+__all__ = ["host_name", "buddies", "pack", "unpack", "mirror_path", "Holdings", "plan_recovery", "Transfer",
+           "commit_mirror", "read_step", "read_steps", "open_read", "send", "receive", "swap"]
+
+CHANNEL = "peers"
+"""The gloo group of the mirrors (:meth:`~everystep.distributed.Ranks.add_channel`)."""
+
+_LENGTH = struct.Struct("<Q")
+
+
+def host_name() -> str:
+    """This process's host: ``EVERYSTEP_HOST``, else the machine's name and torchrun's node."""
+    explicit = os.environ.get("EVERYSTEP_HOST")
+    if explicit:
+        return explicit
+    node = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + (f" node {node}" if node is not None else "")
+
+
+def buddies(hosts: list[str]) -> list[int | None]:
+    """Each rank's buddy (``hosts``: each rank's host): the same-numbered rank of the next host, or
+    None where the job has one host (nothing to mirror to)."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    order = list(by_host)
+    if len(order) < 2:
+        return [None] * len(hosts)
+    found: list[int | None] = []
+    for rank, host in enumerate(hosts):
+        mine = by_host[host]
+        nxt = by_host[order[(order.index(host) + 1) % len(order)]]
+        found.append(nxt[mine.index(rank) % len(nxt)])
+    return found
+
+
+def pack(step: int, rank: int, tensors: dict[str, torch.Tensor], skeleton: Any) -> torch.Tensor:
+    """One buffer (uint8) holding ``tensors`` (CPU) of rank ``rank``'s state at ``step`` and the skeleton."""
+    layout = RegionLayout.of(tensors)
+    data = torch.empty(layout.nbytes, dtype=torch.uint8)
+    for e in layout.entries:
+        if e.nbytes:
+            data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(tensors[e.key])
+    view = memoryview(data.numpy()) if layout.nbytes else memoryview(b"")
+    sums = {e.key: checksum_of(view[e.offset:e.offset + e.nbytes]) for e in layout.entries}
+    head = json.dumps({"format": "everystep-peer", "step": step, "rank": rank, "skeleton": skeleton,
+                       "data_nbytes": layout.nbytes, "tensors": layout.to_json(sums)}, separators=(",", ":")).encode()
+    head += b" " * (-(_LENGTH.size + len(head)) % 64)  # (JSON's whitespace) the tensors aligned for their views
+    return torch.cat([torch.frombuffer(bytearray(_LENGTH.pack(len(head)) + head), dtype=torch.uint8), data])
+
+
+def unpack(buffer: torch.Tensor, *, sender: int) -> tuple[int, int, dict[str, torch.Tensor], Any]:
+    """What :func:`pack` packed: (step, rank, tensors, skeleton), every checksum verified (the
+    tensors are views of ``buffer``); raises :class:`CorruptCheckpointError` naming ``sender``."""
+    raw = memoryview(buffer.numpy())
+    try:
+        (n,) = _LENGTH.unpack(raw[:_LENGTH.size])
+        head = json.loads(bytes(raw[_LENGTH.size:_LENGTH.size + n]), parse_constant=refuse_constant)
+        if not isinstance(head, dict) or head.get("format") != "everystep-peer":
+            raise ValueError("not a peer's state")
+        step, rank, data_nbytes = head["step"], head["rank"], head["data_nbytes"]
+        if type(step) is not int or type(rank) is not int or type(data_nbytes) is not int \
+                or _LENGTH.size + n + data_nbytes != len(raw):
+            raise ValueError("its size is not what its header says")
+        layout, sums = RegionLayout.from_json(head["tensors"], data_nbytes)
+        if not isinstance(head["skeleton"], dict) or head["skeleton"].get("step") != step:
+            raise ValueError(f"its skeleton is not that of step {step}")  # (a part: checked whole, once put together)
+    except MALFORMED as e:
+        raise CorruptCheckpointError(f"the state rank {sender} sent is unreadable ({type(e).__name__}: {e})") from None
+    base = _LENGTH.size + n
+    tensors = {}
+    for e in layout.entries:
+        if checksum_of(raw[base + e.offset:base + e.offset + e.nbytes]) != sums[e.key]:
+            raise CorruptCheckpointError(f"the state rank {sender} sent: tensor {e.key!r} fails its checksum")
+        tensors[e.key] = buffer[base + e.offset:base + e.offset + e.nbytes].view(e.dtype).view(e.shape)
+    return step, rank, tensors, head["skeleton"]
+
+
+def send(ranks: Ranks, buffer: torch.Tensor, dst: int) -> None:
+    group = ranks.groups[CHANNEL]
+    dist.send(torch.tensor([buffer.numel()], dtype=torch.int64), dst, group=group)
+    dist.send(buffer, dst, group=group)
+
+
+def receive(ranks: Ranks, src: int) -> torch.Tensor:
+    group = ranks.groups[CHANNEL]
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src, group=group)
+    buffer = torch.empty(int(n.item()), dtype=torch.uint8)
+    dist.recv(buffer, src, group=group)
+    return buffer
+
+
+def swap(ranks: Ranks, buffer: torch.Tensor, buddy: int, wards: list[int]) -> list[torch.Tensor]:
+    """Send ``buffer`` to ``buddy`` and receive each ward's, all at once (every rank sends one and
+    receives from each of its wards, so no order among them can deadlock)."""
+    group = ranks.groups[CHANNEL]
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in wards]
+    works = [dist.isend(torch.tensor([buffer.numel()], dtype=torch.int64), buddy, group=group)]
+    works += [dist.irecv(n, w, group=group) for n, w in zip(sizes, wards)]
+    for work in works:
+        work.wait()
+    received = [torch.empty(int(n.item()), dtype=torch.uint8) for n in sizes]
+    works = [dist.isend(buffer, buddy, group=group)] + [dist.irecv(b, w, group=group) for b, w in zip(received, wards)]
+    for work in works:
+        work.wait()
+    return received
+
+
+def mirror_path(region: Path) -> Path:
+    """Where the mirror of the rank whose region would lie at ``region`` lies, on its buddy's host."""
+    return region.with_name(region.name + ".mirror")
+
+
+@dataclass
+class Holdings:
+    """What one process holds in memory, by kind (``region``: a rank's whole state; ``mirror``: a
+    rank's own part), rank whose state it is, and the steps that verified."""
+
+    host: str
+    region: dict[int, list[int]]
+    mirror: dict[int, list[int]]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"host": self.host, "region": {str(k): v for k, v in self.region.items()},
+                "mirror": {str(k): v for k, v in self.mirror.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Holdings":
+        return cls(data["host"], {int(k): v for k, v in data["region"].items()},
+                   {int(k): v for k, v in data["mirror"].items()})
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Rank ``src`` sends rank ``dst`` the ``part`` (``whole``, ``own`` or ``replicated``) of the
+    state of rank ``of`` at the agreed step, from its ``kind`` (``region`` or ``mirror``)."""
+
+    src: int
+    dst: int
+    part: str
+    kind: str
+    of: int
+
+
+def plan_recovery(held: list[Holdings], newer_than: int) -> tuple[int, list[Transfer]] | None:
+    """The newest step after ``newer_than`` at which every rank's state can be put together from
+    the processes' memory, and the transfers that do it (each rank ``r`` needs rank ``r``'s state:
+    whole from a region, or its own part from a region or a mirror and the replicated part from any
+    region), the same on every rank. None when there is no such step."""
+    world = len(held)
+    steps = sorted({s for h in held for found in h.region.values() for s in found if s > newer_than}, reverse=True)
+    for step in steps:
+        regions = [(p, k) for p, h in enumerate(held) for k, found in sorted(h.region.items()) if step in found]
+        transfers: list[Transfer] = []
+        for rank in range(world):
+            whole = [p for p, k in regions if k == rank]
+            if rank in whole:
+                continue  # its own region holds it
+            if whole:
+                transfers.append(Transfer(whole[0], rank, "whole", "region", rank))
+                continue
+            mirrors = sorted((p for p, h in enumerate(held) if step in h.mirror.get(rank, ())), key=lambda p: p != rank)
+            if not mirrors:
+                break
+            if mirrors[0] != rank:
+                transfers.append(Transfer(mirrors[0], rank, "own", "mirror", rank))
+            if not any(p == rank for p, _ in regions):  # it holds no region of that step to take the rest from
+                src, of = regions[rank % len(regions)]
+                transfers.append(Transfer(src, rank, "replicated", "region", of))
+        else:
+            return step, transfers
+    return None
+
+
+def read_steps(store: RegionStore | None) -> list[int]:
+    """The steps of ``store``'s slots that verify (none without a store)."""
+    return [] if store is None else [slot.step for slot, _, _ in store.verified(copy=True, warn=False)]
+
+
+def read_step(store: RegionStore, step: int) -> tuple[dict[str, torch.Tensor], Any]:
+    """The tensors (copies) and skeleton of ``store``'s slot of ``step``, verified (a mirror's
+    skeleton, of the whole state, is kept in its slot's ``meta``: see :func:`commit_mirror`)."""
+    for slot, tensors, meta in store.verified(copy=True, warn=False):
+        if slot.step == step:
+            return tensors, meta["meta"].get("state", meta["skeleton"])
+    raise CorruptCheckpointError(f"{store.path} no longer holds a slot of step {step} that verifies")
+
+
+def commit_mirror(store: RegionStore, step: int, tensors: dict[str, torch.Tensor], skeleton: Any) -> None:
+    """Keep a rank's own part of S_step in its mirror: the tensors, and the skeleton of the whole
+    state (in the slot's ``meta``: the slot's own skeleton names only what it holds)."""
+    writer = store.begin(RegionLayout.of(tensors), len(json.dumps(skeleton, default=str)))
+    with torch.no_grad():
+        for key, t in tensors.items():
+            writer.views[key].copy_(t)
+    store.commit(writer, step, {"step": step}, meta={"state": skeleton})
+
+
+def open_read(path: Path, owner: str | None) -> RegionStore | None:
+    """The region or mirror at ``path`` for reading, or None where there is none, or where it
+    belongs to another checkpoint directory (``owner``: the token this one keeps)."""
+    if not os.path.lexists(path):
+        return None
+    store = RegionStore.open(path, access="read")
+    if owner is not None and store.owner != owner:
+        store.close()
+        return None
+    return store
