@@ -226,3 +226,31 @@ def test_a_state_from_a_peer_is_checked_before_it_is_used():
         unpack(flipped, sender=1)
     with pytest.raises(CorruptCheckpointError, match="the state rank 1 sent is unreadable"):
         unpack(buffer[:-3].clone(), sender=1)
+    with pytest.raises(CorruptCheckpointError, match="rank 1 sent the state of rank 1 at step 4 for that of rank 1 at step 5"):
+        unpack(buffer.clone(), sender=1, expect=(5, 1))
+
+
+def test_a_mirror_another_directory_made_is_not_written_over(tmp_path, monkeypatch):
+    from everystep.storage.region import RegionStore
+
+    from .test_distributed import _spawn_two
+
+    mirror = tmp_path / "scratch" / "region-0.bin.mirror"  # where rank 1, rank 0's buddy, keeps rank 0's part
+    mirror.parent.mkdir(mode=0o700)
+    RegionStore.open(mirror, owner="another-run").close()
+    before = mirror.read_bytes()
+    monkeypatch.setenv("EVERYSTEP_COLLECTIVE_TIMEOUT", "20")  # (rank 0 waits for rank 1 in vain)
+    out = _spawn_two(f"""
+import os, torch, torch.distributed as dist
+os.environ["EVERYSTEP_HOST"] = "host " + os.environ["RANK"]
+from everystep import Checkpointer
+dist.init_process_group("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+try:
+    Checkpointer({str(tmp_path / "c")!r}, model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="lightcheck",
+                 region={str(tmp_path / "scratch" / "region-{rank}.bin")!r}, peers=True).close()
+except Exception as e:
+    print(dist.get_rank(), type(e).__name__, e)
+""")
+    assert f"1 CheckpointDirectoryError the mirror {mirror} belongs to another checkpoint directory" in out, out
+    assert mirror.read_bytes() == before

@@ -91,9 +91,11 @@ def pack(step: int, rank: int, tensors: dict[str, torch.Tensor], skeleton: Any) 
     return torch.cat([torch.frombuffer(bytearray(_LENGTH.pack(len(head)) + head), dtype=torch.uint8), data])
 
 
-def unpack(buffer: torch.Tensor, *, sender: int) -> tuple[int, int, dict[str, torch.Tensor], Any]:
+def unpack(buffer: torch.Tensor, *, sender: int, expect: tuple[int, int] | None = None
+           ) -> tuple[int, int, dict[str, torch.Tensor], Any]:
     """What :func:`pack` packed: (step, rank, tensors, skeleton), every checksum verified (the
-    tensors are views of ``buffer``); raises :class:`CorruptCheckpointError` naming ``sender``."""
+    tensors are views of ``buffer``); raises :class:`CorruptCheckpointError` naming ``sender``, also
+    when it is not the state of ``expect`` (step, rank)."""
     raw = memoryview(buffer.numpy())
     try:
         (n,) = _LENGTH.unpack(raw[:_LENGTH.size])
@@ -109,6 +111,9 @@ def unpack(buffer: torch.Tensor, *, sender: int) -> tuple[int, int, dict[str, to
             raise ValueError(f"its skeleton is not that of step {step}")  # (a part: checked whole, once put together)
     except MALFORMED as e:
         raise CorruptCheckpointError(f"the state rank {sender} sent is unreadable ({type(e).__name__}: {e})") from None
+    if expect is not None and (step, rank) != expect:
+        raise CorruptCheckpointError(f"rank {sender} sent the state of rank {rank} at step {step} for that of rank "
+                                     f"{expect[1]} at step {expect[0]}")
     base = _LENGTH.size + n
     tensors = {}
     for e in layout.entries:
@@ -124,11 +129,19 @@ def send(ranks: Ranks, buffer: torch.Tensor, dst: int) -> None:
     dist.send(buffer, dst, group=group)
 
 
+def _size(n: torch.Tensor, sender: int) -> int:
+    """A buffer's size as a peer announced it: at least a length field."""
+    size = int(n.item())
+    if size < _LENGTH.size:
+        raise CorruptCheckpointError(f"rank {sender} announced a state of {size} bytes")
+    return size
+
+
 def receive(ranks: Ranks, src: int) -> torch.Tensor:
     group = ranks.groups[CHANNEL]
     n = torch.zeros(1, dtype=torch.int64)
     dist.recv(n, src, group=group)
-    buffer = torch.empty(int(n.item()), dtype=torch.uint8)
+    buffer = torch.empty(_size(n, src), dtype=torch.uint8)
     dist.recv(buffer, src, group=group)
     return buffer
 
@@ -142,7 +155,7 @@ def swap(ranks: Ranks, buffer: torch.Tensor, buddy: int, wards: list[int]) -> li
     works += [dist.irecv(n, w, group=group) for n, w in zip(sizes, wards)]
     for work in works:
         work.wait()
-    received = [torch.empty(int(n.item()), dtype=torch.uint8) for n in sizes]
+    received = [torch.empty(_size(n, w), dtype=torch.uint8) for n, w in zip(sizes, wards)]
     works = [dist.isend(buffer, buddy, group=group)] + [dist.irecv(b, w, group=group) for b, w in zip(received, wards)]
     for work in works:
         work.wait()
@@ -239,13 +252,13 @@ def commit_mirror(store: RegionStore, step: int, tensors: dict[str, torch.Tensor
     store.commit(writer, step, {"step": step}, meta={"state": skeleton})
 
 
-def open_read(path: Path, owner: str | None) -> RegionStore | None:
+def open_read(path: Path, owners: set[str]) -> RegionStore | None:
     """The region or mirror at ``path`` for reading, or None where there is none, or where it
-    belongs to another checkpoint directory (``owner``: the token this one keeps)."""
+    belongs to no checkpoint directory of ``owners`` (the owner tokens one directory keeps)."""
     if not os.path.lexists(path):
         return None
     store = RegionStore.open(path, access="read")
-    if owner is not None and store.owner != owner:
+    if store.owner not in owners:
         store.close()
         return None
     return store

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 import time
 import warnings
 from concurrent.futures import Future
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -45,7 +45,7 @@ import torch
 
 from .._faults import crash_point
 from ..background import Worker, settled
-from ..errors import ConfigError, NoValidCheckpointError
+from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
 from ..recovery import Recovered, recover
@@ -56,7 +56,6 @@ from ..storage.region import RegionStore, UnreadableRegionError
 from ..storage.region_map import RegionLayout, SlotWriter
 from ..storage.region_open import open_region, region_path
 from .. import peers
-from ..errors import CorruptCheckpointError
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig
@@ -542,8 +541,14 @@ class _Peers:
         self.mirrors: dict[int, RegionStore] = {}
         assert owner.region is not None
         for ward in wards:
-            self.mirrors[ward] = RegionStore.open(self._path("mirror", ward), ranks=self.ranks,
-                                                  flush=owner.config.flush, owner=owner.region.owner)
+            path = self._path("mirror", ward)
+            store = RegionStore.open(path, ranks=self.ranks, flush=owner.config.flush, owner=owner.region.owner)
+            self.mirrors[ward] = store
+            if store.owner != owner.region.owner:  # as for a region: another run's memory is not written over
+                self.close()
+                raise CheckpointDirectoryError(
+                    f"the mirror {path} belongs to another checkpoint directory than {directory.root} (it may hold "
+                    f"that run's state, so nothing was changed): give this run its own region= or delete {path}")
 
     @classmethod
     def start(cls, owner: LightCheck, directory: Any) -> "_Peers | None":
@@ -576,10 +581,7 @@ class _Peers:
         own = {k: t for k, t in views.items() if k not in replicated}
         received = peers.swap(self.ranks, peers.pack(step, self.ranks.rank, own, skeleton), self.buddy, self.wards)
         for ward, buffer in zip(self.wards, received):
-            got, rank, tensors, theirs = peers.unpack(buffer, sender=ward)
-            if (got, rank) != (step, ward):
-                raise CorruptCheckpointError(f"rank {ward} sent the state of rank {rank} at step {got} for that of "
-                                             f"rank {ward} at step {step}")
+            _, _, tensors, theirs = peers.unpack(buffer, sender=ward, expect=(step, ward))
             peers.commit_mirror(self.mirrors[ward], step, tensors, theirs)
 
     def discard_newer(self, step: int) -> None:
@@ -595,7 +597,9 @@ class _Peers:
         peers)."""
         t0 = time.perf_counter()
         world, me = self.ranks.world, self.ranks.rank
-        stores = {(kind, k): self._open(kind, k) for kind in ("region", "mirror") for k in range(world)}
+        tokens = {p.read_text().strip() for p in self.directory.root.glob("region-r*.owner")}  # this directory's
+        stores = {(kind, k): peers.open_read(self._path(kind, k), tokens) for kind in ("region", "mirror")
+                  for k in range(world)}
         try:
             mine = peers.Holdings(self.host, {k: peers.read_steps(stores["region", k]) for k in range(world)},
                                   {k: peers.read_steps(stores["mirror", k]) for k in range(world)})
@@ -615,10 +619,7 @@ class _Peers:
                     theirs, skel = peers.read_step(stores[t.kind, t.of], step)
                     peers.send(self.ranks, peers.pack(step, t.of, theirs, skel), t.dst)
                 if t.dst == me:
-                    got, of, part, skel = peers.unpack(peers.receive(self.ranks, t.src), sender=t.src)
-                    if (got, of) != (step, t.of):
-                        raise CorruptCheckpointError(f"rank {t.src} sent the state of rank {of} at step {got} for that "
-                                                     f"of rank {t.of} at step {step}")
+                    _, _, part, skel = peers.unpack(peers.receive(self.ranks, t.src), sender=t.src, expect=(step, t.of))
                     if t.part == "whole":
                         whole, skeleton = part, skel
                     elif t.part == "own":
@@ -647,16 +648,6 @@ class _Peers:
         _as_shards(tensors, self.owner.ctx.live_shards())
         return Recovered(step=step, tree=unflatten(skeleton, tensors), source=source, manifest=None,
                          seconds=time.perf_counter() - t0)
-
-    def _open(self, kind: str, rank: int) -> RegionStore | None:
-        """A region or mirror of this host, for reading: None where there is none, or where it is
-        not this directory's (its owner token is none of the directory's)."""
-        tokens = {p.read_text().strip() for p in self.directory.root.glob("region-r*.owner")}
-        store = peers.open_read(self._path(kind, rank), None)
-        if store is not None and store.owner not in tokens:
-            store.close()
-            return None
-        return store
 
     def close(self) -> None:
         self.worker.close()
