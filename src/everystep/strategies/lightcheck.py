@@ -210,7 +210,8 @@ class LightCheck(Strategy):
         self._chosen: Recovered | None = None
         self._use_disk = False
         self._layered = isinstance(self.ctx.components.optimizer, OptimizerInBackward)
-        self._mirroring: dict[int, Future[Any] | None] = {0: None, 1: None}
+        self._mirrored: Future[Any] | None = None
+        """The newest step's mirroring (one thread mirrors the steps in turn)."""
         self._peers: _Peers | None = None
         if self.config.peers and directory.access != "read":
             self._peers = _Peers.start(self, directory)
@@ -371,7 +372,9 @@ class LightCheck(Strategy):
             order = self._copy_order(tensors, skeleton, sharded)
             copy.progress.start([name for name, _ in order.units], order.index)
             settled(self._committing[slot])  # the slot's previous commit is done
-            settled(self._mirroring[slot])  # and its mirroring, which reads it
+            # and the mirroring of every step before, the other slot's included: so that the region
+            # always holds a step its buddy's mirror holds too, and a slot is not rewritten while read
+            settled(self._mirrored)
             assert self.region is not None
             writer = self.region.begin(order.layout, order.meta_hint, slot=slot)
             if copy.ready is not None:
@@ -423,7 +426,7 @@ class LightCheck(Strategy):
         assert self.region is not None
         self.region.commit(writer, copy.step, skeleton)
         if self._peers is not None:  # off the training path: the slot is not reused until it is done
-            self._mirroring[writer.slot] = self._peers.worker.submit(
+            self._mirrored = self._peers.worker.submit(
                 f"mirroring of the state at step {copy.step}", self._peers.mirror, copy.step, writer.views, skeleton,
                 order.replicated)
         assert self.ctx.catalog is not None
