@@ -318,12 +318,43 @@ except Exception as e:
                      "(2 of 2 tensors, first '/model/bias')") == 2, out
 
 
-def _spawn_two(script: str) -> str:
+def _spawn_two(script: str, world: int = 2) -> str:
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)}) for r in range(2)]
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)}) for r in range(world)]
     return "".join(p.communicate(timeout=120)[0] for p in procs)
+
+
+def test_four_ranks_restart_bitwise_when_ddp_keeps_its_first_buckets(tmp_path):
+    # Above two ranks an all-reduce's sum order follows the bucket layout; the harness's DDP keeps its
+    # first buckets (find_unused_parameters=True), so the first step after a restart sums as the run did.
+    four = dict(JOB, nproc=4, max_nproc=4)
+    ref = run(TrainConfig(strategy="none", **four))
+    summary = run(TrainConfig(strategy="checkfreq", directory=str(tmp_path / "c"), fail_at=(5, 9), **four))
+    assert [r["failed_at"] for r in summary["recoveries"]] == [5, 9]
+    assert summary["losses"] == ref["losses"]
+    assert summary["rank_state_sha256"] == ref["rank_state_sha256"]
+
+
+def test_a_ddp_that_regroups_its_buckets_above_two_ranks_is_warned_of(tmp_path):
+    script = f"""
+import warnings, torch, torch.distributed as dist
+from everystep import Checkpointer
+dist.init_process_group("gloo")
+for keep in (False, True):
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2), find_unused_parameters=keep)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Checkpointer({str(tmp_path)!r} + f"/c{{keep}}", model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          strategy="full_sync") as ckpt:
+            ckpt.restore()
+    print(f"rank {{dist.get_rank()}} keep {{keep}}:", [str(w.message) for w in caught if "buckets" in str(w.message)])
+dist.destroy_process_group()
+"""
+    out = _spawn_two(script, world=3)
+    assert 'rank 0 keep False: ["DistributedDataParallel over 3 ranks regroups its gradient buckets' in out, out
+    assert "rank 0 keep True: []" in out and "rank 1 keep False: []" in out, out
 
 
 @settings(max_examples=60, deadline=None)

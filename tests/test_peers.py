@@ -140,12 +140,14 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_path):
-    """Two hosts of one rank each (DDP), lightcheck with peers; five losses of a host drawn from the
-    seed. The checkpoint directory holds no full checkpoint until the end (``persist_every`` past
-    the run), so every restart's state came from memory."""
-    steps, losses, local = 40, 5, 1
-    reference = run(TrainConfig(workload="gpt2-tiny", strategy="none", steps=steps, nproc=2 * local, progress=False))
+@pytest.mark.parametrize("local", [1, 2])
+def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_path, local):
+    """Two hosts of ``local`` ranks each (DDP), lightcheck with peers; five losses of a host drawn
+    from the seed. The checkpoint directory holds no full checkpoint until the end (``persist_every``
+    past the run), so every restart's state came from memory."""
+    steps, losses = 40, 5
+    reference = run(TrainConfig(workload="gpt2-tiny", strategy="none", steps=steps, nproc=2 * local, max_nproc=4,
+                                progress=False))
     rng = random.Random(1)
     job = _Hosts(tmp_path, local, "lightcheck", steps)
     try:

@@ -37,7 +37,7 @@ from .errors import (
     UnclosedCheckpointerWarning,
 )
 from .optim import OptimizerInBackward
-from .parallelism import sharded_layout
+from .parallelism import restart_rounding, sharded_layout
 from .recovery import Recovered
 from .storage.remote import RemoteTier
 from .state import Stateful, TrainingComponents
@@ -192,6 +192,8 @@ class Checkpointer:
         self.final = final
         self.stats = CheckpointStats()
         self.ranks = store.ranks if store is not None else Ranks.detect()
+        if self.ranks.rank == 0 and (why := restart_rounding(model, self.ranks.world)):
+            warnings.warn(why, stacklevel=2)
         if stagger is not None and stagger < 1:
             raise ConfigError(f"stagger must be at least 1 rank per wave, got {stagger}")
         if store is None and self.strategy.needs_store:

@@ -21,7 +21,7 @@ import torch
 from .state import zero_redundancy
 from .tree import OPTIMIZER_STATE_ENTRY, dtensor_class
 
-__all__ = ["sharded_layout", "shard_like", "shard_box", "ShardBox", "state_boxes", "LAYOUTS", "DTENSOR_LAYOUTS", "SHARDED_LAYOUTS"]
+__all__ = ["sharded_layout", "restart_rounding", "shard_like", "shard_box", "ShardBox", "state_boxes", "LAYOUTS", "DTENSOR_LAYOUTS", "SHARDED_LAYOUTS"]
 
 LAYOUTS = ("FSDP2", "HSDP", "TP", "FSDP+TP", "FSDP1", "ZeRO-1")
 """The sharded layouts :func:`sharded_layout` tells apart."""
@@ -46,6 +46,27 @@ def shard_like(local: torch.Tensor, like: Any) -> Any:
     # A host copy of a device shard: from_local would copy it back to the device; the constructor
     # keeps it where it is, as DCP's own staging of DTensors to host memory does.
     return DTensor(local, like._spec, requires_grad=False)
+
+
+def restart_rounding(model: torch.nn.Module, world: int) -> str | None:
+    """Why a restart of this job equals the uninterrupted run only up to rounding, or None when it is
+    bitwise.
+
+    DistributedDataParallel all-reduces the gradients bucket by bucket. Unless built with
+    ``find_unused_parameters=True``, it regroups its buckets after the first step of each process, in
+    the order the gradients became ready. So the first step after a restart all-reduces in other
+    buckets than the run did at that step. Above two ranks, the order in which an all-reduce adds
+    the ranks' values depends on where a value lies in its bucket, and the step's result can
+    differ in its last bits. With two ranks the sum is the same either way.
+    """
+    if world <= 2 or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    if model.find_unused_parameters and not getattr(model, "static_graph", False):
+        return None
+    return (f"DistributedDataParallel over {world} ranks regroups its gradient buckets after the first step of "
+            "each process, so the first step after a restart adds the ranks' gradients in another order and "
+            "recovery is exact only up to rounding; build it with find_unused_parameters=True (it then keeps its "
+            "first buckets) for bitwise restarts")
 
 
 def _dtensor_layout(model: torch.nn.Module) -> str | None:

@@ -317,7 +317,8 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
     through the optimizer, under DDP in its communication hook. PowerSGD always runs in DDP's
     hook, so it wraps the model in a world of one process as well (the group must exist:
     :func:`everystep.distributed.init_process_group` with ``one_process=True``). ``bucket_cap_mb``
-    sets DDP's gradient bucket size (default PyTorch's). ``device`` (``cpu`` or ``cuda``, see
+    sets DDP's gradient bucket size (default PyTorch's); above two ranks DDP keeps its first buckets
+    (``find_unused_parameters=True``), so that a restart sums gradients as the run did. ``device`` (``cpu`` or ``cuda``, see
     :func:`resolve_device`) holds the model and its optimizer state; data is made on the CPU.
     ``in_backward``: the optimizer is an :class:`~everystep.OptimizerInBackward` (each parameter
     updated during backward; under DDP once its bucket is all-reduced), with no compression.
@@ -354,6 +355,8 @@ def build(name: str, *, seed: int = 0, optimizer: str = "adamw", lr: float | Non
         model = fully_shard_model(model, where.type, hsdp=parallel == "hsdp")
     elif wrapped:
         kw: dict[str, Any] = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}
+        if world > 2:  # keep the first buckets: a restart then sums as the run did (see restart_rounding)
+            kw["find_unused_parameters"] = True
         if where.type == "cuda":
             kw["device_ids"] = [where.index]
         model = nn.parallel.DistributedDataParallel(model, **kw)
