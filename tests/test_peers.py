@@ -1,188 +1,75 @@
 """Replicas on peers: two hosts on loopback, each a ``torchrun`` of its own (elastic rendezvous,
 restarts allowed) with its own scratch memory; a host lost — its torchrun and its training
 processes SIGKILLed together at an instant drawn from the seed — and a replacement host started
-with an empty scratch directory. The job recovers from the survivors' memory, bitwise."""
+with an empty scratch directory (:mod:`everystep.eval.hosts`). The job recovers from the survivors'
+memory, bitwise."""
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
-from everystep.distributed import free_port
+from everystep.eval.hosts import TwoHosts, final_hashes, lose_hosts, rank0_losses
 from everystep.eval.train import TrainConfig, run
-from everystep.peers import Holdings, Transfer, buddies, pack, plan_recovery, unpack
+from everystep.peers import Holdings, Transfer, buddies, pack, plan_recovery, share_out, unpack
 from everystep.errors import CorruptCheckpointError
 
-from .conftest import ROOT
 
-_RANK = """
-import json, os, sys, time
-import torch.distributed as dist
-from everystep import Checkpointer
-from everystep.eval.train import training_state_hash
-from everystep.eval.workloads import build
-
-shared, scratch, strategy, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-w = build("gpt2-tiny", seed=0, optimizer="adamw", rank=rank, world=world)
-ckpt = Checkpointer(shared, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=strategy,
-                    region=os.path.join(scratch, "region-{rank}.bin"), peers=True, persist_every=1000)
-start = ckpt.restore()
-source = ckpt.recovered.source if ckpt.recovered else None
-with open(os.path.join(scratch, f"events-{os.getpid()}.jsonl"), "a") as log:
-    log.write(json.dumps({"rank": rank, "start": start, "source": source, "at": time.time(),
-                          "read": ckpt.catalog_bytes_read if hasattr(ckpt, "catalog_bytes_read") else None}) + "\\n")
-    log.flush()
-    for step in range(start + 1, steps + 1):
-        loss = w.loss(w.data.next())
-        loss.backward()
-        w.update()
-        log.write(json.dumps({"rank": rank, "step": step, "loss": loss.item(), "at": time.time()}) + "\\n")
-        log.flush()
-ckpt.close()
-final = {"step": steps, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
-with open(os.path.join(shared, f"final-r{rank}.json"), "w") as f:
-    json.dump({"hash": training_state_hash(final)}, f)
-dist.destroy_process_group()
-"""
+def _reference(steps: int, local: int, parallel: str = "ddp") -> dict:
+    return run(TrainConfig(workload="gpt2-tiny", strategy="none", steps=steps, nproc=2 * local, max_nproc=4,
+                           parallel=parallel, progress=False))
 
 
-class _Hosts:
-    """Two hosts of ``local`` ranks each, one job: a torchrun per host, the rendezvous store held
-    by this process (so that losing either host leaves it)."""
-
-    def __init__(self, tmp: Path, local: int, strategy: str, steps: int) -> None:
-        self.tmp, self.local, self.strategy, self.steps = tmp, local, strategy, steps
-        self.shared = tmp / "shared"
-        self.script = tmp / "rank.py"
-        self.script.write_text(_RANK)
-        self.port = free_port()
-        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
-        self.hosts: list[tuple[subprocess.Popen, Path, float]] = []
-        self.scratches: list[Path] = []
-        self.started = [self.start(i) for i in range(2)]
-
-    def start(self, index: int) -> int:
-        scratch = self.tmp / f"host{index}-{len(self.scratches)}"
-        scratch.mkdir()
-        self.scratches.append(scratch)
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # each rendezvous round makes its own store
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(self.local),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "job",
-               "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120",
-               "--max-restarts", "20", "--monitor-interval", "0.1",
-               str(self.script), str(self.shared), str(scratch), self.strategy, str(self.steps)]
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=open(f"{scratch}.log", "w"),
-                                stderr=subprocess.STDOUT)
-        entry = (proc, scratch, time.time())
-        if index < len(self.hosts):
-            self.hosts[index] = entry
-        else:
-            self.hosts.append(entry)
-        return index
-
-    def events(self) -> list[dict]:
-        found = []
-        for scratch in self.scratches:
-            for path in scratch.glob("events-*.jsonl"):
-                found += [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-        return found
-
-    def newest_step(self) -> int:
-        return max((e["step"] for e in self.events() if "step" in e), default=0)
-
-    def lose(self, index: int) -> None:
-        """SIGKILL host ``index``: its torchrun and every process under it."""
-        proc = self.hosts[index][0]
-        doomed = _descendants(proc.pid)
-        for pid in [proc.pid, *doomed]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
-
-    def wait(self, timeout: float) -> None:
-        for proc, scratch, _ in self.hosts:
-            assert proc.wait(timeout) == 0, Path(f"{scratch}.log").read_text()[-4000:]
-
-    def close(self) -> None:
-        for proc, _, _ in self.hosts:
-            if proc.poll() is None:
-                self.lose(self.hosts.index(next(h for h in self.hosts if h[0] is proc)))
+def _plan(steps: int, losses: int, seed: int = 1) -> list[tuple[int, tuple[int, ...]]]:
+    """``losses`` losses of one host, at steps and of hosts drawn from the seed."""
+    rng = random.Random(seed)
+    return [(4 + (i + 1) * (steps - 8) // (losses + 1) + rng.randint(-2, 2), (rng.randrange(2),)) for i in range(losses)]
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+def _assert_bitwise(job: TwoHosts, reference: dict) -> None:
+    assert rank0_losses(job) == reference["losses"]
+    assert final_hashes(job) == reference["rank_state_sha256"]
 
 
-@pytest.mark.parametrize("local", [1, 2])
-def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_path, local):
-    """Two hosts of ``local`` ranks each (DDP), lightcheck with peers; five losses of a host drawn
-    from the seed. The checkpoint directory holds no full checkpoint until the end (``persist_every``
-    past the run), so every restart's state came from memory."""
-    steps, losses = 40, 5
-    reference = run(TrainConfig(workload="gpt2-tiny", strategy="none", steps=steps, nproc=2 * local, max_nproc=4,
-                                progress=False))
-    rng = random.Random(1)
-    job = _Hosts(tmp_path, local, "lightcheck", steps)
-    try:
-        lost = []
-        for i in range(losses):
-            # a step drawn from the seed, and at least two steps after the restart from the last loss
-            target = max(4 + (i + 1) * (steps - 8) // (losses + 1) + rng.randint(-2, 2), (lost or [0])[-1] + 2)
-            while job.newest_step() < target:
-                assert all(p.poll() is None for p, _, _ in job.hosts), "a host ended before it was lost"
-                time.sleep(0.02)
-            victim = rng.randrange(2)
-            job.lose(victim)
-            lost.append(job.newest_step())
-            job.start(victim)
-        job.wait(240)
-    finally:
-        job.close()
-    events = job.events()
-    starts = sorted((e for e in events if "start" in e), key=lambda e: e["at"])
-    restarts = [e for e in starts if e["start"] > 0]
-    assert len(restarts) >= losses * 2 * local
-    # Each loss: the survivor from its own region, the replacement from its buddy's mirror.
-    assert all(e["source"] == "region" or e["source"].startswith("peer memory (host ") for e in restarts)
-    assert sum(e["source"].startswith("peer memory") for e in restarts) >= losses
-    for done in lost:  # steps lost at each loss: at most the one in flight and the one being committed
-        resumed = min(e["start"] for e in restarts if e["start"] >= done - 2)
-        assert resumed >= done - 2
-    timeline: dict[int, float] = {}
-    for e in sorted((e for e in events if "step" in e and e["rank"] == 0), key=lambda e: e["at"]):
-        timeline[e["step"]] = e["loss"]  # the last lifetime to take a step is the one that led on
-    assert [timeline[s] for s in range(1, steps + 1)] == reference["losses"]
-    finals = [json.loads((job.shared / f"final-r{r}.json").read_text())["hash"] for r in range(2 * local)]
-    assert finals == reference["rank_state_sha256"]
-    manifests = sorted(p.name for p in (job.shared / "manifests").glob("full-*"))
-    assert len(manifests) == 1 and f"{steps:012d}" in manifests[0]  # the final checkpoint alone: storage was never read
+@pytest.mark.parametrize("strategy, local, parallel, steps, losses", [
+    ("lightcheck", 1, "ddp", 40, 5), ("lightcheck", 2, "ddp", 40, 5), ("lightcheck", 1, "fsdp", 24, 3),
+    ("lowdiff_plus", 1, "ddp", 40, 5), ("lowdiff_plus", 2, "ddp", 40, 5),
+])
+def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_path, strategy, local, parallel, steps,
+                                                                             losses):
+    """Two hosts of ``local`` ranks each, with peers; a host (its torchrun, training processes and
+    checkpoint agents) lost at steps drawn from the seed. Storage holds no full checkpoint past step
+    0 until the end (lightcheck's ``persist_every``, lowdiff_plus's ``every`` past the run), so every
+    restart's state came from memory: lightcheck's regions and mirrors, lowdiff_plus's agents. Under
+    FSDP2 nothing is replicated: the lost rank's shards come whole from its buddy's mirror."""
+    reference = _reference(steps, local, parallel)
+    job = TwoHosts(tmp_path, local=local, strategy=strategy, steps=steps, parallel=parallel)
+    found = lose_hosts(job, _plan(steps, losses))
+    own = "region" if strategy == "lightcheck" else "memory"
+    for loss in found:
+        assert len(loss.starts) == 2 * local and loss.resumed > 0, loss
+        # the survivors from their own memory, the replacements from their buddies' (a survivor
+        # renumbered by the rendezvous puts its new rank's state together from its host's memory)
+        assert all(s["source"] == own or s["source"].startswith("peer memory (host ") for s in loss.starts), loss
+        assert any(s["source"].startswith("peer memory") for s in loss.starts), loss
+        assert loss.resumed >= loss.reached - 2, loss  # at most the step in flight and the one being committed
+    _assert_bitwise(job, reference)
+    manifests = sorted(int(p.name.split("-")[1].split(".")[0]) for p in (job.shared / "manifests").glob("full-*"))
+    assert manifests in ([steps], [0, steps])  # (lowdiff_plus's agents persist the state they start from)
+
+
+def test_both_hosts_lost_recover_from_storage_bitwise(tmp_path):
+    """One host lost (peer memory), then both at once: no memory survives, and the job resumes from
+    the newest full checkpoint (``persist_every`` 5), bitwise."""
+    steps = 24
+    reference = _reference(steps, 1)
+    job = TwoHosts(tmp_path, local=1, strategy="lightcheck", steps=steps, persist_every=5)
+    one, both = lose_hosts(job, [(7, (1,)), (16, (0, 1))])
+    assert any(s["source"].startswith("peer memory") for s in one.starts)
+    assert {s["source"] for s in both.starts} == {"disk"}, both.starts
+    assert both.resumed % 5 == 0 and both.reached - 6 <= both.resumed <= both.reached
+    _assert_bitwise(job, reference)
 
 
 @pytest.mark.parametrize("hosts, expected", [
@@ -193,6 +80,19 @@ def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_
 ])
 def test_each_rank_mirrors_to_a_rank_on_the_next_host(hosts, expected):
     assert buddies(hosts) == expected
+
+
+@pytest.mark.parametrize("hosts, expected", [
+    (["a", "a", "b", "b"], [[0, 2], [1, 3], [0, 2], [1, 3]]),
+    (["a", "b", "b"], [[0, 1, 2], [0, 1], [2]]),  # a's one process reads all a holds
+])
+def test_the_ranks_of_a_host_share_out_its_memory_each_reading_its_own(hosts, expected):
+    got = [share_out(hosts, me) for me in range(len(hosts))]
+    assert got == expected
+    for host in set(hosts):  # a host's memory (anyone's state, after a renumbering) read once, in all
+        read = sorted(k for me, h in enumerate(hosts) if h == host for k in got[me])
+        assert read == list(range(len(hosts)))
+    assert all(me in mine for me, mine in enumerate(got))
 
 
 def _held(host, region, mirror):
@@ -256,3 +156,16 @@ except Exception as e:
 """)
     assert f"1 CheckpointDirectoryError the mirror {mirror} belongs to another checkpoint directory" in out, out
     assert mirror.read_bytes() == before
+
+
+def test_an_agent_of_another_host_is_not_taken_for_this_hosts(tmp_path, recwarn):
+    import os
+
+    from everystep.agent.channel import AgentAddress
+    from everystep.agent.client import AgentLink
+
+    AgentAddress(address="\0everystep-test-none", authkey="k", pid=os.getpid(), host="host a").publish(tmp_path)
+    assert AgentLink.find(tmp_path, host="host b") is None
+    assert not recwarn.list  # (another host's agent is not "silent": it is not this host's to reach)
+    with pytest.warns(RuntimeWarning, match="did not answer"):  # the same file, read on its own host
+        assert AgentLink.find(tmp_path, host="host a") is None

@@ -54,6 +54,7 @@ def _refuse(strategy: Strategy, layout: str | None, full_format: str | None) -> 
     if full_format is not None and full_format not in strategy.full_formats:
         raise ConfigError(f"strategy {strategy.name!r} writes full checkpoints in {' or '.join(map(repr, strategy.full_formats))} "
                           f"format, not full_format={full_format!r}: {strategy.full_formats_reason}")
+    strategy.check_layout(layout)
     if layout is not None and layout not in strategy.sharded_layouts:
         why, able = sharded_refusal(strategy, layout)
         instead = (f"use one of the strategies {', '.join(able)}, or " if able else "") + \

@@ -118,7 +118,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
                             compress=args.compress, options=options, device=args.device,
                             scratch=args.scratch, in_backward=args.in_backward, trainer=args.trainer, nproc=args.nproc,
-                            parallel=args.parallel, remote=args.remote)
+                            parallel=args.parallel, remote=args.remote, peers=args.peers)
     if args.trainer:
         if args.region_layout or args.max_frequency or args.plot:
             raise ConfigError("--trainer takes none of --region-layout, --max-frequency, --plot")
@@ -174,6 +174,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if per_rank and sum(per_rank):
             shares = ", ".join(f"{b / sum(per_rank):.1%}" for b in per_rank)
             print(f"{name} writes per step {sum(per_rank) / 2**20:.2f} MiB over its {len(per_rank)} ranks: {shares}")
+        sent = s.get("peer_bytes_per_step_per_rank")
+        if sent:
+            print(f"{name} sends its buddy per step, by rank: {', '.join(f'{b / 2**10:.1f} KiB' for b in sent)}")
     print(bench.markdown_table(result["summary"]))
     if "upload_throughput" in result:
         t = result["upload_throughput"]
@@ -361,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the ranks hold the state, as for train (default ddp)")
     b.add_argument("--remote", metavar="s3://BUCKET/PREFIX", help="also run each strategy that stores with the remote "
                    "tier on (as STRATEGY+remote), and compare the upload throughput with boto3's own upload")
+    b.add_argument("--peers", action="store_true", help="also run each strategy that mirrors to peers with peers=True "
+                   "(as STRATEGY+peers), each rank counted as a host of its own; the bytes each rank sends per step "
+                   "are reported (needs --nproc 2 or more)")
     b.add_argument("--scratch", default=None, help="where each run's checkpoint directory is made (default: the "
                    "temporary directory); /dev/shm keeps lightcheck's region in memory")
     b.add_argument("--in-backward", action="store_true", help="every run updates each layer during backward "

@@ -10,7 +10,8 @@ newest step for which every rank's own part is in some survivor's memory (its re
 buddy's mirror) and the replicated part in some region; the ranks that lost theirs receive them
 from the survivors over the job's own process group, storage untouched.
 
-Hosts: ``EVERYSTEP_HOST`` where set, else the machine's name and torchrun's node (``GROUP_RANK``).
+Hosts: ``EVERYSTEP_HOST`` where set, else the machine's name. (Not torchrun's node rank: an elastic
+restart may number the nodes anew, and a host must keep its name to find its own memory.)
 Buddies: the hosts in the order of their first rank; the i-th rank of a host mirrors to the i-th
 rank (modulo their number) of the next host, so losing any one host leaves every rank's own state
 on another. Two hosts lost at once may take a rank's state and its mirror: recovery then reads
@@ -28,6 +29,8 @@ import json
 import os
 import socket
 import struct
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +44,9 @@ from .storage.base import MALFORMED, refuse_constant
 from .storage.region import RegionStore, checksum_of
 from .storage.region_map import RegionLayout
 
-__all__ = ["host_name", "buddies", "pack", "unpack", "mirror_path", "Holdings", "plan_recovery", "Transfer",
-           "commit_mirror", "read_step", "read_steps", "open_read", "send", "receive", "swap"]
+__all__ = ["host_name", "Team", "buddies", "pack", "unpack", "mirror_path", "Holdings", "plan_recovery", "Transfer",
+           "commit_mirror", "read_step", "read_steps", "open_read", "send", "receive", "swap", "share_out",
+           "put_together", "warn_nothing_whole"]
 
 CHANNEL = "peers"
 """The gloo group of the mirrors (:meth:`~everystep.distributed.Ranks.add_channel`)."""
@@ -51,12 +55,33 @@ _LENGTH = struct.Struct("<Q")
 
 
 def host_name() -> str:
-    """This process's host: ``EVERYSTEP_HOST``, else the machine's name and torchrun's node."""
-    explicit = os.environ.get("EVERYSTEP_HOST")
-    if explicit:
-        return explicit
-    node = os.environ.get("GROUP_RANK")
-    return socket.gethostname() + (f" node {node}" if node is not None else "")
+    """This process's host: ``EVERYSTEP_HOST``, else the machine's name."""
+    return os.environ.get("EVERYSTEP_HOST") or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Team:
+    """This rank's place among the hosts: its host, every rank's, its buddy, and its wards (the
+    ranks it mirrors)."""
+
+    host: str
+    hosts: list[str]
+    buddy: int
+    wards: list[int]
+
+    @classmethod
+    def join(cls, ranks: Ranks) -> "Team | None":
+        """Collective: this rank's team, with the mirrors' channel made; None (with a warning) where
+        every rank of the job runs on one host."""
+        ranks.add_channel(CHANNEL)
+        hosts = ranks.all_gather("control", host_name())
+        chosen = buddies(hosts)
+        buddy = chosen[ranks.rank]
+        if buddy is None:
+            warnings.warn("peers=True, but every rank of the job runs on one host: nothing is mirrored (a lost host "
+                          "loses every rank)", stacklevel=5)
+            return None
+        return cls(hosts[ranks.rank], hosts, buddy, [r for r, b in enumerate(chosen) if b == ranks.rank])
 
 
 def buddies(hosts: list[str]) -> list[int | None]:
@@ -226,6 +251,65 @@ def plan_recovery(held: list[Holdings], newer_than: int) -> tuple[int, list[Tran
         else:
             return step, transfers
     return None
+
+
+def warn_nothing_whole(held: list[Holdings], disk: int, me: int) -> None:
+    """Warn (rank 0) that the hosts' memory holds states, but none recovery can put together."""
+    if me == 0 and any(h.region.get(k) or h.mirror.get(k) for h in held for k in range(len(held))):
+        said = "; ".join(f"rank {r} on {h.host}: whole {h.region or '{}'}, own {h.mirror or '{}'}"
+                         for r, h in enumerate(held))
+        warnings.warn(f"the hosts' memory holds no step newer than storage's ({disk}) at which every rank's state "
+                      f"can be put together ({said}); recovering from storage", stacklevel=3)
+
+
+def share_out(hosts: list[str], me: int) -> list[int]:
+    """The ranks whose memory (regions and mirrors, or agents) process ``me`` reads at a restart:
+    the ranks of a host share out what it holds — each its own rank's, and a share of those of
+    ranks now on other hosts — so that nothing there is read twice."""
+    local = [r for r, h in enumerate(hosts) if h == hosts[me]]
+    return [k for k in range(len(hosts)) if (k == me if k in local else local[k % len(local)] == me)]
+
+
+Reader = Callable[[str, int], tuple[dict[str, torch.Tensor], Any]]
+"""``read(kind, rank)``: rank ``rank``'s state at the agreed step from this process's memory —
+``region`` (the whole state) or ``mirror`` (its own part) — as (tensors, skeleton of the whole)."""
+
+
+def put_together(ranks: Ranks, step: int, transfers: list[Transfer], held: list[Holdings], read: Reader, *,
+                 own_source: str) -> tuple[dict[str, torch.Tensor], Any, str]:
+    """Collective: carry out ``transfers`` (every rank, in their order: what this rank sends it reads
+    with ``read``) and return this rank's state at ``step`` — (tensors, skeleton, source) — whole
+    from its own memory (the source is then ``own_source``) or a peer's, or its own part and the
+    replicated rest put together."""
+    me = ranks.rank
+    mine = held[me]
+    whole: tuple[dict[str, torch.Tensor], Any] | None = None
+    own: tuple[dict[str, torch.Tensor], Any] | None = None
+    rest: dict[str, torch.Tensor] | None = None
+    source = own_source
+    if step in mine.region.get(me, ()):
+        whole = read("region", me)
+    for t in transfers:
+        if t.src == me:  # (a part of a region: the whole of it; the receiver keeps what it lacks)
+            send(ranks, pack(step, t.of, *read(t.kind, t.of)), t.dst)
+        if t.dst == me:
+            _, _, part, skeleton = unpack(receive(ranks, t.src), sender=t.src, expect=(step, t.of))
+            if t.part == "whole":
+                whole = part, skeleton
+            elif t.part == "own":
+                own = part, skeleton
+            else:
+                rest = part
+            if t.part != "replicated":
+                source = f"peer memory (host {held[t.src].host})"
+    if whole is not None:
+        return whole[0], whole[1], source
+    if own is None:  # this process holds this rank's own part, in a mirror
+        own = read("mirror", me)
+        source = f"peer memory (host {mine.host})"
+    if rest is None:  # and the rest in a region of another rank
+        rest = read("region", next(k for k in sorted(mine.region) if step in mine.region[k]))[0]
+    return {**{k: v for k, v in rest.items() if k not in own[0]}, **own[0]}, own[1], source
 
 
 def read_steps(store: RegionStore | None) -> list[int]:

@@ -67,6 +67,8 @@ class AgentAddress:
     address: str
     authkey: str
     pid: int = 0
+    host: str = ""
+    """The host the agent runs on, where the job names its hosts (replicas on peers); else empty."""
 
     @classmethod
     def new(cls) -> "AgentAddress":
@@ -100,7 +102,8 @@ class AgentAddress:
                     f"an agent of this user (uid {os.getuid()}) writes it as a regular file of mode -rw-------")
             try:
                 found = json.loads(f.read(1 << 16))
-                return cls(address=str(found["address"]), authkey=str(found["authkey"]), pid=int(found["pid"]))
+                return cls(address=str(found["address"]), authkey=str(found["authkey"]), pid=int(found["pid"]),
+                           host=str(found.get("host", "")))
             except (ValueError, KeyError, TypeError):
                 return None
 

@@ -75,12 +75,13 @@ class AgentLink:
     # -- finding or starting an agent ----------------------------------------------------------
 
     @classmethod
-    def find(cls, directory: Path, name: str = DISCOVERY_FILE) -> "AgentLink | None":
+    def find(cls, directory: Path, name: str = DISCOVERY_FILE, *, host: str | None = None) -> "AgentLink | None":
         """The live agent that ``directory/name`` (``agent.json``) names, or None (with a warning
-        that says why, when a file names one that cannot be used: not this user's, or silent)."""
+        that says why, when a file names one that cannot be used: not this user's, or silent).
+        ``host``: only an agent that runs there (another host's is not this process's to reach)."""
         try:
             address = AgentAddress.find(directory, name)
-            if address is None or not _alive(address.pid):
+            if address is None or (host is not None and address.host != host) or not _alive(address.pid):
                 return None
             conn = connect(address, pid=address.pid)
         except AgentIdentityError as e:

@@ -24,6 +24,9 @@ class AgentConfig:
     rank: int = 0
     world: int = 1
     """The job's ranks: more than one makes the agent write parts and defer each step by one."""
+    host: str = ""
+    """The host it runs on (:func:`everystep.peers.host_name`) where its ranks mirror to peers: a
+    process on another host does not take it for its own."""
 
     @property
     def discovery(self) -> str:

@@ -56,6 +56,7 @@ from ..transport.host import HostBuffer, TensorLayout
 from ..transport.shared import SharedRegion
 from .channel import (
     AgentAddress,
+    Plain,
     accept,
     digest,
     listen,
@@ -70,7 +71,9 @@ from .replica import Replica, replayed_keys
 
 __all__ = ["AgentConfig", "Agent", "main"]
 
-_REQUESTS = frozenset({"hello", "fetch", "init", "slots", "step", "sync"})
+_REQUESTS = frozenset({"hello", "fetch", "init", "slots", "step", "sync", "mirror", "mirror_get"})
+_MIRRORED_STEPS = 8
+"""The most steps of a ward's own state an agent keeps (replicas on peers)."""
 
 
 class Agent:
@@ -101,13 +104,17 @@ class Agent:
         self.shared = config.world > 1
         self._pending: dict[str, Any] | None = None
         """Under several ranks: the newest step message, applied when the next arrives."""
+        self._mirrors: dict[int, dict[int, tuple[SharedRegion, TensorLayout, Any]]] = {}
+        """Replicas on peers: by ward (a rank on another host) and step, that rank's own state (its
+        RNG, data position, buffers: what its replica would hold beyond the replicated state)."""
 
     # -- serving -------------------------------------------------------------------------------
 
     def serve(self) -> None:
         # Published before it listens: the training process connects as soon as it can, and may die
         # right after; its successor must find this agent.
-        me = AgentAddress(address=self.address.address, authkey=self.address.authkey, pid=os.getpid())
+        me = AgentAddress(address=self.address.address, authkey=self.address.authkey, pid=os.getpid(),
+                          host=self.config.host)
         me.publish(self.directory, self.config.discovery)
         listener = None
         try:
@@ -191,7 +198,8 @@ class Agent:
         servable = r is not None and r.servable()
         pending = self._pending["step"] if servable and self._pending is not None else None
         self._send("hello", pid=os.getpid(), step=r.step if servable and r else None, pending=pending,
-                   persisted=self._persisted, signature=self._signature)
+                   persisted=self._persisted, signature=self._signature, rank=self.config.rank,
+                   mirrors={str(ward): sorted(held) for ward, held in self._mirrors.items() if held})
 
     def _on_fetch(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         r = self.replica
@@ -220,6 +228,9 @@ class Agent:
         self._boxes = {k: ShardBox(*box) for k, box in msg["boxes"].items()}
         self._signature = msg["signature"]
         self._pending = None
+        for held in self._mirrors.values():  # what a ward sent after this step belongs to a run that is gone
+            for step in [s for s in held if s > msg["step"]]:
+                held.pop(step)[0].close()
         if msg["persist"] or (msg["persist"] is None and self._due(msg["step"])):
             self._start_persist()
         elif msg["persist"] is False:  # the state came from storage
@@ -282,6 +293,24 @@ class Agent:
             self._start_persist()
             self._finish_persist()
         self._send("synced", step=self.replica.step if self.replica else None, persisted=self._persisted)
+
+    def _on_mirror(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
+        """Keep a ward's own state of a step (replicas on peers), and the newest few only."""
+        (fd,) = recv_fds(conn, 1)
+        held = self._mirrors.setdefault(int(msg["ward"]), {})
+        if msg["step"] in held:
+            held.pop(msg["step"])[0].close()
+        held[int(msg["step"])] = (SharedRegion(msg["layout"].nbytes, fd=fd), msg["layout"], msg["skeleton"])
+        for step in sorted(held)[:-_MIRRORED_STEPS]:
+            held.pop(step)[0].close()
+
+    def _on_mirror_get(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
+        found = self._mirrors.get(int(msg["ward"]), {}).get(msg["step"])
+        if found is None:
+            raise ValueError(f"no state of rank {msg['ward']} at step {msg['step']} is kept here")
+        region, layout, skeleton = found
+        self._send("mirrored", fds=[region.fd], ward=msg["ward"], step=msg["step"], layout=layout,
+                   skeleton=Plain(skeleton))
 
     def _drop_slots(self) -> None:
         for region in self._regions:
@@ -368,6 +397,10 @@ def _describe(error: BaseException) -> str:
 def main(argv: list[str]) -> int:
     """``python -m everystep.agent CONFIG_JSON``, with the address in ``EVERYSTEP_AGENT``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training process, which closes us
+    # So is SIGTERM: a launcher restarting a training process signals its process group (torchrun
+    # restarts every worker when a host is lost), and the agent outlives its training process by
+    # design: it ends when one closes it, or ``grace`` seconds after the last one left.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = AgentConfig(**json.loads(argv[0]))
     address = AgentAddress(**json.loads(os.environ.pop("EVERYSTEP_AGENT")))
     torch.set_num_threads(config.threads)

@@ -45,7 +45,7 @@ from .commits import PartCommits
 from .config import AgentConfig
 from .replica import optimizer_class_path, replayed_keys, slot_layout
 
-__all__ = ["AgentSession", "Progress", "Shards", "signature"]
+__all__ = ["AgentSession", "Progress", "Shards", "served", "signature"]
 
 
 def signature(tensors: dict[str, torch.Tensor], sharded: Mapping[str, torch.Tensor]) -> str:
@@ -76,6 +76,13 @@ class Progress(Protocol):
     def in_memory(self, step: int) -> None: ...
 
     def waited(self, seconds: float) -> None: ...
+
+
+def served(hello: dict[str, Any]) -> list[int] | None:
+    """The steps an agent's answer to ``hello`` says its replica can serve; None when it holds none."""
+    if hello["step"] is None:
+        return None
+    return [hello["step"]] + ([hello["pending"]] if hello.get("pending") is not None else [])
 
 
 class AgentSession:
@@ -114,31 +121,67 @@ class AgentSession:
         self._released = False
         self._index_keys: list[str] = []
         self._volatile: TensorLayout | None = None
+        self.greeting: dict[str, Any] = {}
+        """What this rank's agent answered to ``hello``, if one was found."""
 
     # -- finding the agent, recovery from its memory ---------------------------------------------
 
-    def hello(self) -> list[int] | None:
-        """Find this rank's agent; the steps its replica can serve, or None (no agent, or it failed)."""
-        link = AgentLink.find(self.directory.root, rank_file(DISCOVERY_FILE, self.ranks.rank, self.ranks.world))
+    def hello(self, *, host: str | None = None) -> list[int] | None:
+        """Find this rank's agent (``host``: only one running there); the steps its replica can
+        serve, or None (no agent, or it failed). What it said is kept in :attr:`greeting`."""
+        found = self.visit(self.ranks.rank, host=host)
+        if found is None:
+            return None
+        self.link, self.greeting = found
+        return served(self.greeting)
+
+    def visit(self, rank: int, *, host: str | None = None) -> tuple[AgentLink, dict[str, Any]] | None:
+        """The agent of rank ``rank``'s state (``host``: only one running there) and its answer to
+        ``hello``; None where there is none, or it cannot serve (it is then ended)."""
+        link = AgentLink.find(self.directory.root, rank_file(DISCOVERY_FILE, rank, self.ranks.world), host=host)
         if link is None:
             return None
         try:
             hello = link.call("hello", reply="hello", timeout=self.timeout + 600)
         except AgentLostError as e:
             warnings.warn(f"the checkpoint agent (pid {link.pid}) could not serve its replica ({e}); "
-                          "recovering from storage", RuntimeWarning, stacklevel=4)
+                          "recovering from storage", RuntimeWarning, stacklevel=5)
             link.kill()
             return None
         tensors, _ = self.shards.flatten_state(0)
         if hello["step"] is not None and hello.get("signature") != signature(tensors, self.shards.sharded):
             warnings.warn(f"the checkpoint agent (pid {link.pid}) holds the state of another layout (another sharding, "
-                          "or another model); recovering from storage", RuntimeWarning, stacklevel=4)
+                          "or another model); recovering from storage", RuntimeWarning, stacklevel=5)
             link.kill()
             return None
-        self.link = link
-        if hello["step"] is None:
-            return None
-        return [hello["step"]] + ([hello["pending"]] if hello.get("pending") is not None else [])
+        return link, hello
+
+    def read(self, link: AgentLink, step: int, ward: int | None = None) -> tuple[dict[str, torch.Tensor], Any]:
+        """A copy of what an agent holds of ``step`` (before its reader starts): its replica, or
+        with ``ward`` the own state of that rank it keeps for it (replicas on peers)."""
+        if ward is None:
+            reply = link.call("fetch", reply="replica", timeout=self.timeout, step=step)
+        else:
+            reply = link.call("mirror_get", reply="mirrored", timeout=self.timeout, ward=ward, step=step)
+        (fd,) = link.receive_fds(1)
+        region, buffer = SharedRegion.holding(reply["layout"], fd=fd)
+        try:
+            return {k: v.clone() for k, v in buffer.views.items()}, reply["skeleton"]
+        finally:
+            region.close()
+
+    def send_mirror(self, ward: int, step: int, tensors: dict[str, torch.Tensor], skeleton: Any) -> None:
+        """Give the agent a ward's own state of ``step`` to keep (replicas on peers)."""
+        if self.link is None or self.lost is not None:
+            return
+        region, buffer = SharedRegion.holding(TensorLayout.of(tensors))
+        try:
+            snapshot_into(buffer, tensors)
+            self.link.send("mirror", fds=[region.fd], ward=ward, step=step, layout=buffer.layout, skeleton=Plain(skeleton))
+        except AgentLostError as e:
+            self.lose(str(e))
+        finally:
+            region.close()
 
     def fetch(self, step: int) -> int:
         """Take the agent's replica of ``step`` into the live objects."""

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from ..distributed import free_port
 from ..errors import ConfigError, EverystepError
 from ..strategies import STRATEGIES
-from .measure import CHECKFLOW_MEMORY
+from .measure import CHECKFLOW_MEMORY, base_strategy
 from .peers import PEERS
 from .workloads import LAYOUT_OF, WORKLOADS, check_device
 from .plotting import pyplot
@@ -70,6 +70,9 @@ class BenchConfig:
     on (as ``<strategy>+remote``, each run under a prefix of its own there)."""
     parallel: str = "ddp"
     """How the ranks hold the state: ``ddp``, ``fsdp``, ``hsdp`` or ``zero1`` (:data:`~.workloads.LAYOUT_OF`)."""
+    peers: bool = False
+    """Each strategy that mirrors to peers is also run with ``peers=True`` (as ``<strategy>+peers``),
+    every rank counted as a host of its own, so that each mirrors its own part to another."""
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -98,7 +101,8 @@ class BenchConfig:
                               "strategy)")
         if self.remote is not None:
             self._add_remote()
-
+        if self.peers:
+            self._add_peers()
 
     def _check_trainer(self) -> None:
         from .trainers import TRAINER_WORKLOADS, TRAINERS
@@ -128,6 +132,15 @@ class BenchConfig:
         if not tiered:
             raise ConfigError("--remote needs an everystep strategy that stores checkpoints among --strategies")
         self.strategies = (*self.strategies, *(f"{s}+remote" for s in tiered if f"{s}+remote" not in self.strategies))
+
+    def _add_peers(self) -> None:
+        if self.nproc < 2:
+            raise ConfigError("--peers mirrors each rank's state to another rank: give --nproc 2 or more")
+        able = [s for s in self.strategies if s in STRATEGIES and STRATEGIES[s].mirrors_to_peers]
+        if not able:
+            mirroring = ", ".join(sorted(s for s, cls in STRATEGIES.items() if cls.mirrors_to_peers))
+            raise ConfigError(f"--peers needs a strategy that mirrors to peers among --strategies ({mirroring})")
+        self.strategies = (*self.strategies, *(f"{s}+peers" for s in able if f"{s}+peers" not in self.strategies))
 
     def _check_ranks(self) -> None:
         """Several ranks, or a sharded layout: what each run can be, before any starts."""
@@ -164,7 +177,7 @@ def run_spec(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
     return {
         "trainer": cfg.trainer, "workload": cfg.workload, "strategy": strategy, "steps": cfg.steps, "warmup": cfg.warmup,
         "every": every, "threads": cfg.threads, "seed": cfg.seed, "repeat": repeat,
-        "options": cfg.options.get(strategy.removesuffix("+remote"), {}), "compress": cfg.compress, "device": cfg.device,
+        "options": cfg.options.get(base_strategy(strategy), {}), "compress": cfg.compress, "device": cfg.device,
         "scratch": cfg.scratch, "in_backward": cfg.in_backward, "nproc": cfg.nproc, "parallel": cfg.parallel,
         "remote": cfg.remote,
     }
@@ -239,6 +252,8 @@ def _ranks_run(zygote: Zygote | None, module: str, spec: dict[str, Any], env: di
         try:
             for r in range(world):
                 rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
+                if spec["strategy"].endswith("+peers"):
+                    rank_env["EVERYSTEP_HOST"] = f"bench host {r}"  # (each rank a host: each mirrors to another)
                 argv = [json.dumps(job), reports[r], outputs[r]]
                 ranks.append(zygote.fork(rank_env, argv) if zygote is not None else subprocess.Popen(
                     [sys.executable, "-c", f"import sys; from {module} import forked; sys.exit(forked(sys.argv[1:]))",
@@ -260,7 +275,9 @@ def _ranks_run(zygote: Zygote | None, module: str, spec: dict[str, Any], env: di
             with open(path) as f:
                 found.append(json.loads(f.read()))
     per_rank = [r["bytes_per_step"] for r in found]
-    return {**found[0], "bytes_per_step": sum(per_rank), "bytes_per_step_per_rank": per_rank}
+    extra = {"peer_bytes_per_step_per_rank": [r["peer_bytes_per_step"] for r in found]} \
+        if found[0].get("peer_bytes_per_step") is not None else {}
+    return {**found[0], "bytes_per_step": sum(per_rank), "bytes_per_step_per_rank": per_rank, **extra}
 
 
 def _wait_ranks(ranks: list[Any], timeout: float | None) -> list[int | None]:
@@ -339,9 +356,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step",
                                          *CHECKFLOW_MEMORY) if key in mine[0]},
         }
-        if "bytes_per_step_per_rank" in mine[0]:  # several ranks: what each wrote
-            out[name]["bytes_per_step_per_rank"] = [statistics.median(r["bytes_per_step_per_rank"][i] for r in mine)
-                                                    for i in range(len(mine[0]["bytes_per_step_per_rank"]))]
+        for key in ("bytes_per_step_per_rank", "peer_bytes_per_step_per_rank"):  # several ranks: what each wrote, sent
+            if key in mine[0]:
+                out[name][key] = [statistics.median(r[key][i] for r in mine) for i in range(len(mine[0][key]))]
     return out
 
 

@@ -74,6 +74,11 @@ def _attach(w: Any, directory: str | None, strategy: str, options: dict[str, Any
                         compression=w.compression, strategy=strategy, **{**options, **kw})
 
 
+def base_strategy(name: str) -> str:
+    """The strategy a bench run's name (``lightcheck+peers``, ``checkfreq+remote``) runs."""
+    return name.split("+", 1)[0]
+
+
 def _model_and_optimizer(w: Any) -> dict[str, torch.Tensor]:
     """The model's and the optimizer's tensors (of a sharded state: this rank's shards)."""
     tensors, _ = flatten({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()["state"]}, sharded={})
@@ -142,12 +147,14 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     init_process_group(one_process=needs_ddp(spec.get("compress")), device=spec.get("device", "cpu"))  # PowerSGD: DDP's hook
     name = spec["strategy"]
-    strategy = name.removesuffix("+remote")  # (with the remote tier on: the same strategy, uploading)
+    strategy = base_strategy(name)  # (+remote: the same strategy, uploading; +peers: mirroring)
     if strategy not in STRATEGIES:  # a peer: only its runs import DCP (a second of start-up)
         return measure_peer(spec)
     steps, warmup = spec["steps"], spec["warmup"]
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
-    if name != strategy:
+    if name.endswith("+peers"):
+        options["peers"] = True
+    if name.endswith("+remote"):
         # a prefix of the run's own (under several ranks, the name of the folder they share)
         options["remote"] = f"{spec['remote']}/{os.path.basename(spec['shared']) if 'shared' in spec else uuid.uuid4().hex[:12]}"
     with _scratch(spec) as tmp:
@@ -207,7 +214,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "resumes_bitwise": None,
             "resume_error": None,
             **split,
-            **({"remote_step": ckpt.stats.last_remote_step} if name != strategy else {}),
+            **({"remote_step": ckpt.stats.last_remote_step} if name.endswith("+remote") else {}),
+            **({"peer_bytes_per_step": ckpt.strategy.peer_bytes_per_step} if name.endswith("+peers") else {}),
         }
         if memory is not None:
             seconds, recovered, fresh, again = memory

@@ -397,6 +397,9 @@ class Strategy:
     the directory's garbage, when it knows that process writes nothing."""
     needs_compression: ClassVar[bool] = False
     """It reuses the compressed gradients training produces: training needs a gradient compression."""
+    mirrors_to_peers: ClassVar[bool] = False
+    """It takes ``peers=True``: each rank's own state mirrored every step to a rank on another host
+    (:mod:`everystep.peers`)."""
     exact: ClassVar[bool] = True
     """Recovery restores S_t bitwise (on the CPU; a strategy may say what differs on a GPU). A lossy
     one (``naive_diff``) restores an approximation and says how far it may be."""
@@ -432,6 +435,11 @@ class Strategy:
         self.ctx = ctx
         self._phase = "attached"
         self._attach()
+
+    def check_layout(self, layout: str | None) -> None:
+        """Raise :class:`~everystep.errors.ConfigError` if this strategy, as configured, cannot
+        checkpoint a job laid out so (:func:`~everystep.parallelism.sharded_layout`; None: replicated),
+        before anything is written. Default: nothing to refuse beyond ``sharded_layouts``."""
 
     def agree_restore(self) -> None:
         """Collective: every rank calls it at once, before :meth:`restore`."""

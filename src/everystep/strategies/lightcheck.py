@@ -32,6 +32,8 @@ ranks agree on the newest step every rank's region holds (else on the disk's).
 
 from __future__ import annotations
 
+import functools
+
 import json
 import threading
 import time
@@ -170,6 +172,7 @@ class LightCheck(Strategy):
     name: ClassVar[str] = "lightcheck"
     sharded_layouts: ClassVar[frozenset[str]] = SHARDED_LAYOUTS
     layer_updates: ClassVar[bool] = True
+    mirrors_to_peers: ClassVar[bool] = True
     Config = LightCheckConfig
     config: LightCheckConfig
 
@@ -185,6 +188,12 @@ class LightCheck(Strategy):
         """Seconds the updates waited, after the copies, for the checksums and the slot's header."""
         self.persisted = 0
         self.region: RegionStore | None = None
+
+    @property
+    def peer_bytes_per_step(self) -> float | None:
+        """With ``peers=True``: the bytes this rank sent its buddy per step mirrored; None otherwise."""
+        found = getattr(self, "_peers", None)
+        return found.sent_bytes / found.sent_steps if found is not None and found.sent_steps else None
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -536,14 +545,16 @@ class _Peers:
     """This rank's part in the replicas on peers (:mod:`everystep.peers`): its buddy, its wards and
     their mirrors, the thread that sends and receives every step, and the agreement at a restart."""
 
-    def __init__(self, owner: LightCheck, directory: Any, host: str, hosts: list[str], buddy: int,
-                 wards: list[int]) -> None:
+    def __init__(self, owner: LightCheck, directory: Any, team: peers.Team) -> None:
         self.owner, self.directory, self.ranks = owner, directory, directory.ranks
-        self.host, self.hosts, self.buddy, self.wards = host, hosts, buddy, wards
+        self.host, self.hosts, self.buddy, self.wards = team.host, team.hosts, team.buddy, team.wards
         self.worker = Worker("everystep-lightcheck-peers", owner.errors)
         self.mirrors: dict[int, RegionStore] = {}
+        self.sent_bytes = 0
+        """Bytes sent to the buddy since the start (every step: this rank's own part)."""
+        self.sent_steps = 0
         assert owner.region is not None
-        for ward in wards:
+        for ward in self.wards:
             path = self._path("mirror", ward)
             store = RegionStore.open(path, ranks=self.ranks, flush=owner.config.flush, owner=owner.region.owner)
             self.mirrors[ward] = store
@@ -555,22 +566,14 @@ class _Peers:
 
     @classmethod
     def start(cls, owner: LightCheck, directory: Any) -> "_Peers | None":
-        """Collective: the hosts of every rank, this rank's buddy and wards; None (with a warning)
-        where the job runs on one host."""
-        ranks = directory.ranks
-        if not ranks.distributed:
+        """Collective: this rank's buddy and wards; None (with a warning) where the job runs on one
+        host."""
+        if not directory.ranks.distributed:
             return None
-        ranks.add_channel(peers.CHANNEL)
-        hosts = ranks.all_gather("control", peers.host_name())
-        chosen = peers.buddies(hosts)
-        if owner.region is None:  # (skipped with a warning: unreadable)
+        team = peers.Team.join(directory.ranks)
+        if team is None or owner.region is None:  # (a region skipped with a warning: unreadable)
             return None
-        if chosen[ranks.rank] is None:
-            warnings.warn("peers=True, but every rank of the job runs on one host: nothing is mirrored (a lost host "
-                          "loses every rank)", stacklevel=4)
-            return None
-        wards = [r for r, b in enumerate(chosen) if b == ranks.rank]
-        return cls(owner, directory, hosts[ranks.rank], hosts, chosen[ranks.rank], wards)
+        return cls(owner, directory, team)
 
     def _path(self, kind: str, rank: int) -> Path:
         path = region_path(self.directory.root, self.owner.config.region, rank, self.ranks.world)
@@ -582,7 +585,10 @@ class _Peers:
         """Send this rank's own part of S_step (read from its committed slot) to its buddy; receive
         each ward's and commit it in the ward's mirror."""
         own = {k: t for k, t in views.items() if k not in replicated}
-        received = peers.swap(self.ranks, peers.pack(step, self.ranks.rank, own, skeleton), self.buddy, self.wards)
+        buffer = peers.pack(step, self.ranks.rank, own, skeleton)
+        received = peers.swap(self.ranks, buffer, self.buddy, self.wards)
+        self.sent_bytes += buffer.numel()
+        self.sent_steps += 1
         for ward, buffer in zip(self.wards, received):
             _, _, tensors, theirs = peers.unpack(buffer, sender=ward, expect=(step, ward))
             peers.commit_mirror(self.mirrors[ward], step, tensors, theirs)
@@ -599,46 +605,23 @@ class _Peers:
         ranks short of theirs receive it from the survivors. None: no such step (storage, as without
         peers)."""
         t0 = time.perf_counter()
-        world, me = self.ranks.world, self.ranks.rank
+        me = self.ranks.rank
         tokens = {p.read_text().strip() for p in self.directory.root.glob("region-r*.owner")}  # this directory's
+        assigned = peers.share_out(self.hosts, me)
         stores = {(kind, k): peers.open_read(self._path(kind, k), tokens) for kind in ("region", "mirror")
-                  for k in range(world)}
+                  for k in assigned}
         try:
-            mine = peers.Holdings(self.host, {k: peers.read_steps(stores["region", k]) for k in range(world)},
-                                  {k: peers.read_steps(stores["mirror", k]) for k in range(world)})
+            mine = peers.Holdings(self.host, {k: peers.read_steps(stores["region", k]) for k in assigned},
+                                  {k: peers.read_steps(stores["mirror", k]) for k in assigned})
             held = [peers.Holdings.from_json(h) for h in self.ranks.all_gather("control", mine.as_json())]
             found = peers.plan_recovery(held, disk - 1)
             if found is None:
+                peers.warn_nothing_whole(held, disk, me)
                 return None
             step, transfers = found
-            whole: dict[str, torch.Tensor] | None = None  # this rank's whole state, or its own part and the rest
-            own: tuple[dict[str, torch.Tensor], Any] | None = None
-            rest: dict[str, torch.Tensor] | None = None
-            source = "region"
-            if step in mine.region.get(me, ()):
-                whole, skeleton = peers.read_step(stores["region", me], step)
-            for t in transfers:
-                if t.src == me:  # (a part of a region: the whole slot; the receiver keeps what it lacks)
-                    theirs, skel = peers.read_step(stores[t.kind, t.of], step)
-                    peers.send(self.ranks, peers.pack(step, t.of, theirs, skel), t.dst)
-                if t.dst == me:
-                    _, _, part, skel = peers.unpack(peers.receive(self.ranks, t.src), sender=t.src, expect=(step, t.of))
-                    if t.part == "whole":
-                        whole, skeleton = part, skel
-                    elif t.part == "own":
-                        own = part, skel
-                    else:
-                        rest = part
-                    if t.part != "replicated":
-                        source = f"peer memory (host {held[t.src].host})"
-            if whole is None:
-                if own is None:  # this host holds this rank's own part, in a mirror
-                    own = peers.read_step(stores["mirror", me], step)
-                    source = f"peer memory (host {self.host})"
-                if rest is None:  # and the rest in a region of another rank
-                    rest, _ = peers.read_step(stores["region", next(k for k in range(world) if step in mine.region[k])], step)
-                whole, skeleton = {**{k: v for k, v in rest.items() if k not in own[0]}, **own[0]}, own[1]
-            tensors = whole
+            read = functools.cache(lambda kind, k: peers.read_step(stores[kind, k], step))
+            tensors, skeleton, source = peers.put_together(self.ranks, step, transfers, held, read,
+                                                          own_source="region")
         finally:
             for store in stores.values():
                 if store is not None:

@@ -17,20 +17,26 @@ agree, persist, or fall back.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .. import peers
 from .._faults import crash_point
 from ..agent.config import AgentConfig
-from ..agent.session import AgentSession
+from ..agent.client import AgentLink
+from ..agent.session import AgentSession, served
+from ..background import Worker, settled
 from ..capture.grads import GradientCapture
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptCheckpointError
 from ..parallelism import DTENSOR_LAYOUTS
 from ..policy.interval import busy_interval, due, median_gap, next_multiple
 from ..recovery import Recovered, common_step
 from ..state import group_scalars
+from ..tree import check_skeleton, unflatten
 from .base import Strategy, StrategyConfig
 from .checkfreq import CheckFreq, CheckFreqConfig
 
@@ -57,6 +63,10 @@ class LowDiffPlusConfig(StrategyConfig):
     step), None until most of those copies turn out changed before the step two steps in a row."""
     busy: float = 0.25
     """With ``every=None``: the share of time the agent's writer may spend writing."""
+    peers: bool = False
+    """Replicas on peers: every step, each rank's own state (what its agent's replica holds beyond
+    the replicated parameters and optimizer state) is also kept by the agent of a rank on another
+    host, so that a lost host's ranks recover from the survivors' agents (:mod:`everystep.peers`)."""
 
     def _check_every(self) -> None:
         if self.every is not None and self.every < 1:
@@ -85,6 +95,7 @@ class LowDiffPlus(Strategy):
         "the group; everystep's own format loads at another world size or sharded layout too")
     needs_restore: ClassVar[bool] = True
     shares_store: ClassVar[bool] = True
+    mirrors_to_peers: ClassVar[bool] = True
     Config = LowDiffPlusConfig
     config: LowDiffPlusConfig
 
@@ -100,6 +111,16 @@ class LowDiffPlus(Strategy):
         self._has_grad: list[int] = []
         self._next_check = 0
         self._step_marks: list[float] = []
+        self._peers: _AgentPeers | None = None
+        self._mirrored: Future[Any] | None = None
+        """The newest step's mirroring (one thread mirrors the steps in turn)."""
+        self._from_peers: Recovered | None = None
+
+    @property
+    def peer_bytes_per_step(self) -> float | None:
+        """With ``peers=True``: the bytes this rank sent its buddy per step mirrored; None otherwise."""
+        found = self._peers
+        return found.sent_bytes / found.sent_steps if found is not None and found.sent_steps else None
 
     # -- what the parts report -------------------------------------------------------------------
 
@@ -137,6 +158,17 @@ class LowDiffPlus(Strategy):
         self.capture = GradientCapture(c.model, self.session.params, c.compression, layerwise=layerwise,
                                        errors=self.errors, target=self.session.slot)
         self._rebase = any(p.device.type != "cpu" for p in self.session.params)
+        if self.config.peers:
+            self.check_layout(ctx.layout)
+            if ctx.directory.access != "read" and ctx.ranks.distributed:
+                team = peers.Team.join(ctx.ranks)
+                self._peers = _AgentPeers(self, team) if team is not None else None
+
+    def check_layout(self, layout: str | None) -> None:
+        if self.config.peers and layout is not None:
+            raise ConfigError(f"peers=True: under {layout} a rank's own state is its shards, which its buddy's agent "
+                              "would have to bring forward too; lowdiff_plus mirrors to peers under data parallelism "
+                              "(DistributedDataParallel), and lightcheck under sharding; nothing was written")
 
     def _agree_restore(self) -> None:
         """Every rank asks its agent what it holds; together they choose a step every agent can
@@ -145,7 +177,9 @@ class LowDiffPlus(Strategy):
         assert directory is not None
         if directory.access == "read":  # a reader takes nothing from a live agent: storage alone
             return
-        reachable = self.session.hello()
+        team = self._peers
+        reachable = self.session.hello(host=team.host if team else None)
+        visits = team.visit() if team else {}  # (the other agents this rank reads on its host)
         on_disk = directory.newest_full_step()
         views = ranks.all_gather("control", {"agent": self.session.link is not None, "reachable": reachable, "disk": on_disk})
         # What a crash left is garbage once no agent writes: in one process, when there is no agent;
@@ -153,6 +187,9 @@ class LowDiffPlus(Strategy):
         if ranks.rank == 0 and (ranks.distributed or not any(v["agent"] for v in views)):
             directory.collect_garbage()
         ranks.barrier("control")
+        if team is not None:
+            self._target, self._from_peers = team.agree(visits, max(v["disk"] for v in views))
+            return
         target = common_step([v["reachable"] for v in views], max(v["disk"] for v in views))
         if target is None and self.shared and reachable is not None:
             ahead = [f"rank {r}: {v['reachable']}" for r, v in enumerate(views)]
@@ -163,6 +200,10 @@ class LowDiffPlus(Strategy):
     def _restore(self) -> Recovered | None:
         """The agent's replica if :meth:`agree_restore` chose it, else the newest full checkpoint."""
         target, self._target = self._target, None
+        found, self._from_peers = self._from_peers, None
+        if found is not None:  # put together from the peers' agents
+            self.ctx.components.restore(found.tree)
+            return found
         if target is None:
             return super()._restore()
         t0 = time.perf_counter()
@@ -178,7 +219,7 @@ class LowDiffPlus(Strategy):
         self.session.start(step, tensors, skeleton, AgentConfig(
             directory=str(directory.root), strategy=self.name, keep=self.config.keep, every=self.config.every,
             busy=self.config.busy, grace=self.config.grace, threads=self.config.agent_threads,
-            rank=ranks.rank, world=ranks.world))
+            rank=ranks.rank, world=ranks.world, host=self._peers.host if self._peers else ""))
 
     def _check_after(self, step: int) -> int:
         """The next step at which the ranks agree (several ranks): each multiple of ``every``, or
@@ -238,8 +279,17 @@ class LowDiffPlus(Strategy):
             if session.resync(step, tensors, skeleton, persist=persist if self.shared else None):
                 self.ctx.in_memory(step)  # the agent's replica is S_step
         else:
+            if self._peers is not None:
+                # The agent applies a step when the next arrives: the step before must be in the
+                # buddies' agents first, so that they always hold a step this agent's replica holds.
+                t0 = time.perf_counter()
+                settled(self._mirrored)
+                self.ctx.waited(time.perf_counter() - t0)
             session.send_step(step, tensors, skeleton, replayed, volatile, groups=self._groups, skipped=self._skipped,
                               has_grad=self._has_grad, persist=persist, verify=checked and not self._rebase)
+        if self._peers is not None and session.lost is None:
+            self._mirrored = self._peers.worker.submit(f"mirroring of the state at step {step}", self._peers.mirror,
+                                                       step, peers.pack(step, self.ctx.ranks.rank, volatile, skeleton))
         if final:
             session.sync(persist=True)
             self.errors.raise_pending()
@@ -299,6 +349,8 @@ class LowDiffPlus(Strategy):
 
     def _close(self) -> None:
         try:
+            if self._peers is not None:
+                self._peers.worker.close()
             self.capture.close()
             self.session.close(clean=True)
         finally:
@@ -311,5 +363,84 @@ class LowDiffPlus(Strategy):
         The agent keeps the replica for a restarted process (this is how the benchmark measures
         recovery from memory, and how a Checkpointer leaves on an exception).
         """
+        if self._peers is not None:
+            self._peers.worker.close(wait=False)  # (a mirroring under way waits on the buddy, as a crash would not)
         self.capture.close()
         self.session.close(clean=False)
+
+
+class _AgentPeers:
+    """This rank's part in the replicas on peers: its buddy and wards, the thread that sends its own
+    state to its buddy and hands its wards' to its agent every step, and the agreement at a restart."""
+
+    def __init__(self, owner: LowDiffPlus, team: peers.Team) -> None:
+        self.owner, self.ranks, self.session = owner, owner.ctx.ranks, owner.session
+        self.host, self.hosts, self.buddy, self.wards = team.host, team.hosts, team.buddy, team.wards
+        self.worker = Worker("everystep-lowdiff-peers", owner.errors)
+        self.sent_bytes = 0
+        """Bytes sent to the buddy since the start (every step: this rank's own state)."""
+        self.sent_steps = 0
+
+    def mirror(self, step: int, buffer: Any) -> None:
+        """(The mirroring thread.) Send this rank's own state of ``step`` (packed) to its buddy;
+        receive each ward's and give it to this rank's agent to keep."""
+        received = peers.swap(self.ranks, buffer, self.buddy, self.wards)
+        self.sent_bytes += buffer.numel()
+        self.sent_steps += 1
+        for ward, theirs in zip(self.wards, received):
+            _, _, tensors, skeleton = peers.unpack(theirs, sender=ward, expect=(step, ward))
+            self.session.send_mirror(ward, step, tensors, skeleton)
+
+    def visit(self) -> dict[int, tuple[AgentLink, dict[str, Any]]]:
+        """The agents on this host of the ranks whose memory this rank reads (other than its own),
+        and what each answered."""
+        found = {}
+        for k in peers.share_out(self.hosts, self.ranks.rank):
+            if k != self.ranks.rank and (visit := self.session.visit(k, host=self.host)) is not None:
+                found[k] = visit
+        return found
+
+    def agree(self, visits: dict[int, tuple[AgentLink, dict[str, Any]]], disk: int) -> tuple[int | None, Recovered | None]:
+        """Collective: every rank says what the agents it reached hold (each rank's replica, and
+        the own states they keep for their wards); the ranks take the newest step not older than
+        storage's at which every rank's state can be put together. Returns (the step every rank's
+        own agent serves, None) when no host was lost, (None, the state put together) when one
+        was, and (None, None) for storage. The other agents read here are ended."""
+        t0 = time.perf_counter()
+        me, session = self.ranks.rank, self.session
+        links = {k: link for k, (link, _) in visits.items()}
+        greetings = {k: hello for k, (_, hello) in visits.items()}
+        if session.link is not None:
+            links[me], greetings[me] = session.link, session.greeting
+        keeper: dict[tuple[int, int], AgentLink] = {}  # (ward, step): the agent keeping that rank's own state
+        for k, hello in greetings.items():
+            for ward, steps in hello.get("mirrors", {}).items():
+                keeper.update({(int(ward), step): links[k] for step in steps})
+        mine = peers.Holdings(self.host, {k: served(hello) or [] for k, hello in greetings.items()}, {})
+        for ward, step in keeper:
+            mine.mirror.setdefault(ward, []).append(step)
+        try:
+            held = [peers.Holdings.from_json(h) for h in self.ranks.all_gather("control", mine.as_json())]
+            found = peers.plan_recovery(held, disk - 1)
+            if found is None:
+                peers.warn_nothing_whole(held, disk, me)
+                return None, None
+            step, transfers = found
+            if not transfers:  # every rank's own agent holds it: taken over as after a crash of the process
+                return step, None
+
+            def read(kind: str, k: int) -> tuple[dict[str, Any], Any]:
+                return session.read(links[k], step) if kind == "region" else session.read(keeper[k, step], step, ward=k)
+
+            tensors, skeleton, source = peers.put_together(self.ranks, step, transfers, held, functools.cache(read),
+                                                          own_source="memory")
+        finally:
+            for link in (link for k, link in links.items() if k != me):
+                link.kill()  # another rank's agent: its rank has (or gets) its own
+        try:
+            check_skeleton(skeleton, set(tensors))
+        except ValueError as e:
+            raise CorruptCheckpointError(f"the state of step {step} put together from the peers' agents is not whole: "
+                                         f"{e}") from None
+        return None, Recovered(step=step, tree=unflatten(skeleton, tensors), source=source, manifest=None,
+                               seconds=time.perf_counter() - t0)
