@@ -178,7 +178,7 @@ def test_a_missing_bucket_is_one_error_naming_the_url_and_never_the_secret(serve
 # -- the remote tier: checkpoints that outlive the machine -------------------------------------------
 
 _JOB = """
-import json, os, signal, sys
+import json, os, signal, sys, warnings
 import torch.distributed as dist
 from everystep import Checkpointer
 from everystep.eval.train import training_state_hash
@@ -192,6 +192,9 @@ if world > 1:
     dist.init_process_group("gloo")
 w = build("gpt2-tiny", seed=0, optimizer="adamw", rank=rank, world=world, parallel=parallel)
 options = {"every": 2} if strategy == "lowdiff_plus" else {}
+warned = warnings.catch_warnings(record=True)  # (the upload thread's too: what this rank told its user)
+caught = warned.__enter__()
+warnings.simplefilter("always")
 ckpt = Checkpointer(local, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=strategy,
                     remote=url or None, remote_every=2, remote_lease=1.5, **options)
 start = ckpt.restore()
@@ -209,6 +212,7 @@ with open(f"{local}.r{rank}.json", "w") as f:
     json.dump({"start": start, "source": ckpt.recovered.source if ckpt.recovered else None,
                "remote_step": ckpt.stats.last_remote_step, "up": ckpt.remote.bytes_up if url else 0,
                "down": ckpt.remote.bytes_down if url else 0,
+               "warned": [str(x.message) for x in caught if issubclass(x.category, RuntimeWarning)],
                "hash": training_state_hash({"step": steps, **ckpt.components.capture(),
                                             **ckpt.components.capture_boundary()})}, f)
 if world > 1:
@@ -224,12 +228,12 @@ sys.exit(max(abs(p.wait()) for p in ranks))
 """A host: the job's ranks, children of one process in a session of its own (killed together)."""
 
 
-def _job(tmp_path, local, url, strategy, steps, kill_at=0, *, nproc=1, parallel="ddp"):
-    """The job's ranks on one host; each rank's report."""
+def _job(tmp_path, local, url, strategy, steps, kill_at=0, *, nproc=1, parallel="ddp", **env):
+    """The job's ranks on one host (``env``: more of their environment); each rank's report."""
     import json
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(nproc),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **env}
     argv = [sys.executable, "-c", _JOB, str(local), url, strategy, str(steps), str(kill_at), parallel]
     done = subprocess.run([sys.executable, "-c", _HOST, json.dumps(argv), str(nproc)], env=env, capture_output=True,
                           text=True, timeout=240, start_new_session=True)
@@ -281,6 +285,32 @@ def test_a_share_tampered_with_on_one_rank_sends_every_rank_to_the_remote_checkp
     resumed = _job(tmp_path, tmp_path / "new", url, "checkfreq", 7, nproc=2)
     assert {(r["source"], r["start"]) for r in resumed} == {("remote", steps[0])}  # on both ranks, the one before
     assert sum(r["down"] for r in resumed) > 0
+
+
+def test_a_share_that_fails_to_upload_on_one_rank_commits_nothing_is_reported_once_and_the_next_upload_goes_up(
+        tmp_path, bucket):
+    """Under two ranks, rank 1's first object upload fails (a full disk's error, injected): that
+    upload is committed by no rank, rank 0 says so once, training goes on, and the next upload goes
+    up whole; a new machine resumes from the final one."""
+    import re
+
+    import boto3
+
+    url = f"s3://{bucket}/job"
+    steps = 8
+    done = _job(tmp_path, tmp_path / "first", url, "checkfreq", steps, nproc=2, EVERYSTEP_FAIL="remote.object:1@1")
+    failed = [m for m in done[0]["warned"] if "failed" in m]
+    assert len(failed) == 1 and "rank 1" in failed[0] and "No space left" in failed[0], done[0]["warned"]
+    assert not any("failed" in m for m in done[1]["warned"])  # (rank 0 reports for the job)
+    lost = int(re.search(r"checkpoint of step (\d+)", failed[0]).group(1))
+    assert any("resumed with step" in m for m in done[0]["warned"])
+    s3 = boto3.client("s3")
+    committed = [int(o["Key"].rsplit("-", 1)[1][:12]) for o in
+                 s3.list_objects_v2(Bucket=bucket, Prefix="job/manifests/")["Contents"]]
+    assert lost not in committed and steps in committed
+    assert all(r["remote_step"] == steps for r in done)
+    resumed = _job(tmp_path, tmp_path / "new", url, "checkfreq", steps + 1, nproc=2)
+    assert {(r["source"], r["start"]) for r in resumed} == {("remote", steps)}
 
 
 def _moto(port, **env):

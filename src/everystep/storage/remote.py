@@ -276,6 +276,7 @@ class RemoteTier:
         try:
             local = self.directory.catalog
             for info in self._share(manifest):
+                crash_point("remote.object")  # (a share's object, before its upload)
                 self.bytes_up += self.store.put(OBJECTS + info.name, [local.read_object(info)])  # verified on the way out
         except (EverystepError, OSError) as e:
             error = e
