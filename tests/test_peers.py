@@ -59,9 +59,12 @@ def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_
     assert manifests in ([steps], [0, steps])  # (lowdiff_plus's agents persist the state they start from)
 
 
-def test_both_hosts_lost_recover_from_storage_bitwise(tmp_path):
+def test_both_hosts_lost_recover_from_storage_bitwise(tmp_path, monkeypatch):
     """One host lost (peer memory), then both at once: no memory survives, and the job resumes from
-    the newest full checkpoint (``persist_every`` 5), bitwise."""
+    the newest full checkpoint (``persist_every`` 5), bitwise. Every step's mirroring is slowed down
+    (0.15 s): the region must not run ahead of the mirrors, or the first loss finds no step that both
+    hold and goes to storage."""
+    monkeypatch.setenv("EVERYSTEP_DELAY", "peers.mirror:1+=0.15,store.region.before_header:1+=0.1")
     steps = 16
     reference = _reference(steps, 1)
     job = TwoHosts(tmp_path, local=1, strategy="lightcheck", steps=steps, persist_every=5)

@@ -31,6 +31,7 @@ import socket
 import struct
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,13 @@ import torch
 import torch.distributed as dist
 
 from .distributed import Ranks
-from .errors import CorruptCheckpointError
+from .background import settled
+from .errors import BackgroundWriteError, CorruptCheckpointError
 from .storage.base import MALFORMED, refuse_constant
 from .storage.region import RegionStore, checksum_of
 from .storage.region_map import RegionLayout
 
-__all__ = ["host_name", "Team", "buddies", "pack", "unpack", "mirror_path", "Holdings", "plan_recovery", "Transfer",
+__all__ = ["host_name", "Team", "buddies", "mirrored", "pack", "unpack", "mirror_path", "Holdings", "plan_recovery", "Transfer",
            "commit_mirror", "read_step", "read_steps", "open_read", "send", "receive", "swap", "share_out",
            "put_together", "warn_nothing_whole"]
 
@@ -185,6 +187,18 @@ def swap(ranks: Ranks, buffer: torch.Tensor, buddy: int, wards: list[int]) -> li
     for work in works:
         work.wait()
     return received
+
+
+def mirrored(future: "Future[Any] | None") -> None:
+    """Wait for the newest step's mirroring, and raise if it failed: a rank whose buddy did not
+    receive a step must not move its own copy in memory (region, agent) past it, or after a lost
+    host no step is held both by a survivor's copy and by its mirror of the lost rank. (A mirroring
+    fails when a peer is gone: the job is failing too.)"""
+    settled(future)
+    error = future.exception() if future is not None else None
+    if error is not None:
+        raise BackgroundWriteError(f"mirroring to the buddy on another host failed ({type(error).__name__}: {error}); "
+                                   "the copies in memory stay at the step it held") from error
 
 
 def mirror_path(region: Path) -> Path:

@@ -381,9 +381,13 @@ class LightCheck(Strategy):
             order = self._copy_order(tensors, skeleton, sharded)
             copy.progress.start([name for name, _ in order.units], order.index)
             settled(self._committing[slot])  # the slot's previous commit is done
-            # and the mirroring of every step before, the other slot's included: so that the region
-            # always holds a step its buddy's mirror holds too, and a slot is not rewritten while read
-            settled(self._mirrored)
+            if self._peers is not None:
+                # and the mirroring of every step before: so that the region always holds a step its
+                # buddy's mirror holds too (and this rank's mirror of its wards' part), and a slot is
+                # not rewritten while read. The step before's mirroring is started by its commit,
+                # in the other slot: only once that is done is it the newest one.
+                settled(self._committing[1 - slot])
+                peers.mirrored(self._mirrored)
             assert self.region is not None
             writer = self.region.begin(order.layout, order.meta_hint, slot=slot)
             if copy.ready is not None:
@@ -584,6 +588,7 @@ class _Peers:
     def mirror(self, step: int, views: dict[str, torch.Tensor], skeleton: Any, replicated: frozenset[str]) -> None:
         """Send this rank's own part of S_step (read from its committed slot) to its buddy; receive
         each ward's and commit it in the ward's mirror."""
+        crash_point("peers.mirror")
         own = {k: t for k, t in views.items() if k not in replicated}
         buffer = peers.pack(step, self.ranks.rank, own, skeleton)
         received = peers.swap(self.ranks, buffer, self.buddy, self.wards)

@@ -29,7 +29,7 @@ from .._faults import crash_point
 from ..agent.config import AgentConfig
 from ..agent.client import AgentLink
 from ..agent.session import AgentSession, served
-from ..background import Worker, settled
+from ..background import Worker
 from ..capture.grads import GradientCapture
 from ..errors import ConfigError, CorruptCheckpointError
 from ..parallelism import DTENSOR_LAYOUTS
@@ -283,8 +283,10 @@ class LowDiffPlus(Strategy):
                 # The agent applies a step when the next arrives: the step before must be in the
                 # buddies' agents first, so that they always hold a step this agent's replica holds.
                 t0 = time.perf_counter()
-                settled(self._mirrored)
-                self.ctx.waited(time.perf_counter() - t0)
+                try:
+                    peers.mirrored(self._mirrored)
+                finally:
+                    self.ctx.waited(time.perf_counter() - t0)
             session.send_step(step, tensors, skeleton, replayed, volatile, groups=self._groups, skipped=self._skipped,
                               has_grad=self._has_grad, persist=persist, verify=checked and not self._rebase)
         if self._peers is not None and session.lost is None:
@@ -384,6 +386,7 @@ class _AgentPeers:
     def mirror(self, step: int, buffer: Any) -> None:
         """(The mirroring thread.) Send this rank's own state of ``step`` (packed) to its buddy;
         receive each ward's and give it to this rank's agent to keep."""
+        crash_point("peers.mirror")
         received = peers.swap(self.ranks, buffer, self.buddy, self.wards)
         self.sent_bytes += buffer.numel()
         self.sent_steps += 1
