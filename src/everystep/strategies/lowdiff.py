@@ -285,10 +285,13 @@ def _records(link: Link, optimizer: torch.optim.Optimizer, names: set[str]) -> l
         records = [StepRecord(step=s["step"], skipped=s["skipped"], groups=s["groups"],
                               grads={n: _compressed(link.tensors, s["step"], n) for n in s["params"]})
                    for s in link.manifest.meta["steps"]]
-        steps = [link.manifest.step] if link.manifest.meta.get("summed") else list(range(link.first, link.manifest.step + 1))
+        summed = link.manifest.meta.get("summed")
+        steps = [link.manifest.step] if summed else list(range(link.first, link.manifest.step + 1))
         if [r.step for r in records] != steps or \
                 not all(type(r.skipped) is bool and set(r.grads) <= names for r in records):
             raise ValueError("its records are not those of its steps, of this model's parameters")
+        if summed and not all(set(g) == {"dense"} for r in records for g in r.grads.values()):
+            raise ValueError("it says its updates are summed, and they are not dense ones")
     for r in records:
         check_group_settings(optimizer, r.groups, partial=True)
     return records
