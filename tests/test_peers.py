@@ -54,6 +54,7 @@ def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_
         assert all(s["source"] == own or s["source"].startswith("peer memory (host ") for s in loss.starts), loss
         assert any(s["source"].startswith("peer memory") for s in loss.starts), loss
         assert loss.resumed >= loss.reached - 2, loss  # at most the step in flight and the one being committed
+        assert all(s["read_bytes"] == 0 for s in loss.starts), loss  # no object read from storage
     _assert_bitwise(job, reference)
     manifests = sorted(int(p.name.split("-")[1].split(".")[0]) for p in (job.shared / "manifests").glob("full-*"))
     assert manifests in ([steps], [0, steps])  # (lowdiff_plus's agents persist the state they start from)
@@ -71,6 +72,7 @@ def test_both_hosts_lost_recover_from_storage_bitwise(tmp_path, monkeypatch):
     one, both = lose_hosts(job, [(5, (1,)), (11, (0, 1))])
     assert any(s["source"].startswith("peer memory") for s in one.starts)
     assert {s["source"] for s in both.starts} == {"disk"}, both.starts
+    assert all(s["read_bytes"] > 0 for s in both.starts)  # (what the other test's zero would miss)
     assert both.resumed % 5 == 0 and both.reached - 6 <= both.resumed <= both.reached
     _assert_bitwise(job, reference)
 

@@ -64,7 +64,8 @@ def rank_main(argv: list[str]) -> None:
     found = ckpt.recovered
     with open(os.path.join(a.scratch, f"events-{os.getpid()}.jsonl"), "a") as log:
         log.write(json.dumps({"rank": rank, "start": start, "source": found.source if found else None,
-                              "restore_seconds": found.seconds if found else None, "at": time.time()}) + "\n")
+                              "restore_seconds": found.seconds if found else None,
+                              "read_bytes": ckpt.directory.catalog.bytes_read, "at": time.time()}) + "\n")
         log.flush()
         for step in range(start + 1, a.steps + 1):
             loss = w.loss(w.data.next())
@@ -204,7 +205,8 @@ class HostLoss:
     replaced_at: float
     """When the replacement hosts were started (Unix time)."""
     starts: list[dict[str, Any]] = field(default_factory=list)
-    """The start of each rank after it (``start``, ``source``, ``restore_seconds``)."""
+    """The start of each rank after it (``start``, ``source``, ``restore_seconds``, ``read_bytes``: the
+    bytes of checkpoint objects it read from storage)."""
     first_step_after: float | None = None
     """Seconds from the replacements' start to the first step any rank finished after it."""
 

@@ -65,6 +65,7 @@ class Catalog:
         """The job writing here: each rank writes its part of a checkpoint; rank 0 commits and deletes."""
         self._lock = threading.Lock()
         self._bytes_written = 0
+        self._bytes_read = 0
         self._parsed: dict[str, tuple[str, ManifestRecord]] = {}
         """Each manifest as last parsed or committed, with its value's version."""
 
@@ -91,6 +92,12 @@ class Catalog:
     def bytes_written(self) -> int:
         with self._lock:
             return self._bytes_written
+
+    @property
+    def bytes_read(self) -> int:
+        """The bytes of objects read (and verified) through this catalog: what recoveries took from storage."""
+        with self._lock:
+            return self._bytes_read
 
     def count_written_elsewhere(self, n: int) -> None:
         """Add ``n`` bytes written for this directory elsewhere than through this catalog (a checkpoint
@@ -146,6 +153,8 @@ class Catalog:
             raise CorruptCheckpointError(str(e)) from None
         except (FileNotFoundError, IsADirectoryError):
             raise CorruptCheckpointError(f"object {self.where(key)} is missing") from None
+        with self._lock:
+            self._bytes_read += len(data)
         if len(data) != info.nbytes:
             raise CorruptCheckpointError(f"object {self.where(key)} has {len(data)} bytes; its manifest says "
                                          f"{info.nbytes} (truncated?)")
