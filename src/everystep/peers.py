@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._faults import crash_point
 from .distributed import Ranks
 from .background import settled
 from .errors import BackgroundWriteError, CorruptCheckpointError
@@ -46,8 +47,8 @@ from .storage.base import MALFORMED, refuse_constant
 from .storage.region import RegionStore, checksum_of
 from .storage.region_map import RegionLayout
 
-__all__ = ["host_name", "Team", "buddies", "mirrored", "pack", "unpack", "mirror_path", "Holdings", "plan_recovery", "Transfer",
-           "commit_mirror", "read_step", "read_steps", "open_read", "send", "receive", "swap", "share_out",
+__all__ = ["host_name", "Team", "buddies", "mirrored", "pack", "unpack", "mirror_path", "Holdings", "plan_recovery",
+           "Transfer", "commit_mirror", "read_step", "read_steps", "open_read", "send", "receive", "swap", "share_out",
            "put_together", "warn_nothing_whole"]
 
 CHANNEL = "peers"
@@ -176,6 +177,7 @@ def receive(ranks: Ranks, src: int) -> torch.Tensor:
 def swap(ranks: Ranks, buffer: torch.Tensor, buddy: int, wards: list[int]) -> list[torch.Tensor]:
     """Send ``buffer`` to ``buddy`` and receive each ward's, all at once (every rank sends one and
     receives from each of its wards, so no order among them can deadlock)."""
+    crash_point("peers.mirror")
     group = ranks.groups[CHANNEL]
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in wards]
     works = [dist.isend(torch.tensor([buffer.numel()], dtype=torch.int64), buddy, group=group)]

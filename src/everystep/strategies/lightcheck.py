@@ -588,7 +588,6 @@ class _Peers:
     def mirror(self, step: int, views: dict[str, torch.Tensor], skeleton: Any, replicated: frozenset[str]) -> None:
         """Send this rank's own part of S_step (read from its committed slot) to its buddy; receive
         each ward's and commit it in the ward's mirror."""
-        crash_point("peers.mirror")
         own = {k: t for k, t in views.items() if k not in replicated}
         buffer = peers.pack(step, self.ranks.rank, own, skeleton)
         received = peers.swap(self.ranks, buffer, self.buddy, self.wards)

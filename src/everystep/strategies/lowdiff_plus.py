@@ -386,7 +386,6 @@ class _AgentPeers:
     def mirror(self, step: int, buffer: Any) -> None:
         """(The mirroring thread.) Send this rank's own state of ``step`` (packed) to its buddy;
         receive each ward's and give it to this rank's agent to keep."""
-        crash_point("peers.mirror")
         received = peers.swap(self.ranks, buffer, self.buddy, self.wards)
         self.sent_bytes += buffer.numel()
         self.sent_steps += 1
