@@ -6,7 +6,9 @@ import json
 
 from everystep.demo import stalls
 from everystep.eval.bench import BenchConfig, interleaved_order, markdown_table, run_bench, smallest_interval, summarise
+from everystep.eval.workloads import build
 from everystep.strategies.checkfreq import CheckFreqConfig
+from everystep.tree import state_hash
 
 from .conftest import call_cli
 
@@ -136,3 +138,29 @@ def test_a_bench_of_several_ranks_refuses_what_cannot_run_there_naming_it():
         BenchConfig(strategies=("torch_save",), nproc=2)
     with pytest.raises(ConfigError, match="--trainer runs one process"):
         BenchConfig(workload="native", trainer="lightning", strategies=("checkfreq",), nproc=2)
+
+
+def test_dcp_async_saves_again_after_its_stager_was_closed_by_staging(tmp_path):
+    """Under torch 2.11 on a GPU, DefaultStager closes its StateDictStager after each staging, and
+    the next async_save failed with KeyError: <class 'type'>. The
+    close is done here by hand, as that staging does it: the next save gets a new stager and lands."""
+    from everystep.eval.peers import DcpAsyncSave
+
+    w = build("mlp", seed=0)
+    peer = DcpAsyncSave(tmp_path / "p", w, every=1)
+    try:
+        for step in (1, 2, 3):
+            w.loss(w.data.next()).backward()
+            peer.before_update()
+            w.optimizer.step()
+            w.optimizer.zero_grad()
+            w.scheduler.step()
+            peer.after_step(step)
+            peer.wait()
+            peer._stager._state_dict_stager.close()  # what torch 2.11's DefaultStager._stage does
+        assert peer.stagers_renewed == 2 and peer.last_durable_step == 3
+    finally:
+        peer.close()
+    fresh = build("mlp", seed=1)
+    assert peer.load(fresh) == 3
+    assert state_hash(fresh.model.state_dict()) == state_hash(w.model.state_dict())

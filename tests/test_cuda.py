@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,19 +165,52 @@ def test_lightcheck_with_updates_in_backward_waits_per_layer_on_the_gpu_and_reco
 
 @gpu
 def test_lightcheck_copies_by_dma_into_the_registered_region_and_waits_on_events(tmp_path):
+    """A region on tmpfs is pinned for the GPU's DMA; the copies are timed by events and land bitwise."""
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-"))
+    try:
+        w = build("gpt2-tiny", seed=0, optimizer="adamw", device="cuda")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                              strategy="lightcheck", region=str(shm / "rank-{rank}.bin"), persist_every=0) as ckpt:
+                loop(w, ckpt, ckpt.restore(), 6)
+        assert not [c for c in caught if "cannot be pinned" in str(c.message)]
+        strategy = ckpt.strategy
+        assert strategy.registered is True  # the mapping is pinned for the GPU's DMA
+        assert len(strategy.copy_seconds) == 6 and all(s > 0 for s in strategy.copy_seconds)  # steps 1-5, the final 6
+        live, _ = flatten({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
+        region = RegionStore.open(shm / "rank-0.bin", access="read")
+        try:
+            slot, tensors, _ = region.newest()
+            assert slot.step == 6
+            assert all(torch.equal(tensors[k], live[k].cpu()) for k in live), "the region holds S_6 bitwise"
+        finally:
+            region.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@gpu
+def test_a_region_on_disk_that_cannot_be_pinned_is_warned_about_once_and_still_holds_the_state(tmp_path):
+    """Linux (6.5 on) refuses to pin a writable shared mapping of a disk's file: the copies go through
+    pageable memory, and the user is told once, with the region's path and what to do."""
     w = build("gpt2-tiny", seed=0, optimizer="adamw", device="cuda")
-    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
-                      strategy="lightcheck", persist_every=0, flush=False) as ckpt:
-        loop(w, ckpt, ckpt.restore(), 6)
-    strategy = ckpt.strategy
-    assert strategy.registered is True  # the mapping is pinned for the GPU's DMA
-    assert len(strategy.copy_seconds) == 6 and all(s > 0 for s in strategy.copy_seconds)  # steps 1-5, the final 6
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                          strategy="lightcheck", persist_every=0, flush=False) as ckpt:
+            loop(w, ckpt, ckpt.restore(), 4)
+    refusals = [str(c.message) for c in caught if "cannot be pinned" in str(c.message)]
+    if ckpt.strategy.registered:
+        assert refusals == []
+    else:
+        assert len(refusals) == 1 and str(tmp_path / "c" / "region" / "rank-0.bin") in refusals[0], refusals
+        assert "/dev/shm" in refusals[0]
     live, _ = flatten({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
     region = RegionStore.open(tmp_path / "c" / "region" / "rank-0.bin", access="read")
     try:
         slot, tensors, _ = region.newest()
-        assert slot.step == 6
-        assert all(torch.equal(tensors[k], live[k].cpu()) for k in live), "the region holds S_6 bitwise"
+        assert slot.step == 4 and all(torch.equal(tensors[k], live[k].cpu()) for k in live)
     finally:
         region.close()
 

@@ -511,3 +511,30 @@ def test_every_store_opened_for_reading_changes_nothing(written, tmp_path):
     finally:
         if isinstance(reader, RegionStore):
             reader.close()
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_a_region_is_offered_for_pinning_only_in_memory_and_says_why_not(tmp_path, where):
+    """Linux refuses to pin a writable shared mapping of a file whose pages it writes back (and the
+    refusal is left behind as the thread's CUDA error), so a region off tmpfs is not offered to the
+    driver at all; one on tmpfs is, and without a GPU says so."""
+    from everystep.storage.region_map import on_volatile_memory
+
+    root = tmp_path if where == "disk" else Path("/dev/shm")
+    if (where == "disk") == on_volatile_memory(root):
+        pytest.skip(f"{root} is {'' if where == 'disk' else 'not '}in memory on this machine")
+    path = root / f"everystep-pin-{tmp_path.name}.bin"
+    store = RegionStore.open(path)
+    try:
+        data = torch.arange(64, dtype=torch.uint8)
+        writer = store.begin(RegionLayout.of({"data": data}), 100)
+        why = store.register(writer)
+        if where == "disk":
+            assert why is not None and "does not pin" in why
+        elif not torch.cuda.is_available():
+            assert why == "no GPU"
+        else:
+            assert why is None
+    finally:
+        store.close()
+        path.unlink(missing_ok=True)

@@ -180,16 +180,20 @@ class DcpAsyncSave(DcpSave):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         on_gpu = torch.cuda.is_available() and any(p.is_cuda for p in workload.model.parameters())
-        self._stager = DefaultStager(StagingOptions(on_gpu, on_gpu, on_gpu, on_gpu))
+        self._options = StagingOptions(on_gpu, on_gpu, on_gpu, on_gpu)
+        self._stager = DefaultStager(self._options)
         # TorchTitan's async save under several ranks: a gloo group of its own for the uploads' collectives,
         # which run in the background beside training's
         self._group = dist.new_group(backend="gloo") if self.world > 1 else None
         self._staging: Any = None
         self._upload: Any = None
         self._uploading = 0
+        self.stagers_renewed = 0
+        """Stagers replaced after their staging closed them (see :meth:`_renew_stager`)."""
 
     def _save(self, step: int) -> None:
         self._finish_upload()  # one upload at a time
+        self._renew_stager()
         # The stager deep-copies what it is given: the state dicts, not the Stateful holding the workload.
         response = dcp.async_save({"app": _AppState(self.w, step).state_dict()}, checkpoint_id=self._checkpoint(step),
                                   async_stager=self._stager, process_group=self._group, no_dist=self.world == 1)
@@ -198,6 +202,21 @@ class DcpAsyncSave(DcpSave):
         self._staging = getattr(response, "staging_completion", None)
         self._upload = getattr(response, "upload_completion", response)
         self._uploading = step
+
+    def _renew_stager(self) -> None:
+        """A new stager where the last one was closed by its own staging.
+
+        Under torch 2.11 on a GPU, ``DefaultStager`` closes its ``StateDictStager`` after each staging;
+        that empties the table its deep copy dispatches on, and the next ``async_save`` fails in
+        staging with ``KeyError: <class 'type'>``. The close dropped the pinned buffers too, so a new
+        stager costs what the next staging would have cost there anyway."""
+        from torch.distributed.checkpoint.staging import DefaultStager
+
+        inner = getattr(self._stager, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            self._stager.close()
+            self._stager = DefaultStager(self._options)
+            self.stagers_renewed += 1
 
     def before_update(self) -> None:
         if self._staging is not None:  # the parameters may change only once staging has copied them

@@ -114,6 +114,7 @@ class RegionStore:
         self.flush = flush
         """Whether commits are flushed (``msync``) before the header: the file is meant to survive the host."""
         self._fd = fd
+        self._in_memory = on_volatile_memory(path)
         self.owner = ""
         """What the region belongs to, as recorded when it was made."""
         self._lock = threading.Lock()
@@ -281,9 +282,14 @@ class RegionStore:
         self._write_header(slot, _WRITING, 0, generation, area, 0, bytes(16))
         return SlotWriter(slot, layout, area.views(layout), area, generation)
 
-    def register(self, writer: SlotWriter) -> bool:
-        """Pin the slot's mapping for DMA from the GPU; False where the driver refuses."""
-        return writer.area.register()
+    def register(self, writer: SlotWriter) -> str | None:
+        """Pin the slot's mapping for DMA from the GPU: None once pinned, else why it could not be.
+
+        Only a region in memory (tmpfs) is tried: Linux (from 6.5) refuses to pin a writable shared
+        mapping of a file on a filesystem that writes its pages back, a disk's or a DAX mount's."""
+        if not self._in_memory:
+            return "it lies on a filesystem that writes its pages back, whose shared mappings Linux does not pin"
+        return None if writer.area.register() else writer.area.refused
 
     def checksums(self, writer: SlotWriter) -> dict[str, str]:
         """Each tensor's checksum."""

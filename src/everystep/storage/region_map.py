@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._memory import register_host, unregister_host
+from .._memory import pin_in_place, unregister_host
 from ..layout import LayoutEntry
 
 __all__ = ["ALIGN", "PAGE", "RegionLayout", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up"]
@@ -106,6 +106,8 @@ class Area:
                             mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.registered = False
+        self.refused: str | None = None
+        """Why the mapping could not be pinned for DMA (None: pinned, or not tried)."""
         self._tried = False
         self._views: tuple[RegionLayout, dict[str, torch.Tensor]] | None = None
 
@@ -124,9 +126,10 @@ class Area:
 
     def register(self) -> bool:
         """Pin the mapping for DMA from the GPU (False where the driver refuses)."""
-        if not self._tried and torch.cuda.is_available():
+        if not self._tried:
             self._tried = True
-            self.registered = register_host(self.bytes[:self.nbytes])
+            self.refused = pin_in_place(self.bytes[:self.nbytes])
+            self.registered = self.refused is None
         return self.registered
 
     def close(self) -> None:
