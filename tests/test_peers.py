@@ -137,6 +137,20 @@ def test_a_state_from_a_peer_is_checked_before_it_is_used():
         unpack(buffer.clone(), sender=1, expect=(5, 1))
 
 
+def test_a_size_a_peer_announces_is_refused_below_a_header_and_above_the_free_memory():
+    import psutil
+    import torch
+
+    from everystep.peers import _size
+
+    assert _size(torch.tensor([4096], dtype=torch.int64), 1) == 4096
+    with pytest.raises(CorruptCheckpointError, match="rank 1 announced a state of 2 bytes"):
+        _size(torch.tensor([2], dtype=torch.int64), 1)
+    huge = psutil.virtual_memory().total * 2
+    with pytest.raises(CorruptCheckpointError, match=f"rank 3 announced a state of {huge} bytes, more than the"):
+        _size(torch.tensor([huge], dtype=torch.int64), 3)
+
+
 def test_a_mirror_another_directory_made_is_not_written_over(tmp_path, monkeypatch):
     from everystep.storage.region import RegionStore
 

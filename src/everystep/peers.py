@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -158,10 +159,16 @@ def send(ranks: Ranks, buffer: torch.Tensor, dst: int) -> None:
 
 
 def _size(n: torch.Tensor, sender: int) -> int:
-    """A buffer's size as a peer announced it: at least a length field."""
+    """A buffer's size as a peer announced it: at least a length field, and no more than this host's
+    memory has free (a size garbled in transit, or a peer's bug, is refused here, not by the kernel's
+    out-of-memory killer)."""
     size = int(n.item())
     if size < _LENGTH.size:
         raise CorruptCheckpointError(f"rank {sender} announced a state of {size} bytes")
+    free = psutil.virtual_memory().available
+    if size > free:
+        raise CorruptCheckpointError(f"rank {sender} announced a state of {size} bytes, more than the "
+                                     f"{free} bytes this host has free")
     return size
 
 
