@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from everystep.eval.hosts import TwoHosts, final_hashes, lose_hosts, rank0_losses
+from everystep.eval.hosts import PHASES, TwoHosts, final_hashes, lose_hosts, rank0_losses
 from everystep.eval.train import TrainConfig, run
 from everystep.peers import Holdings, Transfer, buddies, pack, plan_recovery, share_out, unpack
 from everystep.errors import CorruptCheckpointError
@@ -55,6 +55,9 @@ def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_
         assert any(s["source"].startswith("peer memory") for s in loss.starts), loss
         assert loss.resumed >= loss.reached - 2, loss  # at most the step in flight and the one being committed
         assert all(s["read_bytes"] == 0 for s in loss.starts), loss  # no object read from storage
+        for s in loss.starts:  # each phase of the start logged, in order, after the host was replaced
+            ends = [s["phases"][name] for name in PHASES]
+            assert loss.replaced_at - 1 <= ends[0] and ends == sorted(ends) and ends[-1] <= s["at"], s
     _assert_bitwise(job, reference)
     manifests = sorted(int(p.name.split("-")[1].split(".")[0]) for p in (job.shared / "manifests").glob("full-*"))
     assert manifests in ([steps], [0, steps])  # (lowdiff_plus's agents persist the state they start from)

@@ -32,18 +32,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TwoHosts", "HostLoss", "lose_hosts", "descendants"]
+__all__ = ["PHASES", "TwoHosts", "HostLoss", "lose_hosts", "descendants"]
 
 
 def rank_main(argv: list[str]) -> None:
     """One rank's training: restore, then every step to ``steps``, each step's loss logged with the
-    time; the start logged with where the state came from and how long ``restore()`` took."""
+    time; the start logged with where the state came from, how long ``restore()`` took, and when each
+    phase of the start ended (:data:`PHASES`)."""
+    import psutil
+
+    phases = {"started": psutil.Process().create_time()}
     import torch.distributed as dist
 
     from ..checkpointer import Checkpointer
     from .train import training_state_hash
     from .workloads import build
 
+    phases["imported"] = time.time()
     p = argparse.ArgumentParser(prog="everystep.eval.hosts rank")
     for name in ("shared", "scratch", "strategy", "workload", "parallel"):
         p.add_argument(name)
@@ -52,8 +57,10 @@ def rank_main(argv: list[str]) -> None:
     p.add_argument("peers", choices=("0", "1"))
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
+    phases["grouped"] = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     w = build(a.workload, seed=0, optimizer="adamw", rank=rank, world=world, parallel=a.parallel)
+    phases["built"] = time.time()
     if a.strategy == "lightcheck":
         options = {"region": os.path.join(a.scratch, "region-{rank}.bin"), "persist_every": a.persist_every}
     else:  # lowdiff_plus: its agents keep the state in their memory and persist it
@@ -61,11 +68,13 @@ def rank_main(argv: list[str]) -> None:
     ckpt = Checkpointer(a.shared, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=a.strategy,
                         peers=a.peers == "1", **options)
     start = ckpt.restore()
+    phases["restored"] = time.time()
     found = ckpt.recovered
     with open(os.path.join(a.scratch, f"events-{os.getpid()}.jsonl"), "a") as log:
         log.write(json.dumps({"rank": rank, "start": start, "source": found.source if found else None,
                               "restore_seconds": found.seconds if found else None,
-                              "read_bytes": ckpt.directory.catalog.bytes_read, "at": time.time()}) + "\n")
+                              "read_bytes": ckpt.directory.catalog.bytes_read, "at": time.time(),
+                              "phases": phases}) + "\n")
         log.flush()
         for step in range(start + 1, a.steps + 1):
             loss = w.loss(w.data.next())
@@ -78,6 +87,12 @@ def rank_main(argv: list[str]) -> None:
     with open(os.path.join(a.shared, f"final-r{rank}.json"), "w") as f:
         json.dump({"hash": training_state_hash(final)}, f)
     dist.destroy_process_group()
+
+
+PHASES = {"started": "the process started", "imported": "torch imported", "grouped": "the process group made",
+          "built": "the model and optimizer built (torch seeds: it imports torch._dynamo)",
+          "restored": "restore() returned"}
+"""When each phase of a rank's start ended, as its start event logs them (``phases``, Unix times)."""
 
 
 class TwoHosts:
@@ -280,6 +295,10 @@ def _measure(args: argparse.Namespace) -> None:
                   f"from {', '.join(sources)}; restore {max(s['restore_seconds'] or 0 for s in loss.starts):.3f} s, "
                   f"replacement's start to the first step {loss.first_step_after:.2f} s")
         rows.append((peers, losses, bitwise))
+        ends = {name: statistics.median(statistics.median(s["phases"][name] - loss.replaced_at for s in loss.starts)
+                                        for loss in losses) for name in PHASES}
+        print(f"peers={peers}: after the replacement's start (medians): "
+              + "; ".join(f"{what} +{ends[name]:.1f} s" for name, what in PHASES.items()))
     print(f"\n{args.workload}, 2 hosts x {args.local} rank(s) ({args.parallel}), {args.strategy}, {args.steps} steps, "
           f"full checkpoints every {args.persist_every} steps, {args.losses} losses of one host (medians):")
     print(f"| {args.strategy} | restored from | steps lost per loss | restore() (s) | replacement's start to first step (s) "
