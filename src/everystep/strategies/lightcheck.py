@@ -417,7 +417,8 @@ class LightCheck(Strategy):
         if refused is not None and self.registered is None:
             warnings.warn(f"lightcheck: the region {self.region.path} cannot be pinned for the GPU's DMA ({refused}); "
                           "its copies go through pageable memory (on an H200: 16 GB/s, against 52 into pinned "
-                          "memory). A region on tmpfs (region='/dev/shm/…{rank}…') can be pinned", RuntimeWarning, stacklevel=2)
+                          "memory). A region on tmpfs (region='/dev/shm/…{rank}…') can be pinned",
+                          RuntimeWarning, stacklevel=2)
         self.registered = refused is None
         stream = self._stream
         stream.wait_event(copy.ready)
