@@ -106,15 +106,16 @@ def _flush(view: mmap.mmap, offset: int, nbytes: int) -> None:
 class RegionStore:
     """The two-slot region in one file (see the module docstring)."""
 
-    def __init__(self, path: Path, fd: int, *, access: Access, ranks: Ranks, flush: bool) -> None:
+    def __init__(self, path: Path, fd: int, *, access: Access, ranks: Ranks, flush: bool | None) -> None:
         self.root = path
         self.path = path
         self.ranks = ranks
         self.access: Access = access
-        self.flush = flush
-        """Whether commits are flushed (``msync``) before the header: the file is meant to survive the host."""
-        self._fd = fd
         self._in_memory = on_volatile_memory(path)
+        self.flush = not self._in_memory if flush is None else flush
+        """Whether commits are flushed (``msync``) before the header: the file is meant to survive the host
+        (by default, unless it lies in memory)."""
+        self._fd = fd
         self.owner = ""
         """What the region belongs to, as recorded when it was made."""
         self._lock = threading.Lock()
@@ -180,8 +181,6 @@ class RegionStore:
             if magic != _MAGIC or version != _VERSION or page != PAGE:
                 raise UnreadableRegionError(f"{path} is not an everystep region of version {_VERSION} "
                                             f"with {PAGE}-byte pages")
-            if flush is None:
-                flush = not on_volatile_memory(path)
             region = cls(path, fd, access=access, ranks=ranks or Ranks(), flush=flush)
             region.owner = stored_owner.rstrip(b"\0").decode("ascii", "replace")
             return region
