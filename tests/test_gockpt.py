@@ -112,6 +112,41 @@ def test_the_reconstruction_is_the_live_state_of_its_step_bitwise(tmp_path, stra
     assert live_hash(again, 7) == hashes[7]
 
 
+@pytest.mark.parametrize("reconstruct", ["host", "device"])
+def test_later_checkpoints_reuse_the_host_memory_of_earlier_ones_and_still_restore_bitwise(tmp_path, reconstruct):
+    """Four checkpoints (begun after steps 3, 6, 9, 12; the first three complete at 5, 8, 11) take
+    their host memory from pools of two buffers each: the later ones are copied into memory the
+    earlier ones were written from."""
+    w, hashes = build("gpt2-tiny", seed=1), {}
+    s = create("gockpt", reconstruct=reconstruct, every=3, parts=2, chunk_bytes=4096, keep=1)
+    assert isinstance(s, GoCkpt)
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=s,
+                      final=False) as ckpt:
+        made: dict[str, int] = {}
+
+        def counted(name, make):
+            def counting(layout):
+                made[name] = made.get(name, 0) + 1
+                return make(layout)
+            return counting
+
+        for name in ("_part_buffers", "_gradient_buffers", "_rest_buffers"):
+            pool = getattr(s, name)
+            pool._make = counted(name, pool._make)
+        ckpt.restore()
+        for t in range(1, 15):
+            _loop(w, ckpt, t - 1, t)
+            hashes[t] = live_hash(w, t)
+    assert s.parts_used == [2, 2, 2, 2]
+    assert set(made) == {"_part_buffers", "_rest_buffers", *(["_gradient_buffers"] if reconstruct == "device" else [])}
+    assert all(n <= 2 for n in made.values()), made  # (two where a checkpoint began before the last was written)
+    again = build("gpt2-tiny", seed=1)
+    with Checkpointer(tmp_path / "c", again.model, again.optimizer, scheduler=again.scheduler, data=again.data,
+                      strategy="gockpt", every=3, parts=2) as ckpt:
+        assert ckpt.restore() == 11
+    assert live_hash(again, 11) == hashes[11]
+
+
 def test_a_spread_checkpoint_is_brought_forward_from_its_parts_and_a_damaged_one_is_skipped(tmp_path, monkeypatch):
     """Device reconstruction: the parts as written are not S_7 (recovery without the gradients is
     not), and a spread checkpoint whose gradients are damaged is skipped for the one before."""

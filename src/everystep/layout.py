@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,11 @@ class TensorLayout:
         time (cached by keys, dtypes and shapes: cheaper than building it, and compared by identity
         first)."""
         return _layout_of(tuple((k, t.dtype, t.shape) for k, t in tensors.items()))
+
+    @classmethod
+    def planned(cls, entries: "Iterable[tuple[str, torch.dtype, tuple[int, ...]]]") -> "TensorLayout":
+        """The layout of tensors not made yet, each given as its key, dtype and shape."""
+        return _layout_of(tuple((k, dtype, torch.Size(shape)) for k, dtype, shape in entries))
 
 
 @functools.lru_cache(maxsize=64)

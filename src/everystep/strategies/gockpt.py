@@ -38,7 +38,8 @@ from ..storage.base import Manifest, malformed
 from ..storage.full import write_full
 from ..spread import SPREAD_KIND, bring_forward, read_spread, write_spread
 from ..storage.sharded import RankShare
-from ..transport.host import copy_bandwidth
+from ..layout import TensorLayout
+from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
 from ..tree import local_shard
 from .base import Strategy
 from .gockpt_plan import ELEMENTWISE, Chunk, GoCkptConfig, Param, Spread
@@ -87,6 +88,14 @@ class GoCkpt(Strategy):
                               f"own format, which does not hold the shards of a job sharded with {self.ctx.layout}: "
                               "use reconstruct='host' (on the CPU), or checkfreq")
         self._stream = self.ctx.copy_stream()
+        pin = self._stream is not None
+        self._part_buffers = HostBufferPool(2, pin=pin)
+        """Host memory for the parts of a checkpoint in the making and of the one being written: the
+        same buffers from one checkpoint to the next (pinned memory is slow to allocate)."""
+        self._gradient_buffers = HostBufferPool(2, pin=pin)
+        """``reconstruct="device"``: the gradients each checkpoint keeps, laid out when it begins."""
+        self._rest_buffers = HostBufferPool(2, pin=pin)
+        """The state of S_end that is not a part (buffers, state made since the checkpoint began)."""
         self._params: list[Param] | None = None
         self._spread: Spread | None = None
         self._last = -1
@@ -137,10 +146,13 @@ class GoCkpt(Strategy):
         self.gradient_seconds += time.perf_counter() - t0
         j = step - spread.start  # parts 1..j are copied (part j from S_{step-1})
         t1 = time.perf_counter()
-        settled(spread.copies[j - 1])
+        settled(spread.copies[j - 1])  # (issued; on CUDA the update waits on the device for the copy)
         self.part_wait_seconds += time.perf_counter() - t1
         self.ctx.waited(time.perf_counter() - t0)
         self.errors.raise_pending()
+        copied = spread.copies[j - 1].result()
+        if copied is not None:
+            torch.cuda.current_stream().wait_event(copied)
         groups = group_scalars(self.ctx.components.optimizer)
         needed = {c.param for part in spread.copied[:j] for c in part}
         grads = {i: (g, g._version if g is not None else 0) for i in needed
@@ -184,11 +196,37 @@ class GoCkpt(Strategy):
                  for p in params]
         k = self.config.parts or self._choose_parts(units, tensors)
         plan = PartSplit.of(units, k, self.config.chunk_bytes)
-        host = {key: torch.empty(tensors[key].shape, dtype=tensors[key].dtype, pin_memory=self._stream is not None)
-                for p in params for key in (p.key, *p.elementwise.values())}
-        self._spread = Spread(step, params, plan, host)
+        keys = [key for p in params for key in (p.key, *p.elementwise.values())]
+        host = self._acquire(self._part_buffers, TensorLayout.of({key: tensors[key] for key in keys}))
+        spread = self._spread = Spread(step, params, plan, host.views, held=[(self._part_buffers, host)])
+        if self.on_device:
+            spread.gradients = self._acquire(self._gradient_buffers, self._gradient_layout(params, plan))
+            spread.held.append((self._gradient_buffers, spread.gradients))
         self.parts_used.append(len(plan.parts))
-        self._copy_part(self._spread, 0)
+        self._copy_part(spread, 0)
+
+    def _acquire(self, pool: HostBufferPool, layout: TensorLayout) -> HostBuffer:
+        """A buffer of ``pool`` for ``layout`` (waiting, counted as such, while two checkpoints hold theirs)."""
+        t0 = time.perf_counter()
+        buffer = pool.acquire(layout)
+        self.ctx.waited(time.perf_counter() - t0)
+        return buffer
+
+    @staticmethod
+    def _gradient_layout(params: list[Param], plan: PartSplit) -> TensorLayout:
+        """Where the gradients of each update of a checkpoint lie: the update after the copy of part j
+        keeps the gradients of parts 1..j, under ``"{j}/{chunk index}"``."""
+        firsts = [sum(len(part) for part in plan.parts[:k]) for k in range(len(plan.parts))]
+        return TensorLayout.planned(
+            (f"{j}/{firsts[k] + n}", params[c.unit].local.dtype, (c.stop - c.start,))
+            for j in range(1, len(plan.parts) + 1) for k in range(j) for n, c in enumerate(plan.parts[k]))
+
+    @staticmethod
+    def _give_back(spread: Spread) -> None:
+        """Return to their pools the buffers ``spread`` held (once it is written, or dropped)."""
+        while spread.held:
+            pool, buffer = spread.held.pop()
+            pool.release(buffer)
 
     def _find_params(self, tensors: dict[str, torch.Tensor]) -> list[Param]:
         """The parameters this rank brings forward: every one, or under ZeRO-1 its partition's (the
@@ -222,9 +260,10 @@ class GoCkpt(Strategy):
         spread.copies.append(self._copier.submit(f"copy of part {index + 1} of the checkpoint started at step "
                                                  f"{spread.start}", self._copy_chunks, spread, index, self._event()))
 
-    def _copy_chunks(self, spread: Spread, index: int, ready: Any) -> None:
+    def _copy_chunks(self, spread: Spread, index: int, ready: Any) -> Any:
         """Copier thread: part ``index`` from the live state (on CUDA, once the training stream has
-        reached ``ready``), then (host) the optimizers that bring it forward."""
+        reached ``ready``), then (host) the optimizers that bring it forward. On CUDA, returns an event
+        that completes with the copies: the next update waits for it on the device, not the host."""
         optimizer = self._optimizer
         first = sum(len(part) for part in spread.plan.parts[:index])
         chunks = []
@@ -248,11 +287,13 @@ class GoCkpt(Strategy):
                             f"every so that no checkpoint begins before")
                 chunks.append(chunk)
                 crash_point("gockpt.copy.chunk")
-        if self._stream is not None:
-            self._stream.synchronize()
+            done = self._event()  # (on the copy stream)
+        if done is not None:
+            spread.events.append(done)
         spread.copied.append(chunks)
         if not self.on_device:
             spread.shards.append(self._shards(spread.params, chunks))
+        return done
 
     def _shards(self, params: list[Param], chunks: list[Chunk]) -> list[tuple[torch.optim.Optimizer, list[int],
                                                                                list[Chunk]]]:
@@ -289,8 +330,11 @@ class GoCkpt(Strategy):
                     if grad is None:
                         continue
                     if self.on_device:
-                        target = kept[c.index] = torch.empty(c.stop - c.start, dtype=grad.dtype,
-                                                             pin_memory=self._stream is not None)
+                        assert spread.gradients is not None
+                        target = spread.gradients.views[f"{parts}/{c.index}"]
+                        if target.dtype != grad.dtype:  # (a gradient of another dtype than its parameter's)
+                            target = torch.empty(c.stop - c.start, dtype=grad.dtype, pin_memory=self._stream is not None)
+                        kept[c.index] = target
                     else:
                         target = buffer[c.param].view(-1)[c.start:c.stop]
                     target.copy_(grad.reshape(-1)[c.start:c.stop], non_blocking=True)
@@ -348,11 +392,24 @@ class GoCkpt(Strategy):
         sharded = self.ctx.sharded
         ours = {k for p in spread.params for k in (p.key, *p.elementwise.values(), *(() if self.on_device else p.whole.values()))}
         replicated = self.ctx.replicated_keys(tensors)
-        with torch.no_grad():
-            rest = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items() if k not in ours}
+        keys = [k for k in tensors if k not in ours]
+        buffer = self._acquire(self._rest_buffers, TensorLayout.of({k: tensors[k] for k in keys}))
+        spread.held.append((self._rest_buffers, buffer))
+        copied = snapshot_into(buffer, tensors, keys, stream=self._stream)
+        if copied is not None:  # the next forward and update change them only once they are copied
+            torch.cuda.current_stream().wait_event(copied)
+            spread.events.append(copied)
+        rest = {k: buffer.views[k] for k in keys}
         write = self._write_spread if self.on_device else self._write
-        self._persister.post(f"background write of the checkpoint at step {step}", write, spread, step, tensors,
-                             rest, skeleton, replicated, sharded)
+        self._persister.post(f"background write of the checkpoint at step {step}", self._written, write, spread, step,
+                             tensors, rest, skeleton, replicated, sharded)
+
+    def _written(self, write: Any, spread: Spread, *args: Any) -> None:
+        """Persister thread: ``write(spread, *args)``, then the buffers it held go back to their pools."""
+        try:
+            write(spread, *args)
+        finally:
+            self._give_back(spread)
 
     def _write(self, spread: Spread, step: int, live: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
                skeleton: Any, replicated: set[str], sharded: dict[str, torch.Tensor]) -> None:
@@ -420,6 +477,9 @@ class GoCkpt(Strategy):
         spread, self._spread = self._spread, None
         if spread is not None:
             settled(*spread.copies, *spread.applied, *spread.gradient_copies)
+            for event in spread.events:
+                event.synchronize()
+            self._give_back(spread)
 
     # -- recovery ------------------------------------------------------------------------------
 

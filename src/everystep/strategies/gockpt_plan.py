@@ -110,8 +110,12 @@ class Spread:
     records: list[tuple[dict[str, Any], dict[int, torch.Tensor]]] = field(default_factory=list)
     """Device: per update, its step and group settings, and the gradients kept, by chunk index."""
     events: list[Any] = field(default_factory=list)
-    """CUDA: events that complete with the copies of gradients on the copy stream."""
+    """CUDA: events that complete with the copies on the copy stream (parts, gradients, the rest)."""
     apply_seconds: list[float] = field(default_factory=list)
+    held: list[tuple[Any, Any]] = field(default_factory=list)
+    """The pooled host buffers (pool, buffer) the checkpoint holds until it is written or dropped."""
+    gradients: Any = None
+    """Device: the host buffer that the gradients kept lie in (see ``GoCkpt._gradient_layout``)."""
 
     @property
     def parts(self) -> int:
