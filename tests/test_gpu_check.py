@@ -82,8 +82,11 @@ def test_the_dry_run_benches_every_variant_interleaved_and_each_resumes_bitwise(
     assert bench["summary"]["lightcheck"]["recovery_seconds_memory"] > 0  # from its region
     spread = {r["strategy"]: r["every"] for r in bench["runs"]}
     assert spread["gockpt/3"] == 3 and spread["lightcheck"] == 1 and spread["lowdiff_plus"] is None
+    timed = {r["strategy"]: len(r["step_seconds"]) for r in bench["runs"]}  # (after a first checkpoint)
+    assert timed["gockpt/3"] == DRY.spread_steps - DRY.spread_warmup == 3 * DRY.spread_every
+    assert timed["none"] == DRY.steps - DRY.warmup
     for name in ("gockpt", "gockpt_o"):
-        g = bench["gockpt_stall_over_async"][name]
+        g = bench["gockpt_stall_over_async_o"][name]
         assert g["ratio"] > 0 and g["met"] == (g["ratio"] <= g["target_at_most"])
 
 
