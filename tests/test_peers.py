@@ -32,9 +32,13 @@ def _assert_bitwise(job: TwoHosts, reference: dict) -> None:
     assert final_hashes(job) == reference["rank_state_sha256"]
 
 
+LONG = pytest.mark.long  # (make test-long: each restart of a host starts a torchrun and its ranks anew)
+
+
 @pytest.mark.parametrize("strategy, local, parallel, steps, losses", [
-    ("lightcheck", 1, "ddp", 30, 5), ("lightcheck", 2, "ddp", 14, 1), ("lightcheck", 1, "fsdp", 14, 1),
-    ("lowdiff_plus", 1, "ddp", 30, 5), ("lowdiff_plus", 2, "ddp", 14, 1),
+    ("lightcheck", 1, "fsdp", 14, 1), ("lowdiff_plus", 1, "ddp", 14, 1),
+    pytest.param("lightcheck", 1, "ddp", 30, 5, marks=LONG), pytest.param("lightcheck", 2, "ddp", 14, 1, marks=LONG),
+    pytest.param("lowdiff_plus", 1, "ddp", 30, 5, marks=LONG), pytest.param("lowdiff_plus", 2, "ddp", 14, 1, marks=LONG),
 ])
 def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_path, strategy, local, parallel, steps,
                                                                              losses):
@@ -63,6 +67,7 @@ def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_
     assert manifests in ([steps], [0, steps])  # (lowdiff_plus's agents persist the state they start from)
 
 
+@LONG
 def test_both_hosts_lost_recover_from_storage_bitwise(tmp_path, monkeypatch):
     """One host lost (peer memory), then both at once: no memory survives, and the job resumes from
     the newest full checkpoint (``persist_every`` 5), bitwise. Every step's mirroring is slowed down

@@ -243,8 +243,10 @@ def _job(tmp_path, local, url, strategy, steps, kill_at=0, *, nproc=1, parallel=
 
 @pytest.mark.parametrize("strategy, seed, nproc, parallel", [
     ("checkfreq", 1, 1, "ddp"),
-    ("lowdiff_plus", 2, 2, "ddp"),  # each rank's agent writes its part; each rank uploads, and downloads, a share
-    ("checkfreq", 3, 2, "fsdp"),  # DCP's files, each rank's shards, through the remote and back
+    # each rank's agent writes its part; each rank uploads, and downloads, a share
+    pytest.param("lowdiff_plus", 2, 2, "ddp", marks=pytest.mark.long),
+    # DCP's files, each rank's shards, through the remote and back
+    pytest.param("checkfreq", 3, 2, "fsdp", marks=pytest.mark.long),
 ])
 def test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise(tmp_path, bucket, strategy, seed,
                                                                                   nproc, parallel):

@@ -238,7 +238,8 @@ def hsdp_reference() -> dict:
     return run(TrainConfig(strategy="none", **HSDP_JOB))
 
 
-@pytest.mark.parametrize("strategy, options", [("lightcheck", {"persist_every": 2}), ("lowdiff_plus", {})])
+@pytest.mark.parametrize("strategy, options", [("lightcheck", {"persist_every": 2}),
+                                               pytest.param("lowdiff_plus", {}, marks=pytest.mark.long)])
 def test_hsdp_on_four_ranks_killed_and_restarted_recovers_bitwise(tmp_path, hsdp_reference, strategy, options):
     # A hardware failure: lowdiff_plus's agents die with their ranks, and recovery reads the full
     # checkpoints they wrote, in everystep's format (each shard's rows split between its replicas).

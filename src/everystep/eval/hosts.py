@@ -90,7 +90,7 @@ def rank_main(argv: list[str]) -> None:
 
 
 PHASES = {"started": "the process started", "imported": "torch imported", "grouped": "the process group made",
-          "built": "the model and optimizer built (torch seeds: it imports torch._dynamo)",
+          "built": "the model and optimizer built (the optimizer imports torch._dynamo)",
           "restored": "restore() returned"}
 """When each phase of a rank's start ended, as its start event logs them (``phases``, Unix times)."""
 
