@@ -13,8 +13,9 @@ to the next):
    :attr:`Sizes.spread_every` steps (GoCkpt's copy spread over :attr:`Sizes.spread_parts`), all
    interleaved with one ``none`` reference, each run's resume checked bitwise (the bench's own
    check); GoCkpt's and GoCkpt-O's stall per checkpoint over Async-O's (``checkfreq``: its snapshot
-   overlaps the next forward and backward), the runs every K steps timed after a first checkpoint
-   (:attr:`Sizes.spread_warmup`: the host memory a strategy keeps is allocated once in a long run);
+   overlaps the next forward and backward), the runs every K steps timed after the first two
+   checkpoints (:attr:`Sizes.spread_warmup`: the host memory a strategy keeps is allocated once in a
+   long run);
 4. ``frequency``: the smallest checkpoint interval of ``lightcheck`` and of ``checkfreq`` within a
    3.5% overhead budget, searched from the every-step overheads over powers of two;
 5. ``memory``: Checkflow's peak device memory (``max_memory_allocated``) in the bench's runs against
