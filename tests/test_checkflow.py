@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import re
 import random
-import subprocess
-import sys
 import time
 
 import pytest
@@ -20,6 +18,7 @@ from everystep.eval.workloads import build
 from everystep.strategies import create
 
 from .conftest import ROOT
+from .forked import run_script
 from .test_checkpointer import live_hash
 
 STEPS = 12
@@ -102,9 +101,9 @@ def uninterrupted():
                                         for i in range(2)])
 def test_a_kill_while_offloading_or_writing_recovers_bitwise(tmp_path, point, nth, uninterrupted):
     directory = str(tmp_path / "c")
-    killed = subprocess.run([sys.executable, "-c", _KILLED, directory, point, str(nth), str(STEPS)],
-                            env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}, cwd=ROOT, timeout=300)
-    assert killed.returncode == -9
+    killed = run_script(_KILLED, directory, point, str(nth), str(STEPS),
+                        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}, cwd=ROOT)
+    assert killed.returncode == -9, killed.stdout
     w, losses = build("gpt2-tiny", seed=1), []
     with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="checkflow",
                       **OPTIONS) as ckpt:

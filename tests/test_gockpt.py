@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from everystep.spread import SPREAD_KIND
 from everystep.strategies.gockpt import GoCkpt
 
 from .conftest import ROOT
+from .forked import run_script
 from .test_checkpointer import live_hash
 
 STEPS = 12
@@ -259,10 +258,9 @@ def test_a_kill_in_a_copy_a_reconstruction_or_a_write_leaves_the_previous_checkp
     committed checkpoint, and training goes on to the uninterrupted run's state bitwise — with
     bf16 autocast, a GradScaler that skips step 6 (inside the first spread) and clipping too."""
     directory = str(tmp_path / "c")
-    killed = subprocess.run([sys.executable, "-c", _KILLED, directory, strategy, point, str(nth), str(STEPS), str(int(amp)),
-                             reconstruct],
-                            env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}, cwd=ROOT, timeout=300)
-    assert killed.returncode == -9
+    killed = run_script(_KILLED, directory, strategy, point, str(nth), str(STEPS), str(int(amp)), reconstruct,
+                        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}, cwd=ROOT)
+    assert killed.returncode == -9, killed.stdout
     start, final, _ = _resume(directory, strategy, amp, losses := [], reconstruct)
     assert start in (0, 7, 11)
     ref_losses, ref_final = uninterrupted[amp]

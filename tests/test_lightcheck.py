@@ -8,8 +8,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,6 +26,7 @@ from everystep.storage.region_map import ALIGN, RegionLayout
 from everystep.strategies.lightcheck import LightCheck
 
 from .conftest import ROOT, call_cli, run_cli
+from .forked import run_script
 
 STEPS = 8
 
@@ -225,9 +224,9 @@ def test_a_kill_anywhere_in_a_copy_or_a_commit_loses_at_most_one_step(tmp_path, 
     waits for the commit), a host loss (the region gone) what was not persisted; training goes on to the
     uninterrupted run's state bitwise."""
     directory, progress = str(tmp_path / "c"), tmp_path / "progress"
-    killed = subprocess.run([sys.executable, "-c", _KILLED, directory, point, str(nth), str(STEPS), str(progress),
-                             str(int(in_backward))], env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
-    assert killed.returncode == -9
+    killed = run_script(_KILLED, directory, point, str(nth), str(STEPS), str(progress), str(int(in_backward)),
+                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert killed.returncode == -9, killed.stdout
     done = int(progress.read_text().split()[-1]) if progress.exists() else 0
     if mode == "hardware":
         (tmp_path / "c" / "region" / "rank-0.bin").unlink()  # the host's memory is gone

@@ -20,6 +20,7 @@ from everystep.storage.base import Manifest
 from everystep.storage.catalog import Catalog
 
 from .conftest import ROOT
+from .forked import run_script
 
 from everystep.storage.s3 import PART_BYTES, S3Store, parse_url
 
@@ -31,8 +32,9 @@ def server(tmp_path_factory):
     """A moto S3 server in a process of its own; the environment a job reaching it would have."""
     port = free_port()
     log = tmp_path_factory.mktemp("moto") / "log"  # (a file: a pipe nobody reads fills, and the server stops)
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
+    with log.open("w") as err:  # (the server has its own copy of the descriptor)
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
     deadline = time.monotonic() + 60
     while True:  # until it accepts connections (it says nothing on a pipe when it does)
         try:
@@ -143,8 +145,8 @@ S3Store(sys.argv[1]).put("objects/full-000000000007.safetensors", chunks())
 def test_a_writer_killed_mid_upload_leaves_nothing_visible_and_its_upload_is_aborted(bucket):
     url = f"s3://{bucket}/k"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([sys.executable, "-c", _KILLED_MID_UPLOAD, url], env=env, capture_output=True, timeout=120)
-    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    done = run_script(_KILLED_MID_UPLOAD, url, env=env, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stdout[-2000:]
     store = S3Store(url)
     assert store.list("") == {}  # nothing of it is an object
     (token, key), = store.leftovers()
@@ -411,9 +413,8 @@ def test_an_upload_killed_at_any_point_leaves_the_previous_remote_checkpoint_and
     # resumes from the first upload, and collects what the killed one left.
     url = f"s3://{bucket}/big"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    killed = subprocess.run([sys.executable, "-c", _BIG, str(tmp_path / "lost"), url, "6"], capture_output=True,
-                            text=True, timeout=240, env={**env, "EVERYSTEP_CRASH": point})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    killed = run_script(_BIG, str(tmp_path / "lost"), url, "6", timeout=240, env={**env, "EVERYSTEP_CRASH": point})
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
     store = S3Store(url)
     (committed,) = [int(k[len("manifests/full-"):-len(".json")]) for k in store.list("manifests/")]
     assert bool(store.leftovers()) == point.startswith("store.remote.part")  # an upload in progress, invisible

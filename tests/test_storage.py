@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import errno
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from everystep.transport import HostBuffer, TensorLayout, snapshot_into
 from everystep.storage.tensorfile import buffer_chunks
 
 from .conftest import ROOT, FullDisk, files_of
+from .forked import run_script
 from .test_s3 import server  # noqa: F401 (the S3 server the s3 store reaches)
 
 def _s3(where: Path | str, access: str = "write") -> S3Store:
@@ -323,8 +322,8 @@ def test_crash_mid_write_leaves_previous_checkpoint_and_no_visible_garbage(tmp_p
             info = s.write_object("full-000000000002.bin", [b"second" * 1000, b"more"])
             s.commit(Manifest(kind="full", step=2, objects={{"data": info}}))
         """)
-        proc = subprocess.run([sys.executable, "-c", script], env={"EVERYSTEP_CRASH": point, "PYTHONPATH": str(ROOT / "src")})
-        assert proc.returncode == -9, point
+        proc = run_script(script, env={"EVERYSTEP_CRASH": point, "PYTHONPATH": str(ROOT / "src")})
+        assert proc.returncode == -9, (point, proc.stdout)
         reopened = CheckpointDirectory.open(root, strategy="test")
         assert [r.manifest.step for r in reopened.catalog.manifests()] == [1], point
         assert bytes(reopened.catalog.read_object(reopened.catalog.manifests()[0].manifest.objects["data"])) == b"first" * 1000

@@ -1,0 +1,91 @@
+"""Scripts that tests run in a process of their own (to SIGKILL it), forked from one warm process.
+
+A new interpreter spends seconds of CPU importing torch before its first step (and its first optimizer
+imports ``torch._dynamo``); a test that kills a training run pays that for every run. :func:`run_script`
+instead forks the run from a zygote (:mod:`everystep.eval.zygote`, as the training driver forks its
+ranks) that imported torch, everystep and this package once: a new process in all but the imports,
+with the environment, the working directory and the arguments a fresh ``python -c`` would have.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (imported once, in the zygote, for every run forked from it)
+
+import everystep.eval.workloads  # noqa: F401
+from everystep.eval.zygote import Zygote, start_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+_ZYGOTE: list[Zygote] = []
+
+
+def _zygote() -> Zygote | None:
+    """This test process's zygote, started at the first call (None where one cannot run)."""
+    if _ZYGOTE and _ZYGOTE[0].process.poll() is None:
+        return _ZYGOTE[0]
+    _close()  # (one that ended)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join((str(ROOT / "src"), str(ROOT)))  # (what it imports: tests.forked)
+    try:
+        found = start_ranks("tests.forked:main")
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    if found is not None:
+        _ZYGOTE.append(found)
+    return found
+
+
+def _close() -> None:
+    """End the zygote (at exit: it would end with this process, unwaited for)."""
+    while _ZYGOTE:
+        _ZYGOTE.pop().close()
+
+
+atexit.register(_close)
+
+
+def run_script(source: str, *args: str, env: dict[str, str] | None = None, cwd: Path | str | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python -c SOURCE ARGS`` in ``env`` (default: this process's) and ``cwd``, forked from the
+    zygote where one runs; its return code (``-9`` for SIGKILL) and its output (stdout and stderr
+    together, in ``stdout``)."""
+    env = dict(os.environ if env is None else env)
+    cwd = str(cwd or os.getcwd())
+    zygote = _zygote()
+    if zygote is None:  # (not Linux: a fresh interpreter)
+        done = subprocess.run([sys.executable, "-c", source, *args], env=env, cwd=cwd, timeout=timeout,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return done
+    with tempfile.NamedTemporaryFile("r", suffix=".out") as output:
+        child = zygote.fork(env, [output.name, cwd, source, *args])
+        code = child.wait_for(timeout)
+        if code is None:
+            child.kill()
+            child.wait()
+            raise subprocess.TimeoutExpired(["python", "-c", "…", *args], timeout, output.read())
+        return subprocess.CompletedProcess(["python", "-c", "…", *args], code, output.read(), None)
+
+
+def main(argv: list[str]) -> int:
+    """In the forked child: output to the file named, into the working directory, run the script."""
+    output, cwd, source, *args = argv
+    fd = os.open(output, os.O_WRONLY | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(cwd)
+    os.environ.pop("EVERYSTEP_SUPERVISOR", None)  # (the zygote's pid, for the training driver's ranks)
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [*path, *(p for p in sys.path if p not in path)]
+    sys.argv = ["-c", *args]
+    exec(compile(source, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    return 0
