@@ -137,7 +137,7 @@ def test_later_checkpoints_reuse_the_host_memory_of_earlier_ones_and_still_resto
             _loop(w, ckpt, t - 1, t)
             hashes[t] = live_hash(w, t)
     assert s.parts_used == [2, 2, 2, 2]
-    assert set(made) == {"_part_buffers", "_rest_buffers", *(["_gradient_buffers"] if reconstruct == "device" else [])}
+    assert set(made) == {"_part_buffers", "_rest_buffers", "_gradient_buffers"}  # (host: a step's, until applied)
     assert all(n <= 2 for n in made.values()), made  # (two where a checkpoint began before the last was written)
     again = build("gpt2-tiny", seed=1)
     with Checkpointer(tmp_path / "c", again.model, again.optimizer, scheduler=again.scheduler, data=again.data,

@@ -15,7 +15,6 @@ exactness and its costs: ``docs/strategies.md`` (GoCkpt).
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 import warnings
@@ -93,7 +92,8 @@ class GoCkpt(Strategy):
         """Host memory for the parts of a checkpoint in the making and of the one being written: the
         same buffers from one checkpoint to the next (pinned memory is slow to allocate)."""
         self._gradient_buffers = HostBufferPool(2, pin=pin)
-        """``reconstruct="device"``: the gradients each checkpoint keeps, laid out when it begins."""
+        """Host memory for gradients: ``reconstruct="device"``, those each checkpoint keeps, laid out
+        when it begins; ``"host"``, a step's, until the threads have applied them."""
         self._rest_buffers = HostBufferPool(2, pin=pin)
         """The state of S_end that is not a part (buffers, state made since the checkpoint began)."""
         self._params: list[Param] | None = None
@@ -104,8 +104,6 @@ class GoCkpt(Strategy):
         self._appliers = [] if self.on_device else [Worker(f"everystep-{self.name}-apply-{i}", self.errors)
                                                      for i in range(self.config.threads)]
         self._persister = Worker(f"everystep-{self.name}-persist", self.errors)
-        self._grad_buffers: queue.Queue[dict[int, torch.Tensor]] = queue.Queue()
-        self._grad_buffers_made = 0
         self._finished = -1
         self._lock = threading.Lock()
 
@@ -322,7 +320,9 @@ class GoCkpt(Strategy):
         memory (on CUDA, once the training stream has reached ``ready``); then, host: handed to the
         threads that apply them; device: kept for the checkpoint."""
         kept: dict[int, torch.Tensor] = {}
-        buffer = kept if self.on_device else self._grad_buffer()
+        held = None if self.on_device else self._gradient_buffers.acquire(TensorLayout.planned(
+            (str(i), p.local.dtype, tuple(p.local.shape)) for i, p in enumerate(spread.params)))
+        buffer = kept if held is None else {i: held.views[str(i)] for i in range(len(spread.params))}
         with torch.no_grad(), self._copy_stream(ready):
             for part in spread.copied[:parts]:
                 for c in part:
@@ -357,7 +357,7 @@ class GoCkpt(Strategy):
         futures = [self._appliers[s].submit(f"apply the gradients of step {step}", self._apply, spread, part[s],
                                             buffer, present, groups)
                    for part in spread.shards[:parts] for s in range(len(part))]
-        spread.applied = [*futures, self._appliers[0].submit("release a gradient buffer", self._release, futures, buffer)]
+        spread.applied = [*futures, self._appliers[0].submit("release a gradient buffer", self._release, futures, held)]
 
     def _apply(self, spread: Spread, share: tuple[torch.optim.Optimizer, list[int], list[Chunk]],
                buffer: dict[int, torch.Tensor], present: set[int], groups: list[dict[str, Any]]) -> None:
@@ -368,19 +368,10 @@ class GoCkpt(Strategy):
         with self._lock:
             spread.apply_seconds.append(time.perf_counter() - t0)
 
-    def _grad_buffer(self) -> dict[int, torch.Tensor]:
-        """One of two host buffers for a step's gradients (waiting while both are being applied)."""
-        with self._lock:
-            make = self._grad_buffers_made < 2 and self._grad_buffers.empty()
-            self._grad_buffers_made += make
-        if not make:
-            return self._grad_buffers.get()
-        assert self._params is not None
-        return {i: torch.empty(p.local.shape, dtype=p.local.dtype) for i, p in enumerate(self._params)}
-
-    def _release(self, futures: list[Future[Any]], buffer: dict[int, torch.Tensor]) -> None:
+    def _release(self, futures: list[Future[Any]], held: HostBuffer) -> None:
+        """Host: a step's gradient buffer goes back to its pool once its gradients are applied."""
         settled(*futures)
-        self._grad_buffers.put(buffer)
+        self._gradient_buffers.release(held)
 
     # -- the consistent checkpoint ---------------------------------------------------------------
 
