@@ -82,7 +82,7 @@ def _bench_md(p: dict[str, Any]) -> list[str]:
            "step time over the same round's `none`, minus one, median over rounds.", "", markdown_table(p["summary"]), "",
            "| GoCkpt stall per checkpoint over Async-O's (`checkfreq`) | ratio | paper's target | met |",
            "|---|---|---|---|"]
-    for name, g in p.get("gockpt_stall_over_async_o", p.get("gockpt_stall_over_async", {})).items():
+    for name, g in p["gockpt_stall_over_async_o"].items():
         met = {True: "yes", False: "no", None: "–"}[g["met"]]
         out.append(f"| {name} | {_num(g['ratio'], 100, 1, '%')} | ≤ {g['target_at_most']:.0%} | {met} |")
     return out
