@@ -62,9 +62,8 @@ def run_script(source: str, *args: str, env: dict[str, str] | None = None, cwd: 
     cwd = str(cwd or os.getcwd())
     zygote = _zygote()
     if zygote is None:  # (not Linux: a fresh interpreter)
-        done = subprocess.run([sys.executable, "-c", source, *args], env=env, cwd=cwd, timeout=timeout,
+        return subprocess.run([sys.executable, "-c", source, *args], env=env, cwd=cwd, timeout=timeout,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        return done
     with tempfile.NamedTemporaryFile("r", suffix=".out") as output:
         child = zygote.fork(env, [output.name, cwd, source, *args])
         code = child.wait_for(timeout)
