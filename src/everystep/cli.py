@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", metavar="PATH")
     pl.set_defaults(func=cmd_plan)
 
-    g = sub.add_parser("gpu-check", help="everything a GPU must show, in one command of under 9 minutes: the CUDA "
+    g = sub.add_parser("gpu-check", help="everything a GPU must show, in one command of about 9 minutes: the CUDA "
                        "tests, device-to-host bandwidth, the every-step bench, LightCheck's highest frequency, "
                        "Checkflow's memory; a report in JSON and Markdown")
     g.add_argument("--dry-run", action="store_true", help="the same pipeline on the CPU with a tiny workload, in about "

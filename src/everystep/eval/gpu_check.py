@@ -1,7 +1,7 @@
 """``everystep gpu-check``: everything a GPU must show, in one command that fits a ten-minute call.
 
 On a machine whose torch sees a GPU it runs, in order, each part in its own processes and inside a
-time box of its own (:data:`GPU`'s ``boxes``, 8 minutes in all; what a part leaves of its box goes
+time box of its own (:data:`GPU`'s ``boxes``, 9 minutes in all; what a part leaves of its box goes
 to the next):
 
 1. ``tests``: ``tests/test_cuda.py`` under pytest, every test's outcome (a failure's traceback);
@@ -111,9 +111,11 @@ class Sizes:
 
 GPU = Sizes(workload="gpt2-small", device="cuda", steps=25, warmup=5, repeats=3, spread_every=8, spread_parts=7,
             copy_bytes=256 * MIB, copies=5, frequency_cap=128, frequency_repeats=2, test_workers=4,
-            boxes={"tests": 120, "bandwidth": 30, "bench": 250, "frequency": 80})
-"""On one H100: gpt2-small's 25 ms steps and 265 MiB of state. 480 s of boxes (what a part leaves of
-its box goes to the next), under 9 minutes with the start and the report. The frequency search goes
+            boxes={"tests": 120, "bandwidth": 30, "bench": 330, "frequency": 60})
+"""On one H100: gpt2-small's 25 ms steps and 265 MiB of state. 540 s of boxes (what a part leaves of
+its box goes to the next), 9 minutes with the report. A round of the bench takes about 125 s there
+(the runs every K steps train through two checkpoints first), so three rounds need what the tests
+and the bandwidth leave of theirs on top of the bench's own box. The frequency search goes
 up to a checkpoint every 128 steps (a probe trains 2 intervals: 261 steps, about 7 s): CheckFreq
 writing 265 MiB to a disk each time needs about that many steps of 25 ms to stay within 3.5%."""
 DRY = Sizes(workload="mlp", device="cpu", steps=8, warmup=2, repeats=1, spread_every=3, spread_parts=2,
