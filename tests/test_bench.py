@@ -164,3 +164,22 @@ def test_dcp_async_saves_again_after_its_stager_was_closed_by_staging(tmp_path):
     fresh = build("mlp", seed=1)
     assert peer.load(fresh) == 3
     assert state_hash(fresh.model.state_dict()) == state_hash(w.model.state_dict())
+
+
+def test_bench_with_peers_reports_what_each_rank_sends_its_buddy_and_what_its_mirroring_thread_spent(tmp_path, capsys):
+    """Two ranks, each counted as a host of its own, under FSDP2: lowdiff_plus sends its buddy its
+    gradient shards every step (and its state whole once), which its buddy's agent applies."""
+    out = tmp_path / "p.json"
+    code, stdout, _ = call_cli(capsys, "bench", "--workload", "mlp", "--strategies", "lowdiff_plus", "--nproc", "2",
+                               "--parallel", "fsdp", "--peers", "--every", "1", "--steps", "4", "--warmup", "1",
+                               "--repeats", "1", "--json", str(out))
+    assert code == 0 and "| lowdiff_plus+peers |" in stdout
+    assert "lowdiff_plus+peers sends its buddy per step, by rank: " in stdout
+    assert "lowdiff_plus+peers's mirroring thread, CPU time per step, by rank: " in stdout
+    found = json.loads(out.read_text())["summary"]
+    mirrored = found["lowdiff_plus+peers"]
+    sent, cpu = mirrored["peer_bytes_per_step_per_rank"], mirrored["peer_cpu_seconds_per_step_per_rank"]
+    model = build("mlp", seed=0).model
+    shard = sum(p.numel() * p.element_size() for p in model.parameters()) / 2  # a rank's gradient shards
+    assert len(sent) == 2 and all(b > shard for b in sent) and len(cpu) == 2 and all(c > 0 for c in cpu)
+    assert "peer_bytes_per_step_per_rank" not in found["lowdiff_plus"]

@@ -36,9 +36,10 @@ LONG = pytest.mark.long  # (make test-long: each restart of a host starts a torc
 
 
 @pytest.mark.parametrize("strategy, local, parallel, steps, losses", [
-    ("lightcheck", 1, "fsdp", 14, 1), ("lowdiff_plus", 1, "ddp", 14, 1),
+    ("lightcheck", 1, "fsdp", 14, 1), ("lowdiff_plus", 1, "ddp", 14, 1), ("lowdiff_plus", 1, "fsdp", 14, 1),
     pytest.param("lightcheck", 1, "ddp", 30, 5, marks=LONG), pytest.param("lightcheck", 2, "ddp", 14, 1, marks=LONG),
     pytest.param("lowdiff_plus", 1, "ddp", 30, 5, marks=LONG), pytest.param("lowdiff_plus", 2, "ddp", 14, 1, marks=LONG),
+    pytest.param("lowdiff_plus", 1, "fsdp", 30, 5, marks=LONG),
 ])
 def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_path, strategy, local, parallel, steps,
                                                                              losses):
@@ -46,7 +47,8 @@ def test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise(tmp_
     checkpoint agents) lost at steps drawn from the seed. Storage holds no full checkpoint past step
     0 until the end (lightcheck's ``persist_every``, lowdiff_plus's ``every`` past the run), so every
     restart's state came from memory: lightcheck's regions and mirrors, lowdiff_plus's agents. Under
-    FSDP2 nothing is replicated: the lost rank's shards come whole from its buddy's mirror."""
+    FSDP2 nothing is replicated: the lost rank's shards come whole from its buddy's mirror (for
+    lowdiff_plus, the buddy's agent's replica of the lost rank, brought forward by its gradient shards)."""
     reference = _reference(steps, local, parallel)
     job = TwoHosts(tmp_path, local=local, strategy=strategy, steps=steps, parallel=parallel)
     found = lose_hosts(job, _plan(steps, losses))
@@ -143,6 +145,109 @@ def test_a_state_from_a_peer_is_checked_before_it_is_used():
         unpack(buffer[:-3].clone(), sender=1)
     with pytest.raises(CorruptCheckpointError, match="rank 1 sent the state of rank 1 at step 4 for that of rank 1 at step 5"):
         unpack(buffer.clone(), sender=1, expect=(5, 1))
+
+
+def _replica_of(model, optimizer, step):
+    """An agent's replica of ``model`` and ``optimizer`` at ``step``, in a region of its own."""
+    import torch
+
+    from everystep.agent.replica import Replica, optimizer_class_path
+    from everystep.layout import TensorLayout
+    from everystep.transport.shared import SharedRegion
+    from everystep.tree import flatten
+
+    tensors, skeleton = flatten({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    region, buffer = SharedRegion.holding(TensorLayout.of(tensors))
+    for k, t in tensors.items():
+        buffer.views[k].copy_(t)
+    keys = [f"/model/{name}" for name, _ in model.named_parameters()]
+    return Replica(step=step, region=region, layout=buffer.layout, skeleton=skeleton, index_keys=keys,
+                   optimizer_class=optimizer_class_path(optimizer))
+
+
+def test_a_wards_replica_serves_its_step_and_the_one_held_back_and_applies_that_one_only_when_asked():
+    """Replicas on peers under sharding: the buddy's agent keeps the ward's newest step unapplied, as
+    its own, so that it serves both; asked for the newer, it applies it, and equals the ward's state."""
+    import torch
+
+    from everystep.agent.process import _WardReplica
+    from everystep.agent.replica import slot_layout
+    from everystep.state import group_scalars
+    from everystep.transport.shared import SharedRegion
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()  # (the optimizer's state exists: a replica starts from a state that has it)
+    ward = _WardReplica(_replica_of(model, optimizer, 1), "fits")
+    assert ward.served() == [1]
+
+    def step(n):
+        optimizer.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        grads = {i: p.grad.clone() for i, p in enumerate(model.parameters())}
+        layout = slot_layout(grads, {})
+        region, buffer = SharedRegion.holding(layout)
+        for i, g in grads.items():
+            buffer.views[f"g/{i}"].copy_(g)
+        optimizer.step()
+        ward.arrive({"step": n, "layout": layout, "groups": group_scalars(optimizer), "skipped": False,
+                     "has_grad": list(grads), "skeleton": {"step": n}}, region)
+
+    step(2)
+    assert ward.served() == [1, 2]
+    step(3)  # step 2 applied as step 3 arrives
+    assert ward.served() == [2, 3] and ward.replica.step == 2
+    with pytest.raises(ValueError, match="the ward's replica is at step 2 and cannot serve step 1"):
+        ward.at(1)
+    assert ward.at(2).step == 2 and ward.served() == [2, 3]  # the older asked for: nothing applied
+    got = ward.at(3)
+    assert got.step == 3 and ward.served() == [3]
+    live = {f"/model/{name}": p.detach() for name, p in model.named_parameters()}
+    assert all(torch.equal(got.tensors[k], t) for k, t in live.items())
+    ward.close()
+
+
+def test_a_step_a_wards_replica_cannot_take_drops_that_replica_not_the_agent(capsys):
+    """The agent serves its own rank first: a ward's step that does not fit its replica (another
+    shape: a peer's bug) drops the ward's replica, with a line on stderr, and the agent goes on."""
+    import torch
+
+    from everystep.agent.process import Agent, _WardReplica
+    from everystep.agent.replica import slot_layout
+    from everystep.transport.shared import SharedRegion
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = Agent.__new__(Agent)  # (its ward replicas only: no directory, no connection)
+    agent._wards = {1: _WardReplica(_replica_of(model, optimizer, 5), "fits")}
+    wrong = {0: torch.zeros(2, 2), 1: torch.zeros(3)}
+    for step in (6, 7):  # step 6 is held back; step 7's arrival applies it, and it does not fit
+        region, _ = SharedRegion.holding(slot_layout(wrong, {}))
+        with agent._ward_failure({"ward": 1}, region, f"step {step}"):
+            agent._wards[1].arrive({"step": step, "layout": slot_layout(wrong, {}), "groups": [{"lr": 0.1}],
+                                    "skipped": False, "has_grad": [0, 1], "skeleton": {"step": step}}, region)
+    assert agent._wards == {}
+    assert "the replica of rank 1 could not take its step 7, and is dropped" in capsys.readouterr().err
+
+
+def test_what_a_ward_sends_of_its_step_is_checked_before_its_buddys_agent_takes_it():
+    import torch
+
+    from everystep.strategies.lowdiff_plus import _ward_keys, _ward_step
+
+    tensors = {"g/0": torch.zeros(3), "/model/w": torch.zeros(3)}
+    good = {"groups": [{"lr": 0.1}], "skipped": False, "has_grad": [0]}
+    assert _ward_step(good, tensors, 1) == ([{"lr": 0.1}], False, [0])
+    assert _ward_keys(["/model/w"], tensors, 1) == ["/model/w"]
+    for bad in ({**good, "has_grad": [1]}, {**good, "has_grad": ["0"]}, {**good, "skipped": 0},
+                {**good, "groups": {"lr": 0.1}}, {k: v for k, v in good.items() if k != "groups"}):
+        with pytest.raises(CorruptCheckpointError, match="rank 1 sent a step that is not one"):
+            _ward_step(bad, tensors, 1)
+    for bad in (["/model/v"], "/model/w", [0]):
+        with pytest.raises(CorruptCheckpointError, match="rank 2 sent its state with parameter keys"):
+            _ward_keys(bad, tensors, 2)
 
 
 def test_a_size_a_peer_announces_is_refused_below_a_header_and_above_the_free_memory():

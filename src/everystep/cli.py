@@ -177,6 +177,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sent = s.get("peer_bytes_per_step_per_rank")
         if sent:
             print(f"{name} sends its buddy per step, by rank: {', '.join(f'{b / 2**10:.1f} KiB' for b in sent)}")
+        cpu = s.get("peer_cpu_seconds_per_step_per_rank")
+        if cpu:
+            print(f"{name}'s mirroring thread, CPU time per step, by rank: {', '.join(f'{c * 1e3:.1f} ms' for c in cpu)}")
     print(bench.markdown_table(result["summary"]))
     if "upload_throughput" in result:
         t = result["upload_throughput"]

@@ -5,7 +5,9 @@ generators, the data position, buffers, compression residuals — and, in a shar
 shards: the replicated parameters and optimizer state are in every survivor's memory. So each rank
 sends that part of the state (its *own* keys, and the skeleton with the scalars) to its *buddy*,
 a rank on the next host, which keeps it in a two-slot region of its own (a *mirror*, beside its
-region: ``<region>.mirror``, one per rank it mirrors). After a restart the ranks agree on the
+region: ``<region>.mirror``, one per rank it mirrors; LowDiff+'s agents keep it instead, and under
+sharding keep a replica of the rank's whole state that its gradient shards bring forward:
+:mod:`everystep.strategies.lowdiff_plus`). After a restart the ranks agree on the
 newest step for which every rank's own part is in some survivor's memory (its region, or its
 buddy's mirror) and the replicated part in some region; the ranks that lost theirs receive them
 from the survivors over the job's own process group, storage untouched.
@@ -29,6 +31,7 @@ import json
 import os
 import socket
 import struct
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -50,7 +53,7 @@ from .storage.region_map import RegionLayout
 
 __all__ = ["host_name", "Team", "buddies", "mirrored", "pack", "unpack", "mirror_path", "Holdings", "plan_recovery",
            "Transfer", "commit_mirror", "read_step", "read_steps", "open_read", "send", "receive", "swap", "share_out",
-           "put_together", "warn_nothing_whole"]
+           "put_together", "warn_nothing_whole", "Traffic"]
 
 CHANNEL = "peers"
 """The gloo group of the mirrors (:meth:`~everystep.distributed.Ranks.add_channel`)."""
@@ -86,6 +89,28 @@ class Team:
                           "loses every rank)", stacklevel=5)
             return None
         return cls(hosts[ranks.rank], hosts, buddy, [r for r, b in enumerate(chosen) if b == ranks.rank])
+
+
+@dataclass
+class Traffic:
+    """What a rank's mirroring sent its buddy, and the CPU time its mirroring thread spent (packing
+    where it packs, sending, receiving and checking its wards', handing them on)."""
+
+    bytes: int = 0
+    steps: int = 0
+    cpu_seconds: float = 0.0
+
+    def count(self, nbytes: int, since: float) -> None:
+        """One step mirrored: ``nbytes`` sent, the thread's CPU clock ``since`` (``time.thread_time()``) at its start."""
+        self.bytes += nbytes
+        self.steps += 1
+        self.cpu_seconds += time.thread_time() - since
+
+    def per_step(self) -> dict[str, float] | None:
+        """Bytes sent and CPU seconds per step mirrored; None before the first."""
+        if not self.steps:
+            return None
+        return {"peer_bytes_per_step": self.bytes / self.steps, "peer_cpu_seconds_per_step": self.cpu_seconds / self.steps}
 
 
 def buddies(hosts: list[str]) -> list[int | None]:

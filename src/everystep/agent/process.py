@@ -20,15 +20,24 @@ change, because the agents' replicas and checkpoints must agree across ranks:
   after a failure every agent holds the step all ranks completed, applied or pending, and
   ``fetch`` brings each to the one step the restarted ranks agreed on.
 
+Replicas on peers (:mod:`everystep.peers`) add, for the ranks of another host this agent's rank
+mirrors (its *wards*): under data parallelism, ``mirror`` (+ descriptor: a ward's own state of a
+step, the newest :data:`_MIRRORED_STEPS` kept) and ``mirror_get``; under sharding, where a ward's
+own state is its shards, a replica of the ward's whole state, advanced as the agent's own is —
+``ward_init`` (+ descriptor: the ward's state whole), ``ward_step`` (+ descriptor: that step's slot,
+applied when the ward's next step arrives) and ``ward_fetch`` (a copy of it, at a step it serves).
+
 Messages (training → agent): ``hello``, ``fetch``, ``init`` (+ state descriptor), ``slots``
 (+ slot descriptors), ``step``, ``sync``, ``close``. Agent → training: ``hello``, ``replica``
 (+ descriptor; the region then belongs to the training process), ``released`` (the replica has
 moved out of it), ``done`` (a slot is free), ``persisted`` (or, under several ranks, ``part``: this
-rank's part is written), ``synced``, ``diverged``, ``error``.
+rank's part is written), ``synced``, ``diverged``, ``error``; for the wards, ``mirrored`` and
+``ward`` (+ descriptor).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -38,6 +47,7 @@ import time
 import traceback
 from concurrent.futures import Future
 from multiprocessing import connection
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +81,8 @@ from .replica import Replica, replayed_keys
 
 __all__ = ["AgentConfig", "Agent", "main"]
 
-_REQUESTS = frozenset({"hello", "fetch", "init", "slots", "step", "sync", "mirror", "mirror_get"})
+_REQUESTS = frozenset({"hello", "fetch", "init", "slots", "step", "sync", "mirror", "mirror_get", "ward_init",
+                       "ward_step", "ward_fetch"})
 _MIRRORED_STEPS = 8
 """The most steps of a ward's own state an agent keeps (replicas on peers)."""
 
@@ -107,6 +118,8 @@ class Agent:
         self._mirrors: dict[int, dict[int, tuple[SharedRegion, TensorLayout, Any]]] = {}
         """Replicas on peers: by ward (a rank on another host) and step, that rank's own state (its
         RNG, data position, buffers: what its replica would hold beyond the replicated state)."""
+        self._wards: dict[int, _WardReplica] = {}
+        """Replicas on peers under sharding: by ward, a replica of that rank's whole state."""
 
     # -- serving -------------------------------------------------------------------------------
 
@@ -199,7 +212,9 @@ class Agent:
         pending = self._pending["step"] if servable and self._pending is not None else None
         self._send("hello", pid=os.getpid(), step=r.step if servable and r else None, pending=pending,
                    persisted=self._persisted, signature=self._signature, rank=self.config.rank,
-                   mirrors={str(ward): sorted(held) for ward, held in self._mirrors.items() if held})
+                   mirrors={str(ward): sorted(held) for ward, held in self._mirrors.items() if held},
+                   wards={str(ward): {"steps": w.served(), "signature": w.signature}
+                          for ward, w in self._wards.items() if w.served()})
 
     def _on_fetch(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         r = self.replica
@@ -231,6 +246,8 @@ class Agent:
         for held in self._mirrors.values():  # what a ward sent after this step belongs to a run that is gone
             for step in [s for s in held if s > msg["step"]]:
                 held.pop(step)[0].close()
+        for ward in [w for w, kept in self._wards.items() if max(kept.served(), default=-1) > msg["step"]]:
+            self._drop_ward(ward)
         if msg["persist"] or (msg["persist"] is None and self._due(msg["step"])):
             self._start_persist()
         elif msg["persist"] is False:  # the state came from storage
@@ -312,6 +329,52 @@ class Agent:
         self._send("mirrored", fds=[region.fd], ward=msg["ward"], step=msg["step"], layout=layout,
                    skeleton=Plain(skeleton))
 
+    def _on_ward_init(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
+        """A ward's whole state (replicas on peers, under sharding): the replica of it kept here,
+        in place of any before."""
+        (fd,) = recv_fds(conn, 1)
+        region = SharedRegion(msg["layout"].nbytes, fd=fd)
+        self._drop_ward(int(msg["ward"]))
+        with self._ward_failure(msg, region, "state"):
+            replica = Replica(step=msg["step"], region=region, layout=msg["layout"], skeleton=msg["skeleton"],
+                              index_keys=msg["index_keys"], optimizer_class=msg["optimizer_class"])
+            self._wards[int(msg["ward"])] = _WardReplica(replica, msg["signature"])
+
+    def _on_ward_step(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
+        (fd,) = recv_fds(conn, 1)
+        region = SharedRegion(msg["layout"].nbytes, fd=fd)
+        kept = self._wards.get(int(msg["ward"]))
+        if kept is None:  # (dropped, below: the ward's later steps have nothing to apply to)
+            region.close()
+            return
+        with self._ward_failure(msg, region, f"step {msg['step']}"):
+            kept.arrive(msg, region)
+
+    @contextlib.contextmanager
+    def _ward_failure(self, msg: dict[str, Any], region: SharedRegion, what: str) -> Iterator[None]:
+        """What a ward sent that its replica cannot take drops that replica — recovery then finds
+        none of the ward's state here, and reads storage — not this agent, which serves its own rank."""
+        try:
+            yield
+        except Exception:
+            region.close()
+            self._drop_ward(int(msg["ward"]))
+            print(f"everystep agent: the replica of rank {msg['ward']} could not take its {what}, and is dropped",
+                  file=sys.stderr)
+            traceback.print_exc()
+
+    def _drop_ward(self, ward: int) -> None:
+        kept = self._wards.pop(ward, None)
+        if kept is not None:
+            kept.close()
+
+    def _on_ward_fetch(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
+        kept = self._wards.get(int(msg["ward"]))
+        if kept is None:
+            raise ValueError(f"no replica of rank {msg['ward']} is kept here")
+        r = kept.at(msg["step"])
+        self._send("ward", fds=[r.region.fd], ward=msg["ward"], step=r.step, layout=r.layout, skeleton=Plain(r.skeleton))
+
     def _drop_slots(self) -> None:
         for region in self._regions:
             region.close()
@@ -387,6 +450,48 @@ class Agent:
             settled(self._persist)
             self._persist = None
             self._errors.raise_pending()
+
+
+class _WardReplica:
+    """The replica of a ward's whole state and the ward's newest step, held back as the agent's own
+    newest step is under several ranks: it serves both the step applied and the one pending."""
+
+    def __init__(self, replica: Replica, signature: str) -> None:
+        self.replica, self.signature = replica, signature
+        self.pending: tuple[dict[str, Any], SharedRegion] | None = None
+
+    def served(self) -> list[int]:
+        if not self.replica.servable():
+            return []
+        return [self.replica.step] + ([self.pending[0]["step"]] if self.pending is not None else [])
+
+    def arrive(self, msg: dict[str, Any], region: SharedRegion) -> None:
+        self._apply_pending()
+        self.pending = msg, region
+
+    def at(self, step: int) -> Replica:
+        """The replica at ``step`` (applying the pending step if that is the one asked for)."""
+        if self.pending is not None and self.pending[0]["step"] == step:
+            self._apply_pending()
+        if self.replica.step != step:
+            raise ValueError(f"the ward's replica is at step {self.replica.step} and cannot serve step {step}")
+        return self.replica
+
+    def _apply_pending(self) -> None:
+        if self.pending is None:
+            return
+        (msg, region), self.pending = self.pending, None
+        try:
+            self.replica.apply(msg["step"], HostBuffer(msg["layout"], data=region.data), groups=msg["groups"],
+                               skipped=msg["skipped"], has_grad=msg["has_grad"], skeleton=msg["skeleton"])
+        finally:
+            region.close()
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending[1].close()
+            self.pending = None
+        self.replica.region.close()
 
 
 def _describe(error: BaseException) -> str:

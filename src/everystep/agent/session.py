@@ -45,7 +45,7 @@ from .commits import PartCommits
 from .config import AgentConfig
 from .replica import optimizer_class_path, replayed_keys, slot_layout
 
-__all__ = ["AgentSession", "Progress", "Shards", "served", "signature"]
+__all__ = ["AgentSession", "Progress", "Shards", "fits", "served", "signature"]
 
 
 def signature(tensors: dict[str, torch.Tensor], sharded: Mapping[str, torch.Tensor]) -> str:
@@ -76,6 +76,16 @@ class Progress(Protocol):
     def in_memory(self, step: int) -> None: ...
 
     def waited(self, seconds: float) -> None: ...
+
+
+def fits(hello: dict[str, Any], expect: str) -> bool:
+    """Whether the replica an agent's answer to ``hello`` describes fits the :func:`signature`
+    ``expect`` (warned about where it does not)."""
+    if hello["step"] is None or hello.get("signature") == expect:
+        return True
+    warnings.warn(f"the checkpoint agent (pid {hello.get('pid')}) holds the state of another layout (another sharding, "
+                  "or another model); recovering from storage", RuntimeWarning, stacklevel=6)
+    return False
 
 
 def served(hello: dict[str, Any]) -> list[int] | None:
@@ -124,20 +134,32 @@ class AgentSession:
         self.greeting: dict[str, Any] = {}
         """What this rank's agent answered to ``hello``, if one was found."""
 
+    @property
+    def index_keys(self) -> list[str]:
+        """The keys of the optimizer's parameters in the flat state, in the optimizer's order."""
+        return self._index_keys
+
     # -- finding the agent, recovery from its memory ---------------------------------------------
 
     def hello(self, *, host: str | None = None) -> list[int] | None:
         """Find this rank's agent (``host``: only one running there); the steps its replica can
         serve, or None (no agent, or it failed). What it said is kept in :attr:`greeting`."""
-        found = self.visit(self.ranks.rank, host=host)
+        found = self.visit(self.ranks.rank, host=host, expect=self.signature())
         if found is None:
             return None
         self.link, self.greeting = found
         return served(self.greeting)
 
-    def visit(self, rank: int, *, host: str | None = None) -> tuple[AgentLink, dict[str, Any]] | None:
+    def signature(self) -> str:
+        """What a replica of this rank's state must fit (:func:`signature`)."""
+        tensors, _ = self.shards.flatten_state(0)
+        return signature(tensors, self.shards.sharded)
+
+    def visit(self, rank: int, *, host: str | None = None, expect: str | None = None
+              ) -> tuple[AgentLink, dict[str, Any]] | None:
         """The agent of rank ``rank``'s state (``host``: only one running there) and its answer to
-        ``hello``; None where there is none, or it cannot serve (it is then ended)."""
+        ``hello``; None where there is none, or it cannot serve, or its replica does not fit
+        ``expect`` (a :func:`signature`; None: not checked here) — it is then ended."""
         link = AgentLink.find(self.directory.root, rank_file(DISCOVERY_FILE, rank, self.ranks.world), host=host)
         if link is None:
             return None
@@ -148,19 +170,20 @@ class AgentSession:
                           "recovering from storage", RuntimeWarning, stacklevel=5)
             link.kill()
             return None
-        tensors, _ = self.shards.flatten_state(0)
-        if hello["step"] is not None and hello.get("signature") != signature(tensors, self.shards.sharded):
-            warnings.warn(f"the checkpoint agent (pid {link.pid}) holds the state of another layout (another sharding, "
-                          "or another model); recovering from storage", RuntimeWarning, stacklevel=5)
+        if expect is not None and not fits(hello, expect):
             link.kill()
             return None
         return link, hello
 
-    def read(self, link: AgentLink, step: int, ward: int | None = None) -> tuple[dict[str, torch.Tensor], Any]:
+    def read(self, link: AgentLink, step: int, ward: int | None = None, *, whole: bool = False
+             ) -> tuple[dict[str, torch.Tensor], Any]:
         """A copy of what an agent holds of ``step`` (before its reader starts): its replica, or
-        with ``ward`` the own state of that rank it keeps for it (replicas on peers)."""
+        with ``ward`` what it keeps for that rank (replicas on peers): its own state, or with
+        ``whole`` (under sharding) its replica of the rank's whole state."""
         if ward is None:
             reply = link.call("fetch", reply="replica", timeout=self.timeout, step=step)
+        elif whole:
+            reply = link.call("ward_fetch", reply="ward", timeout=self.timeout, ward=ward, step=step)
         else:
             reply = link.call("mirror_get", reply="mirrored", timeout=self.timeout, ward=ward, step=step)
         (fd,) = link.receive_fds(1)
@@ -172,12 +195,31 @@ class AgentSession:
 
     def send_mirror(self, ward: int, step: int, tensors: dict[str, torch.Tensor], skeleton: Any) -> None:
         """Give the agent a ward's own state of ``step`` to keep (replicas on peers)."""
+        self._to_agent("mirror", tensors, ward=ward, step=step, skeleton=Plain(skeleton))
+
+    def send_ward_state(self, ward: int, step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
+                        index_keys: list[str], fitted: str) -> None:
+        """Give the agent a ward's whole state of ``step`` (replicas on peers, under sharding), which
+        it keeps as a replica of that rank and advances with the ward's steps; ``fitted``: the
+        signature the ward gave it, compared with the ward's own at a restart. The optimizer class is
+        this rank's (a job's ranks train with one), never a name a peer sent."""
+        self._to_agent("ward_init", tensors, ward=ward, step=step, skeleton=Plain(skeleton), index_keys=index_keys,
+                       optimizer_class=optimizer_class_path(self.components.optimizer), signature=fitted)
+
+    def send_ward_step(self, ward: int, step: int, slot: dict[str, torch.Tensor], *, groups: list[dict[str, Any]],
+                       skipped: bool, has_grad: list[int], skeleton: Any) -> None:
+        """Give the agent a ward's step (its slot: the gradients its optimizer consumed, and what they
+        cannot rebuild), to apply to its replica of that rank."""
+        self._to_agent("ward_step", slot, ward=ward, step=step, groups=groups, skipped=skipped, has_grad=has_grad,
+                       skeleton=Plain(skeleton))
+
+    def _to_agent(self, kind: str, tensors: dict[str, torch.Tensor], **fields: Any) -> None:
         if self.link is None or self.lost is not None:
             return
         region, buffer = SharedRegion.holding(TensorLayout.of(tensors))
         try:
             snapshot_into(buffer, tensors)
-            self.link.send("mirror", fds=[region.fd], ward=ward, step=step, layout=buffer.layout, skeleton=Plain(skeleton))
+            self.link.send(kind, fds=[region.fd], layout=buffer.layout, **fields)
         except AgentLostError as e:
             self.lose(str(e))
         finally:
@@ -339,13 +381,16 @@ class AgentSession:
 
     def send_step(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replayed: list[str],
                   volatile: dict[str, torch.Tensor], *, groups: list[dict[str, Any]], skipped: bool,
-                  has_grad: list[int], persist: bool, verify: bool) -> None:
+                  has_grad: list[int], persist: bool, verify: bool) -> HostBuffer | None:
         """The step's slot, finished with its volatile state, goes to the agent (``verify``: with a
-        digest of the live parameters and optimizer state to compare its replica with)."""
+        digest of the live parameters and optimizer state to compare its replica with). Returns the
+        slot, which stays as it is until the agent has applied the step, or None if the agent was
+        lost."""
         assert self.link is not None
         if self.slot() is None:
-            return  # lost while waiting; the strategy falls back at its next step
-        event = snapshot_into(self.pool.buffer(), {f"v{k}": t for k, t in volatile.items()})
+            return None  # lost while waiting; the strategy falls back at its next step
+        sent = self.pool.buffer()
+        event = snapshot_into(sent, {f"v{k}": t for k, t in volatile.items()})
         if event is not None:
             event.synchronize()
         check = None
@@ -361,6 +406,7 @@ class AgentSession:
             self.lose(str(e))
         crash_point("lowdiff_plus.step.sent")  # the agent told, the slot not yet handed over here
         self.pool.hand_over()
+        return sent
 
     def expect_part(self, step: int, persist: bool) -> None:
         """Several ranks: the agent will write its part of ``step``; the committer commits it."""

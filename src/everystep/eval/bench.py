@@ -275,8 +275,8 @@ def _ranks_run(zygote: Zygote | None, module: str, spec: dict[str, Any], env: di
             with open(path) as f:
                 found.append(json.loads(f.read()))
     per_rank = [r["bytes_per_step"] for r in found]
-    extra = {"peer_bytes_per_step_per_rank": [r["peer_bytes_per_step"] for r in found]} \
-        if found[0].get("peer_bytes_per_step") is not None else {}
+    extra = {f"{key}_per_rank": [r[key] for r in found] for key in ("peer_bytes_per_step", "peer_cpu_seconds_per_step")
+             if found[0].get(key) is not None}
     return {**found[0], "bytes_per_step": sum(per_rank), "bytes_per_step_per_rank": per_rank, **extra}
 
 
@@ -356,7 +356,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step",
                                          *CHECKFLOW_MEMORY) if key in mine[0]},
         }
-        for key in ("bytes_per_step_per_rank", "peer_bytes_per_step_per_rank"):  # several ranks: what each wrote, sent
+        for key in ("bytes_per_step_per_rank", "peer_bytes_per_step_per_rank", "peer_cpu_seconds_per_step_per_rank"):
+            # (several ranks: what each wrote; what each sent its buddy, and its mirroring thread's CPU time)
             if key in mine[0]:
                 out[name][key] = [statistics.median(r[key][i] for r in mine) for i in range(len(mine[0][key]))]
     return out

@@ -215,7 +215,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "resume_error": None,
             **split,
             **({"remote_step": ckpt.stats.last_remote_step} if name.endswith("+remote") else {}),
-            **({"peer_bytes_per_step": ckpt.strategy.peer_bytes_per_step} if name.endswith("+peers") else {}),
+            **((ckpt.strategy.peer_traffic or {"peer_bytes_per_step": None}) if name.endswith("+peers") else {}),
         }
         if memory is not None:
             seconds, recovered, fresh, again = memory

@@ -47,7 +47,7 @@ from ..errors import ConfigError, EverystepError
 from ..policy.interval import due
 from ..recovery import Recovered, recover
 from ..state import TrainingComponents, zero_redundancy
-from ..parallelism import sharded_layout
+from ..parallelism import shard_like, sharded_layout
 from ..tree import OPTIMIZER_STATE_ENTRY, flatten, local_shard
 from ..layout import TensorLayout
 from ..storage.full import persist_full
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from ..storage.catalog import Catalog
     from ..storage.directory import CheckpointDirectory
 
-__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "ParamKeys", "LiveShards"]
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "ParamKeys", "LiveShards", "as_shards"]
 
 
 RATE_PLAUSIBLE = 1e5
@@ -206,6 +206,17 @@ class LiveShards(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._live)
+
+
+def as_shards(tensors: dict[str, torch.Tensor], live: LiveShards) -> None:
+    """Make each tensor of a state read back (a region's slot, a replica on a peer; its shapes are
+    the live state's) that is this rank's shard of a live DTensor a DTensor placed as the live one,
+    in place. An optimizer state the live optimizer has not made yet is a
+    shard where it has its parameter's local shape (``exp_avg``; not a step counter)."""
+    for key, t in list(tensors.items()):
+        like = live.get(key)
+        if like is not None and tuple(t.shape) == tuple(local_shard(like).shape) and (t.dim() or live.holds(key)):
+            tensors[key] = shard_like(t, like)
 
 
 class StrategyContext:
@@ -435,6 +446,14 @@ class Strategy:
         self.ctx = ctx
         self._phase = "attached"
         self._attach()
+
+    @property
+    def peer_traffic(self) -> dict[str, float] | None:
+        """With ``peers=True`` (:attr:`mirrors_to_peers`), per step mirrored: the bytes this rank sent
+        its buddy and the CPU seconds of its mirroring thread (:class:`~everystep.peers.Traffic`);
+        None otherwise, or before the first."""
+        found = getattr(self, "_peers", None)
+        return found.traffic.per_step() if found is not None else None
 
     def check_layout(self, layout: str | None) -> None:
         """Raise :class:`~everystep.errors.ConfigError` if this strategy, as configured, cannot

@@ -52,7 +52,7 @@ from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
 from ..recovery import Recovered, recover
 from ..state import bare_module, local_optimizer
-from ..parallelism import SHARDED_LAYOUTS, shard_like
+from ..parallelism import SHARDED_LAYOUTS
 from ..tree import check_skeleton, flatten, local_shard, unflatten
 from ..storage.region import RegionStore, UnreadableRegionError
 from ..storage.region_map import RegionLayout, SlotWriter
@@ -60,7 +60,7 @@ from ..storage.region_open import open_region, region_path
 from .. import peers
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
-from .base import Strategy, StrategyConfig
+from .base import Strategy, StrategyConfig, as_shards
 
 
 __all__ = ["LightCheck", "LightCheckConfig", "region_path", "open_region"]
@@ -190,12 +190,6 @@ class LightCheck(Strategy):
         self.persisted = 0
         self.region: RegionStore | None = None
 
-    @property
-    def peer_bytes_per_step(self) -> float | None:
-        """With ``peers=True``: the bytes this rank sent its buddy per step mirrored; None otherwise."""
-        found = getattr(self, "_peers", None)
-        return found.sent_bytes / found.sent_steps if found is not None and found.sent_steps else None
-
     # -- set-up --------------------------------------------------------------------------------
 
     def _attach(self) -> None:
@@ -262,7 +256,7 @@ class LightCheck(Strategy):
                 warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
                               "(written under another layout or world size)", stacklevel=3)
                 continue
-            _as_shards(tensors, live)
+            as_shards(tensors, live)
             found[slot.step] = Recovered(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region",
                                          manifest=None, seconds=time.perf_counter() - t0)
             if not every:
@@ -540,18 +534,6 @@ class LightCheck(Strategy):
             self.region.close()
 
 
-def _as_shards(tensors: dict[str, torch.Tensor], live: Any) -> None:
-    """Make each of a slot's tensors that is this rank's shard of a live DTensor (``live``: a
-    :class:`~everystep.strategies.base.LiveShards`; the slot's shapes are the live state's) a DTensor
-    placed as the live one, in place. An optimizer state the live optimizer has not made yet is a
-    shard where it has its parameter's local shape (``exp_avg``; not a step counter)."""
-    for key, t in list(tensors.items()):
-        like = live.get(key)
-        if like is not None and tuple(t.shape) == tuple(local_shard(like).shape) and (t.dim() or live.holds(key)):
-            tensors[key] = shard_like(t, like)
-
-
-
 class _Peers:
     """This rank's part in the replicas on peers (:mod:`everystep.peers`): its buddy, its wards and
     their mirrors, the thread that sends and receives every step, and the agreement at a restart."""
@@ -561,9 +543,8 @@ class _Peers:
         self.host, self.hosts, self.buddy, self.wards = team.host, team.hosts, team.buddy, team.wards
         self.worker = Worker("everystep-lightcheck-peers", owner.errors)
         self.mirrors: dict[int, RegionStore] = {}
-        self.sent_bytes = 0
-        """Bytes sent to the buddy since the start (every step: this rank's own part)."""
-        self.sent_steps = 0
+        self.traffic = peers.Traffic()
+        """Sent to the buddy since the start (every step: this rank's own part)."""
         assert owner.region is not None
         for ward in self.wards:
             path = self._path("mirror", ward)
@@ -595,14 +576,15 @@ class _Peers:
     def mirror(self, step: int, views: dict[str, torch.Tensor], skeleton: Any, replicated: frozenset[str]) -> None:
         """Send this rank's own part of S_step (read from its committed slot) to its buddy; receive
         each ward's and commit it in the ward's mirror."""
+        since = time.thread_time()
         own = {k: t for k, t in views.items() if k not in replicated}
         buffer = peers.pack(step, self.ranks.rank, own, skeleton)
         received = peers.swap(self.ranks, buffer, self.buddy, self.wards)
-        self.sent_bytes += buffer.numel()
-        self.sent_steps += 1
+        sent = buffer.numel()
         for ward, buffer in zip(self.wards, received):
             _, _, tensors, theirs = peers.unpack(buffer, sender=ward, expect=(step, ward))
             peers.commit_mirror(self.mirrors[ward], step, tensors, theirs)
+        self.traffic.count(sent, since)
 
     def discard_newer(self, step: int) -> None:
         for store in self.mirrors.values():
@@ -642,7 +624,7 @@ class _Peers:
         except ValueError as e:
             raise CorruptCheckpointError(f"the state of step {step} put together from the peers' memory is not whole: "
                                          f"{e}") from None
-        _as_shards(tensors, self.owner.ctx.live_shards())
+        as_shards(tensors, self.owner.ctx.live_shards())
         return Recovered(step=step, tree=unflatten(skeleton, tensors), source=source, manifest=None,
                          seconds=time.perf_counter() - t0)
 

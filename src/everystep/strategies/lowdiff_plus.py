@@ -28,7 +28,7 @@ from .. import peers
 from .._faults import crash_point
 from ..agent.config import AgentConfig
 from ..agent.client import AgentLink
-from ..agent.session import AgentSession, served
+from ..agent.session import AgentSession, fits, served
 from ..background import Worker
 from ..capture.grads import GradientCapture
 from ..errors import ConfigError, CorruptCheckpointError
@@ -37,7 +37,7 @@ from ..policy.interval import busy_interval, due, median_gap, next_multiple
 from ..recovery import Recovered, common_step
 from ..state import group_scalars
 from ..tree import check_skeleton, unflatten
-from .base import Strategy, StrategyConfig
+from .base import Strategy, StrategyConfig, as_shards
 from .checkfreq import CheckFreq, CheckFreqConfig
 
 __all__ = ["LowDiffPlus", "LowDiffPlusConfig"]
@@ -66,7 +66,9 @@ class LowDiffPlusConfig(StrategyConfig):
     peers: bool = False
     """Replicas on peers: every step, each rank's own state (what its agent's replica holds beyond
     the replicated parameters and optimizer state) is also kept by the agent of a rank on another
-    host, so that a lost host's ranks recover from the survivors' agents (:mod:`everystep.peers`)."""
+    host, so that a lost host's ranks recover from the survivors' agents (:mod:`everystep.peers`).
+    Under sharding a rank's own state is its shards: that agent keeps a replica of the rank's whole
+    state, brought forward by the gradient shards and the rest of each step's slot."""
 
     def _check_every(self) -> None:
         if self.every is not None and self.every < 1:
@@ -116,12 +118,6 @@ class LowDiffPlus(Strategy):
         """The newest step's mirroring (one thread mirrors the steps in turn)."""
         self._from_peers: Recovered | None = None
 
-    @property
-    def peer_bytes_per_step(self) -> float | None:
-        """With ``peers=True``: the bytes this rank sent its buddy per step mirrored; None otherwise."""
-        found = self._peers
-        return found.sent_bytes / found.sent_steps if found is not None and found.sent_steps else None
-
     # -- what the parts report -------------------------------------------------------------------
 
     @property
@@ -158,17 +154,9 @@ class LowDiffPlus(Strategy):
         self.capture = GradientCapture(c.model, self.session.params, c.compression, layerwise=layerwise,
                                        errors=self.errors, target=self.session.slot)
         self._rebase = any(p.device.type != "cpu" for p in self.session.params)
-        if self.config.peers:
-            self.check_layout(ctx.layout)
-            if ctx.directory.access != "read" and ctx.ranks.distributed:
-                team = peers.Team.join(ctx.ranks)
-                self._peers = _AgentPeers(self, team) if team is not None else None
-
-    def check_layout(self, layout: str | None) -> None:
-        if self.config.peers and layout is not None:
-            raise ConfigError(f"peers=True: under {layout} a rank's own state is its shards, which its buddy's agent "
-                              "would have to bring forward too; lowdiff_plus mirrors to peers under data parallelism "
-                              "(DistributedDataParallel), and lightcheck under sharding; nothing was written")
+        if self.config.peers and ctx.directory.access != "read" and ctx.ranks.distributed:
+            team = peers.Team.join(ctx.ranks)
+            self._peers = _AgentPeers(self, team, sharded=ctx.layout is not None) if team is not None else None
 
     def _agree_restore(self) -> None:
         """Every rank asks its agent what it holds; together they choose a step every agent can
@@ -220,6 +208,9 @@ class LowDiffPlus(Strategy):
             directory=str(directory.root), strategy=self.name, keep=self.config.keep, every=self.config.every,
             busy=self.config.busy, grace=self.config.grace, threads=self.config.agent_threads,
             rank=ranks.rank, world=ranks.world, host=self._peers.host if self._peers else ""))
+        if self._peers is not None and self._peers.sharded and self.session.lost is None:
+            # The buddy's agent starts its replica of this rank from the state whole, on a fresh host too.
+            self._mirrored = self._peers.submit(step, self._peers.whole(step, tensors, skeleton))
 
     def _check_after(self, step: int) -> int:
         """The next step at which the ranks agree (several ranks): each multiple of ``every``, or
@@ -271,6 +262,17 @@ class LowDiffPlus(Strategy):
         checked = bool(every) and due(step, every)
         rebase = self._rebase and (final or checked)
         diverged = session.diverged()
+        mates = self._peers
+        if mates is not None:
+            # The agent applies a step when the next arrives: the step before must be in the
+            # buddies' agents first, so that they always hold a step this agent's replica holds
+            # (and, under sharding, the slot the buddy's copy was read from is still this step's).
+            t0 = time.perf_counter()
+            try:
+                peers.mirrored(self._mirrored)
+            finally:
+                self.ctx.waited(time.perf_counter() - t0)
+        sent = None
         if diverged or rebase or not session.fits(volatile):
             if diverged:
                 warnings.warn(f"the checkpoint agent's replica diverged from the live state ({'; '.join(diverged)}); "
@@ -279,19 +281,18 @@ class LowDiffPlus(Strategy):
             if session.resync(step, tensors, skeleton, persist=persist if self.shared else None):
                 self.ctx.in_memory(step)  # the agent's replica is S_step
         else:
-            if self._peers is not None:
-                # The agent applies a step when the next arrives: the step before must be in the
-                # buddies' agents first, so that they always hold a step this agent's replica holds.
-                t0 = time.perf_counter()
-                try:
-                    peers.mirrored(self._mirrored)
-                finally:
-                    self.ctx.waited(time.perf_counter() - t0)
-            session.send_step(step, tensors, skeleton, replayed, volatile, groups=self._groups, skipped=self._skipped,
-                              has_grad=self._has_grad, persist=persist, verify=checked and not self._rebase)
-        if self._peers is not None and session.lost is None:
-            self._mirrored = self._peers.worker.submit(f"mirroring of the state at step {step}", self._peers.mirror,
-                                                       step, peers.pack(step, self.ctx.ranks.rank, volatile, skeleton))
+            sent = session.send_step(step, tensors, skeleton, replayed, volatile, groups=self._groups,
+                                     skipped=self._skipped, has_grad=self._has_grad, persist=persist,
+                                     verify=checked and not self._rebase)
+        if mates is not None and session.lost is None:
+            if not mates.sharded:
+                message: Any = peers.pack(step, self.ctx.ranks.rank, volatile, skeleton)
+            elif sent is None:  # a new replica: the buddy's starts anew too
+                message = mates.whole(step, tensors, skeleton)
+            else:  # (read from the slot by the mirroring thread: it stays until this agent applies the step)
+                message = functools.partial(mates.step_of, step, sent, skeleton, groups=self._groups,
+                                            skipped=self._skipped, has_grad=[] if self._skipped else self._has_grad)
+            self._mirrored = mates.submit(step, message)
         if final:
             session.sync(persist=True)
             self.errors.raise_pending()
@@ -375,23 +376,61 @@ class _AgentPeers:
     """This rank's part in the replicas on peers: its buddy and wards, the thread that sends its own
     state to its buddy and hands its wards' to its agent every step, and the agreement at a restart."""
 
-    def __init__(self, owner: LowDiffPlus, team: peers.Team) -> None:
+    def __init__(self, owner: LowDiffPlus, team: peers.Team, *, sharded: bool) -> None:
         self.owner, self.ranks, self.session = owner, owner.ctx.ranks, owner.session
         self.host, self.hosts, self.buddy, self.wards = team.host, team.hosts, team.buddy, team.wards
+        self.sharded = sharded
+        """Whether a rank's own state is its shards: its buddy's agent then keeps a replica of its whole
+        state (``whole`` and ``step`` messages), else only its own state of each step."""
         self.worker = Worker("everystep-lowdiff-peers", owner.errors)
-        self.sent_bytes = 0
-        """Bytes sent to the buddy since the start (every step: this rank's own state)."""
-        self.sent_steps = 0
+        self.traffic = peers.Traffic()
+        """Sent to the buddy since the start (every step: this rank's own state; under sharding, the
+        step's slot, and the state whole when the replica starts anew)."""
 
-    def mirror(self, step: int, buffer: Any) -> None:
-        """(The mirroring thread.) Send this rank's own state of ``step`` (packed) to its buddy;
-        receive each ward's and give it to this rank's agent to keep."""
+    def submit(self, step: int, message: Any) -> Future[Any]:
+        """Mirror ``step`` on the mirroring thread: ``message`` is the packed buffer, or what packs it there."""
+        return self.worker.submit(f"mirroring of the state at step {step}", self.mirror, step, message)
+
+    def whole(self, step: int, tensors: dict[str, Any], skeleton: Any) -> Any:
+        """(Under sharding.) This rank's state of ``step`` whole, packed (on the training thread:
+        the live tensors change at the next update)."""
+        head = {"step": step, "kind": "whole", "state": skeleton, "index_keys": self.session.index_keys,
+                "signature": self.session.signature()}
+        return peers.pack(step, self.ranks.rank, tensors, head)
+
+    def step_of(self, step: int, slot: Any, skeleton: Any, *, groups: list[dict[str, Any]], skipped: bool,
+                has_grad: list[int]) -> Any:
+        """(Under sharding, on the mirroring thread.) The step's slot sent to this rank's agent — the
+        gradient shards its optimizer consumed and what they cannot rebuild — packed."""
+        head = {"step": step, "kind": "step", "state": skeleton, "groups": groups, "skipped": skipped,
+                "has_grad": has_grad}
+        return peers.pack(step, self.ranks.rank, slot.views, head)
+
+    def mirror(self, step: int, message: Any) -> None:
+        """(The mirroring thread.) Send this rank's message of ``step`` to its buddy; receive each
+        ward's and give it to this rank's agent to keep."""
+        since = time.thread_time()
+        buffer = message() if callable(message) else message
         received = peers.swap(self.ranks, buffer, self.buddy, self.wards)
-        self.sent_bytes += buffer.numel()
-        self.sent_steps += 1
         for ward, theirs in zip(self.wards, received):
-            _, _, tensors, skeleton = peers.unpack(theirs, sender=ward, expect=(step, ward))
-            self.session.send_mirror(ward, step, tensors, skeleton)
+            _, _, tensors, head = peers.unpack(theirs, sender=ward, expect=(step, ward))
+            if not self.sharded:
+                self.session.send_mirror(ward, step, tensors, head)
+                continue
+            kind = head.get("kind")
+            if kind == "whole":
+                fitted = head.get("signature")
+                if not isinstance(fitted, str):
+                    raise CorruptCheckpointError(f"rank {ward} sent its state without what it fits")
+                self.session.send_ward_state(ward, step, tensors, head.get("state"),
+                                             _ward_keys(head.get("index_keys"), tensors, ward), fitted)
+            elif kind == "step":
+                groups, skipped, has_grad = _ward_step(head, tensors, ward)
+                self.session.send_ward_step(ward, step, tensors, groups=groups, skipped=skipped, has_grad=has_grad,
+                                            skeleton=head.get("state"))
+            else:
+                raise CorruptCheckpointError(f"rank {ward} sent a message of unknown kind {kind!r}")
+        self.traffic.count(buffer.numel(), since)
 
     def visit(self) -> dict[int, tuple[AgentLink, dict[str, Any]]]:
         """The agents on this host of the ranks whose memory this rank reads (other than its own),
@@ -410,17 +449,30 @@ class _AgentPeers:
         was, and (None, None) for storage. The other agents read here are ended."""
         t0 = time.perf_counter()
         me, session = self.ranks.rank, self.session
+        # What each rank's replica must fit (under sharding each rank's shards lie elsewhere in the whole).
+        expected = self.ranks.all_gather("control", session.signature())
         links = {k: link for k, (link, _) in visits.items()}
         greetings = {k: hello for k, (_, hello) in visits.items()}
+        for k in [k for k, hello in greetings.items() if not fits(hello, expected[k])]:
+            links.pop(k).kill()
+            greetings.pop(k)
         if session.link is not None:
             links[me], greetings[me] = session.link, session.greeting
         keeper: dict[tuple[int, int], AgentLink] = {}  # (ward, step): the agent keeping that rank's own state
+        whole: dict[tuple[int, int], AgentLink] = {}  # (ward, step): the agent keeping a replica of that rank
         for k, hello in greetings.items():
             for ward, steps in hello.get("mirrors", {}).items():
                 keeper.update({(int(ward), step): links[k] for step in steps})
-        mine = peers.Holdings(self.host, {k: served(hello) or [] for k, hello in greetings.items()}, {})
+            for ward, kept in hello.get("wards", {}).items():
+                if kept["signature"] == expected[int(ward)]:
+                    whole.update({(int(ward), step): links[k] for step in kept["steps"]})
+        own = {k: served(hello) or [] for k, hello in greetings.items()}
+        mine = peers.Holdings(self.host, {k: list(v) for k, v in own.items()}, {})
         for ward, step in keeper:
             mine.mirror.setdefault(ward, []).append(step)
+        for ward, step in whole:
+            if step not in mine.region.setdefault(ward, []):
+                mine.region[ward].append(step)
         try:
             held = [peers.Holdings.from_json(h) for h in self.ranks.all_gather("control", mine.as_json())]
             found = peers.plan_recovery(held, disk - 1)
@@ -428,11 +480,17 @@ class _AgentPeers:
                 peers.warn_nothing_whole(held, disk, me)
                 return None, None
             step, transfers = found
-            if not transfers:  # every rank's own agent holds it: taken over as after a crash of the process
+            if not transfers and step in own.get(me, ()):
+                # this rank's own agent holds it (and, with no transfers, every rank's state is on its
+                # own host): taken over as after a crash of the process
                 return step, None
 
             def read(kind: str, k: int) -> tuple[dict[str, Any], Any]:
-                return session.read(links[k], step) if kind == "region" else session.read(keeper[k, step], step, ward=k)
+                if kind == "mirror":
+                    return session.read(keeper[k, step], step, ward=k)
+                if step in own.get(k, ()):
+                    return session.read(links[k], step)
+                return session.read(whole[k, step], step, ward=k, whole=True)
 
             tensors, skeleton, source = peers.put_together(self.ranks, step, transfers, held, functools.cache(read),
                                                           own_source="memory")
@@ -444,5 +502,24 @@ class _AgentPeers:
         except ValueError as e:
             raise CorruptCheckpointError(f"the state of step {step} put together from the peers' agents is not whole: "
                                          f"{e}") from None
+        as_shards(tensors, self.owner.ctx.live_shards())
         return None, Recovered(step=step, tree=unflatten(skeleton, tensors), source=source, manifest=None,
                                seconds=time.perf_counter() - t0)
+
+
+def _ward_keys(keys: Any, tensors: dict[str, Any], ward: int) -> list[str]:
+    """The keys of a ward's parameters, as it sent them: names of tensors it sent."""
+    if not isinstance(keys, list) or not all(isinstance(k, str) and k in tensors for k in keys):
+        raise CorruptCheckpointError(f"rank {ward} sent its state with parameter keys that are not among its tensors")
+    return keys
+
+
+def _ward_step(head: dict[str, Any], tensors: dict[str, Any], ward: int) -> tuple[list[dict[str, Any]], bool, list[int]]:
+    """A ward's step as it sent it — the optimizer's group settings, whether the update was skipped,
+    the parameters that had a gradient — each checked for its shape, not trusted."""
+    groups, skipped, has_grad = head.get("groups"), head.get("skipped"), head.get("has_grad")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or type(skipped) is not bool \
+            or not isinstance(has_grad, list) or not all(type(i) is int and f"g/{i}" in tensors for i in has_grad):
+        raise CorruptCheckpointError(f"rank {ward} sent a step that is not one (its group settings, whether it was "
+                                     "skipped, or the gradients it names)")
+    return groups, skipped, has_grad
