@@ -398,3 +398,21 @@ def test_the_sampler_position_resumes_mid_epoch_without_repeating_or_skipping_a_
     assert single.index == 6
     with pytest.raises(StateMismatchError, match="not a whole number of global batches of 2 × 4"):
         sampler(0).load_state_dict({"epoch": 0, "index": 3, "seed": 3, "rank": 0, "world": 1})
+
+
+def test_a_rendezvous_port_is_drawn_below_the_ports_the_kernel_hands_out_whatever_seeded_random():
+    """A port the kernel hands out (gloo's connections bind to port 0) may be taken again before the
+    rendezvous binds it, and the job then hangs with one rank short; below that range only a bind by
+    number takes one."""
+    import random
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = []
+    for _ in range(3):
+        random.seed(0)  # (a workload seeds Python's generator: two jobs must not draw the same port)
+        ports.append(_free_port())
+    assert all(10000 <= p < low for p in ports) and len(set(ports)) > 1, (ports, low)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))  # free

@@ -225,9 +225,18 @@ if world > 1:
 _HOST = """
 import json, os, subprocess, sys
 ranks = [subprocess.Popen(json.loads(sys.argv[1]), env={**os.environ, "RANK": str(r)}) for r in range(int(sys.argv[2]))]
-sys.exit(max(abs(p.wait()) for p in ranks))
+codes = {}
+while len(codes) < len(ranks):
+    pid, status = os.wait()
+    codes[pid] = os.waitstatus_to_exitcode(status)
+    if codes[pid] != 0:  # the others would wait for it in a collective until the test's timeout
+        for p in ranks:
+            if p.pid not in codes:
+                p.kill()
+sys.exit(max(abs(c) for c in codes.values()))
 """
-"""A host: the job's ranks, children of one process in a session of its own (killed together)."""
+"""A host: the job's ranks, children of one process in a session of its own (killed together); a rank
+that fails ends the others."""
 
 
 def _job(tmp_path, local, url, strategy, steps, kill_at=0, *, nproc=1, parallel="ddp", **env):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import random
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,7 +127,26 @@ class Ranks:
 
 
 def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago (a job's rendezvous on one machine)."""
+    """A TCP port on loopback that was free a moment ago (a job's rendezvous on one machine).
+
+    Drawn at random below the kernel's range of ephemeral ports, where it was free when tried: a port
+    the kernel hands out (to gloo's connections, to a ``bind`` to port 0) could be taken again by any
+    process before the rendezvous binds it, and then one rank fails to start while the others wait
+    for it. Only a process that binds ports by number can take one down here. Where the range cannot
+    be read or nothing below it is free, a port the kernel hands out."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = range(10000, low) if low > 10000 else range(0)
+    for port in random.SystemRandom().sample(candidates, min(len(candidates), 50)):  # (whatever seeded `random`)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -45,9 +45,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from concurrent.futures import Future
 from multiprocessing import connection
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
