@@ -384,6 +384,64 @@ def test_a_server_that_goes_away_is_reported_once_training_goes_on_and_uploads_r
         proc.wait()
 
 
+def test_an_upload_slower_than_the_steps_keeps_its_checkpoint_from_retention_and_goes_up_whole(
+        bucket, tmp_path, monkeypatch):
+    """Retention keeps one checkpoint, and each step commits a new one; the upload of one takes longer
+    than several steps (its object waits half a second in the upload process, a slow link): the
+    checkpoint it uploads is kept until it is up, then goes."""
+    import warnings
+
+    from everystep import Checkpointer
+    from everystep.eval.workloads import build
+
+    monkeypatch.setenv("EVERYSTEP_DELAY", "remote.object=0.5")  # (the upload process's, inherited at its start)
+    url = f"s3://{bucket}/slow"
+    w = build("mlp", seed=0, optimizer="adamw")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed upload warns
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", keep=1, remote=url,
+                          remote_every=2) as ckpt:
+            ckpt.restore()
+            for _ in range(6):
+                w.loss(w.data.next()).backward()
+                w.update()
+            assert ckpt.stats.last_remote_step == -1  # still going up (half a second against six small steps)
+            local = sorted(p.name for p in (tmp_path / "c" / "manifests").iterdir())
+            assert len(local) == 2 and local[1] == f"full-{ckpt.stats.last_durable_step:012d}.json", local  # and one going up
+            ckpt.remote.wait()
+            assert ckpt.stats.last_remote_step == int(local[0][len("full-"):-len(".json")])
+            assert not (tmp_path / "c" / "pinned.json").exists()
+    assert Catalog(S3Store(url)).manifests()[0].manifest.step == ckpt.stats.last_durable_step  # then the final one
+
+
+def test_uploads_run_in_a_process_without_pytorch_started_again_when_it_died(bucket, tmp_path):
+    import warnings
+
+    from everystep import Checkpointer
+    from everystep.eval.workloads import build
+
+    alone = subprocess.run([sys.executable, "-c", "import sys, everystep.storage.uploader, everystep.storage.s3; "
+                            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert alone.stdout.strip() == "[]", alone.stderr  # (it starts in half a second, not PyTorch's seconds)
+    w = build("mlp", seed=0, optimizer="adamw")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed upload warns
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", remote=f"s3://{bucket}/again",
+                          remote_every=1) as ckpt:
+            ckpt.restore()
+            for step in range(1, 7):
+                w.loss(w.data.next()).backward()
+                w.update()
+                ckpt.remote.wait()  # (the test's sequence)
+                if step == 3:
+                    first = ckpt.remote._uploader._process
+                    first.kill()  # between two uploads
+                    first.wait()
+            assert ckpt.remote._uploader._process.pid != first.pid
+            assert ckpt.stats.last_remote_step == 5  # every upload went up, the next one by a new process
+
+
 def test_a_second_writer_on_a_live_writers_prefix_is_refused(bucket, tmp_path):
     from everystep import Checkpointer
     from everystep.errors import DirectoryInUseError

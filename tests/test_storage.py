@@ -386,6 +386,24 @@ def test_retention_keeps_what_recoverable_points_require():
     assert "full-000000000010" not in plan_retention(ms, keep=1)
 
 
+def test_retention_keeps_a_pinned_checkpoint_in_every_process_until_it_is_unpinned(tmp_path):
+    ms = [_m("full", 4), _m("diff", 5, ("full-000000000004",)), _m("full", 8), _m("full", 9)]
+    assert plan_retention(ms, keep=1, pinned=["diff-000000000005", "gone"]) == ["full-000000000008"]  # and its base
+    writer = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
+    for step in (1, 2, 3):
+        writer.catalog.commit(Manifest(kind="full", step=step, objects={}))
+    writer.pin(["full-000000000001"])  # (the remote tier's upload of step 1)
+    other = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq", create=False, access="shared")  # a writer process
+    assert other.retain(1) == ["full-000000000002"]
+    writer.pin([])
+    assert writer.retain(1) == ["full-000000000001"]
+    writer.pin(["full-000000000003"])
+    writer.close()  # (as a crash in the middle of an upload leaves it)
+    again = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
+    again.collect_garbage()
+    assert not (tmp_path / "c" / "pinned.json").exists()
+
+
 def test_retention_counts_a_spread_checkpoint_as_a_point_that_recovers_on_its_own():
     ms = [_m("full", 4), _m("spread", 7), _m("spread", 11), _m("diff", 6, ("full-000000000004",))]
     assert plan_retention(ms, keep=2) == ["full-000000000004", "diff-000000000006"]

@@ -23,18 +23,14 @@ training ``written`` or ``failed``, in the order of the writes.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
+from .._process import run_helper, start_helper, stop_helper
 from ..errors import BackgroundWriteError
 from ..layout import TensorLayout
 from ..transport.host import HostBuffer
@@ -65,14 +61,7 @@ class WriterProcess:
         from .channel import Plain, recv, send, send_fds  # (the channel imports torch: not at module import)
 
         self._send, self._recv, self._send_fds, self._plain = send, recv, send_fds, Plain
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", _MAIN, str(theirs.fileno()), str(directory), str(keep)],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
-        finally:
-            theirs.close()
-        self._conn = connection.Connection(ours.detach())
+        self.process, self._conn = start_helper(_MAIN, str(directory), str(keep))
         self.timeout = timeout
         """Seconds a write may go unanswered before :meth:`write` gives up on the writer."""
         self._hung = False
@@ -133,14 +122,7 @@ class WriterProcess:
                 self._send(self._conn, {"kind": "close"})
             except OSError:
                 pass
-            self._conn.close()
-        try:
-            if self._hung:
-                raise subprocess.TimeoutExpired(self.process.args, 0)  # it answered nothing in time: no more waiting
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            stop_helper(self.process, self._conn, wait=0 if self._hung else 60)  # (hung: it answered nothing in time)
         with self._state:
             regions, self._regions = list(self._regions.values()), {}
         for region in regions:
@@ -208,19 +190,4 @@ def _serve(conn: connection.Connection, directory: Path, keep: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from .. import _faults
-    from .._process import die_with
-
-    fd, directory, keep = int(argv[0]), Path(argv[1]), int(argv[2])
-    parent = os.getppid()
-    die_with(parent)
-    _faults.crash_with(parent)  # a fault injected here kills the training process, as in its own thread
-    conn = connection.Connection(fd)
-    try:
-        _serve(conn, directory, keep)
-    except (EOFError, ConnectionError):
-        return 0  # the training process is gone: nothing to answer
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
+    return run_helper(argv, lambda conn, directory, keep: _serve(conn, Path(directory), int(keep)))

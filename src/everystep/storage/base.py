@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from ..distributed import Ranks
 
 __all__ = ["malformed", "MALFORMED", "refuse_constant", "ObjectInfo", "Manifest", "check_object_name", "check_manifest_name",
-           "MAX_STEP", "ManifestRecord", "Store", "Reader", "Access", "new_hasher", "checksum", "CHECKSUM_ALGORITHM"]
+           "MAX_STEP", "ManifestRecord", "Store", "Reader", "Access", "new_hasher", "checksum", "CHECKSUM_ALGORITHM",
+           "read_verified"]
 
 Access = Literal["write", "shared", "read"]
 """``write``: the directory's one writer; ``shared``: a process writing on the writer's behalf (its
@@ -145,6 +146,28 @@ MAX_RANK = 1 << 20
 _KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}|\.metadata")
 _MANIFEST_NAME = re.compile(r"(?P<kind>[a-z][a-z0-9_]{0,31})-(?P<step>[0-9]{12})(?:-r(?P<rank>[1-9][0-9]{0,6}))?")
+
+
+def read_verified(store: "Store", key: str, info: ObjectInfo, where: str) -> bytearray:
+    """The bytes of the object ``info`` describes, ``key`` in ``store``, once their size and checksum
+    are verified; :class:`CorruptCheckpointError` naming ``where`` when it is missing or they differ."""
+    try:
+        check_object_name(info.name)
+        data = store.get(key)
+    except ValueError as e:
+        raise CorruptCheckpointError(str(e)) from None
+    except (FileNotFoundError, IsADirectoryError):
+        raise CorruptCheckpointError(f"object {where} is missing") from None
+    if len(data) != info.nbytes:
+        raise CorruptCheckpointError(f"object {where} has {len(data)} bytes; its manifest says {info.nbytes} (truncated?)")
+    algorithm, _, _ = info.checksum.partition(":")
+    if algorithm != CHECKSUM_ALGORITHM:
+        raise CorruptCheckpointError(f"object {where} has checksum algorithm {algorithm!r}; expected {CHECKSUM_ALGORITHM}")
+    hasher = new_hasher()
+    hasher.update(data)
+    if f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}" != info.checksum:
+        raise CorruptCheckpointError(f"object {where} fails its checksum (corrupted on storage?)")
+    return data
 
 
 def check_object_name(name: str) -> str:

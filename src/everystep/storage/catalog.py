@@ -35,6 +35,7 @@ from .base import (
     check_manifest_name,
     check_object_name,
     new_hasher,
+    read_verified,
 )
 
 __all__ = ["Catalog", "OBJECTS", "MANIFESTS"]
@@ -146,26 +147,9 @@ class Catalog:
     def read_object(self, info: ObjectInfo) -> bytearray:
         """The object's bytes, after its size and checksum are verified."""
         key = OBJECTS + info.name
-        try:
-            check_object_name(info.name)
-            data = self.store.get(key)
-        except ValueError as e:
-            raise CorruptCheckpointError(str(e)) from None
-        except (FileNotFoundError, IsADirectoryError):
-            raise CorruptCheckpointError(f"object {self.where(key)} is missing") from None
+        data = read_verified(self.store, key, info, self.where(key))
         with self._lock:
             self._bytes_read += len(data)
-        if len(data) != info.nbytes:
-            raise CorruptCheckpointError(f"object {self.where(key)} has {len(data)} bytes; its manifest says "
-                                         f"{info.nbytes} (truncated?)")
-        algorithm, _, _ = info.checksum.partition(":")
-        if algorithm != CHECKSUM_ALGORITHM:
-            raise CorruptCheckpointError(f"object {self.where(key)} has checksum algorithm {algorithm!r}; expected "
-                                         f"{CHECKSUM_ALGORITHM}")
-        hasher = new_hasher()
-        hasher.update(data)
-        if f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}" != info.checksum:
-            raise CorruptCheckpointError(f"object {self.where(key)} fails its checksum (corrupted on storage?)")
         return data
 
     def manifests(self) -> list[ManifestRecord]:

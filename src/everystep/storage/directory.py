@@ -40,6 +40,10 @@ __all__ = ["CheckpointDirectory", "MARKER", "LOCK", "FORMAT_VERSION", "marker_by
 
 MARKER = "everystep.json"
 LOCK = "everystep.lock"
+PINNED = "pinned.json"
+"""The checkpoints retention keeps beside the newest: the one the remote tier is uploading
+(:meth:`CheckpointDirectory.pin`). A file, because retention runs in several processes (the persist
+thread's, a writer's, an agent's), and each reads it."""
 FORMAT_VERSION = 2
 """Version 2 markers carry a checksum; version 1 (no checksum) is still read."""
 _OWN_NAME = r"[a-z]+-\d{12}(?:-r\d+)?"
@@ -388,21 +392,42 @@ class CheckpointDirectory:
             return []
         with self._retention_lock:
             committed = [r.manifest for r in self.catalog.manifests() if r.manifest is not None]
-            doomed = plan_retention(committed, keep=keep)
+            doomed = plan_retention(committed, keep=keep, pinned=self._pinned())
             for name in doomed:
                 self.catalog.discard(name)
         return doomed
 
+    def pin(self, names: list[str]) -> None:
+        """Have retention keep the checkpoints ``names`` (and what they require), in every process
+        that applies it, until the next call (``[]``: none): the remote tier pins the one it uploads
+        while it reads it. The directory's writer (rank 0) only."""
+        self.catalog.check_writable()
+        if names:
+            self.catalog.store.put(PINNED, [json.dumps({"manifests": names}).encode()])
+        else:
+            self.catalog.store.delete(PINNED)
+
+    def _pinned(self) -> list[str]:
+        """The names :meth:`pin` gave (none when the file is missing or not its own JSON)."""
+        try:
+            found = json.loads(bytes(self.catalog.store.get(PINNED)))
+        except (FileNotFoundError, ValueError):
+            return []
+        names = found.get("manifests") if isinstance(found, dict) else None
+        return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
     def collect_garbage(self) -> list[str]:
-        """Delete what a crash left: everystep's own temporaries, and its own objects that no
-        manifest names. Only the owner (``access="write"``) collects, and only when no write is in
-        flight (at open). Files of other names are never touched, nor the objects of a checkpoint
-        whose manifest is unreadable (it may be repaired; ``verify`` reports it). Returns the
-        names removed, which are also logged.
+        """Delete what a crash left: everystep's own temporaries, its own objects that no manifest
+        names, and a pin an interrupted upload left (:meth:`pin`). Only the owner
+        (``access="write"``) collects, and only when no write is in flight (at open). Files of other
+        names are never touched, nor the objects of a checkpoint whose manifest is unreadable (it
+        may be repaired; ``verify`` reports it). Returns the names removed, which are also logged.
         """
         if self.access != "write":
             self.catalog.check_writable()
             return []
+        if self._pinned():
+            self.pin([])
         return collect_garbage(self.catalog)
 
 

@@ -4,9 +4,13 @@ to a local directory that has nothing as new (a new machine, a lost disk).
 Every strategy keeps checkpointing to its fast tier (the local directory, its region, its agent) as
 without a remote. At a step end on which an upload is due and none is running, the newest committed
 full checkpoint of the local directory is uploaded by a thread of its own: each object read back and
-verified against its checksum, put in the remote store under the same name, and the manifest put
-last — the commit, as locally (:class:`~everystep.storage.catalog.Catalog` over an
-:class:`~everystep.storage.s3.S3Store`). Then the remote keeps its newest ``keep`` full checkpoints.
+verified against its checksum, put in the remote store under the same name — that work in a process
+of the rank's own (:class:`~everystep.storage.uploader.UploadProcess`), not sharing the training
+process's interpreter lock — and the manifest put last, by the thread — the commit, as locally
+(:class:`~everystep.storage.catalog.Catalog` over an :class:`~everystep.storage.s3.S3Store`). Then the
+remote keeps its newest ``keep`` full checkpoints. The checkpoint going up is pinned in the local
+directory (:meth:`~everystep.storage.directory.CheckpointDirectory.pin`): retention keeps it until it
+is up, however many checkpoints are committed meanwhile.
 Training never waits for an upload; a failed one is reported once (a warning), checkpoints stay
 local, and the next due upload tries again; a success after failures says uploads resumed.
 
@@ -62,6 +66,7 @@ from ..distributed import Ranks
 from .base import Manifest, ObjectInfo
 from .catalog import OBJECTS, Catalog
 from .directory import MARKER, collect_garbage, marker_bytes, parse_marker
+from .uploader import UploadProcess
 
 if TYPE_CHECKING:
     from .directory import CheckpointDirectory  # noqa: F811
@@ -113,6 +118,7 @@ class RemoteTier:
         self._follows = self.ranks.distributed and directory.access == "write"
         self._worker = Worker("everystep-remote-upload", BackgroundErrors())
         self.lock: RemoteLock | None = None
+        self._uploader: UploadProcess | None = None
         error: BaseException | None = None
         if self.lead:
             try:
@@ -122,6 +128,8 @@ class RemoteTier:
                     collect_garbage(self.catalog)
             except BaseException as e:
                 error = e
+        if error is None and directory.access == "write":
+            self._uploader = UploadProcess(url, directory.root)  # (each rank uploads its share from there)
         try:
             self.ranks.exchange("control", {}, error, f"opening the remote {url}")
             if self._follows:
@@ -265,19 +273,22 @@ class RemoteTier:
             self._failed = None
 
     def _copy(self, manifest: Manifest) -> None:
-        if self._follows:
-            self.ranks.broadcast("remote", manifest.to_bytes())  # the followers upload their shares with it
-        self._round(manifest)
+        self.directory.pin([manifest.name])  # retention keeps it until every share is read and up
+        try:
+            if self._follows:
+                self.ranks.broadcast("remote", manifest.to_bytes())  # the followers upload their shares with it
+            self._round(manifest)
+        finally:
+            self.directory.pin([])
 
     def _round(self, manifest: Manifest) -> None:
         """One upload, on every rank: its share of the objects, each verified on the way out; rank 0
         puts the manifest once every share is durable (raised on every rank if any failed)."""
         error: BaseException | None = None
         try:
-            local = self.directory.catalog
-            for info in self._share(manifest):
-                crash_point("remote.object")  # (a share's object, before its upload)
-                self.bytes_up += self.store.put(OBJECTS + info.name, [local.read_object(info)])  # verified on the way out
+            assert self._uploader is not None
+            if share := self._share(manifest):
+                self.bytes_up += self._uploader.put(share)  # each object verified on the way out
         except (EverystepError, OSError) as e:
             error = e
         what = f"the upload of step {manifest.step} to {self.url}"
@@ -338,6 +349,8 @@ class RemoteTier:
     def _release(self, *, wait: bool) -> None:
         """End the upload thread (``wait``: for it to end), release the lock, close the store."""
         self._worker.close(wait=wait)
+        if self._uploader is not None:
+            self._uploader.close(wait=wait)
         if self.lock is not None:
             self.lock.release()
         self.store.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from .base import Manifest
 
 __all__ = ["plan_retention", "POINTS"]
@@ -11,10 +13,10 @@ POINTS = ("full", "spread")
 gradients); the other kinds are differentials on top of one."""
 
 
-def plan_retention(manifests: list[Manifest], *, keep: int) -> list[str]:
+def plan_retention(manifests: list[Manifest], *, keep: int, pinned: Collection[str] = ()) -> list[str]:
     """Names of manifests to discard so that the newest ``keep`` checkpoints that recover on their
-    own (:data:`POINTS`), the differentials newer than the newest of them, and everything those
-    require, remain.
+    own (:data:`POINTS`), the differentials newer than the newest of them, the manifests ``pinned``
+    names (a checkpoint being uploaded), and everything those require, remain.
 
     Ordered by step number, never by name or time. A differential no newer than the newest such
     checkpoint leads to no point that checkpoint does not already give, and goes.
@@ -28,6 +30,7 @@ def plan_retention(manifests: list[Manifest], *, keep: int) -> list[str]:
     by_name = {m.name: m for m in manifests}
     live = {m.name for m in points[:keep]}
     live |= {m.name for m in manifests if m.kind not in POINTS and m.step > newest}
+    live |= {name for name in pinned if name in by_name}
     stack = list(live)
     while stack:
         for dep in by_name[stack.pop()].requires:
