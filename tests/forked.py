@@ -14,7 +14,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import torch  # noqa: F401  (imported once, in the zygote, for every run forked from it)
 
@@ -58,20 +60,67 @@ def run_script(source: str, *args: str, env: dict[str, str] | None = None, cwd: 
     """``python -c SOURCE ARGS`` in ``env`` (default: this process's) and ``cwd``, forked from the
     zygote where one runs; its return code (``-9`` for SIGKILL) and its output (stdout and stderr
     together, in ``stdout``)."""
+    return start_script(source, *args, env=env, cwd=cwd).wait(timeout)
+
+
+class Started:
+    """A script :func:`start_script` started, running."""
+
+    def __init__(self, child: Any, output: Any, args: tuple[str, ...]) -> None:
+        self.child, self.output, self.args = child, output, ["python", "-c", "…", *args]
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess[str]:
+        """Its return code and its output, once it ends (TimeoutExpired, and killed, after ``timeout``)."""
+        with self.output:
+            code = _wait(self.child, timeout)
+            if code is None:
+                self.child.kill()
+                self.child.wait()
+                raise subprocess.TimeoutExpired(self.args, timeout, self.output.read())
+            return subprocess.CompletedProcess(self.args, code, self.output.read(), None)
+
+
+def wait_all(started: list[Started], timeout: float) -> list[subprocess.CompletedProcess[str]]:
+    """Each script's :meth:`Started.wait`; once one ends in failure the others are killed (ranks of
+    one job: they would wait for it in a collective until ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    running = list(started)
+    while running:
+        if _wait(running[0].child, min(1.0, max(0.0, deadline - time.monotonic()))) is None:
+            if time.monotonic() >= deadline:
+                break  # (each one's wait says so)
+            running.append(running.pop(0))  # (the next one's turn)
+            continue
+        if running.pop(0).child.poll() != 0:
+            for other in running:
+                other.child.kill()
+    return [s.wait(max(0.0, deadline - time.monotonic())) for s in started]
+
+
+def _wait(child: Any, timeout: float) -> int | None:
+    """A forked or started child's exit status once it ends, None if it still runs after ``timeout`` s."""
+    if hasattr(child, "wait_for"):
+        return child.wait_for(timeout)
+    try:
+        return child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def start_script(source: str, *args: str, env: dict[str, str] | None = None,
+                 cwd: Path | str | None = None) -> Started:
+    """:func:`run_script`'s script, started and not waited for (the ranks of a job, each one)."""
     env = dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
+    output = tempfile.NamedTemporaryFile("r", suffix=".out")
     zygote = _zygote()
     if zygote is None:  # (not Linux: a fresh interpreter)
-        return subprocess.run([sys.executable, "-c", source, *args], env=env, cwd=cwd, timeout=timeout,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    with tempfile.NamedTemporaryFile("r", suffix=".out") as output:
+        with open(output.name, "w") as out:
+            child = subprocess.Popen([sys.executable, "-c", source, *args], env=env, cwd=cwd, stdout=out,
+                                     stderr=subprocess.STDOUT)
+    else:
         child = zygote.fork(env, [output.name, cwd, source, *args])
-        code = child.wait_for(timeout)
-        if code is None:
-            child.kill()
-            child.wait()
-            raise subprocess.TimeoutExpired(["python", "-c", "…", *args], timeout, output.read())
-        return subprocess.CompletedProcess(["python", "-c", "…", *args], code, output.read(), None)
+    return Started(child, output, args)
 
 
 def main(argv: list[str]) -> int:
@@ -83,6 +132,8 @@ def main(argv: list[str]) -> int:
     os.close(fd)
     os.chdir(cwd)
     os.environ.pop("EVERYSTEP_SUPERVISOR", None)  # (the zygote's pid, for the training driver's ranks)
+    if os.environ.get("OMP_NUM_THREADS"):  # (read at torch's import, which the zygote did)
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [*path, *(p for p in sys.path if p not in path)]
     sys.argv = ["-c", *args]

@@ -32,6 +32,8 @@ from everystep.stopping import StopWatch, deadline_from_environment
 from everystep.storage.sharded import RankShare
 from everystep.recovery import common_step
 
+from .forked import start_script, wait_all
+
 STEPS = 14
 JOB = dict(workload="gpt2-tiny", steps=STEPS, nproc=2, progress=False)
 
@@ -319,11 +321,11 @@ except Exception as e:
 
 
 def _spawn_two(script: str, world: int = 2) -> str:
+    """The ranks' output, stdout and stderr (each rank forked from the tests' zygote)."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)}) for r in range(world)]
-    return "".join(p.communicate(timeout=120)[0] for p in procs)
+    ranks = [start_script(script, env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": str(port)}) for r in range(world)]
+    return "".join(done.stdout for done in wait_all(ranks, 120))
 
 
 def test_four_ranks_restart_bitwise_when_ddp_keeps_its_first_buckets(tmp_path):

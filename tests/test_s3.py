@@ -20,7 +20,7 @@ from everystep.storage.base import Manifest
 from everystep.storage.catalog import Catalog
 
 from .conftest import ROOT
-from .forked import run_script
+from .forked import run_script, start_script, wait_all
 
 from everystep.storage.s3 import PART_BYTES, S3Store, parse_url
 
@@ -245,11 +245,16 @@ def _job(tmp_path, local, url, strategy, steps, kill_at=0, *, nproc=1, parallel=
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(nproc),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **env}
-    argv = [sys.executable, "-c", _JOB, str(local), url, strategy, str(steps), str(kill_at), parallel]
-    done = subprocess.run([sys.executable, "-c", _HOST, json.dumps(argv), str(nproc)], env=env, capture_output=True,
-                          text=True, timeout=240, start_new_session=True)
-    assert done.returncode == (-signal.SIGKILL if kill_at else 0), done.stderr[-3000:]
-    return None if kill_at else [json.loads(Path(f"{local}.r{rank}.json").read_text()) for rank in range(nproc)]
+    args = [str(local), url, strategy, str(steps), str(kill_at), parallel]
+    if kill_at:  # the host's ranks in one process group, which rank 0 kills
+        done = subprocess.run([sys.executable, "-c", _HOST, json.dumps([sys.executable, "-c", _JOB, *args]), str(nproc)],
+                              env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
+        assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+        return None
+    ranks = [start_script(_JOB, *args, env={**env, "RANK": str(rank)}) for rank in range(nproc)]  # (forked: no imports)
+    for finished in wait_all(ranks, 240):
+        assert finished.returncode == 0, finished.stdout[-3000:]
+    return [json.loads(Path(f"{local}.r{rank}.json").read_text()) for rank in range(nproc)]
 
 
 @pytest.mark.parametrize("strategy, seed, nproc, parallel", [

@@ -6,9 +6,9 @@ layout, every tensor gathered on both sides bitwise equal."""
 
 from __future__ import annotations
 
+import json
 import os
-import subprocess
-import sys
+from typing import Any
 
 import pytest
 
@@ -16,6 +16,7 @@ from everystep.parallelism import LAYOUTS
 from everystep.strategies import STRATEGIES
 
 from .conftest import ROOT
+from .forked import start_script, wait_all
 from .test_distributed import _free_port
 
 _SCRIPT = """
@@ -90,23 +91,21 @@ def four_ranks(tmp_path_factory):
     port = _free_port()
     env = {**os.environ, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    import json
-
-    procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT, str(root), json.dumps(strategies)], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, "RANK": str(r)})
-             for r in range(4)]
-    done = [p.communicate(timeout=240) for p in procs]
-    for p, (out, err) in zip(procs, done):
-        assert p.returncode == 0, err[-4000:]
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in done]
+    ranks = [start_script(_SCRIPT, str(root), json.dumps(strategies), env={**env, "RANK": str(r)}) for r in range(4)]
+    done = wait_all(ranks, 240)
+    for d in done:
+        assert d.returncode == 0, d.stdout[-4000:]
+    return [_last_json(d.stdout) for d in done]
 
 
+@pytest.mark.xdist_group("four-ranks")  # one worker: both tests read the one launch
 def test_every_layout_is_told_apart_on_every_rank(four_ranks):
     for report in four_ranks:
         assert {k: v["found"] for k, v in report.items()} == {**{layout: layout for layout in LAYOUTS if layout != "FSDP1"},
                                                               "None": None}
 
 
+@pytest.mark.xdist_group("four-ranks")
 def test_every_strategy_refuses_a_layout_it_does_not_checkpoint_naming_both_and_writes_nothing(four_ranks):
     for report in four_ranks:
         for layout, seen in report.items():
@@ -337,21 +336,20 @@ if world > 1:
 
 def _reshard_run(world: int, jobs: list[dict]) -> dict:
     """One launch of ``world`` ranks running ``jobs`` (each at its layout) in turn: each rank-0 report by root."""
-    import json
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-c", _RESHARD, json.dumps(jobs)]
-    if world == 1:
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    env.update(WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    procs = [subprocess.Popen(args, env={**env, "RANK": str(r)}, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for r in range(world)]
-    outs = [p.communicate(timeout=180) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+    if world > 1:
+        env.update(WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    ranks = [start_script(_RESHARD, json.dumps(jobs), env={**env, "RANK": str(r)}) for r in range(world)]
+    done = wait_all(ranks, 180)
+    for d in done:
+        assert d.returncode == 0, d.stdout[-3000:]
+    return _last_json(done[0].stdout)
+
+
+def _last_json(output: str) -> Any:
+    """The report a rank printed last (its output holds its warnings too)."""
+    return json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
 
 
 _PAIRS = [
