@@ -129,7 +129,10 @@ class RemoteTier:
             except BaseException as e:
                 error = e
         if error is None and directory.access == "write":
-            self._uploader = UploadProcess(url, directory.root)  # (each rank uploads its share from there)
+            try:
+                self._uploader = UploadProcess(url, directory.root)  # (each rank uploads its share from there)
+            except BaseException as e:  # (said to every rank by the exchange below)
+                error = e
         try:
             self.ranks.exchange("control", {}, error, f"opening the remote {url}")
             if self._follows:
