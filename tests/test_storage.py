@@ -397,7 +397,12 @@ def test_retention_keeps_a_pinned_checkpoint_in_every_process_until_it_is_unpinn
     assert other.retain(1) == ["full-000000000002"]
     writer.pin([])
     assert writer.retain(1) == ["full-000000000001"]
-    writer.pin(["full-000000000003"])
+    writer.catalog.commit(Manifest(kind="full", step=4, objects={}))
+    for found in (b"not json", b'{"manifests": "full-000000000003"}', b'{"manifests": [3, ["x"], "../everystep"]}'):
+        (tmp_path / "c" / "pinned.json").write_bytes(found)  # written by someone else: it pins nothing, breaks nothing
+        assert writer._pinned() == ([] if b"../" not in found else ["../everystep"])
+    assert writer.retain(1) == ["full-000000000003"] and (tmp_path / "c" / "everystep.json").exists()
+    writer.pin(["full-000000000004"])
     writer.close()  # (as a crash in the middle of an upload leaves it)
     again = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
     again.collect_garbage()
