@@ -41,6 +41,27 @@ def loss_gap(losses: list[float], reference: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(losses, reference, strict=True))
 
 
+def assert_recovered(summary: dict[str, Any], *, sources: set[str] | None = None, lose: int | None = None) -> None:
+    """Each restart of a run with planned kills recovered what the lifetime it replaced left behind.
+
+    Each kill is armed after a commit (:mod:`everystep.eval.faults`), so something is recoverable
+    before it: a restart from nothing fails here. Each restart resumed from a step no older than the
+    newest one the failed lifetime saw recoverable in this failure mode (``recoverable_before``) and
+    no newer than the step the kill landed in; from one of ``sources``; and with ``lose``, at most
+    that many finished steps before the kill's (a per-iteration strategy's bound after a software
+    failure: 1).
+    """
+    assert summary["recoveries"], "the run had no restart"
+    for r in summary["recoveries"]:
+        assert r["recoverable_before"] >= 1, f"nothing was recoverable before the kill at step {r['failed_at']}: {r}"
+        assert r["recoverable_before"] <= r["resumed_from"] <= r["failed_at"], f"lost a recoverable step: {r}"
+        assert sources is None or r["source"] in sources, f"recovered from {r['source']!r}, not {sources}: {r}"
+        assert r["source"] != "none", r
+        if lose is not None:
+            assert r["failed_at"] - 1 - lose >= 1, f"a bound of {lose} lost step(s) proves nothing at step {r['failed_at']}"
+            assert r["resumed_from"] >= r["failed_at"] - 1 - lose, f"lost more than {lose} finished step(s): {r}"
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = False) -> subprocess.CompletedProcess[str]:
     """Run ``everystep ARGS`` as a user would, in a fresh process."""
     proc = subprocess.run(

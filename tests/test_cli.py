@@ -66,7 +66,8 @@ def test_cli_train_recover_inspect(tmp_path, reference, capsys):
     for key in ("steps", "losses", "final_state_sha256", "recoveries", "mean_step_seconds", "bytes_written"):
         assert key in summary
     assert summary["final_state_sha256"] == reference["final_state_sha256"]
-    assert set(summary["recoveries"][0]) == {"failed_at", "resumed_from", "recovery_seconds", "source", "durable_before"}
+    assert set(summary["recoveries"][0]) == {"failed_at", "resumed_from", "recovery_seconds", "source", "durable_before",
+                                             "memory_before", "recoverable_before"}
 
     rec = tmp_path / "rec.json"
     assert call_cli(capsys, "recover", "--dir", str(d), "--json", str(rec))[0] == 0
@@ -91,6 +92,7 @@ def test_crash_inside_a_write_leaves_the_previous_checkpoint(tmp_path, capsys):
                      env={"EVERYSTEP_CRASH": "store.object.mid_write:3"})
     assert killed.returncode == -9
     assert any(p.name.startswith(".tmp-") for p in (d / "objects").iterdir())  # the torn write is there
+    assert sorted(p.name for p in (d / "manifests").iterdir()) == [f"full-{s:012d}.json" for s in (1, 2)]  # not its manifest
     ref = run(TrainConfig(strategy="none", steps=2, progress=False))
     rec = tmp_path / "rec.json"
     assert call_cli(capsys, "recover", "--dir", str(d), "--json", str(rec))[0] == 0

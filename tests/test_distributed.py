@@ -32,6 +32,7 @@ from everystep.stopping import StopWatch, deadline_from_environment
 from everystep.storage.sharded import RankShare
 from everystep.recovery import common_step
 
+from .conftest import assert_recovered
 from .forked import start_script, wait_all
 
 STEPS = 14
@@ -85,35 +86,36 @@ def test_background_commits_never_wait_on_the_training_group(delayed, reference)
     assert {f"full-{STEPS:012d}-r0.safetensors", f"full-{STEPS:012d}-r1.safetensors"} <= names
 
 
-@pytest.mark.parametrize("strategy, compress, mode, extra", [
-    ("full_sync", None, "hardware", {"every": 3, "stagger": 1}),
-    ("checkfreq", None, "software", {}),
-    ("lowdiff", "topk:0.01", "software", {"every": 5, "options": {"batch": 2}}),
-    ("lowdiff_plus", None, "software", {"every": 3}),
-    ("lightcheck", None, "software", {"options": {"persist_every": 3}}),
-    ("lightcheck", None, "software", {"options": {"persist_every": 3}, "in_backward": True}),
-    ("gockpt_o", None, "hardware", {"every": 4, "options": {"parts": 3, "chunk_bytes": 4096}}),
-    ("gockpt", None, "software", {"every": 2, "fail_at": (5, 9),
-                                  "options": {"parts": 2, "chunk_bytes": 4096, "reconstruct": "device"}}),
-    ("checkflow", None, "hardware", {}),
+SPREAD = "disk (parts brought forward on cpu)"
+
+
+@pytest.mark.parametrize("strategy, compress, mode, extra, sources", [
+    ("full_sync", None, "hardware", {"every": 3, "stagger": 1, "fail_at": (5, 9)}, {"disk"}),
+    ("checkfreq", None, "software", {}, {"disk"}),
+    ("lowdiff", "topk:0.01", "software", {"every": 5, "options": {"batch": 2}}, {"disk"}),
+    ("lowdiff_plus", None, "software", {"every": 3}, {"memory"}),
+    ("lightcheck", None, "software", {"options": {"persist_every": 3}}, {"region"}),
+    ("lightcheck", None, "software", {"options": {"persist_every": 3}, "in_backward": True}, {"region"}),
+    ("gockpt_o", None, "hardware", {"every": 2, "fail_at": (6, 10), "options": {"parts": 2, "chunk_bytes": 4096}},
+     {"disk"}),  # (reconstructed on the host: a full checkpoint)
+    ("gockpt", None, "software", {"every": 2, "fail_at": (6, 10),
+                                  "options": {"parts": 2, "chunk_bytes": 4096, "reconstruct": "device"}}, {SPREAD}),
+    ("checkflow", None, "hardware", {}, {"disk"}),
 ])
-def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference, strategy, compress, mode, extra):
-    # Step 4 kills rank 1 and step 7 rank 0 (unless ``fail_at``), each in the middle of a checkpoint
-    # write (seed 0). With in_backward, each bucket's parameters are updated once its all-reduce completes.
+def test_a_killed_rank_and_the_restarted_job_recover_bitwise(tmp_path, reference, strategy, compress, mode, extra,
+                                                             sources):
+    # Step 4 kills rank 1 and step 7 rank 0 (unless ``fail_at``: later, where the first checkpoint
+    # is committed later), each in the middle of a checkpoint write (seed 0). With in_backward, each bucket's parameters are updated once its all-reduce
+    # completes. Each restart resumes from the newest step recoverable before its kill, from
+    # ``sources``; a strategy that keeps every step in memory loses at most one finished step.
     fail_at = extra.get("fail_at", (4, 7))
     summary = _job(tmp_path, strategy, compress=compress, fail_mode=mode, **{"fail_at": fail_at, **extra})
     ref = reference["in_backward" if extra.get("in_backward") else compress]
     assert [r["failed_at"] for r in summary["recoveries"]] == list(fail_at)
+    assert_recovered(summary, sources=sources, lose=1 if sources & {"region", "memory"} else None)
     assert summary["rank_state_sha256"] == ref["rank_state_sha256"]
     assert summary["losses"] == ref["losses"]
-    if strategy == "lightcheck":  # each rank's region holds its whole state; the ranks agree on a step
-        assert [r["source"] for r in summary["recoveries"]] == ["region", "region"]
-        assert all(r["resumed_from"] >= r["failed_at"] - 2 for r in summary["recoveries"])  # at most one done step lost
-    if extra.get("options", {}).get("reconstruct") == "device":  # spread checkpoints, brought forward by each rank
-        assert "disk (parts brought forward on cpu)" in [r["source"] for r in summary["recoveries"]]
     if strategy == "lowdiff_plus":  # the agents outlive their training processes; each rank has its own
-        assert [r["source"] for r in summary["recoveries"]] == ["memory", "memory"]
-        assert all(r["resumed_from"] >= r["failed_at"] - 2 for r in summary["recoveries"])  # at most one done step lost
         _assert_agents_gone(tmp_path / strategy)
         store = CheckpointDirectory.open(tmp_path / strategy)
         assert verify_store(store) == []  # the agents' parts committed, or collected at the restart
@@ -128,7 +130,8 @@ def test_naive_diff_on_two_ranks_restarts_every_rank_from_the_same_lossy_state(t
     # replicated state (else StateMismatchError), and the run stays close to the uninterrupted one.
     summary = _job(tmp_path, "naive_diff", every=5, fail_at=(4, 7))
     ref = reference[None]["losses"]
-    assert [(r["failed_at"], r["source"]) for r in summary["recoveries"]] == [(4, "disk (lossy)"), (7, "disk (lossy)")]
+    assert [r["failed_at"] for r in summary["recoveries"]] == [4, 7]
+    assert_recovered(summary, sources={"disk (lossy)"})
     resumed = summary["recoveries"][0]["resumed_from"]
     assert summary["losses"][:resumed] == ref[:resumed]
     assert max(abs(a - b) / b for a, b in zip(summary["losses"], ref)) < 0.03
@@ -335,6 +338,7 @@ def test_four_ranks_restart_bitwise_when_ddp_keeps_its_first_buckets(tmp_path):
     ref = run(TrainConfig(strategy="none", **four))
     summary = run(TrainConfig(strategy="checkfreq", directory=str(tmp_path / "c"), fail_at=(5, 9), **four))
     assert [r["failed_at"] for r in summary["recoveries"]] == [5, 9]
+    assert_recovered(summary, sources={"disk"})
     assert summary["losses"] == ref["losses"]
     assert summary["rank_state_sha256"] == ref["rank_state_sha256"]
 

@@ -1,10 +1,17 @@
-"""Failure injection for training runs: SIGKILL during a chosen step, at a point drawn from the seed."""
+"""Failure injection for training runs: SIGKILL during a chosen step, at a point drawn from the seed.
+
+A planned kill is armed after a commit: at the start of the step it is planned for, every rank first
+waits for the checkpoints already started (``settle``), so that what a restart must recover is known
+before the kill (the checkpoint of the step before is still to be written, and is in flight when the
+kill lands later in the step).
+"""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import _faults
@@ -42,16 +49,22 @@ def kill(mode: str) -> None:
 
 
 class Injector:
-    """Called by the training loop at named points; kills at the planned one."""
+    """Called by the training loop at named points; kills at the planned one. ``settle(step)``, where
+    given, is called on every rank as the planned step starts, before anything is armed."""
 
-    def __init__(self, plan: FailurePlan | None, rank: int = 0) -> None:
+    def __init__(self, plan: FailurePlan | None, rank: int = 0, *, settle: Callable[[int], None] | None = None) -> None:
         self.plan = plan
         self.target: int | None = min(plan.steps) if plan and plan.steps else None
+        self._settle_at = self.target if settle is not None else None  # on every rank, the victim's or not
+        self._settle = settle
         if plan is not None and self.target is not None and plan.victim(self.target) != rank:
             self.target = None  # another rank dies; the supervisor ends this one
         self._fallback_at: int | None = None
 
     def point(self, step: int, where: str) -> None:
+        if step == self._settle_at and where == "start":
+            self._settle_at = None
+            self._settle(step)  # type: ignore[misc]
         if self.target is None or self.plan is None:
             return
         if self._fallback_at is not None and step >= self._fallback_at and where == "forward":

@@ -175,7 +175,6 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     w = build(cfg.workload, seed=cfg.seed, optimizer=cfg.optimizer, rank=rank, world=world, compress=cfg.compress,
               device=cfg.device, in_backward=cfg.in_backward, parallel=cfg.parallel)
-    inject = Injector(plan, rank)
     strategy = cfg.strategy
     directory = cfg.directory if STRATEGIES[strategy].needs_store else None
     store = None
@@ -195,6 +194,12 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
             event="start", resumed_from=start, recovery_seconds=time.perf_counter() - t0,
             source=ckpt.recovered.source if ckpt.recovered else "none", pid=os.getpid(),
         )
+
+        def settle(step: int) -> None:  # the kill planned in this step is armed after a commit
+            ckpt.wait()
+            journal.write(event="settled", step=step, **_recoverable_steps(ckpt))
+
+        inject = Injector(plan, rank, settle=settle)
         bar = tqdm(total=cfg.steps, initial=start, unit="step", disable=None if cfg.progress and rank == 0 else True,
                    leave=False)
         step = start
@@ -207,7 +212,7 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
             inject.point(step, "backward")
             w.update(after=lambda: inject.point(step, "update"))
             journal.write(event="step", step=step, loss=loss.item(), seconds=time.perf_counter() - t_step,
-                          durable=ckpt.stats.last_durable_step, **_counters(ckpt))
+                          **_recoverable_steps(ckpt), **_counters(ckpt))
             bar.update(1)
             if step < cfg.steps and ckpt.should_stop():
                 journal.write(event="stop", step=step, reason=ckpt.stop_reason, at=time.time())
@@ -219,6 +224,11 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
     final_tree = {"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
     journal.write(event="end", step=step, final_state_sha256=training_state_hash(final_tree), at=time.time(),
                   **_counters(ckpt))
+
+
+def _recoverable_steps(ckpt: Checkpointer) -> dict[str, int]:
+    """The newest steps a failure could not take: on storage, and in memory that outlives the process."""
+    return {"durable": ckpt.stats.last_durable_step, "memory": ckpt.stats.last_memory_step}
 
 
 def _counters(ckpt: Checkpointer) -> dict[str, Any]:
