@@ -4,6 +4,7 @@ as a process of its own on loopback and reached over HTTP by boto3, as any S3 en
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -203,12 +204,14 @@ start = ckpt.restore()
 for step in range(start + 1, steps + 1):
     w.loss(w.data.next()).backward()
     w.update()
-    if step == kill_at and rank == 0:  # the host is lost after this step: its processes, its disk (an upload may be
-        # in flight); rank 0 kills them all (the others wait for it in their next step's collectives)
-        if ckpt.stats.last_remote_step < 1:  # (but not before a checkpoint past step 0 is up: else it resumes from 0)
-            ckpt.wait()
-            ckpt.remote.flush()
-        os.killpg(0, signal.SIGKILL)
+    if step == kill_at:  # the host is lost after this step: its processes, its disk; the kill is armed after
+        # the newest checkpoint went up, so that what a new machine must resume from is known
+        ckpt.wait()
+        ckpt.remote.flush()
+        if rank == 0:  # rank 0 kills them all (the others wait for it in their next step's collectives)
+            with open(f"{local}.lost.json", "w") as f:
+                json.dump({"remote_step": ckpt.stats.last_remote_step}, f)
+            os.killpg(0, signal.SIGKILL)
 ckpt.close()
 with open(f"{local}.r{rank}.json", "w") as f:
     json.dump({"start": start, "source": ckpt.recovered.source if ckpt.recovered else None,
@@ -274,17 +277,27 @@ def test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwis
     job = dict(nproc=nproc, parallel=parallel)
     reference = _job(tmp_path, tmp_path / "ref", "", strategy, steps, **job)
     _job(tmp_path, tmp_path / "lost", url, strategy, steps, kill_at, **job)
+    newest = json.loads((tmp_path / "lost.lost.json").read_text())["remote_step"]
+    up = _remote_steps(bucket, "job")
+    assert 1 <= newest <= kill_at and up[-1] == newest and len(up) >= 2, up  # an older one is there to be taken wrongly
     # a new machine, its local directory empty; the lost host's lock expires after its lease (1.5 s here)
     resumed = _job(tmp_path, tmp_path / "new", url, strategy, steps, **job)
     for mine, theirs in zip(resumed, reference):
-        # the newest checkpoint uploaded before the loss (uploads run behind training, every 2 steps)
-        assert mine["source"] == "remote" and 0 < mine["start"] <= kill_at
+        assert (mine["source"], mine["start"]) == ("remote", newest)  # the newest checkpoint uploaded before the loss
         assert mine["hash"] == theirs["hash"]  # I1: bitwise the uninterrupted run, on every rank
         assert mine["remote_step"] == steps  # its final checkpoint uploaded as it closed
     assert len({r["start"] for r in resumed}) == 1
     for moved in ("down", "up"):  # each rank moved its share, the largest objects first to the least loaded
         shares = [r[moved] for r in resumed]
         assert min(shares) > 0.3 * max(shares), (moved, shares)
+
+
+def _remote_steps(bucket: str, prefix: str) -> list[int]:
+    """The steps of the checkpoints committed under ``prefix`` (their manifests), oldest first."""
+    import boto3
+
+    listed = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/manifests/").get("Contents", [])
+    return sorted(int(o["Key"].rsplit("-", 1)[1][:12]) for o in listed)
 
 
 def test_a_share_tampered_with_on_one_rank_sends_every_rank_to_the_remote_checkpoint_before(tmp_path, bucket):
@@ -392,14 +405,15 @@ def test_a_server_that_goes_away_is_reported_once_training_goes_on_and_uploads_r
 def test_an_upload_slower_than_the_steps_keeps_its_checkpoint_from_retention_and_goes_up_whole(
         bucket, tmp_path, monkeypatch):
     """Retention keeps one checkpoint, and each step commits a new one; the upload of one takes longer
-    than several steps (its object waits half a second in the upload process, a slow link): the
-    checkpoint it uploads is kept until it is up, then goes."""
+    than several steps (its object is held in the upload process until the test has seen six steps
+    committed, a slow link): the checkpoint it uploads is kept until it is up, then goes."""
     import warnings
 
     from everystep import Checkpointer
     from everystep.eval.workloads import build
 
-    monkeypatch.setenv("EVERYSTEP_DELAY", "remote.object=0.5")  # (the upload process's, inherited at its start)
+    gate = tmp_path / "go"
+    monkeypatch.setenv("EVERYSTEP_HOLD", f"remote.object={gate}")  # (the upload process's, inherited at its start)
     url = f"s3://{bucket}/slow"
     w = build("mlp", seed=0, optimizer="adamw")
     with warnings.catch_warnings():
@@ -410,9 +424,11 @@ def test_an_upload_slower_than_the_steps_keeps_its_checkpoint_from_retention_and
             for _ in range(6):
                 w.loss(w.data.next()).backward()
                 w.update()
-            assert ckpt.stats.last_remote_step == -1  # still going up (half a second against six small steps)
+            ckpt.wait()
+            assert ckpt.stats.last_remote_step == -1  # still going up
             local = sorted(p.name for p in (tmp_path / "c" / "manifests").iterdir())
             assert len(local) == 2 and local[1] == f"full-{ckpt.stats.last_durable_step:012d}.json", local  # and one going up
+            gate.touch()
             ckpt.remote.wait()
             assert ckpt.stats.last_remote_step == int(local[0][len("full-"):-len(".json")])
             assert not (tmp_path / "c" / "pinned.json").exists()

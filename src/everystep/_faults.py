@@ -5,7 +5,9 @@ environment (``EVERYSTEP_CRASH=name`` or ``name:N`` to fire at the N-th arrival,
 every one after) or by :func:`arm`.
 An armed point kills the process with SIGKILL: no handler, no flush, exactly like an external kill.
 ``EVERYSTEP_FAIL`` arms points the same way to raise ``OSError(ENOSPC)`` instead, as a full disk
-would; ``EVERYSTEP_DELAY=name=SECONDS`` to sleep there (a slow disk or a slow rank). Any item may
+would; ``EVERYSTEP_DELAY=name=SECONDS`` to sleep there (a slow disk or a slow rank);
+``EVERYSTEP_HOLD=name=PATH`` to wait there until the file ``PATH`` exists (a test opens the gate
+when it has seen what it must see while the point is held). Any item may
 end in ``@R`` to apply only to the process of rank R (environment variable ``RANK``). Child
 processes (the checkpoint agent) inherit all of them.
 """
@@ -74,24 +76,32 @@ def disk_full() -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+def hold_until(path: str, poll: float = 0.01) -> None:
+    """Wait until the file ``path`` exists."""
+    while not os.path.exists(path):
+        time.sleep(poll)
+
+
 def arm_from_environment() -> None:
     """Arm the points the environment names (done at import; again in a process forked after its
     environment changed, as a rank forked from the supervisor's zygote)."""
     with _lock:
         _armed.clear()
     rank = os.environ.get("RANK", "0")
-    for variable in ("EVERYSTEP_CRASH", "EVERYSTEP_FAIL", "EVERYSTEP_DELAY"):
+    for variable in ("EVERYSTEP_CRASH", "EVERYSTEP_FAIL", "EVERYSTEP_DELAY", "EVERYSTEP_HOLD"):
         for item in filter(None, (s.strip() for s in os.environ.get(variable, "").split(","))):
             item, _, only = item.partition("@")
             if only and only != rank:
                 continue
-            item, _, seconds = item.partition("=")
+            item, _, value = item.partition("=")
             name, _, count = item.partition(":")
             repeat = count.endswith("+")
             count = count.removesuffix("+")
             action = {"EVERYSTEP_CRASH": kill_self, "EVERYSTEP_FAIL": disk_full}.get(variable)
-            if action is None:
-                action = functools.partial(time.sleep, float(seconds))
+            if variable == "EVERYSTEP_HOLD":
+                action = functools.partial(hold_until, value)
+            elif action is None:
+                action = functools.partial(time.sleep, float(value))
             arm(name, after=int(count) if count else 1, action=action, repeat=repeat)
 
 
