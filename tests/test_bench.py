@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from everystep.demo import stalls
 from everystep.eval.bench import BenchConfig, interleaved_order, markdown_table, run_bench, smallest_interval, summarise
 from everystep.eval.workloads import build
@@ -16,6 +18,28 @@ from .conftest import call_cli
 def test_interleaving_rotates_the_order_every_repeat():
     order = interleaved_order(("none", "a", "b"), 3)
     assert order == [(0, "none"), (0, "a"), (0, "b"), (1, "a"), (1, "b"), (1, "none"), (2, "b"), (2, "none"), (2, "a")]
+
+
+def _run(repeat: int, strategy: str, step: float, stall: float = 0.0, checkpoints: int = 0, nbytes: int = 0) -> dict:
+    return {"repeat": repeat, "strategy": strategy, "mean_step_seconds": step, "stall_seconds": stall,
+            "checkpoints": checkpoints, "bytes_per_step": nbytes, "peak_host_bytes": nbytes, "lost_steps_software": 0,
+            "lost_steps_hardware": 0}
+
+
+def test_the_summary_pairs_each_run_with_its_own_repeats_reference_and_takes_medians():
+    # none takes 10, 20 and 10 ms in its three repeats (the machine slowed down in the second);
+    # checkfreq 11, 21 and 13 ms: +10%, +5% and +30% over the same repeat's none, median +10%
+    # (against the mean of none's, 13.3 ms, it would be -17.5%); its stall per checkpoint 1, 2 and
+    # 3 ms (4, 8 and 9 ms over 4, 4 and 3 checkpoints), median 2 ms.
+    runs = [_run(0, "none", 0.010), _run(0, "checkfreq", 0.011, 0.004, 4, 100),
+            _run(1, "checkfreq", 0.021, 0.008, 4, 300), _run(1, "none", 0.020),
+            _run(2, "none", 0.010), _run(2, "checkfreq", 0.013, 0.009, 3, 200)]
+    summary = summarise(runs)
+    assert summary["checkfreq"]["overheads"] == pytest.approx([0.10, 0.05, 0.30])
+    assert summary["checkfreq"]["overhead"] == pytest.approx(0.10)
+    assert summary["checkfreq"]["stall_per_checkpoint_seconds"] == pytest.approx(0.002)
+    assert summary["checkfreq"]["bytes_per_step"] == 200 and summary["checkfreq"]["peak_host_bytes"] == 300
+    assert summary["none"]["overhead"] == 0 and summary["none"]["stall_per_checkpoint_seconds"] == 0
 
 
 def test_the_demo_lists_each_strategy_s_wait_per_checkpoint_from_the_least_against_the_step():
@@ -71,8 +95,6 @@ def test_max_frequency_cli_measures_intervals_and_reports_each_strategy(tmp_path
 
 
 def test_bench_refuses_lowdiff_without_compression():
-    import pytest
-
     from everystep.errors import ConfigError
 
     with pytest.raises(ConfigError, match="lowdiff reuses compressed gradients: give --compress"):
@@ -128,8 +150,6 @@ def test_a_run_of_two_fsdp2_ranks_compares_with_dcp_as_torchtitan_runs_it_and_sa
 
 
 def test_a_bench_of_several_ranks_refuses_what_cannot_run_there_naming_it():
-    import pytest
-
     from everystep.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--parallel fsdp: strategy naive_diff does not checkpoint FSDP2 shards"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import random
+import statistics
 import time
 
 import pytest
@@ -27,10 +28,14 @@ OPTIONS = {"bandwidth": 1e9, "per_size": 1 << 14}
 
 
 def _train(w, ckpt, start, stop, losses=None, *, hashes=None, plan_at=3, slow_from=None):
+    took: list[float] = []
     for t in range(start + 1, stop + 1):
+        began = time.perf_counter()
         loss = w.loss(w.data.next())
         if slow_from is not None and t >= slow_from:
-            time.sleep(0.1)  # the workload changes: its steps take longer (not a synchronisation)
+            # the workload changes (not a synchronisation): each step from here takes four times
+            # what a step took before (their median), whatever this machine's speed
+            time.sleep(3 * statistics.median(took))
         loss.backward()
         w.update()
         if losses is not None:
@@ -39,6 +44,8 @@ def _train(w, ckpt, start, stop, losses=None, *, hashes=None, plan_at=3, slow_fr
             hashes[t] = live_hash(w, t)
         if ckpt is not None and t == plan_at:
             ckpt.wait()  # the plan of the profiled step is made: the next steps run it
+        if slow_from is None or t < slow_from:
+            took.append(time.perf_counter() - began)
 
 
 @pytest.mark.parametrize("workload", ["gpt2-tiny", "resnet"])

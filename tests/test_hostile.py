@@ -361,31 +361,48 @@ def _replace(node, path, value):
     return node
 
 
+_CONTENT = (("meta", "skeleton"), ("meta", "end"), ("meta", "steps"), ("meta", "spread", "scalars"),
+            ("meta", "spread", "records"), ("skeleton",))
+"""Where a manifest (or a region slot's metadata) holds the state's own values, not the checkpoint's
+structure: the scalars of the state tree, each step's context (learning rates, what an update
+reads). Re-signed, a forged value there is a state as valid as any (a checksum proves nothing about
+who wrote it) and is loaded as written; a field anywhere else may end in a fallback or an error, and a
+state restored is bitwise the run's."""
+
+
+def _forges_content(path: tuple) -> bool:
+    return any(path[:len(prefix)] == prefix for prefix in _CONTENT)
+
+
 _FUZZED = {"full_sync": {}, "lowdiff": {"every": 3}, "gockpt": {"every": 2, "parts": 2, "chunk_bytes": 2048,
                                                                "reconstruct": "device"}}
 
 
 @pytest.fixture(scope="module")
 def fuzz_dirs(tmp_path_factory):
-    """A small run of each kind of checkpoint (full, differential chain, spread), made once."""
-    from .test_checkpointer import make
+    """A small run of each kind of checkpoint (full, differential chain, spread), made once, with the
+    hash of the run's state at each step."""
+    from .test_checkpointer import live_hash, make
 
     made = {}
     for strategy, options in _FUZZED.items():
         root = tmp_path_factory.mktemp(strategy) / "c"
         w = make("mlp", 0, strategy)
+        hashes = {0: live_hash(w, 0)}
         with Checkpointer(root, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
                           strategy=strategy, final=False, keep=5, **options) as ckpt:
             ckpt.restore()
-            for _ in range(6):
+            for t in range(1, 7):
                 _step(w)
-        made[strategy] = root
+                hashes[t] = live_hash(w, t)
+        made[strategy] = root, hashes
     return made
 
 
 def _restore_after(root: Path, strategy: str):
-    """Restore a copy of ``root`` with a fresh workload: the step, or the EverystepError raised."""
-    from .test_checkpointer import make
+    """Restore a copy of ``root`` with a fresh workload: the step and the hash of the state restored,
+    or the EverystepError raised."""
+    from .test_checkpointer import live_hash, make
 
     w = make("mlp", 0, strategy)
     try:
@@ -393,7 +410,8 @@ def _restore_after(root: Path, strategy: str):
             warnings.simplefilter("ignore")
             with Checkpointer(root, w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
                               compression=w.compression, strategy=strategy, final=False, **_FUZZED[strategy]) as ckpt:
-                return ckpt.restore()
+                step = ckpt.restore()
+                return step, live_hash(w, step)
     except EverystepError as e:
         return e
 
@@ -405,11 +423,13 @@ def test_any_value_in_any_manifest_field_ends_in_a_fallback_or_one_clear_error(t
                                                                                data):
     """Every field of a committed manifest (full, differential, spread) replaced by a random JSON
     value and re-signed: restore() falls back to an older point or raises one EverystepError,
-    never another exception; and nothing outside the directory is touched."""
+    never another exception; a point restored is bitwise the run's state there, unless the field
+    forged is one of the state's own values (:data:`_CONTENT`); nothing outside the directory is touched."""
     import shutil
 
     root = tmp_path_factory.mktemp("fuzz") / "c"
-    shutil.copytree(fuzz_dirs[strategy], root, symlinks=True)
+    made, hashes = fuzz_dirs[strategy]
+    shutil.copytree(made, root, symlinks=True)
     (root.parent / "victim").write_bytes(b"keep me")  # beside the directory: what an escape would reach first
     names = sorted(p.name for p in (root / "manifests").iterdir())
     name = data.draw(st.sampled_from(names), label="manifest")
@@ -418,18 +438,27 @@ def test_any_value_in_any_manifest_field_ends_in_a_fallback_or_one_clear_error(t
     path = data.draw(st.sampled_from([p for p in _paths(body) if p]), label="field")
     _resign(root, name, _replace(body, path, data.draw(_JSON, label="value")))
     result = _restore_after(root, strategy)
-    assert isinstance(result, (int, EverystepError)), result
-    if isinstance(result, int):
-        assert 0 <= result <= 6
+    assert isinstance(result, (tuple, EverystepError)), result
+    if isinstance(result, tuple):  # a step the run passed through, and bitwise its state there
+        step, restored = result
+        assert 0 <= step <= 6 and (restored == hashes[step] or _forges_content(path)), (step, path)
     assert sorted(p.name for p in root.parent.iterdir()) == ["c", "victim"]
     assert (root.parent / "victim").read_bytes() == b"keep me"
 
 
 @pytest.fixture(scope="module")
 def fuzz_region(tmp_path_factory):
+    """A region of the mlp's first 4 steps, and the hash of the run's state at each step."""
+    from .test_checkpointer import live_hash
+
     root = tmp_path_factory.mktemp("region") / "c"
     _train(root, 0, 4, strategy="lightcheck", persist_every=0, final=False)
-    return root
+    w = build("mlp", seed=0)  # the same run again, without checkpointing
+    hashes = {0: live_hash(w, 0)}
+    for t in range(1, 5):
+        _step(w)
+        hashes[t] = live_hash(w, t)
+    return root, hashes
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -437,11 +466,13 @@ def fuzz_region(tmp_path_factory):
 def test_any_value_in_any_region_metadata_field_falls_back_to_the_older_slot(tmp_path_factory, fuzz_region, data):
     """Every field of the newest slot's metadata replaced by a random JSON value, its digests
     recomputed: the slot is restored only if it still reads as a state of its step, else the older
-    slot is; never another exception than an EverystepError."""
+    slot is, bitwise the run's state (unless the value forged is one of the state's own); never
+    another exception than an EverystepError."""
     import shutil
 
     root = tmp_path_factory.mktemp("fuzzr") / "c"
-    shutil.copytree(fuzz_region, root, symlinks=True)
+    made, hashes = fuzz_region
+    shutil.copytree(made, root, symlinks=True)
     value = data.draw(_JSON, label="value")
     chosen = []
 
@@ -451,20 +482,25 @@ def test_any_value_in_any_region_metadata_field_falls_back_to_the_older_slot(tmp
         return _replace(meta, path, value)
 
     newest = _rewrite_slot_meta(_region_of(root), edit)
-    result = _restore_after(root, "lightcheck") if "lightcheck" in _FUZZED else _restore_lightcheck(root)
-    assert isinstance(result, (int, EverystepError)), result
-    if isinstance(result, int):
-        assert result in (newest, newest - 1)
+    result = _restore_lightcheck(root)
+    assert isinstance(result, (tuple, EverystepError)), result
+    if isinstance(result, tuple):  # that slot or the older one, bitwise the run's state at its step
+        step, restored = result
+        assert step in (newest, newest - 1) and (restored == hashes[step] or _forges_content(chosen[0])), (step, chosen)
 
 
 def _restore_lightcheck(root: Path):
+    """As :func:`_restore_after`, for the region."""
+    from .test_checkpointer import live_hash
+
     w = build("mlp", seed=0)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with Checkpointer(root, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="lightcheck",
                               final=False) as ckpt:
-                return ckpt.restore()
+                step = ckpt.restore()
+                return step, live_hash(w, step)
     except EverystepError as e:
         return e
 
@@ -603,13 +639,17 @@ def test_the_checks_before_loading_refuse_no_real_optimizer_state(tmp_path, make
         step(model, opt)
     saved = state_hash(opt.state_dict())
     model2, opt2 = parts()
-    with Checkpointer(tmp_path / "c", model2, opt2, strategy="full_sync", final=False) as ckpt:
+    with Checkpointer(tmp_path / "c", model2, opt2, strategy="full_sync") as ckpt:
         assert ckpt.restore() == 2
-    assert state_hash(opt2.state_dict()) == saved
-    torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)  # adds initial_lr to the groups
-    model3, opt3 = parts()
+        assert state_hash(opt2.state_dict()) == saved
+        torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)  # made after restore: adds initial_lr to the groups
+        step(model2, opt2)  # and the final checkpoint, step 3, holds them
+    saved = state_hash(opt2.state_dict())
+    assert "initial_lr" in opt2.state_dict()["param_groups"][0]
+    model3, opt3 = parts()  # an optimizer without a scheduler: its groups lack initial_lr
     with Checkpointer(tmp_path / "c", model3, opt3, strategy="full_sync", final=False) as ckpt:
-        assert ckpt.restore() == 2
+        assert ckpt.restore() == 3
+    assert state_hash(opt3.state_dict()) == saved
 
 
 def test_dcp_metadata_resigned_with_a_huge_tensor_allocates_nothing(tmp_path):

@@ -73,7 +73,8 @@ sys.meta_path[:] = [_RuntimeOnly(f) if hasattr(f, "find_spec") else f for f in s
 
 _RUN_EVERY_STRATEGY = '''
 import sys, tempfile
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.train import TrainConfig, recover_run, run
+from everystep.strategies import STRATEGIES
 
 try:
     import matplotlib  # an extra's: must be out of reach here
@@ -85,7 +86,11 @@ for name in sys.argv[1:]:
     with tempfile.TemporaryDirectory() as d:
         s = run(TrainConfig(workload="mlp", strategy=name, steps=5, every=2, directory=None if name == "none" else d,
                             compress="topk:0.05" if name == "lowdiff" else None, progress=False))
-        print(name, len(s["losses"]), flush=True)
+        # what it committed, read back by a reader: the final checkpoint, bitwise the state trained (a
+        # lossy strategy's: its own approximation)
+        found = {"step": 0, "state_sha256": s["final_state_sha256"]} if name == "none" else recover_run(d)
+        same = found["state_sha256"] == s["final_state_sha256"] if STRATEGIES[name].exact else "lossy"
+        print(name, len(s["losses"]), found["step"], same, flush=True)
 '''
 
 
@@ -102,7 +107,8 @@ def test_every_strategy_runs_with_the_runtime_dependencies_alone(tmp_path):
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{tmp_path}:{ROOT / 'src'}"},
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == [w for name in names for w in (name, "5")]
+    assert proc.stdout.split() == [w for name in names for w in (name, "5", "0" if name == "none" else "5",
+                                                                 "True" if STRATEGIES[name].exact else "lossy")]
 
 
 def test_the_suites_xdist_groups_keep_their_tests_on_one_worker(tmp_path):

@@ -146,14 +146,19 @@ def test_every_store_refuses_keys_outside_it(store, tmp_path):
 def test_every_store_opened_for_reading_refuses_every_change(store, tmp_path):
     store.put("objects/a.bin", [b"a"])
     reader = (_s3 if isinstance(store, S3Store) else type(store))(store.root, access="read")
-    before = files_of(tmp_path)
+    before = files_of(tmp_path), _contents(store)
     assert bytes(reader.get("objects/a.bin")) == b"a" and list(reader.list("objects/")) == ["objects/a.bin"]
     for change in (lambda: reader.put("objects/b.bin", [b"b"]), lambda: reader.delete("objects/a.bin"),
                    lambda: reader.put_directory("objects/c.dcp", lambda folder: folder.mkdir())):
         with pytest.raises(ReadOnlyStoreError):
             change()
     reader.close()
-    assert files_of(tmp_path) == before
+    assert (files_of(tmp_path), _contents(store)) == before  # the local files, and what the store holds (a bucket's)
+
+
+def _contents(store) -> dict[str, tuple[str, bytes]]:
+    """Every value the store holds, by key: its version and its bytes, as the store lists and reads them."""
+    return {key: (str(version), bytes(store.get(key))) for key, version in store.list("").items()}
 
 
 # -- the catalog: objects and manifests over a store ---------------------------------------------------
@@ -330,6 +335,27 @@ def test_crash_mid_write_leaves_previous_checkpoint_and_no_visible_garbage(tmp_p
         reopened.collect_garbage()
         reopened.close()  # (an object garbage collection removed may be kept to write over until then)
         assert sorted(p.name for p in (reopened.root / "objects").iterdir()) == ["full-000000000001.bin"]
+
+
+def test_a_full_checkpoint_killed_in_the_middle_of_its_write_commits_nothing(tmp_path):
+    """I3 on the path every strategy's full checkpoint takes (``write_full``): SIGKILL half-way
+    through its object: no manifest of it, the checkpoint before it whole."""
+    root = tmp_path / "ckpt"
+    script = textwrap.dedent(f"""
+        import sys
+        from everystep.storage import CheckpointDirectory
+        from everystep.storage.full import write_full
+        catalog = CheckpointDirectory.open({str(root)!r}, strategy="test").catalog
+        write_full(catalog, int(sys.argv[1]), [memoryview(b"state" * 1000)], {{"step": int(sys.argv[1])}})
+    """)
+    assert run_script(script, "1", env={"PYTHONPATH": str(ROOT / "src")}).returncode == 0
+    killed = run_script(script, "2", env={"EVERYSTEP_CRASH": "store.object.mid_write", "PYTHONPATH": str(ROOT / "src")})
+    assert killed.returncode == -9, killed.stdout
+    assert sorted(p.name for p in (root / "manifests").iterdir()) == ["full-000000000001.json"]
+    reopened = CheckpointDirectory.open(root, strategy="test", access="read")
+    (only,) = reopened.catalog.manifests()
+    assert bytes(reopened.catalog.read_object(only.manifest.objects["tensors"])) == b"state" * 1000
+    reopened.close()
 
 
 def test_write_error_removes_the_temporary_and_names_the_file(tmp_path):
