@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-long install clean gpu-check gpu-deps
+.PHONY: demo test test-long test-mutations install clean gpu-check gpu-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ test: $(STAMP)
 # minutes on two cores, 8 tests.
 test-long: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m long tests
+
+# The tests tested: deliberate bugs put into a scratch copy one at a time (tools/mutations.py), each
+# against the tests that must catch it; fails when a bug survives.
+test-mutations: $(STAMP)
+	$(BIN)/python tools/mutations.py
 
 # On a machine lent with a GPU there is nothing installed and no network: its own python3 (with a
 # CUDA torch) runs the project from src/, with the test runner carried beside it in .gpu-deps
