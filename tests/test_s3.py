@@ -318,6 +318,63 @@ def test_a_share_tampered_with_on_one_rank_sends_every_rank_to_the_remote_checkp
     assert sum(r["down"] for r in resumed) > 0
 
 
+def test_a_forged_remote_checkpoint_naming_the_local_objects_changes_nothing_local(tmp_path, bucket):
+    """Someone who can write the bucket re-signs a manifest of a higher step whose objects verify but
+    are named like the local directory's own: a restart on that directory resumes from its own
+    newest step, every local object unchanged, nothing forged committed."""
+    import boto3
+
+    from everystep.storage.base import ObjectInfo, checksum
+
+    from .conftest import files_of
+
+    url, local = f"s3://{bucket}/job", tmp_path / "local"
+    _job(tmp_path, local, url, "checkfreq", 6)  # the final checkpoint, step 6, uploaded as it closed
+    s3 = boto3.client("s3")
+    real = Manifest.from_bytes(s3.get_object(Bucket=bucket, Key="job/manifests/full-000000000006.json")["Body"].read())
+    forged = b"\0" * real.objects["tensors"].nbytes
+    name = real.objects["tensors"].name  # full-000000000006.safetensors: the local directory's newest
+    s3.put_object(Bucket=bucket, Key=f"job/objects/{name}", Body=forged)
+    step = 999_999_999_999
+    s3.put_object(Bucket=bucket, Key=f"job/manifests/full-{step:012d}.json", Body=Manifest(
+        kind="full", step=step, objects={"tensors": ObjectInfo(name=name, nbytes=len(forged), checksum=checksum(forged))},
+        meta=real.meta).to_bytes())
+    before = files_of(local)
+    (resumed,) = _job(tmp_path, local, url, "checkfreq", 7)
+    assert (resumed["source"], resumed["start"]) == ("disk", 6)
+    after = files_of(local)
+    kept = [k for k in before if k.startswith(("objects/", "manifests/")) and k in after]  # (retention keeps two)
+    assert f"objects/{name}" in kept and all(after[k] == before[k] for k in kept)
+    assert f"manifests/full-{step:012d}.json" not in after
+
+
+def test_a_pull_never_writes_over_a_local_object(tmp_path, bucket):
+    """A local object of the name a remote checkpoint's object has (here one no manifest names, left
+    where garbage collection has not run): the pull warns, skips that checkpoint for the one before,
+    and the local file is unchanged."""
+    import warnings
+
+    from everystep.storage import CheckpointDirectory
+    from everystep.storage.remote import RemoteTier
+
+    url = f"s3://{bucket}/job"
+    _job(tmp_path, tmp_path / "first", url, "checkfreq", 6)
+    steps = _remote_steps(bucket, "job")
+    directory = CheckpointDirectory.open(tmp_path / "new", strategy="checkfreq")
+    stray = directory.root / "objects" / f"full-{steps[-1]:012d}.safetensors"
+    stray.write_bytes(b"mine")
+    tier = RemoteTier(url, directory, every=2, mtbf=3600.0, keep=2, lease=1.5)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert tier.pull() == steps[0]
+    finally:
+        tier.close(upload=False)
+        directory.close()
+    assert stray.read_bytes() == b"mine"
+    assert any("which a pull never writes over" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 def test_a_share_that_fails_to_upload_on_one_rank_commits_nothing_is_reported_once_and_the_next_upload_goes_up(
         tmp_path, bucket):
     """Under two ranks, rank 1's first object upload fails (a full disk's error, injected): that

@@ -137,6 +137,10 @@ class Manifest:
         )
         if name is not None and manifest.name != name:
             raise ValueError(f"it is stored as {name} but names itself {manifest.name}")
+        own = f"{manifest.kind}-{manifest.step:012d}"
+        for info in manifest.objects.values():  # a manifest cannot claim another checkpoint's objects
+            if not info.name.startswith(own) or info.name[len(own):len(own) + 1].isdigit():
+                raise ValueError(f"its object {info.name} is not named for its checkpoint ({own}…)")
         return manifest
 
 

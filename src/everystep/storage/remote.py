@@ -183,7 +183,7 @@ class RemoteTier:
             manifest = Manifest.from_bytes(body)
             step, data, bad = manifest.step, {}, None
             try:
-                data = {info.name: self.catalog.read_object(info) for info in self._share(manifest)}
+                data = {info.name: self._new_object(info) for info in self._share(manifest)}
                 self.bytes_down += sum(len(v) for v in data.values())
             except (CorruptCheckpointError, FileNotFoundError) as e:
                 bad = str(e)
@@ -211,6 +211,17 @@ class RemoteTier:
             self.ranks.exchange("control", {}, error, what)  # committed, before any rank restores
             return step
         return None
+
+    def _new_object(self, info: ObjectInfo) -> bytearray:
+        """The verified bytes of a remote object the local directory does not hold.
+
+        IMPORTANT: a pull never writes over a local object: one of that name is another checkpoint's
+        (garbage collection removed what no manifest names before the pull)."""
+        key = OBJECTS + info.name
+        if key in self.directory.catalog.store.list(key):
+            raise CorruptCheckpointError(f"its object {info.name} exists in the local directory {self.directory.root}, "
+                                         "which a pull never writes over")
+        return self.catalog.read_object(info)
 
     def _share(self, manifest: Manifest) -> list[ObjectInfo]:
         """The objects of ``manifest`` this rank moves: all of them in a job of one process."""
