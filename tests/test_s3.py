@@ -375,6 +375,31 @@ def test_a_pull_never_writes_over_a_local_object(tmp_path, bucket):
     assert any("which a pull never writes over" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
+def test_a_server_that_ignores_conditional_writes_is_refused_naming_them_never_two_writers(tmp_path, bucket):
+    """A server that drops If-None-Match and If-Match (as older S3-compatible servers do; here moto,
+    sent the writes without their conditions) would let a second writer take the lock at once: the
+    tier refuses it, naming conditional writes, and nothing of the probe stays behind."""
+    import boto3
+
+    from everystep.errors import RemoteStoreError
+    from everystep.storage import CheckpointDirectory
+    from everystep.storage.remote import RemoteTier
+
+    class Unconditional(S3Store):
+        def _conditional(self, what, key, data, **condition):
+            return super()._conditional(what, key, data)  # the server never sees the condition
+
+    url = f"s3://{bucket}/job"
+    directory = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
+    try:
+        with pytest.raises(RemoteStoreError, match="does not honour conditional writes .*If-None-Match, If-Match"):
+            RemoteTier(url, directory, every=2, mtbf=3600.0, keep=2, store=Unconditional(url))
+    finally:
+        directory.close()
+    left = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix="job/").get("Contents", [])
+    assert [o["Key"] for o in left] == ["job/everystep.json"]  # (the prefix's marker, written first)
+
+
 def test_a_share_that_fails_to_upload_on_one_rank_commits_nothing_is_reported_once_and_the_next_upload_goes_up(
         tmp_path, bucket):
     """Under two ranks, rank 1's first object upload fails (a full disk's error, injected): that

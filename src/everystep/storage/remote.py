@@ -59,7 +59,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._faults import crash_point
 from ..background import BackgroundErrors, Worker
-from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, DirectoryInUseError, EverystepError
+from ..errors import (CheckpointDirectoryError, ConfigError, CorruptCheckpointError, DirectoryInUseError,
+                      EverystepError, RemoteStoreError)
 from ..policy.interval import median_gap
 from ..policy.young_daly import young_daly_interval
 from ..distributed import Ranks
@@ -124,6 +125,7 @@ class RemoteTier:
             try:
                 self._check_marker()
                 if directory.access == "write":
+                    check_conditional_writes(self.store, url)
                     self.lock = RemoteLock(self.store, url, lease=float(lease))
                     collect_garbage(self.catalog)
             except BaseException as e:
@@ -368,6 +370,25 @@ class RemoteTier:
         if self.lock is not None:
             self.lock.release()
         self.store.close()
+
+
+def check_conditional_writes(store: Any, url: str) -> None:
+    """Refuse a server that does not honour conditional writes, on which two writers could each
+    believe they hold the lock (an older S3-compatible server drops ``If-None-Match`` and
+    ``If-Match`` and writes anyway): a value is created, then created again and replaced with a
+    version it does not have — both must be refused — and deleted."""
+    key = f"{LOCK_KEY}.probe-{uuid.uuid4().hex}"
+    try:
+        created = store.create(key, b"probe")
+        ignored = [what for what, version in (("If-None-Match", store.create(key, b"again")),
+                                              ("If-Match", store.replace(key, b"again", '"0"')))
+                   if version is not None]
+    finally:
+        store.delete(key)
+    if created is None or ignored:
+        raise RemoteStoreError(
+            f"{url}: the server does not honour conditional writes ({', '.join(ignored) or 'If-None-Match'} ignored), "
+            "which the lock that keeps one writer on a prefix needs; use a server that honours them (AWS S3 does)")
 
 
 class RemoteLock:
