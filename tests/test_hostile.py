@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import warnings
 from pathlib import Path
 
@@ -670,3 +671,45 @@ def test_dcp_metadata_resigned_with_a_huge_tensor_allocates_nothing(tmp_path):
     _poison_dcp(root, 3, pickle.dumps(metadata))
     with pytest.warns(UserWarning, match="describes more bytes than its"):
         _train(root, 2, 2, full_format="dcp", keep=3)
+
+
+# -- the third round: the directory's own folders and files -------------------------------------
+
+@pytest.mark.parametrize("kind", ["fifo", "link to a fifo"])
+def test_a_pinned_file_that_is_not_a_regular_file_is_neither_waited_on_nor_removed(tmp_path, kind):
+    """A ``pinned.json`` that is a FIFO (or a link to one): training starts, goes on and closes
+    without opening it for a read that would wait forever; it is left where it is."""
+    root = tmp_path / "c"
+    _train(root, 0, 2)
+    fifo = tmp_path / "fifo" if kind == "link to a fifo" else root / "pinned.json"
+    os.mkfifo(fifo)
+    if kind == "link to a fifo":
+        (root / "pinned.json").symlink_to(fifo)
+    _train(root, 2, 4)  # (keep=2: retention reads the pin after each checkpoint)
+    assert os.path.lexists(root / "pinned.json") and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.parametrize("folder", ["objects", "manifests"])
+def test_a_folder_of_the_directory_that_is_a_link_is_refused_and_nothing_is_written_or_deleted_through_it(
+        tmp_path, folder):
+    """``objects/`` (or ``manifests/``) replaced by a symbolic link to a folder outside, which holds
+    files of everystep's names: training refuses the directory naming the link, and nothing in the
+    folder it points to is written or deleted."""
+    root = tmp_path / "c"
+    _train(root, 0, 2)
+    outside = tmp_path / "outside"
+    (root / folder).rename(outside)
+    (outside / "full-000000000099.safetensors").write_bytes(b"not yours")  # named like an object no manifest names
+    (root / folder).symlink_to(outside)
+    before = files_of(outside)
+    with pytest.raises(CheckpointDirectoryError, match=rf"{folder} is a symbolic link: a checkpoint directory's own"):
+        _train(root, None, 4)
+    assert files_of(outside) == before
+
+
+def test_a_folder_of_the_directory_others_can_write_is_refused(tmp_path):
+    root = tmp_path / "c"
+    _train(root, 0, 2)
+    (root / "objects").chmod(0o777)
+    with pytest.raises(CheckpointDirectoryError, match="objects is writable by others"):
+        _train(root, None, 4)

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from .._faults import crash_point
-from ..errors import EverystepError, ReadOnlyStoreError
+from ..errors import CheckpointDirectoryError, EverystepError, ReadOnlyStoreError
 from .base import Access
 
-__all__ = ["LocalStore", "StoreWriteError", "fsync_dir"]
+__all__ = ["LocalStore", "StoreWriteError", "check_own_folder", "fsync_dir"]
 
 T = TypeVar("T")
 _PART = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.][A-Za-z0-9_.\-]*$")
@@ -38,6 +38,23 @@ _SPARE_FOLDER = "objects"
 
 class StoreWriteError(EverystepError, OSError):
     """Writing to the store failed (a full disk, a lost mount); the message names the file."""
+
+
+def check_own_folder(path: Path) -> None:
+    """Refuse (:class:`CheckpointDirectoryError`) a folder of the store that is a symbolic link, not a
+    folder, another user's or writable by others: everything written or deleted there would land
+    where it points, or be another user's to change. An absent folder passes (it is made at its
+    first write)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    why = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode)
+           else f"owned by uid {st.st_uid}, not this user ({os.geteuid()})" if st.st_uid != os.geteuid()
+           else "writable by others" if st.st_mode & stat.S_IWOTH else None)
+    if why is not None:
+        raise CheckpointDirectoryError(f"{path} is {why}: a checkpoint directory's own folders must be plain folders "
+                                       "of this user's that others cannot write — move it away (nothing was changed)")
 
 
 def fsync_dir(path: Path) -> None:
@@ -80,6 +97,8 @@ class LocalStore:
         if not (parts and all(_PART.match(p) and not _TMP.match(p) for p in parts[:-1]) and _PART.match(parts[-1])
                 and (leftover or not _TMP.match(parts[-1]))):
             raise ValueError(f"{key!r} is not a key of the store at {self.root}")
+        if len(parts) > 1:
+            check_own_folder(self.root / parts[0])
         return Path(f"{self._prefix}{key}")
 
     # -- writing -----------------------------------------------------------------------------
@@ -206,8 +225,18 @@ class LocalStore:
     # -- reading -----------------------------------------------------------------------------
 
     def get(self, key: str) -> bytearray:
+        """The value's bytes. Only a regular file is read, never through a symbolic link and never
+        waiting to open (a FIFO put where a value was): anything else is a ValueError naming it."""
         path = self._path(key)
-        with open(path, "rb", buffering=0) as f:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ValueError(f"{path} is a symbolic link, not a value everystep wrote: not followed") from None
+            raise
+        with open(fd, "rb", buffering=0) as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{path} is not a regular file, not a value everystep wrote: not read")
             size = os.fstat(f.fileno()).st_size
             data = bytearray(size)
             view, got = memoryview(data), 0
@@ -227,6 +256,8 @@ class LocalStore:
         folder, _, start = prefix.rpartition("/")
         if folder and not all(_PART.match(p) for p in folder.split("/")):
             raise ValueError(f"{prefix!r} is not a prefix of keys of the store at {self.root}")
+        if folder:
+            check_own_folder(self.root / folder.split("/")[0])
         found: dict[str, str] = {}
         pending = [(str(self.root.joinpath(*folder.split("/")) if folder else self.root), folder, start)]
         while pending:
