@@ -668,3 +668,26 @@ def test_the_bench_runs_each_strategy_with_and_without_the_remote_tier_and_compa
     tiered = [r for r in report["runs"] if r["strategy"] == "checkfreq+remote"]
     assert tiered and tiered[0]["remote_step"] >= 1 and report["summary"]["checkfreq+remote"]["resumes_bitwise"]
     assert report["upload_throughput"]["everystep_bytes_per_second"] > 0 and report["upload_throughput"]["ratio"] > 0
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3://b", "s3://Upper/x", "s3://b/../x", "s3://b/./x", "s3://b/a b", "s3://b/a?x",
+                                 "s3://user:pass@b/x"])
+def test_a_malformed_url_is_one_line_naming_it_from_every_command(capsys, url):
+    """``verify``, ``inspect`` and ``recover`` as ``train --remote``: one line and status 2, never a
+    traceback, and a URL's credentials never printed."""
+    from .conftest import call_cli
+
+    for args in (("verify", url), ("inspect", url), ("recover", "--dir", url)):
+        code, out, err = call_cli(capsys, *args)
+        assert code == 2 and "is not an s3://bucket/prefix URL" in err and len(err.strip().splitlines()) == 1, (args, err)
+        assert "pass" not in err and "Traceback" not in err
+
+
+def test_credentials_in_the_endpoint_url_are_never_printed(server, capsys, monkeypatch):
+    from .conftest import call_cli
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://KEYID:{SECRET}@127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    code, out, err = call_cli(capsys, "verify", "s3://bucket/x")
+    assert code == 2 and "Could not connect to the endpoint URL" in err and "127.0.0.1" in err, err
+    assert SECRET not in err and "KEYID" not in err

@@ -216,7 +216,10 @@ class CheckpointDirectory:
         if access != "read":
             raise CheckpointDirectoryError(f"{url} is read here, never written: a job writes to a local directory and "
                                            "uploads there with remote= (--remote)")
-        store = S3Store(url, access="read")
+        try:
+            store = S3Store(url, access="read")
+        except ValueError as e:  # a URL that is not one: said in one line, as training says it
+            raise CheckpointDirectoryError(str(e)) from None
         try:
             data = store.get(MARKER)
         except FileNotFoundError:

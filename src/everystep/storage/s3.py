@@ -56,15 +56,25 @@ _UPLOAD = "..upload/"
 """The key :meth:`S3Store.leftovers` gives an upload in progress: ``..upload/<upload id>/<key>``."""
 
 
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the user information of any URL in it (``//KEY:SECRET@host``) replaced by
+    ``…@``: an endpoint given with credentials in it (``AWS_ENDPOINT_URL``), or a URL typed so,
+    is never printed whole."""
+    return _USERINFO.sub("…@", text)
+
+
 def parse_url(url: str) -> tuple[str, str]:
     """The bucket and the key prefix (``""`` or ending in ``/``) of ``s3://bucket/prefix``; ValueError
-    naming the URL when it is not one."""
+    naming the URL (its credentials, if it holds any, left out) when it is not one."""
     found = _URL.fullmatch(url)
     if found is None:
-        raise ValueError(f"{url!r} is not an s3://bucket/prefix URL")
+        raise ValueError(f"{redact(url)!r} is not an s3://bucket/prefix URL")
     prefix = (found["prefix"] or "").strip("/")
     if prefix and not all(_PART.fullmatch(p) for p in prefix.split("/")):
-        raise ValueError(f"the prefix of {url!r} must be plain names separated by /")
+        raise ValueError(f"the prefix of {redact(url)!r} must be plain names separated by /")
     return found["bucket"], f"{prefix}/" if prefix else ""
 
 
@@ -109,7 +119,7 @@ class S3Store:
 
     def _failed(self, what: str, key: str, error: BaseException) -> RemoteStoreError:
         """A failed request as the store's error, naming the object's URL and S3's code (never a credential)."""
-        code = _code(error) or f"{type(error).__name__}: {error}"  # (a client error: its code alone)
+        code = _code(error) or redact(f"{type(error).__name__}: {error}")  # (a client error: its code alone)
         return RemoteStoreError(f"{what} s3://{self.bucket}/{self.prefix}{key} failed: {code}{_hint(code)}")
 
     # -- writing -------------------------------------------------------------------------------
