@@ -691,3 +691,69 @@ def test_credentials_in_the_endpoint_url_are_never_printed(server, capsys, monke
     code, out, err = call_cli(capsys, "verify", "s3://bucket/x")
     assert code == 2 and "Could not connect to the endpoint URL" in err and "127.0.0.1" in err, err
     assert SECRET not in err and "KEYID" not in err
+
+
+class _Tampered:
+    """A boto3 client whose HEAD answers are changed as a server (or someone between) might send them."""
+
+    def __init__(self, client, edit):
+        self._client, self._edit = client, edit
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def head_object(self, **kwargs):
+        head = self._client.head_object(**kwargs)
+        self._edit(head)
+        return head
+
+
+@pytest.mark.parametrize("edit", ["no Date header", "written in 2099"])
+def test_a_stale_lock_whose_age_cannot_be_read_is_taken_over_after_one_lease_at_most(bucket, edit):
+    """A lock left by a lost writer, read from a server that sends no ``Date`` or says the lock was
+    written in 2099: the next writer waits one lease at most, then takes it over; no traceback."""
+    import datetime
+    import warnings
+
+    from everystep.storage.remote import LOCK_KEY, RemoteLock
+
+    url = f"s3://{bucket}/job"
+    store = S3Store(url)
+    store.create(LOCK_KEY, json.dumps({"holder": "gone", "host": "lost-host", "pid": 7}).encode())
+
+    def change(head):
+        if edit == "no Date header":
+            del head["ResponseMetadata"]["HTTPHeaders"]["date"]
+        else:
+            head["LastModified"] = datetime.datetime(2099, 1, 1, tzinfo=datetime.timezone.utc)
+
+    store._s3 = _Tampered(store._s3, change)
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lock = RemoteLock(store, url, lease=1.0)
+    try:
+        assert time.monotonic() - t0 < 1.0 + 0.5 + 5  # one lease, the half second after it, the requests
+        assert [str(w.message) for w in caught] == [f"{url} is locked by host lost-host, pid 7; waiting 1 s for the lock "
+                                                    "to expire (a live writer renews it before then)"]
+        assert json.loads(bytes(store.get(LOCK_KEY)))["pid"] == os.getpid()
+    finally:
+        lock.release()
+
+
+def test_a_forged_lock_prints_no_control_characters(bucket):
+    """A ``writer.lock`` whose host holds terminal escapes and a line of its own: the warning shows
+    them escaped, on one line."""
+    import warnings
+
+    from everystep.storage.remote import LOCK_KEY, RemoteLock
+
+    url = f"s3://{bucket}/job"
+    store = S3Store(url)
+    store.create(LOCK_KEY, json.dumps({"host": "\x1b[2J\x1b[Hok\neverystep: all clear", "pid": "1\r"}).encode())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lock = RemoteLock(store, url, lease=0.5)
+    lock.release()
+    (said,) = [str(w.message) for w in caught]
+    assert "\x1b" not in said and "\n" not in said and "\r" not in said and "\\x1b[2J" in said, said

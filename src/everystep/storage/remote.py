@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import threading
 import uuid
@@ -391,6 +392,16 @@ def check_conditional_writes(store: Any, url: str) -> None:
             "which the lock that keeps one writer on a prefix needs; use a server that honours them (AWS S3 does)")
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
+
+
+def _shown(value: Any) -> str:
+    """A field of a lock anyone who can write the bucket may have written, fit to print: a plain
+    host name or number as it is, anything else quoted with its control characters escaped."""
+    text = str(value)
+    return text if _PLAIN.fullmatch(text) else ascii(text[:64])
+
+
 class RemoteLock:
     """One writer per prefix of an object store (see the module docstring); raises
     :class:`DirectoryInUseError` naming the holder when a live one holds it."""
@@ -420,7 +431,7 @@ class RemoteLock:
             # Held, and renewed within the lease: a job restarted after its host was lost finds its own
             # predecessor's lock so; it expires unless its holder renews it within the lease.
             holder = self._holder()
-            left = self.lease - seen[1]
+            left = min(self.lease, self.lease - seen[1])  # (a value written "in the future": one lease at most)
             warnings.warn(f"{self.url} is locked by {holder}; waiting {left:.0f} s for the lock to expire (a live writer "
                           "renews it before then)", RuntimeWarning, stacklevel=4)
             time.sleep(left + 0.5)  # (a lease's expiry is a matter of time: there is nothing to wait on)
@@ -438,7 +449,7 @@ class RemoteLock:
     def _holder(self) -> str:
         try:
             found = json.loads(self.store.get(LOCK_KEY))
-            return f"host {found.get('host')}, pid {found.get('pid')}"
+            return f"host {_shown(found.get('host'))}, pid {_shown(found.get('pid'))}"
         except (FileNotFoundError, ValueError, EverystepError, OSError, AttributeError):
             return "holder unknown"
 

@@ -218,8 +218,8 @@ class S3Store:
 
     def age(self, key: str) -> tuple[str, float] | None:
         """The version of ``key`` and the seconds since it was written, by the server's clock (its
-        ``Date`` against the value's ``Last-Modified``: no clock of this machine enters); None when
-        there is no value."""
+        ``Date`` against the value's ``Last-Modified``: no clock of this machine enters; 0 when the
+        server sends no ``Date``); None when there is no value."""
         name = self._key(key)
         try:
             head = self._s3.head_object(Bucket=self.bucket, Key=name)
@@ -227,7 +227,10 @@ class S3Store:
             if _code(e) in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise self._failed("reading", key, e) from None
-        now = email.utils.parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
+        date = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        if date is None:  # a server that sends no Date: the value counts as just written (a lease's wait, at most)
+            return str(head["ETag"]), 0.0
+        now = email.utils.parsedate_to_datetime(date)
         return str(head["ETag"]), (now - head["LastModified"]).total_seconds()
 
     def put_directory(self, key: str, fill: Callable[[Path], T], *, lead: bool = True) -> T:
