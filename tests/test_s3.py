@@ -757,3 +757,51 @@ def test_a_forged_lock_prints_no_control_characters(bucket):
     lock.release()
     (said,) = [str(w.message) for w in caught]
     assert "\x1b" not in said and "\n" not in said and "\r" not in said and "\\x1b[2J" in said, said
+
+
+def test_uploads_in_progress_that_are_not_everysteps_are_left_and_its_own_aborted(bucket, tmp_path):
+    """A multipart upload in progress under a key with a space, and one in a folder everystep never
+    writes: a writer's start leaves both (no traceback) and aborts the one a killed writer of its own left."""
+    import boto3
+
+    from everystep.storage import CheckpointDirectory
+    from everystep.storage.remote import RemoteTier
+
+    s3 = boto3.client("s3")
+    for key in ("job/objects/a b/full-000000000004.safetensors", "job/notes/full-000000000005.safetensors",
+                "job/objects/full-000000000003.safetensors"):  # (each named like an object of everystep's)
+        s3.create_multipart_upload(Bucket=bucket, Key=key)
+    directory = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
+    RemoteTier(f"s3://{bucket}/job", directory, every=2, mtbf=3600.0, keep=2).close(upload=False)
+    directory.close()
+    left = sorted(u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+    assert left == ["job/notes/full-000000000005.safetensors", "job/objects/a b/full-000000000004.safetensors"]
+
+
+def test_a_server_that_cannot_list_uploads_is_used_without_it_with_one_warning(bucket, tmp_path):
+    """An S3-compatible server without ListMultipartUploads (``NotImplemented``): the tier starts, and
+    says once that what a killed writer left is not collected there."""
+    import warnings
+
+    import boto3
+    from botocore.exceptions import ClientError
+
+    from everystep.storage import CheckpointDirectory
+    from everystep.storage.remote import RemoteTier
+
+    class NoListing(_Tampered):
+        def get_paginator(self, name):
+            if name == "list_multipart_uploads":
+                raise ClientError({"Error": {"Code": "NotImplemented", "Message": "not here"}}, "ListMultipartUploads")
+            return self._client.get_paginator(name)
+
+    url = f"s3://{bucket}/job"
+    directory = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tier = RemoteTier(url, directory, every=2, mtbf=3600.0, keep=2,
+                          store=S3Store(url, s3=NoListing(boto3.client("s3"), lambda head: None)))
+        tier.close(upload=False)
+    directory.close()
+    said = [str(w.message) for w in caught if "cannot list multipart uploads" in str(w.message)]
+    assert len(said) == 1 and "NotImplemented" in said[0], [str(w.message) for w in caught]

@@ -31,6 +31,7 @@ import email.utils
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -57,6 +58,13 @@ _UPLOAD = "..upload/"
 
 
 _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def _own_key(key: str) -> bool:
+    """Whether ``key`` (under the prefix) is one everystep writes uploads to: a plain name in one of
+    its folders."""
+    parts = key.split("/")
+    return len(parts) >= 2 and parts[0] in ("objects", "manifests") and all(_PART.fullmatch(p) for p in parts)
 
 
 def redact(text: str) -> str:
@@ -101,6 +109,7 @@ class S3Store:
         self.access: Access = access
         self._s3 = s3 if s3 is not None else client()
         self._cache: Path | None = None
+        self._said_unlisted = False
 
     # -- keys and errors -----------------------------------------------------------------------
 
@@ -277,16 +286,25 @@ class S3Store:
         return dict(sorted(found.items()))
 
     def leftovers(self) -> list[tuple[str, str]]:
-        """The multipart uploads in progress under the prefix (a writer killed mid-upload): for each,
-        ``("..upload/<id>/<key>", key)`` (a key no value can have)."""
+        """The multipart uploads in progress under the prefix's folders of everystep's (a writer killed
+        mid-upload): for each, ``("..upload/<id>/<key>", key)`` (a key no value can have). Uploads
+        under keys everystep never writes (another folder, a name with a space) are not its: left.
+        A server that cannot list uploads (``NotImplemented``) has none listed, with one warning."""
         found = []
         try:
             for page in self._s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=self.prefix):
                 for upload in page.get("Uploads", []):
                     key = upload["Key"][len(self.prefix):]
-                    found.append((f"{_UPLOAD}{upload['UploadId']}/{key}", key))
+                    if _own_key(key):
+                        found.append((f"{_UPLOAD}{upload['UploadId']}/{key}", key))
         except Exception as e:
-            raise self._failed("listing the uploads under", "", e) from None
+            if _code(e) not in ("NotImplemented", "501"):
+                raise self._failed("listing the uploads under", "", e) from None
+            if not self._said_unlisted:
+                self._said_unlisted = True
+                warnings.warn(f"{self.root}: the server cannot list multipart uploads ({_code(e)}), so the uploads a "
+                              "killed writer left are not aborted here (they stay invisible; the server's own "
+                              "lifecycle rules may remove them)", RuntimeWarning, stacklevel=2)
         return sorted(found)
 
     def fetch(self, key: str) -> Path:
