@@ -805,3 +805,33 @@ def test_a_server_that_cannot_list_uploads_is_used_without_it_with_one_warning(b
     directory.close()
     said = [str(w.message) for w in caught if "cannot list multipart uploads" in str(w.message)]
     assert len(said) == 1 and "NotImplemented" in said[0], [str(w.message) for w in caught]
+
+
+def test_a_remote_object_longer_than_its_manifest_says_is_refused_without_downloading_it(bucket):
+    """An object replaced in the bucket by one of 8 MiB where its manifest says 100 bytes: reading it
+    takes 101 bytes, and refuses it naming both sizes."""
+    import boto3
+
+    url = f"s3://{bucket}/job"
+    catalog = Catalog(S3Store(url))
+    info = catalog.write_object("full-000000000001.safetensors", [b"x" * 100])
+    boto3.client("s3").put_object(Bucket=bucket, Key="job/objects/full-000000000001.safetensors", Body=b"y" * (8 << 20))
+    received = []
+
+    class Counting(_Tampered):
+        def get_object(self, **kwargs):
+            answer = self._client.get_object(**kwargs)
+            body = answer["Body"]
+
+            class Body:
+                def read(self, n=None):
+                    data = body.read(n)
+                    received.append(len(data))
+                    return data
+
+            return {**answer, "Body": Body()}
+
+    reader = Catalog(S3Store(url, s3=Counting(boto3.client("s3"), lambda head: None)))
+    with pytest.raises(CorruptCheckpointError, match=f"holds {(8 << 20)} bytes, more than the 100 expected"):
+        reader.read_object(info)
+    assert sum(received) == 101

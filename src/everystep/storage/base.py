@@ -157,7 +157,7 @@ def read_verified(store: "Store", key: str, info: ObjectInfo, where: str) -> byt
     are verified; :class:`CorruptCheckpointError` naming ``where`` when it is missing or they differ."""
     try:
         check_object_name(info.name)
-        data = store.get(key)
+        data = store.get(key, limit=info.nbytes)
     except ValueError as e:
         raise CorruptCheckpointError(str(e)) from None
     except (FileNotFoundError, IsADirectoryError):
@@ -273,8 +273,9 @@ class Store(Protocol):
         the way)."""
         ...
 
-    def get(self, key: str) -> bytearray:
-        """The value ``key``; :class:`FileNotFoundError` when there is none."""
+    def get(self, key: str, *, limit: int | None = None) -> bytearray:
+        """The value ``key``; :class:`FileNotFoundError` when there is none. With ``limit``, no more
+        than that many bytes (and one) are read: a longer value is a ValueError naming it."""
         ...
 
     def list(self, prefix: str) -> dict[str, str]:

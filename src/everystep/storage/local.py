@@ -224,9 +224,10 @@ class LocalStore:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytearray:
+    def get(self, key: str, *, limit: int | None = None) -> bytearray:
         """The value's bytes. Only a regular file is read, never through a symbolic link and never
-        waiting to open (a FIFO put where a value was): anything else is a ValueError naming it."""
+        waiting to open (a FIFO put where a value was): anything else is a ValueError naming it, as
+        is a file longer than ``limit``."""
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -238,6 +239,8 @@ class LocalStore:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ValueError(f"{path} is not a regular file, not a value everystep wrote: not read")
             size = os.fstat(f.fileno()).st_size
+            if limit is not None and size > limit:
+                raise ValueError(f"{path} holds {size} bytes, more than the {limit} expected")
             data = bytearray(size)
             view, got = memoryview(data), 0
             while got < size:

@@ -258,15 +258,24 @@ class S3Store:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytearray:
+    def get(self, key: str, *, limit: int | None = None) -> bytearray:
+        """With ``limit``, a ranged GET of ``limit`` + 1 bytes: a longer object is refused (a
+        ValueError) without downloading it."""
         name = self._key(key)
+        ranged = {} if limit is None else {"Range": f"bytes=0-{limit}"}
         try:
-            body = self._s3.get_object(Bucket=self.bucket, Key=name)["Body"]
-            return bytearray(body.read())
+            answer = self._s3.get_object(Bucket=self.bucket, Key=name, **ranged)
+            data = bytearray(answer["Body"].read(None if limit is None else limit + 1))
         except Exception as e:
             if _code(e) in ("NoSuchKey", "404"):
                 raise FileNotFoundError(f"no value {key!r} in {self.root}") from None
+            if _code(e) in ("InvalidRange", "416"):  # (an empty object has no byte 0)
+                return bytearray()
             raise self._failed("reading", key, e) from None
+        if limit is not None and len(data) > limit:
+            total = str(answer.get("ContentRange", "")).rpartition("/")[2] or f"more than {limit}"
+            raise ValueError(f"{self.root}/{key} holds {total} bytes, more than the {limit} expected")
+        return data
 
     def list(self, prefix: str) -> dict[str, str]:
         folder, _, start = prefix.rpartition("/")
