@@ -835,3 +835,23 @@ def test_a_remote_object_longer_than_its_manifest_says_is_refused_without_downlo
     with pytest.raises(CorruptCheckpointError, match=f"holds {(8 << 20)} bytes, more than the 100 expected"):
         reader.read_object(info)
     assert sum(received) == 101
+
+
+def test_reading_a_dcp_remote_leaves_no_folder_behind(bucket, tmp_path, capsys, monkeypatch):
+    """``inspect``, ``verify`` and ``recover`` of a remote in DCP's format fetch its files into a
+    temporary folder: each removes it before it ends."""
+    import tempfile
+
+    from .conftest import call_cli
+
+    url = f"s3://{bucket}/dcp"
+    code, _, err = call_cli(capsys, "train", "--workload", "mlp", "--strategy", "checkfreq", "--steps", "4",
+                            "--dir", str(tmp_path / "a"), "--full-format", "dcp", "--remote", url)
+    assert code == 0, err
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    for args in (("inspect", url), ("verify", url), ("recover", "--dir", url)):
+        code, out, err = call_cli(capsys, *args)
+        assert code == 0, (args, err)
+        assert list(scratch.iterdir()) == [], args

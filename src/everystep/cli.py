@@ -80,7 +80,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .inventory import inspect_store
 
     store = CheckpointDirectory.open(args.dir, create=False, access="read")
-    rows = inspect_store(store)
+    try:
+        rows = inspect_store(store)
+    finally:
+        store.close()  # (a remote's: the folder its DCP files were fetched into goes)
     print(f"{store.root}: strategy {store.marker.get('strategy')}, world size {store.marker.get('world_size')}")
     if not rows:
         print("  no checkpoints")
@@ -96,8 +99,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .storage.directory import CheckpointDirectory
 
     store = CheckpointDirectory.open(args.dir, create=False, access="read")
-    rows = inspect_store(store)
-    problems = verify_store(store, rows)
+    try:
+        rows = inspect_store(store)
+        problems = verify_store(store, rows)
+    finally:
+        store.close()
     _write_json(args.json, {"directory": str(store.root), "problems": problems})
     for problem in problems:
         print(problem)

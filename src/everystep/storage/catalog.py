@@ -206,9 +206,9 @@ class Catalog:
                 self.store.delete(OBJECTS + folder, durable=False)
 
     def close(self) -> None:
-        """Release what the store keeps for the writes to come (the catalog may still be read)."""
-        if self.access != "read":
-            self.store.close()
+        """Release what the store keeps: for the writes to come, or what it fetched to read (the
+        catalog may still be read)."""
+        self.store.close()
 
     # -- for the directory above: what is stored, and what a crash left ------------------------
 
