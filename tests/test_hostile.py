@@ -713,3 +713,23 @@ def test_a_folder_of_the_directory_others_can_write_is_refused(tmp_path):
     (root / "objects").chmod(0o777)
     with pytest.raises(CheckpointDirectoryError, match="objects is writable by others"):
         _train(root, None, 4)
+
+
+def test_a_restore_refused_in_another_world_size_leaves_the_marker_as_it_was(tmp_path):
+    """A directory two ranks wrote, restored in one process by a model that does not fit: refused,
+    and its marker still says two ranks; one that fits carries it to one process, and says so."""
+    from everystep.storage.directory import MARKER, marker_bytes
+
+    root = tmp_path / "c"
+    _train(root, 0, 2)
+    marker = json.loads((root / MARKER).read_bytes())
+    marker.pop("checksum", None)
+    (root / MARKER).write_bytes(marker_bytes({**marker, "world_size": 2}))  # (as two ranks of full_sync write it)
+    before = (root / MARKER).read_bytes()
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(StateMismatchError):
+        with Checkpointer(root, model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="full_sync") as ckpt:
+            ckpt.restore()
+    assert (root / MARKER).read_bytes() == before
+    _train(root, 2, 3)
+    assert json.loads((root / MARKER).read_bytes())["world_size"] == 1

@@ -326,6 +326,8 @@ class Checkpointer:
         """Tell the strategy where training starts; S_step is what the live objects hold now."""
         if self.ranks.distributed:
             self._check_replicated()
+        if self.directory is not None:
+            self.directory.write_marker()
         self._ctx.boundary = self.components.capture_boundary()
         self.strategy.on_start(self.step)
 
@@ -482,6 +484,7 @@ class Checkpointer:
         self._restored = True  # raise once
         if self.directory is not None:
             self._refuse_unrestored_directory()
+            self.directory.write_marker()
         if self.strategy.needs_restore:
             raise EverystepError(
                 f"strategy {self.strategy.name!r} needs restore() to be called before the first step "

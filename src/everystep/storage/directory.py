@@ -138,6 +138,7 @@ class CheckpointDirectory:
         self._retention_lock = threading.Lock()
         self.created = False
         """Whether :meth:`open` made this directory an everystep directory (see :meth:`undo_create`)."""
+        self._marker_unwritten = False
 
     @property
     def root(self) -> Path:
@@ -326,8 +327,9 @@ class CheckpointDirectory:
                     f"{path} was written by {written} process(es); this run has {ranks.world} — strategy "
                     f"{strategy!r} keeps state per rank that cannot be carried to another world size"
                 )
-            directory.marker = {**marker, "world_size": ranks.world}
-            directory.put_file(MARKER, marker_bytes(directory.marker))
+            # written once training starts from what is here (:meth:`write_marker`): a run refused
+            # before then (a restore that does not fit) changes nothing
+            directory.marker, directory._marker_unwritten = {**marker, "world_size": ranks.world}, True
         return directory
 
     @staticmethod
@@ -349,6 +351,13 @@ class CheckpointDirectory:
     def put_file(self, name: str, data: bytes) -> None:
         """Write the file ``name`` beside the catalog's folders (the marker, a region's claim), atomically."""
         self.catalog.store.put(name, [data])
+
+    def write_marker(self) -> None:
+        """Write what :meth:`open` changed of the marker (the world size of a job that carries the
+        checkpoints to another), once training starts from what the directory holds."""
+        if self._marker_unwritten:
+            self.put_file(MARKER, marker_bytes(self.marker))
+            self._marker_unwritten = False
 
     def close(self) -> None:
         """Give the directory up for writing (release its lock). The store may still be read."""
