@@ -855,3 +855,25 @@ def test_reading_a_dcp_remote_leaves_no_folder_behind(bucket, tmp_path, capsys, 
         code, out, err = call_cli(capsys, *args)
         assert code == 0, (args, err)
         assert list(scratch.iterdir()) == [], args
+
+
+@pytest.mark.parametrize("forged", ["a bad skeleton", "a rank's part"])
+def test_a_newest_remote_checkpoint_that_verifies_but_is_malformed_is_passed_over_for_the_one_before(
+        tmp_path, bucket, forged):
+    """A remote manifest re-signed so that its objects still verify but it is no state: the newest's
+    skeleton replaced (a new machine resumes from the remote checkpoint before it, nothing of the
+    bad one committed in its directory), or a rank's part of a step after it (not a checkpoint:
+    the newest is taken)."""
+    import boto3
+
+    url = f"s3://{bucket}/job"
+    _job(tmp_path, tmp_path / "first", url, "checkfreq", 6)
+    steps = _remote_steps(bucket, "job")
+    s3 = boto3.client("s3")
+    real = Manifest.from_bytes(s3.get_object(Bucket=bucket, Key=f"job/manifests/full-{steps[-1]:012d}.json")["Body"].read())
+    bad = Manifest(kind="full", step=real.step, objects=real.objects, meta={**real.meta, "skeleton": 7}) \
+        if forged == "a bad skeleton" else Manifest(kind="full", step=real.step + 1, rank=1, meta=real.meta, objects={})
+    s3.put_object(Bucket=bucket, Key=f"job/manifests/{bad.name}.json", Body=bad.to_bytes())
+    (resumed,) = _job(tmp_path, tmp_path / "new", url, "checkfreq", 4)
+    assert (resumed["source"], resumed["start"]) == ("remote", steps[0] if forged == "a bad skeleton" else steps[-1])
+    assert forged == "a rank's part" or any("does not read as a state" in m for m in resumed["warned"]), resumed["warned"]

@@ -24,6 +24,7 @@ from .storage.base import Manifest, Reader, malformed
 from .storage.directory import CheckpointDirectory
 from .state import TrainingComponents
 from .tree import unflatten
+from .storage.full import read_state
 from .storage.sharded import read_parts
 
 __all__ = ["Recovered", "Link", "read_full", "read_state", "latest_full", "recover", "read_differential", "chain", "recover_chain", "common_step"]
@@ -48,20 +49,6 @@ Shards = Mapping[str, torch.Tensor] | None
 def read_full(directory: CheckpointDirectory, manifest: Manifest, *, shards: Shards = None) -> dict[str, Any]:
     """Read, verify and rebuild the state tree of a full checkpoint (``shards``: as :func:`read_state`)."""
     return read_state(directory, manifest, shards=shards)[0]
-
-
-def read_state(directory: CheckpointDirectory, manifest: Manifest, *, shards: Shards = None
-               ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """Read and verify a checkpoint that holds a whole state (a full one, or GoCkpt's spread one):
-    its state tree, all its tensors (the tree's and any others) and its meta."""
-    tensors, meta = read_parts(directory.catalog, manifest, full_format=directory.full_format, shards=shards)
-    if "skeleton" not in meta:
-        raise CorruptCheckpointError(f"manifest {manifest.name} lacks the skeleton of its state tree")
-    with malformed(f"checkpoint {manifest.name}"):
-        tree = unflatten(meta["skeleton"], tensors)
-        if not isinstance(tree, dict) or tree.get("step") != manifest.step:
-            raise ValueError(f"it holds step {tree.get('step') if isinstance(tree, dict) else None}, not {manifest.step}")
-    return tree, tensors, meta
 
 
 def latest_full(directory: CheckpointDirectory, *, shards: Shards = None) -> tuple[Manifest, dict[str, Any]] | None:

@@ -1,22 +1,26 @@
-"""Writing full checkpoints, shared by every strategy that makes them and by the checkpoint agent."""
+"""Writing full checkpoints, shared by every strategy that makes them and by the checkpoint agent,
+and reading a checkpoint that holds a whole state back, verified, as recovery and a pull from the
+remote tier do."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .base import Manifest
+from ..errors import CorruptCheckpointError
+from ..tree import unflatten
+from .base import Manifest, malformed
 from .catalog import Catalog
 
-from .sharded import RankShare, commit_parts
+from .sharded import RankShare, commit_parts, read_parts
 
 if TYPE_CHECKING:
     from .directory import CheckpointDirectory
 
-__all__ = ["write_full", "persist_full"]
+__all__ = ["write_full", "persist_full", "read_state"]
 
 _WHOLE = RankShare({}, {})
 
@@ -63,3 +67,18 @@ def persist_full(directory: "CheckpointDirectory", step: int, chunks: Iterable[m
         committed(seconds)  # before retention: what is durable is known at once
     directory.retain(keep)
     return manifest, seconds
+
+
+def read_state(directory: "CheckpointDirectory", manifest: Manifest, *,
+               shards: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """Read and verify a checkpoint that holds a whole state (a full one, or GoCkpt's spread one):
+    its state tree, all its tensors (the tree's and any others) and its meta. ``shards``: a sharded
+    job's live DTensors by key (:func:`~everystep.storage.sharded.read_parts`); None: a replicated job's."""
+    tensors, meta = read_parts(directory.catalog, manifest, full_format=directory.full_format, shards=shards)
+    if "skeleton" not in meta:
+        raise CorruptCheckpointError(f"manifest {manifest.name} lacks the skeleton of its state tree")
+    with malformed(f"checkpoint {manifest.name}"):
+        tree = unflatten(meta["skeleton"], tensors)
+        if not isinstance(tree, dict) or tree.get("step") != manifest.step:
+            raise ValueError(f"it holds step {tree.get('step') if isinstance(tree, dict) else None}, not {manifest.step}")
+    return tree, tensors, meta

@@ -67,6 +67,7 @@ from ..policy.young_daly import young_daly_interval
 from ..distributed import Ranks
 from .base import Manifest, ObjectInfo
 from .catalog import OBJECTS, Catalog
+from .full import read_state
 from .directory import MARKER, collect_garbage, marker_bytes, parse_marker
 from .uploader import UploadProcess
 
@@ -206,13 +207,34 @@ class RemoteTier:
             except BaseException as e:
                 error = e
             self.ranks.exchange("control", {}, error, what)  # every rank's share in the local directory
+            bad = None
             if self.lead:
                 try:
-                    self.directory.catalog.commit(manifest)
+                    bad = self._malformed(manifest)
+                    if bad is None:
+                        self.directory.catalog.commit(manifest)
                 except BaseException as e:
                     error = e
-            self.ranks.exchange("control", {}, error, what)  # committed, before any rank restores
-            return step
+            bad = self.ranks.exchange("control", {"bad": bad}, error, what)[0]["bad"]  # (before any rank restores)
+            if bad is None:
+                return step
+            for name in data:  # each rank its own share: nothing of it stays in the local directory
+                self.directory.catalog.delete_object(name)
+            if self.lead:
+                warnings.warn(f"the remote checkpoint of step {step} at {self.url} verifies but does not read as a "
+                              f"state ({bad}); trying the one before", RuntimeWarning, stacklevel=2)
+        return None
+
+    def _malformed(self, manifest: Manifest) -> str | None:
+        """Why the pulled checkpoint, its objects in the local directory and not yet committed there,
+        does not read as a state (its checksums prove only that its bytes are the ones it names), or
+        None. A checkpoint in DCP's format is read by every rank together at restore, not here."""
+        if manifest.meta.get("format") == "dcp":
+            return None
+        try:
+            read_state(self.directory, manifest)
+        except CorruptCheckpointError as e:
+            return str(e)
         return None
 
     def _new_object(self, info: ObjectInfo) -> bytearray:
@@ -235,7 +257,9 @@ class RemoteTier:
         return [info for info in infos if owners[info.name] == self.ranks.rank]
 
     def _fulls(self) -> list[Any]:
-        return [r for r in self.catalog.manifests() if r.manifest is not None and r.manifest.kind == "full"]
+        """The remote's full checkpoints (a rank's part of one is not one)."""
+        return [r for r in self.catalog.manifests()
+                if r.manifest is not None and r.manifest.kind == "full" and r.manifest.rank == 0]
 
     # -- uploading -------------------------------------------------------------------------------
 
