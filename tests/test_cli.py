@@ -250,3 +250,20 @@ def test_a_directory_that_cannot_be_read_is_one_line(tmp_path, capsys, monkeypat
     monkeypatch.setattr(directory.CheckpointDirectory, "open", staticmethod(denied))
     code, _, err = call_cli(capsys, *(a.format(d=d) for a in command))
     assert code == 2 and err == f"everystep: error: Permission denied: {d}\n"
+
+
+def test_warnings_of_the_ranks_are_the_commands_own_one_line_ones_naming_the_rank(tmp_path):
+    """Under ``--nproc 2`` each rank that skips a corrupt checkpoint says so as the command line's own
+    warning, naming its rank: not Python's format with a file, a line number and a source line."""
+    d = tmp_path / "c"
+    run_cli("train", "--workload", "mlp", "--strategy", "checkfreq", "--steps", "4", "--nproc", "2", "--dir", str(d),
+            check=True)
+    newest = d / "objects" / "full-000000000004-r0.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 1
+    newest.write_bytes(data)
+    done = run_cli("train", "--workload", "mlp", "--strategy", "checkfreq", "--steps", "6", "--nproc", "2",
+                   "--dir", str(d), check=True)
+    said = [line for line in done.stderr.splitlines() if "skipping the checkpoint at step 4" in line]
+    assert sorted(line.split(":")[1] for line in said) == [" warning (rank 0)", " warning (rank 1)"], done.stderr
+    assert "UserWarning" not in done.stderr and ".py:" not in done.stderr, done.stderr

@@ -12,7 +12,7 @@ from typing import Any
 
 from .cli_args import (MIB, NOT_NEGATIVE, POSITIVE, RATE, SIZE, THREADS, byte_amount, comma_list, gpu_check_parts, number,
                        option, step_list, strategy_option, whole, whole_list)
-from .errors import ConfigError, EverystepError
+from .errors import ConfigError, EverystepError, one_line_warnings
 
 __all__ = ["main"]
 
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            warnings.formatwarning = lambda msg, cat, *a, **k: f"everystep: warning: {msg}\n"  # type: ignore[assignment]
+            one_line_warnings()
             _preflight(args)
             return int(args.func(args))
     except EverystepError as e:

@@ -14,6 +14,7 @@ __all__ = [
     "PeerFailedError",
     "UnclosedCheckpointerWarning",
     "ConfigError",
+    "one_line_warnings",
 ]
 
 
@@ -79,3 +80,12 @@ class PeerFailedError(BackgroundWriteError):
 
 class UnclosedCheckpointerWarning(ResourceWarning):
     """A Checkpointer was garbage-collected without close(): work in flight may have been lost."""
+
+
+def one_line_warnings(rank: str | None = None) -> None:
+    """Print this process's warnings as the command line's own one-line ones (``everystep: warning:
+    …``, naming ``rank`` where a job has several), not Python's with a file, a line and its source."""
+    import warnings
+
+    who = f" (rank {rank})" if rank else ""
+    warnings.formatwarning = lambda message, *args, **kwargs: f"everystep: warning{who}: {message}\n"  # type: ignore[assignment]

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..checkpointer import Checkpointer
 from ..distributed import Ranks, free_port, init_process_group
-from ..errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError, EverystepError
+from ..errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError, EverystepError, one_line_warnings
 from ..recovery import recover
 from ..storage.directory import MARKER, CheckpointDirectory
 from ..tree import state_hash
@@ -429,6 +429,7 @@ def worker_argv(cfg: TrainConfig, journal: str, pending: Sequence[int] = ()) -> 
 
 def worker_main(argv: list[str]) -> int:
     _die_with_supervisor()
+    one_line_warnings(os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     spec, journal_path = json.loads(argv[0]), argv[1]
     conf = spec["config"]
     conf["fail_at"] = tuple(conf["fail_at"])
