@@ -17,7 +17,7 @@ import pytest
 
 from everystep.distributed import free_port
 from everystep.errors import CorruptCheckpointError, RemoteStoreError
-from everystep.storage.base import Manifest
+from everystep.storage.base import Manifest, checksum
 from everystep.storage.catalog import Catalog
 
 from .conftest import ROOT
@@ -324,7 +324,7 @@ def test_a_forged_remote_checkpoint_naming_the_local_objects_changes_nothing_loc
     newest step, every local object unchanged, nothing forged committed."""
     import boto3
 
-    from everystep.storage.base import ObjectInfo, checksum
+    from everystep.storage.base import ObjectInfo
 
     from .conftest import files_of
 
@@ -877,3 +877,82 @@ def test_a_newest_remote_checkpoint_that_verifies_but_is_malformed_is_passed_ove
     (resumed,) = _job(tmp_path, tmp_path / "new", url, "checkfreq", 4)
     assert (resumed["source"], resumed["start"]) == ("remote", steps[0] if forged == "a bad skeleton" else steps[-1])
     assert forged == "a rank's part" or any("does not read as a state" in m for m in resumed["warned"]), resumed["warned"]
+
+
+# -- what the bucket holds, fuzzed ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fuzz_bucket(server, tmp_path_factory):
+    """A prefix holding a small run's remote checkpoints (steps 2 and 4), and every value there."""
+    import boto3
+
+    tmp = tmp_path_factory.mktemp("fuzz-s3")
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="fuzz-bucket")
+    _job(tmp, tmp / "first", "s3://fuzz-bucket/job", "checkfreq", 4)
+    listed = s3.list_objects_v2(Bucket="fuzz-bucket", Prefix="job/")["Contents"]
+    return {o["Key"]: s3.get_object(Bucket="fuzz-bucket", Key=o["Key"])["Body"].read() for o in listed}
+
+
+def _as_made(s3, made: dict[str, bytes]) -> None:
+    """The prefix back as the run left it."""
+    for o in s3.list_objects_v2(Bucket="fuzz-bucket", Prefix="job/").get("Contents", []):
+        if o["Key"] not in made:
+            s3.delete_object(Bucket="fuzz-bucket", Key=o["Key"])
+    for key, body in made.items():
+        s3.put_object(Bucket="fuzz-bucket", Key=key, Body=body)
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from .test_hostile import _JSON, _paths, _replace  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_value_in_any_field_of_what_the_bucket_holds_ends_in_a_fallback_or_one_clear_error(fuzz_bucket, data):
+    """A field of a remote manifest, of the prefix's marker or of its lock replaced by a random JSON
+    value (a manifest and the marker re-signed): recovering from the URL, or taking its lock, ends in
+    one of the run's steps or nothing, or in one EverystepError — never another exception, never a
+    wait past the lease, never a line of the lock's printed as it is."""
+    import warnings
+
+    import boto3
+
+    from everystep.errors import EverystepError
+    from everystep.eval.train import recover_run
+    from everystep.storage.directory import marker_bytes
+    from everystep.storage.remote import RemoteLock
+
+    s3 = boto3.client("s3")
+    _as_made(s3, fuzz_bucket)
+    key = data.draw(st.sampled_from(sorted(k for k in fuzz_bucket if "/manifests/" in k)
+                                    + ["job/everystep.json", "job/writer.lock"]), label="value")
+    body = json.loads(fuzz_bucket[key]) if key != "job/writer.lock" else {"holder": "h", "host": "a", "pid": 1, "renewals": 0}
+    body.pop("checksum", None)
+    path = data.draw(st.sampled_from([p for p in _paths(body) if p]), label="field")
+    edited = _replace(body, path, data.draw(_JSON, label="new value"))
+    if "/manifests/" in key:
+        raw = json.dumps(edited, sort_keys=True, separators=(",", ":")).encode()
+        edited["checksum"] = checksum(raw)
+        s3.put_object(Bucket="fuzz-bucket", Key=key, Body=json.dumps(edited).encode())
+    elif key.endswith("everystep.json"):
+        s3.put_object(Bucket="fuzz-bucket", Key=key, Body=marker_bytes(edited) if isinstance(edited, dict) else b"[]")
+    else:
+        s3.put_object(Bucket="fuzz-bucket", Key=key, Body=json.dumps(edited).encode())
+    if key.endswith("writer.lock"):
+        t0 = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            RemoteLock(S3Store("s3://fuzz-bucket/job"), "s3://fuzz-bucket/job", lease=0.3).release()
+        assert time.monotonic() - t0 < 0.3 + 0.5 + 5
+        assert all("\n" not in str(w.message) and "\x1b" not in str(w.message) for w in caught)
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = recover_run("s3://fuzz-bucket/job")
+    except EverystepError:
+        return
+    assert found["step"] in (0, 2, 4), found
