@@ -715,7 +715,7 @@ def test_a_stale_lock_whose_age_cannot_be_read_is_taken_over_after_one_lease_at_
     import datetime
     import warnings
 
-    from everystep.storage.remote import LOCK_KEY, RemoteLock
+    from everystep.storage.remote_lock import LOCK_KEY, RemoteLock
 
     url = f"s3://{bucket}/job"
     store = S3Store(url)
@@ -746,7 +746,7 @@ def test_a_forged_lock_prints_no_control_characters(bucket):
     them escaped, on one line."""
     import warnings
 
-    from everystep.storage.remote import LOCK_KEY, RemoteLock
+    from everystep.storage.remote_lock import LOCK_KEY, RemoteLock
 
     url = f"s3://{bucket}/job"
     store = S3Store(url)
@@ -923,7 +923,7 @@ def test_any_value_in_any_field_of_what_the_bucket_holds_ends_in_a_fallback_or_o
     from everystep.errors import EverystepError
     from everystep.eval.train import recover_run
     from everystep.storage.directory import marker_bytes
-    from everystep.storage.remote import RemoteLock
+    from everystep.storage.remote_lock import RemoteLock
 
     s3 = boto3.client("s3")
     _as_made(s3, fuzz_bucket)

@@ -326,8 +326,7 @@ class Checkpointer:
         """Tell the strategy where training starts; S_step is what the live objects hold now."""
         if self.ranks.distributed:
             self._check_replicated()
-        if self.directory is not None:
-            self.directory.write_marker()
+        self.directory.write_marker()  # (only restore() starts so: there is a directory)
         self._ctx.boundary = self.components.capture_boundary()
         self.strategy.on_start(self.step)
 
@@ -479,8 +478,7 @@ class Checkpointer:
         self.strategy.before_layer_update(self.step + 1, params)
 
     def _start_unrestored(self) -> None:
-        """The first step comes without restore(): allowed into an empty directory, for a strategy
-        that does not record its starting state."""
+        """The first step, without restore(): allowed into an empty directory, for a strategy that records no start."""
         self._restored = True  # raise once
         if self.directory is not None:
             self._refuse_unrestored_directory()

@@ -261,7 +261,7 @@ class CheckpointDirectory:
         """The pid of the process that holds ``root`` for writing (0 if it cannot be told), or None
         when no process does. Creates nothing: a reader may ask."""
         if str(root).startswith("s3://"):
-            from .remote import LOCK_KEY
+            from .remote_lock import LOCK_KEY
             from .s3 import S3Store
 
             return None if S3Store(str(root), access="read").age(LOCK_KEY) is None else 0
