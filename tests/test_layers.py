@@ -105,3 +105,33 @@ def test_tools_read_storage_without_knowing_a_strategy():
     assert not [t for t, _ in _imports(PACKAGE / "inventory.py") if t.startswith("everystep.strategies")]
     driver = [t for t, _ in _imports(PACKAGE / "eval" / "train.py") if t.startswith("everystep.strategies")]
     assert driver and set(driver) == {"everystep.strategies"}, driver
+
+
+def test_no_module_of_a_package_imports_one_that_imports_it_back():
+    """No cycle between the modules of one package (``storage/directory`` ↔ ``storage/remote``,
+    ``storage/dcp`` ↔ ``storage/sharded`` were two), a lazy import inside a function included."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name.rsplit(".", 1)[0]
+        for target, names in _imports(path):
+            for found in (target, *(f"{target}.{n}" for n in names)):
+                if found in modules and found != name and found.rsplit(".", 1)[0] == package != "everystep":
+                    edges.setdefault(name, set()).add(found)
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            here = todo.pop()
+            if here == goal:
+                return True
+            if here not in seen:
+                seen.add(here)
+                todo.extend(edges.get(here, ()))
+        return False
+
+    cycles = sorted(f"{a} -> {b} -> … -> {a}" for a in edges for b in edges[a] if reaches(b, a))
+    assert not cycles, cycles

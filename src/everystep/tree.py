@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 __all__ = ["flatten", "unflatten", "check_skeleton", "state_hash", "state_error", "storage_key", "local_shard",
-           "union_optimizer_state", "dtensor_class", "OPTIMIZER_STATE", "OPTIMIZER_STATE_ENTRY", "MAX_DEPTH"]
+           "union_optimizer_state", "merged_meta", "dtensor_class", "OPTIMIZER_STATE", "OPTIMIZER_STATE_ENTRY", "MAX_DEPTH"]
 
 
 def dtensor_class() -> type | None:
@@ -253,3 +253,13 @@ def state_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float
             num += float((a[k].double() - t.double()).square().sum())
             den += float(t.double().square().sum())
     return math.sqrt(num / den) if den else 0.0
+
+
+def merged_meta(parts: list[dict[str, Any]], mine: int, other_world: bool) -> dict[str, Any]:
+    """The meta of a sharded checkpoint's part ``mine``; read at another world size than the
+    writer's, its skeleton holds every part's optimizer state (:func:`union_optimizer_state`)."""
+    meta = parts[mine]["meta"]
+    if not other_world or not isinstance(meta, dict) or "skeleton" not in meta:
+        return meta
+    others = [p["meta"].get("skeleton") for p in parts if isinstance(p.get("meta"), dict)]
+    return {**meta, "skeleton": union_optimizer_state(meta["skeleton"], others)}

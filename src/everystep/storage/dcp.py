@@ -39,7 +39,7 @@ from ..errors import CorruptCheckpointError
 from ..parallelism import shard_like
 from .base import CHECKSUM_ALGORITHM, Manifest, ObjectInfo, new_hasher
 from .catalog import Catalog
-from .sharded import merged_meta
+from ..tree import merged_meta
 from .tensorfile import CHUNK
 
 __all__ = ["write_dcp", "read_dcp", "load_metadata", "DCP_SUFFIX"]

@@ -36,7 +36,7 @@ from .catalog import Catalog
 from ..layout import TensorLayout
 from ..parallelism import ShardBox, shard_box, shard_like
 from .tensorfile import load_tensors, tensor_chunks
-from ..tree import OPTIMIZER_STATE, union_optimizer_state
+from ..tree import OPTIMIZER_STATE, merged_meta
 
 __all__ = ["RankShare", "commit_parts", "commit_tensors", "commit_written", "read_parts", "write_part"]
 
@@ -373,16 +373,6 @@ def _as_shards(tensors: dict[str, torch.Tensor], shards: Mapping[str, torch.Tens
         if like is not None and list(like.shape) == list(t.shape):
             boxes.add(key, [0] * t.dim(), t, list(t.shape))
     return {**tensors, **boxes.finish()}
-
-
-def merged_meta(parts: list[dict[str, Any]], mine: int, other_world: bool) -> dict[str, Any]:
-    """The meta of part ``mine``; read at another world size than the writer's, its skeleton holds
-    every part's optimizer state (:func:`~everystep.tree.union_optimizer_state`)."""
-    meta = parts[mine]["meta"]
-    if not other_world or not isinstance(meta, dict) or "skeleton" not in meta:
-        return meta
-    others = [p["meta"].get("skeleton") for p in parts if isinstance(p.get("meta"), dict)]
-    return {**meta, "skeleton": union_optimizer_state(meta["skeleton"], others)}
 
 
 def _check_parts(parts: Any) -> list[dict[str, Any]]:
