@@ -224,8 +224,6 @@ class Checkpointer:
         self._closed = False
 
     def _remote(self, url: Any, every: int | None, mtbf: float, lease: float) -> RemoteTier:
-        if not isinstance(url, str) or not url.startswith("s3://"):
-            raise ConfigError(f"remote must be an s3://bucket/prefix URL, got {url!r}")
         if self.directory is None:
             raise ConfigError(f"strategy {self.strategy.name!r} stores nothing: it takes no remote")
         return RemoteTier(url, self.directory, every=every, mtbf=mtbf, keep=self.strategy.config.keep,

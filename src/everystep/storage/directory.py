@@ -32,6 +32,7 @@ from typing import Any
 from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError, DirectoryInUseError
 from .base import Access, Manifest, ManifestRecord, checksum
+from .s3 import is_url
 from .catalog import MANIFESTS, OBJECTS, Catalog
 from .local import LocalStore, fsync_dir
 from .retention import plan_retention
@@ -188,7 +189,7 @@ class CheckpointDirectory:
         ranks = ranks or Ranks()
         if access not in ("write", "shared", "read"):
             raise ValueError(f"access must be 'write', 'shared' or 'read', got {access!r}")
-        if str(root).startswith("s3://"):
+        if is_url(str(root)):
             return cls._open_remote(str(root), access)
         path = Path(root)
         if path.exists() and not path.is_dir():
@@ -206,7 +207,7 @@ class CheckpointDirectory:
     @property
     def remote(self) -> bool:
         """Whether this is a remote tier's prefix (``s3://…``: full checkpoints only, read only)."""
-        return str(self.root).startswith("s3://")
+        return is_url(str(self.root))
 
     @classmethod
     def _open_remote(cls, url: str, access: Access) -> "CheckpointDirectory":
@@ -260,7 +261,7 @@ class CheckpointDirectory:
     def owner(root: str | os.PathLike[str]) -> int | None:
         """The pid of the process that holds ``root`` for writing (0 if it cannot be told), or None
         when no process does. Creates nothing: a reader may ask."""
-        if str(root).startswith("s3://"):
+        if is_url(str(root)):
             from .remote_lock import LOCK_KEY
             from .s3 import S3Store
 

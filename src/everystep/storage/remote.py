@@ -78,8 +78,10 @@ class RemoteTier:
 
     def __init__(self, url: str, directory: "CheckpointDirectory", *, every: int | None, mtbf: float, keep: int,
                  store: Any = None, uploaded: Callable[[int], None] | None = None, lease: float = 60.0) -> None:
-        from .s3 import S3Store, parse_url
+        from .s3 import S3Store, is_url, parse_url
 
+        if not is_url(url):
+            raise ConfigError(f"remote must be an s3://bucket/prefix URL, got {url!r}")
         if every is not None and (type(every) is not int or every < 1):
             raise ConfigError(f"remote_every must be a positive number of steps or None, got {every!r}")
         for name, value in (("remote_mtbf", mtbf), ("remote_lease", lease)):
