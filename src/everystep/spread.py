@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import CorruptCheckpointError
-from .recovery import read_state
+from .storage.full import read_state
 from .replay import optimizer_like, replay_step
 from .storage.base import Manifest, malformed
+from .storage.retention import SPREAD_KIND
 from .storage.sharded import RankShare, commit_parts, commit_tensors
 
 if TYPE_CHECKING:
@@ -26,9 +27,6 @@ if TYPE_CHECKING:
     from .storage.directory import CheckpointDirectory
 
 __all__ = ["SPREAD_KIND", "write_spread", "read_spread", "bring_forward"]
-
-SPREAD_KIND = "spread"
-"""The manifest kind of a checkpoint whose parts are brought forward at recovery."""
 
 
 def write_spread(catalog: "Catalog", step: int, state: dict[str, torch.Tensor], skeleton: Any, replicated: set[str], *,

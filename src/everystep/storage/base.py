@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..distributed import Ranks
 
 __all__ = ["malformed", "MALFORMED", "refuse_constant", "ObjectInfo", "Manifest", "check_object_name", "check_manifest_name",
-           "MAX_STEP", "ManifestRecord", "Store", "Reader", "Access", "new_hasher", "checksum", "CHECKSUM_ALGORITHM",
+           "manifest_name", "MAX_STEP", "ManifestRecord", "Store", "Reader", "Access", "new_hasher", "checksum", "CHECKSUM_ALGORITHM",
            "read_verified"]
 
 Access = Literal["write", "shared", "read"]
@@ -81,8 +81,7 @@ class Manifest:
 
     @property
     def name(self) -> str:
-        suffix = f"-r{self.rank}" if self.rank else ""
-        return f"{self.kind}-{self.step:012d}{suffix}"
+        return manifest_name(self.kind, self.step, self.rank)
 
     @property
     def nbytes(self) -> int:
@@ -172,6 +171,11 @@ def read_verified(store: "Store", key: str, info: ObjectInfo, where: str) -> byt
     if f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}" != info.checksum:
         raise CorruptCheckpointError(f"object {where} fails its checksum (corrupted on storage?)")
     return data
+
+
+def manifest_name(kind: str, step: int, rank: int = 0) -> str:
+    """The name of the manifest of ``kind`` for ``step`` (a rank's part of it: ``rank``), as stored."""
+    return f"{kind}-{step:012d}" + (f"-r{rank}" if rank else "")
 
 
 def check_object_name(name: str) -> str:

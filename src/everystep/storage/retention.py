@@ -6,9 +6,12 @@ from collections.abc import Collection
 
 from .base import Manifest
 
-__all__ = ["plan_retention", "POINTS"]
+__all__ = ["plan_retention", "POINTS", "SPREAD_KIND"]
 
-POINTS = ("full", "spread")
+SPREAD_KIND = "spread"
+"""The manifest kind of a checkpoint whose parts are brought forward at recovery (GoCkpt's; :mod:`everystep.spread`
+writes and reads it)."""
+POINTS = ("full", SPREAD_KIND)
 """Kinds of checkpoint that recover on their own (a ``spread`` one: GoCkpt's parts with their
 gradients); the other kinds are differentials on top of one."""
 

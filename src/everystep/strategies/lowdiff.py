@@ -32,7 +32,7 @@ from ..policy.interval import due
 from ..recovery import Link, Recovered
 from ..replay import Replayer, StepRecord
 from ..state import check_group_settings, group_scalars
-from ..storage.base import malformed
+from ..storage.base import malformed, manifest_name
 from ..storage.sharded import RankShare, commit_tensors
 from .base import StrategyConfig
 from .differential import Differential
@@ -192,7 +192,7 @@ class LowDiff(Differential):
         share = RankShare.of(tensors, replicated, self.ctx.catalog.ranks)  # the share this rank writes
         commit_tensors(
             self.ctx.catalog, "diff", kind="diff", step=last, tensors=tensors, share=share,
-            replicated=replicated, requires=(f"full-{base:012d}",),
+            replicated=replicated, requires=(manifest_name("full", base),),
             rank_meta={"end": end_skeleton},
             meta={"base": base, "first": first, "last": last, "steps": steps_meta, "compression": self.compression.spec,
                   "summed": self.config.sum_linear},

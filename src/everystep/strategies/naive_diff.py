@@ -28,6 +28,7 @@ from ..background import Worker
 from ..errors import ConfigError
 from ..recovery import Link, Recovered
 from ..tree import flatten, state_error
+from ..storage.base import manifest_name
 from ..storage.sharded import commit_tensors
 from .base import StrategyConfig
 from .differential import Differential
@@ -95,7 +96,7 @@ class NaiveDiff(Differential):
     def _write(self, base: int, step: int, tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
         assert self.ctx.catalog is not None
         commit_tensors(self.ctx.catalog, "diff", kind="ndiff", step=step, tensors=tensors,
-                       replicated={k for k in tensors if k.startswith("d/")}, requires=(f"full-{base:012d}",),
+                       replicated={k for k in tensors if k.startswith("d/")}, requires=(manifest_name("full", base),),
                        meta={"base": base}, rank_meta={"end": end_skeleton})
         self.ctx.record_durable(step)
         self.ctx.directory.retain(self.config.keep)
