@@ -272,6 +272,12 @@ class StrategyContext:
         return self.directory.full_format if self.directory is not None else "safetensors"
 
     @property
+    def splits_replicated(self) -> bool:
+        """Whether this rank writes its share of the replicated tensors' elements (everystep's own
+        format); DCP spreads whole replicated tensors over the ranks itself."""
+        return self.full_format != "dcp"
+
+    @property
     def device(self) -> torch.device:
         """Where training runs: the device of the optimizer's first parameter (the CPU without one)."""
         for group in self.components.optimizer.param_groups:
@@ -352,7 +358,7 @@ class StrategyContext:
     def full_share(self, step: int) -> tuple[RankShare, Any]:
         """The tensors of S_step this rank writes (all of them in a single process), and the skeleton."""
         tensors, skeleton = self.flatten_state(step)
-        split = self.full_format != "dcp"  # DCP spreads whole replicated tensors over the ranks itself
+        split = self.splits_replicated
         return RankShare.of(tensors, self.replicated_keys(tensors, alone=not split), self.ranks, split=split,
                             sharded=self._sharded), skeleton
 

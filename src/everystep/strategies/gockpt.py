@@ -409,7 +409,7 @@ class GoCkpt(Strategy):
         if any(f.exception() is not None for f in (*spread.applied, *spread.gradient_copies)):
             assert self.ctx.catalog is not None
             failed = EverystepError(f"the checkpoint of step {step} was not reconstructed: applying the gradients failed")
-            share = RankShare.of(live, replicated, self.ctx.ranks, split=self.ctx.full_format != "dcp", sharded=sharded)
+            share = RankShare.of(live, replicated, self.ctx.ranks, split=self.ctx.splits_replicated, sharded=sharded)
             write_full(self.ctx.catalog, step, None, skeleton, share=share, error=failed)  # raises, on every rank
         self.reconstruct_seconds.append(sum(spread.apply_seconds))
         crash_point("gockpt.reconstructed")
@@ -450,7 +450,7 @@ class GoCkpt(Strategy):
     def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replicated: set[str],
                  sharded: dict[str, torch.Tensor]) -> None:
         assert self.ctx.catalog is not None and self.ctx.directory is not None
-        split = self.ctx.full_format != "dcp"
+        split = self.ctx.splits_replicated
         share = RankShare.of(tensors, replicated, self.ctx.ranks, split=split, sharded=sharded)
         self.ctx.persist(step, share.local, skeleton, share=share, keep=self.config.keep)
 

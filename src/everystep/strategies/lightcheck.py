@@ -457,7 +457,7 @@ class LightCheck(Strategy):
     def _persist(self, step: int, writer: SlotWriter, skeleton: Any, order: _CopyOrder) -> None:
         """Copy the committed slot to a host buffer (waiting while the previous persist writes),
         then write it to the directory in the background."""
-        shard = RankShare.of(writer.views, set(order.replicated), self.ctx.ranks, split=self.ctx.full_format != "dcp",
+        shard = RankShare.of(writer.views, set(order.replicated), self.ctx.ranks, split=self.ctx.splits_replicated,
                              sharded=order.sharded)
         buffer = self._staging.acquire(TensorLayout.of(shard.local))
         try:
