@@ -443,8 +443,11 @@ class Strategy:
 
     def _due(self, step: int, final: bool) -> bool:
         """Whether a checkpoint of ``step`` is due — every ``config.every`` steps, and the final one —
-        and not taken already (the strategy sets ``_taken`` once it takes it)."""
-        return step != self._taken and due(step, self.config.every, final=final)
+        and not taken already; one that is due counts as taken from here (the caller takes it)."""
+        if step == self._taken or not due(step, self.config.every, final=final):
+            return False
+        self._taken = step
+        return True
 
     def attach(self, ctx: StrategyContext) -> None:
         if self._phase != "new":

@@ -178,7 +178,6 @@ class Checkflow(Strategy):
         self._step_started = time.perf_counter()
         if not self._due(step, final):
             return
-        self._taken = step
         share, skeleton = self.ctx.full_share(step)
         tensors = share.local
         buffer = self._pool.acquire(TensorLayout.of(tensors))

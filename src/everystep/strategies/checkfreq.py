@@ -105,7 +105,7 @@ class CheckFreq(Strategy):
         staging = self._snapshotter.submit("snapshot", self._take_snapshot, buffer, tensors, stable_keys, volatile)
         self._persister.post(f"background write of the checkpoint at step {step}", self._persist, step, staging, buffer,
                              skeleton, share)
-        self._staging, self._taken = staging, step
+        self._staging = staging
         if final or not self.overlap:
             self._wait_snapshot()
 

@@ -24,4 +24,3 @@ class FullSync(Strategy):
             return
         share, skeleton = self.ctx.full_share(step)
         self.ctx.persist(step, share.local, skeleton, share=share, keep=self.config.keep)
-        self._taken = step

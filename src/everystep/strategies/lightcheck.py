@@ -292,7 +292,6 @@ class LightCheck(Strategy):
     def _on_state_ready(self, step: int, final: bool) -> None:
         if not self._due(step, final):
             return
-        self._taken = step
         copy = _Copy(step, final, frozen=self._freeze())
         if self._on_cuda():
             if self._stream is None:
