@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .cli_args import (MIB, NOT_NEGATIVE, POSITIVE, RATE, SIZE, THREADS, byte_amount, comma_list, gpu_check_parts, number,
+from .cli_args import (MIB, NOT_NEGATIVE, POSITIVE, RATE, SIZE, THREADS, byte_amount, comma_list, gpu_check_parts,
                        option, step_list, strategy_option, whole, whole_list)
 from .errors import ConfigError, EverystepError, one_line_warnings
 

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from .._faults import crash_point
 from ..distributed import Ranks
-from ..errors import CorruptCheckpointError, ReadOnlyStoreError
+from ..errors import ReadOnlyStoreError
 from .base import (
     CHECKSUM_ALGORITHM,
     Access,
