@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_args import (MIB, NOT_NEGATIVE, POSITIVE, RATE, SIZE, THREADS, byte_amount, comma_list, gpu_check_parts,
-                       option, step_list, strategy_option, whole, whole_list)
+                       one_line, option, preflight, step_list, strategy_option, whole, whole_list)
 from .errors import ConfigError, EverystepError, one_line_warnings
 
 __all__ = ["main"]
@@ -448,48 +448,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _preflight(args: argparse.Namespace) -> None:
-    """What can be refused before any work: a file that could not be written at the end (a run's
-    summary would be lost), a figure that could not be drawn."""
-    for flag in ("json", "plot"):
-        path = getattr(args, flag, None)
-        if path:
-            problem = _unwritable(Path(path))
-            if problem:
-                raise ConfigError(f"--{flag} {path}: {problem}")
-    out = getattr(args, "out", None)
-    if out:
-        problem = _unwritable(Path(out) / "report")
-        if problem:
-            raise ConfigError(f"--out {out}: {problem}")
-    if getattr(args, "plot", None):
-        from .eval.plotting import check_plotting
-
-        check_plotting()
-
-
-def _unwritable(path: Path) -> str | None:
-    """Why ``path`` could not be written (its folders made as needed), or None."""
-    if path.is_dir():
-        return "is a folder"
-    if path.exists():
-        return None if os.access(path, os.W_OK) else "cannot be written (permission denied)"
-    folder = path.parent
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        return f"{folder} is not a folder"
-    return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} cannot be written (permission denied)"
-
-
-def _one_line(e: BaseException) -> str:
-    """An error's message on one line (a message that quotes another tool's traceback keeps its last line)."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    if len(lines) <= 1:
-        return lines[0] if lines else type(e).__name__
-    return f"{lines[0]} … {lines[-1]}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -497,10 +455,10 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             one_line_warnings()
-            _preflight(args)
+            preflight(args)
             return int(args.func(args))
     except EverystepError as e:
-        print(f"everystep: error: {_one_line(e)}", file=sys.stderr)
+        print(f"everystep: error: {one_line(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # a file or folder that cannot be read or written: the system's own words
         where = f": {e.filename}" if e.filename and str(e.filename) not in str(e.strerror) else ""

@@ -1,13 +1,18 @@
-"""The types of the command line's values: each parses one flag's text, or says what is wrong with it."""
+"""The types of the command line's values: each parses one flag's text, or says what is wrong with it;
+what can be refused before any work (:func:`preflight`); an error's message on one line."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+from pathlib import Path
 from typing import Any
 
-__all__ = ["step_list", "whole", "THREADS", "number", "POSITIVE", "NOT_NEGATIVE", "byte_amount", "RATE", "SIZE", "MIB", "comma_list", "whole_list", "option", "strategy_option", "gpu_check_parts"]
+from .errors import ConfigError
+
+__all__ = ["step_list", "whole", "THREADS", "number", "POSITIVE", "NOT_NEGATIVE", "byte_amount", "RATE", "SIZE", "MIB", "comma_list", "whole_list", "option", "strategy_option", "gpu_check_parts", "preflight", "one_line"]
 
 
 def step_list(text: str) -> tuple[int, ...]:
@@ -126,3 +131,45 @@ def gpu_check_parts(text: str) -> tuple[str, ...]:
     if unknown or not chosen:
         raise argparse.ArgumentTypeError(f"expected some of {','.join(PARTS)}; got {text!r}")
     return chosen
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """What can be refused before any work: a file that could not be written at the end (a run's
+    summary would be lost), a figure that could not be drawn."""
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        if path:
+            problem = _unwritable(Path(path))
+            if problem:
+                raise ConfigError(f"--{flag} {path}: {problem}")
+    out = getattr(args, "out", None)
+    if out:
+        problem = _unwritable(Path(out) / "report")
+        if problem:
+            raise ConfigError(f"--out {out}: {problem}")
+    if getattr(args, "plot", None):
+        from .eval.plotting import check_plotting
+
+        check_plotting()
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why ``path`` could not be written (its folders made as needed), or None."""
+    if path.is_dir():
+        return "is a folder"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "cannot be written (permission denied)"
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} cannot be written (permission denied)"
+
+
+def one_line(e: BaseException) -> str:
+    """An error's message on one line (a message that quotes another tool's traceback keeps its last line)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else type(e).__name__
+    return f"{lines[0]} … {lines[-1]}"
