@@ -204,10 +204,12 @@ start = ckpt.restore()
 for step in range(start + 1, steps + 1):
     w.loss(w.data.next()).backward()
     w.update()
-    if step == kill_at:  # the host is lost after this step: its processes, its disk; the kill is armed after
-        # the newest checkpoint went up, so that what a new machine must resume from is known
+    if step in (kill_at - 2, kill_at):  # the host is lost after step kill_at: its processes, its disk; the kill
+        # is armed after the newest checkpoint went up, so that what a new machine must resume from is known
+        # (and an older one went up two steps before, which a pull must not take instead)
         ckpt.wait()
         ckpt.remote.flush()
+    if step == kill_at:
         if rank == 0:  # rank 0 kills them all (the others wait for it in their next step's collectives)
             with open(f"{local}.lost.json", "w") as f:
                 json.dump({"remote_step": ckpt.stats.last_remote_step}, f)
