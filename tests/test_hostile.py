@@ -447,6 +447,40 @@ def test_any_value_in_any_manifest_field_ends_in_a_fallback_or_one_clear_error(t
     assert (root.parent / "victim").read_bytes() == b"keep me"
 
 
+def test_a_spread_chunk_resigned_to_another_range_is_a_fallback_not_a_crash(tmp_path_factory, fuzz_dirs):
+    """A case the fuzzer found: a spread checkpoint's chunk re-signed to start elsewhere, so that the
+    gradients it holds no longer fit it: skipped for the checkpoint before, not a RuntimeError."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("chunk") / "c"
+    made, hashes = fuzz_dirs["gockpt"]
+    shutil.copytree(made, root, symlinks=True)
+    name = "spread-000000000004.json"
+    body = json.loads((root / "manifests" / name).read_text())
+    x = next(x for x, chunk in enumerate(body["meta"]["spread"]["chunks"]) if chunk[2] > 0)  # one inside its parameter
+    _resign(root, name, _replace(body, ("meta", "spread", "chunks", x, 2), 0))  # made to start at 0: longer
+    result = _restore_after(root, "gockpt")
+    assert isinstance(result, tuple) and result[1] == hashes[result[0]], result
+
+
+@pytest.mark.parametrize("field, value", [("capturable", True), ("betas", [True, 0.999])])
+def test_a_spread_update_resigned_with_settings_its_optimizer_refuses_is_a_fallback_not_a_crash(
+        tmp_path_factory, fuzz_dirs, field, value):
+    """Cases the fuzzer found: an update's settings in a spread checkpoint re-signed so that AdamW
+    refuses to replay it (capturable on the CPU; a beta of 1, a division by zero): the checkpoint
+    is skipped for the one before, not an AssertionError or a ZeroDivisionError."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("settings") / "c"
+    made, hashes = fuzz_dirs["gockpt"]
+    shutil.copytree(made, root, symlinks=True)
+    name = "spread-000000000004.json"
+    body = json.loads((root / "manifests" / name).read_text())
+    _resign(root, name, _replace(body, ("meta", "spread", "records", 0, "groups", 0, field), value))
+    result = _restore_after(root, "gockpt")
+    assert isinstance(result, tuple) and result[0] < 4 and result[1] == hashes[result[0]], result
+
+
 @pytest.fixture(scope="module")
 def fuzz_region(tmp_path_factory):
     """A region of the mlp's first 4 steps, and the hash of the run's state at each step."""

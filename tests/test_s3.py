@@ -885,7 +885,8 @@ def test_a_newest_remote_checkpoint_that_verifies_but_is_malformed_is_passed_ove
 
 @pytest.fixture(scope="module")
 def fuzz_bucket(server, tmp_path_factory):
-    """A prefix holding a small run's remote checkpoints (steps 2 and 4), and every value there."""
+    """A prefix holding a small run's remote checkpoints (the final one, step 4, and one before it), and
+    every value there."""
     import boto3
 
     tmp = tmp_path_factory.mktemp("fuzz-s3")
@@ -957,4 +958,5 @@ def test_any_value_in_any_field_of_what_the_bucket_holds_ends_in_a_fallback_or_o
             found = recover_run("s3://fuzz-bucket/job")
     except EverystepError:
         return
-    assert found["step"] in (0, 2, 4), found
+    made = {int(k.rsplit("-", 1)[1][:12]) for k in fuzz_bucket if "/manifests/" in k}  # (as the uploads fell due)
+    assert found["step"] in {0, *made}, (found, made)

@@ -129,6 +129,11 @@ def bring_forward(optimizer: torch.optim.Optimizer, trained: dict[str, tuple[int
                     value = value.to(device=held[name].device, dtype=held[name].dtype)
                 state[name] = value
             states.append(state)
+    for record in description["records"]:  # each gradient the length of its chunk, before any is applied
+        for x in record["chunks"]:
+            grad = tensors[f"spread/grad/{record['step']}/{x}"]
+            if not 0 <= x < len(views) or grad.numel() != views[x].numel():
+                raise ValueError(f"its gradient {x} of step {record['step']} does not fit the chunk it names")
     group_of = [params[i][1]["group"] for _, i, _, _ in chunks]
     for record in description["records"]:
         j = record["step"] - description["start"]  # parts 1..j were copied before this update
@@ -137,9 +142,13 @@ def bring_forward(optimizer: torch.optim.Optimizer, trained: dict[str, tuple[int
         made = optimizer_like(optimizer, {g: [(views[x], states[x]) for x in active if group_of[x] == g]
                                           for g in groups})
         present = set(record["chunks"])
-        replay_step(made, [record["groups"][g] for g in groups],
-                    ((views[x], tensors[f"spread/grad/{record['step']}/{x}"].to(views[x].device) if x in present
-                      else None) for x in active))
+        try:  # (the copy read from storage, not the live state: a replay that fails leaves nothing behind)
+            replay_step(made, [record["groups"][g] for g in groups],
+                        ((views[x], tensors[f"spread/grad/{record['step']}/{x}"].to(views[x].device) if x in present
+                          else None) for x in active))
+        except (AssertionError, ArithmeticError, RuntimeError) as e:  # settings the optimizer refuses to step with
+            raise CorruptCheckpointError(f"{what}: its update of step {record['step']} does not replay "
+                                         f"({type(e).__name__}: {e})") from None
     for x, (_, i, _, _) in enumerate(chunks):
         _, d = params[i]
         for name in d["whole"]:
