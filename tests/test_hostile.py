@@ -418,7 +418,7 @@ def _restore_after(root: Path, strategy: str):
 
 
 @pytest.mark.parametrize("strategy", sorted(_FUZZED))
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_value_in_any_manifest_field_ends_in_a_fallback_or_one_clear_error(tmp_path_factory, fuzz_dirs, strategy,
                                                                                data):
@@ -496,7 +496,7 @@ def fuzz_region(tmp_path_factory):
     return root, hashes
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_value_in_any_region_metadata_field_falls_back_to_the_older_slot(tmp_path_factory, fuzz_region, data):
     """Every field of the newest slot's metadata replaced by a random JSON value, its digests

@@ -912,7 +912,7 @@ from hypothesis import strategies as st  # noqa: E402
 from .test_hostile import _JSON, _paths, _replace  # noqa: E402
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_value_in_any_field_of_what_the_bucket_holds_ends_in_a_fallback_or_one_clear_error(fuzz_bucket, data):
     """A field of a remote manifest, of the prefix's marker or of its lock replaced by a random JSON
