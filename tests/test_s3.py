@@ -489,8 +489,9 @@ def test_a_server_that_goes_away_is_reported_once_training_goes_on_and_uploads_r
 def test_an_upload_slower_than_the_steps_keeps_its_checkpoint_from_retention_and_goes_up_whole(
         bucket, tmp_path, monkeypatch):
     """Retention keeps one checkpoint, and each step commits a new one; the upload of one takes longer
-    than several steps (its object is held in the upload process until the test has seen six steps
-    committed, a slow link): the checkpoint it uploads is kept until it is up, then goes."""
+    than several steps (its object is held in the upload process, a slow link, until the test has
+    seen four more steps committed after the upload began): the checkpoint it uploads is kept until
+    it is up, then goes."""
     import warnings
 
     from everystep import Checkpointer
@@ -505,14 +506,21 @@ def test_an_upload_slower_than_the_steps_keeps_its_checkpoint_from_retention_and
         with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", keep=1, remote=url,
                           remote_every=2) as ckpt:
             ckpt.restore()
-            for _ in range(6):
-                w.loss(w.data.next()).backward()
-                w.update()
-            ckpt.wait()
-            assert ckpt.stats.last_remote_step == -1  # still going up
-            local = sorted(p.name for p in (tmp_path / "c" / "manifests").iterdir())
-            assert len(local) == 2 and local[1] == f"full-{ckpt.stats.last_durable_step:012d}.json", local  # and one going up
-            gate.touch()
+            pinned, steps = tmp_path / "c" / "pinned.json", 0
+            try:
+                while not pinned.exists() and steps < 50:  # until an upload has begun (it pins its checkpoint)
+                    w.loss(w.data.next()).backward()
+                    w.update()
+                    steps += 1
+                for _ in range(4):
+                    w.loss(w.data.next()).backward()
+                    w.update()
+                ckpt.wait()
+                assert pinned.exists() and ckpt.stats.last_remote_step == -1  # still going up
+                local = sorted(p.name for p in (tmp_path / "c" / "manifests").iterdir())
+                assert len(local) == 2 and local[1] == f"full-{ckpt.stats.last_durable_step:012d}.json", local  # and one going up
+            finally:
+                gate.touch()  # (a failed check above must not leave the upload held, and the test waiting on it)
             ckpt.remote.wait()
             assert ckpt.stats.last_remote_step == int(local[0][len("full-"):-len(".json")])
             assert not (tmp_path / "c" / "pinned.json").exists()
