@@ -369,7 +369,7 @@ def test_a_pull_never_writes_over_a_local_object(tmp_path, bucket):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert tier.pull() == steps[0]
+            assert tier.pull() == (steps[-2] if len(steps) > 1 else None)  # (the one before, if it went up)
     finally:
         tier.close(upload=False)
         directory.close()
