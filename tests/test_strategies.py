@@ -17,7 +17,7 @@ from everystep.errors import EverystepError
 from everystep.eval.faults import FailurePlan
 from everystep.eval.train import TrainConfig, run
 from everystep.tree import state_hash
-from everystep.recovery import Recovered
+from everystep.recovery import Candidate
 from everystep.storage import CheckpointDirectory
 from everystep.storage.region import RegionStore
 from everystep.strategies import STRATEGIES, Strategy, StrategyContext
@@ -41,8 +41,8 @@ class Recording(Strategy):
     def _agree_restore(self) -> None:
         self.calls.append(("agree_restore",))
 
-    def _restore(self) -> Recovered | None:
-        self.calls.append(("restore",))
+    def _recover(self) -> Candidate | None:
+        self.calls.append(("recover",))
         return None
 
     def _on_start(self, step: int) -> None:
@@ -82,7 +82,7 @@ def test_the_checkpointer_calls_a_strategy_in_the_documented_order(tmp_path):
         ckpt.restore()
         loop(w, ckpt, 0, 3)
         ckpt.wait()
-    assert s.calls == [("attach",), ("agree_restore",), ("restore",), ("on_start", 0), *_steps(3), ("wait",),
+    assert s.calls == [("attach",), ("agree_restore",), ("recover",), ("on_start", 0), *_steps(3), ("wait",),
                        ("on_state_ready", 3, True), ("wait",), ("close",)]
 
 
@@ -93,7 +93,7 @@ def test_after_an_error_in_training_the_strategy_is_abandoned_without_a_final_ch
             ckpt.restore()
             loop(w, ckpt, 0, 2)
             1 / 0
-    assert s.calls == [("attach",), ("agree_restore",), ("restore",), ("on_start", 0), *_steps(2), ("abandon",)]
+    assert s.calls == [("attach",), ("agree_restore",), ("recover",), ("on_start", 0), *_steps(2), ("abandon",)]
 
 
 def test_without_restore_the_strategy_starts_at_the_first_step(tmp_path):
@@ -117,8 +117,8 @@ def test_a_strategy_refuses_calls_out_of_order():
     with pytest.raises(EverystepError, match="on_start\\(\\) must come before before_update"):
         s.before_update(1)
     s.on_start(0)
-    with pytest.raises(EverystepError, match="restore\\(\\) must come before on_start"):
-        s.restore()
+    with pytest.raises(EverystepError, match="recover\\(\\) must come before on_start"):
+        s.recover()
     s.close()
     s.close()  # once; later calls do nothing
     with pytest.raises(EverystepError, match="closed: on_state_ready\\(\\) cannot follow close"):

@@ -38,7 +38,7 @@ from .errors import (
 )
 from .optim import OptimizerInBackward
 from .parallelism import restart_rounding, sharded_layout
-from .recovery import Recovered
+from .recovery import Recovered, load
 from .storage.remote import RemoteTier
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
@@ -285,7 +285,8 @@ class Checkpointer:
             if self.ranks.rank // per_wave == wave:
                 t0 = time.perf_counter()
                 try:
-                    found = self.strategy.restore()
+                    candidate = self.strategy.recover()
+                    found = load(candidate, self.components) if candidate is not None else None
                 except BaseException as e:  # after the barriers, so that no rank waits for this one
                     error = e
             if waves > 1:
@@ -296,7 +297,7 @@ class Checkpointer:
             self.step = self.stats.last_durable_step = found.step
             from_remote = found.step == pulled and found.source == "disk"
             self.recovered = Recovered(
-                step=found.step, tree={}, source="remote" if from_remote else found.source, manifest=found.manifest,
+                step=found.step, source="remote" if from_remote else found.source, manifest=found.manifest,
                 seconds=agreeing + time.perf_counter() - t0,
             )
         if self.directory.access != "read":

@@ -27,18 +27,47 @@ from .tree import unflatten
 from .storage.full import read_state
 from .storage.sharded import read_parts
 
-__all__ = ["Recovered", "Link", "read_full", "read_state", "latest_full", "recover", "read_differential", "chain", "recover_chain", "common_step"]
+__all__ = ["Candidate", "Recovered", "load", "Link", "read_full", "read_state", "latest_full", "recover",
+           "read_differential", "chain", "recover_chain", "common_step"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Recovered:
-    """A recovered state: ``tree`` is S_step; ``source`` says where it came from."""
+class Candidate:
+    """A state a strategy found to recover, read and verified but not loaded: ``tree`` is S_step;
+    ``source`` says where it came from. :func:`load` puts it into the live objects."""
 
     step: int
     tree: dict[str, Any]
     source: str
     manifest: Manifest | None
     seconds: float
+    """To find, read and verify it."""
+    replay: Callable[[], tuple[int, str]] | None = None
+    """A differential chain's: once ``tree`` is loaded, it moves the live objects forward through the
+    chain and returns the step reached and the source to report."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recovered:
+    """What a restore loaded into the live objects: S_step, from ``source``."""
+
+    step: int
+    source: str
+    manifest: Manifest | None
+    seconds: float
+
+
+def load(candidate: Candidate, components: TrainingComponents) -> Recovered:
+    """Load ``candidate`` into the live objects — checked first, put back as it was if a component
+    refuses (:meth:`~everystep.state.TrainingComponents.restore`) — then replay what it chains, and
+    report what was recovered. The one place a recovered state enters the live objects."""
+    t0 = time.perf_counter()
+    components.restore(candidate.tree)
+    step, source = candidate.step, candidate.source
+    if candidate.replay is not None:
+        step, source = candidate.replay()
+    return Recovered(step=step, source=source, manifest=candidate.manifest,
+                     seconds=candidate.seconds + time.perf_counter() - t0)
 
 
 Shards = Mapping[str, torch.Tensor] | None
@@ -93,15 +122,15 @@ def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]
     return None
 
 
-def recover(directory: CheckpointDirectory, *, shards: Shards = None) -> Recovered | None:
-    """The newest recoverable state in ``directory`` (``shards``: as :func:`read_state`), or ``None``
-    for an empty one."""
+def recover(directory: CheckpointDirectory, *, shards: Shards = None) -> Candidate | None:
+    """The newest full checkpoint in ``directory`` that verifies (``shards``: as :func:`read_state`),
+    or ``None`` for an empty one."""
     t0 = time.perf_counter()
     found = latest_full(directory, shards=shards)
     if found is None:
         return None
     manifest, tree = found
-    return Recovered(step=manifest.step, tree=tree, source="disk", manifest=manifest, seconds=time.perf_counter() - t0)
+    return Candidate(step=manifest.step, tree=tree, source="disk", manifest=manifest, seconds=time.perf_counter() - t0)
 
 
 @dataclass(frozen=True)
@@ -158,28 +187,33 @@ def chain(catalog: Reader, full: Manifest, kind: str,
 
 
 def recover_chain(directory: CheckpointDirectory, components: TrainingComponents, kind: str,
-                  apply: Callable[[Iterator[Link]], None]) -> tuple[Manifest, int] | None:
-    """Load the newest verified full checkpoint into ``components``, then have ``apply`` replay
-    the chain of ``kind`` after it (it consumes the links it is given, in order), then load the
-    end state of the last link applied. Returns the full checkpoint and the step reached, or
-    ``None`` for an empty store."""
+                  apply: Callable[[Iterator[Link]], None], source: Callable[[int, int], str]) -> Candidate | None:
+    """The newest verified full checkpoint, whose replay (once :func:`load` has loaded it into
+    ``components``) has ``apply`` replay the chain of ``kind`` after it (it consumes the links it is
+    given, in order), then loads the end state of the last link applied, and reports the step
+    reached and ``source(full step, step reached)``. ``None`` for an empty store."""
+    t0 = time.perf_counter()
     found = latest_full(directory)
     if found is None:
         return None
     full, tree = found
-    components.restore(tree)
-    applied: list[Link] = []
 
-    def tracked() -> Iterator[Link]:
-        for link in chain(directory.catalog, full, kind, components.check_end_state):
-            yield link
-            applied.append(link)  # reached only once ``apply`` asks for the next link, or at the end
+    def replay() -> tuple[int, str]:
+        applied: list[Link] = []
 
-    apply(tracked())
-    if not applied:
-        return full, full.step
-    components.apply_end_state(applied[-1].end)
-    return full, applied[-1].manifest.step
+        def tracked() -> Iterator[Link]:
+            for link in chain(directory.catalog, full, kind, components.check_end_state):
+                yield link
+                applied.append(link)  # reached only once ``apply`` asks for the next link, or at the end
+
+        apply(tracked())
+        if applied:
+            components.apply_end_state(applied[-1].end)
+        step = applied[-1].manifest.step if applied else full.step
+        return step, source(full.step, step)
+
+    return Candidate(step=full.step, tree=tree, source=source(full.step, full.step), manifest=full,
+                     seconds=time.perf_counter() - t0, replay=replay)
 
 
 def common_step(reachable: list[list[int] | None], on_disk: int) -> int | None:

@@ -225,8 +225,9 @@ class AgentSession:
         finally:
             region.close()
 
-    def fetch(self, step: int) -> int:
-        """Take the agent's replica of ``step`` into the live objects."""
+    def fetch(self, step: int) -> tuple[int, dict[str, Any]]:
+        """The agent's replica of ``step``: its step and its state tree, for the live objects to load
+        (the optimizer's state stays in the region the agent hands over: see :meth:`take_over`)."""
         assert self.link is not None
         reply = self.link.call("fetch", reply="replica", timeout=self.timeout, step=step)
         (fd,) = self.link.receive_fds(1)
@@ -241,12 +242,9 @@ class AgentSession:
             like = live.get(key)
             if like is not None and tuple(local_shard(like).shape) == tuple(t.shape):
                 tensors[key] = shard_like(t, like)  # (the agent holds this rank's shards: placed as the live ones)
-        try:
-            self.components.restore(unflatten(reply["skeleton"], tensors))
-        finally:
-            region.close()
+        region.close()  # (the mapping stays while the tensors over it do)
         self._fetched = True
-        return int(reply["step"])
+        return int(reply["step"]), unflatten(reply["skeleton"], tensors)
 
     def take_over(self) -> None:
         """Before the first update after recovery from memory: the optimizer state lives in the

@@ -7,7 +7,9 @@ strategy can do is declared on its class (``needs_store``, ``needs_restore``, ``
 
 1. ``attach(ctx)`` once, before anything else.
 2. At restore (``needs_restore``: required before the first step): ``agree_restore()`` —
-   a **collective**: every rank calls it at once — then ``restore()`` (ranks may be staggered),
+   a **collective**: every rank calls it at once — then ``recover()`` (ranks may be staggered),
+   which returns the state to recover as a :class:`~everystep.recovery.Candidate` that the
+   Checkpointer loads into the live objects (:func:`~everystep.recovery.load`: no strategy loads),
    then ``on_start(step)`` with the step restored (0: none). Without restore, ``on_start(0)``
    comes at the first step.
 3. For each training step t = 1, 2, …:
@@ -45,7 +47,7 @@ from ..background import BackgroundErrors
 from ..distributed import Ranks
 from ..errors import ConfigError, EverystepError
 from ..policy.interval import due
-from ..recovery import Recovered, recover
+from ..recovery import Candidate, recover
 from ..state import TrainingComponents, zero_redundancy
 from ..parallelism import shard_like, sharded_layout
 from ..tree import OPTIMIZER_STATE_ENTRY, flatten, local_shard
@@ -403,7 +405,7 @@ class Strategy:
     needs_store: ClassVar[bool] = True
     """It writes checkpoints: the Checkpointer opens a directory for it."""
     needs_restore: ClassVar[bool] = False
-    """It records the state training starts from: ``restore()`` must come before the first step."""
+    """It records the state training starts from: ``recover()`` must come before the first step."""
     other_world_size: ClassVar[bool] = False
     """What it stores is the full state alone: a job of another size can resume from it."""
     layer_updates: ClassVar[bool] = False
@@ -470,16 +472,17 @@ class Strategy:
         before anything is written. Default: nothing to refuse beyond ``sharded_layouts``."""
 
     def agree_restore(self) -> None:
-        """Collective: every rank calls it at once, before :meth:`restore`."""
+        """Collective: every rank calls it at once, before :meth:`recover`."""
         self._expect("attached", "agree_restore()")
         self._agree_restore()
 
-    def restore(self) -> Recovered | None:
-        """Load the newest recoverable state into the live objects; ``None`` when there is none."""
-        self._expect("attached", "restore()")
+    def recover(self) -> Candidate | None:
+        """The newest recoverable state, read and verified, for the caller to load
+        (:func:`~everystep.recovery.load`); ``None`` when there is none."""
+        self._expect("attached", "recover()")
         if self.ctx.catalog is None:
             return None
-        return self._restore()
+        return self._recover()
 
     def on_start(self, step: int) -> None:
         """Training starts after ``step``: the live objects hold S_step."""
@@ -549,15 +552,12 @@ class Strategy:
         """Check the components, start threads, allocate what does not depend on the step."""
 
     def _agree_restore(self) -> None:
-        """Collective: agree with the other ranks on what :meth:`_restore` loads."""
+        """Collective: agree with the other ranks on what :meth:`_recover` finds."""
 
-    def _restore(self) -> Recovered | None:
+    def _recover(self) -> Candidate | None:
         """Default: the newest full checkpoint that verifies (see :mod:`everystep.recovery`)."""
         assert self.ctx.directory is not None
-        found = recover(self.ctx.directory, shards=self.ctx.live_shards())
-        if found is not None:
-            self.ctx.components.restore(found.tree)
-        return found
+        return recover(self.ctx.directory, shards=self.ctx.live_shards())
 
     def _on_start(self, step: int) -> None:
         """Record the starting state S_step."""

@@ -5,13 +5,12 @@ verified chain of differentials after it (:func:`~everystep.recovery.recover_cha
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 from ..background import Worker
 from ..policy.interval import due
-from ..recovery import Link, Recovered, recover_chain
+from ..recovery import Candidate, Link, recover_chain
 from .base import Strategy
 from .checkfreq import CheckFreq, CheckFreqConfig
 
@@ -62,15 +61,11 @@ class Differential(Strategy):
         finally:
             self.full.close()
 
-    def _restore_chain(self, apply: Callable[[Iterator[Link]], None], source: Callable[[int, int], str]) -> Recovered | None:
-        """The newest verified full checkpoint, then ``apply`` to the chain of differentials after it;
-        ``source(full step, step reached)`` says what was recovered."""
+    def _recover_chain(self, apply: Callable[[Iterator[Link]], None], source: Callable[[int, int], str]) -> Candidate | None:
+        """The newest verified full checkpoint, whose replay applies ``apply`` to the chain of
+        differentials after it; ``source(full step, step reached)`` says what was recovered."""
         assert self.ctx.directory is not None
-        t0 = time.perf_counter()
-        found = recover_chain(self.ctx.directory, self.ctx.components, self.kind, apply)
-        if found is None:
-            return None
-        full, step = found
-        self._base = full.step
-        return Recovered(step=step, tree={}, source=source(full.step, step), manifest=full,
-                         seconds=time.perf_counter() - t0)
+        found = recover_chain(self.ctx.directory, self.ctx.components, self.kind, apply, source)
+        if found is not None:
+            self._base = found.step
+        return found

@@ -30,7 +30,7 @@ from ..errors import ConfigError, CorruptCheckpointError, EverystepError, NoVali
 from ..policy.interval import due
 from ..policy.parts import MAX_PARTS, PartSplit, Unit, choose_parts
 from ..parallelism import SHARDED_LAYOUTS
-from ..recovery import Recovered, recover
+from ..recovery import Candidate, recover
 from ..replay import optimizer_like, replay_step
 from ..state import group_scalars, local_optimizer
 from ..storage.base import Manifest, malformed
@@ -474,7 +474,7 @@ class GoCkpt(Strategy):
 
     # -- recovery ------------------------------------------------------------------------------
 
-    def _restore(self) -> Recovered | None:
+    def _recover(self) -> Candidate | None:
         """The newest checkpoint that verifies, full or spread; a spread one's parts are brought
         forward here, on the training device."""
         directory = self.ctx.directory
@@ -484,7 +484,7 @@ class GoCkpt(Strategy):
         newest_full = directory.newest_full_step(records)
         spreads = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == SPREAD_KIND),
                          key=lambda m: -m.step)
-        found = self._restore_spread([m for m in spreads if m.step > newest_full], t0)
+        found = self._recover_spread([m for m in spreads if m.step > newest_full], t0)
         if found is not None:
             return found
         failed: NoValidCheckpointError | None = None
@@ -493,15 +493,13 @@ class GoCkpt(Strategy):
         except NoValidCheckpointError as e:  # none does: a spread one older than them may
             full, failed = None, e
         above = full.step if full is not None else -1
-        found = self._restore_spread([m for m in spreads if above < m.step <= newest_full], t0)  # (a newer full failed)
+        found = self._recover_spread([m for m in spreads if above < m.step <= newest_full], t0)  # (a newer full failed)
         if found is None and failed is not None:
             raise failed
-        if found is None and full is not None:
-            self.ctx.components.restore(full.tree)
         return found or full
 
-    def _restore_spread(self, manifests: list[Manifest], t0: float) -> Recovered | None:
-        """The first of ``manifests`` (newest first) that verifies and comes forward, restored."""
+    def _recover_spread(self, manifests: list[Manifest], t0: float) -> Candidate | None:
+        """The first of ``manifests`` (newest first) that verifies and comes forward."""
         if not manifests:
             return None
         live, _ = self.ctx.flatten_state(0)  # the live parameters' keys: the same for every candidate
@@ -514,9 +512,7 @@ class GoCkpt(Strategy):
             except CorruptCheckpointError as e:
                 warnings.warn(f"skipping the spread checkpoint at step {manifest.step}: {e}", stacklevel=5)
                 continue
-            # IMPORTANT: the live objects receive a candidate only once it is brought forward and checked.
-            self.ctx.components.restore(tree)
-            return Recovered(step=manifest.step, tree={}, source=f"disk (parts brought forward on {device})",
+            return Candidate(step=manifest.step, tree=tree, source=f"disk (parts brought forward on {device})",
                              manifest=manifest, seconds=time.perf_counter() - t0)
         return None
 

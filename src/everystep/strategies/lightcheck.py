@@ -50,7 +50,7 @@ from ..background import Worker, settled
 from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
-from ..recovery import Recovered, recover
+from ..recovery import Candidate, recover
 from ..state import bare_module, local_optimizer
 from ..parallelism import SHARDED_LAYOUTS
 from ..tree import check_skeleton, flatten, local_shard, unflatten
@@ -211,7 +211,7 @@ class LightCheck(Strategy):
         self._persister = Worker("everystep-lightcheck-persist", self.errors)
         self._staging = HostBufferPool(1, pin=False)
         self._stream: Any = None
-        self._chosen: Recovered | None = None
+        self._chosen: Candidate | None = None
         self._use_disk = False
         self._layered = isinstance(self.ctx.components.optimizer, OptimizerInBackward)
         self._mirrored: Future[Any] | None = None
@@ -242,10 +242,10 @@ class LightCheck(Strategy):
         self._chosen = verified.get(newest)
         self._use_disk = newest < disk or newest < 0
 
-    def _read_slots(self, *, every: bool) -> dict[int, Recovered]:
+    def _read_slots(self, *, every: bool) -> dict[int, Candidate]:
         """The region's slots that verify, read as copies (the optimizer keeps what it loads), by
         step; newest first, only the newest one unless ``every``. Each slot skipped is warned about."""
-        found: dict[int, Recovered] = {}
+        found: dict[int, Candidate] = {}
         if self.region is None:
             return found
         t0 = time.perf_counter()
@@ -257,7 +257,7 @@ class LightCheck(Strategy):
                               "(written under another layout or world size)", stacklevel=3)
                 continue
             as_shards(tensors, live)
-            found[slot.step] = Recovered(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region",
+            found[slot.step] = Candidate(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region",
                                          manifest=None, seconds=time.perf_counter() - t0)
             if not every:
                 break
@@ -266,7 +266,7 @@ class LightCheck(Strategy):
             self._damaged = f"none of the {len(complete)} complete slot(s) of the region {self.region.path} verifies"
         return found
 
-    def _restore(self) -> Recovered | None:
+    def _recover(self) -> Candidate | None:
         """The agreed region slot, unless the directory holds a newer full checkpoint that verifies
         (every rank reads the same directory, so every rank decides alike)."""
         assert self.ctx.directory is not None
@@ -276,8 +276,6 @@ class LightCheck(Strategy):
         if found is None and self._damaged is not None:
             raise NoValidCheckpointError(f"no valid checkpoint for {self.ctx.directory.root}: {self._damaged}, and the "
                                          "directory holds no full checkpoint")
-        if found is not None:
-            self.ctx.components.restore(found.tree)
         return found
 
     def _on_start(self, step: int) -> None:
@@ -591,7 +589,7 @@ class _Peers:
 
     # -- at a restart ------------------------------------------------------------------------------
 
-    def agree(self, disk: int) -> Recovered | None:
+    def agree(self, disk: int) -> Candidate | None:
         """Collective: every rank says what its host's memory holds; the ranks take the newest step
         not older than the disk's (``disk``) that every rank's state can be put together at, and the
         ranks short of theirs receive it from the survivors. None: no such step (storage, as without
@@ -624,7 +622,7 @@ class _Peers:
             raise CorruptCheckpointError(f"the state of step {step} put together from the peers' memory is not whole: "
                                          f"{e}") from None
         as_shards(tensors, self.owner.ctx.live_shards())
-        return Recovered(step=step, tree=unflatten(skeleton, tensors), source=source, manifest=None,
+        return Candidate(step=step, tree=unflatten(skeleton, tensors), source=source, manifest=None,
                          seconds=time.perf_counter() - t0)
 
     def close(self) -> None:

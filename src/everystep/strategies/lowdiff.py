@@ -29,7 +29,7 @@ from ..compress import decompress, parameter_names
 from ..errors import ConfigError, EverystepError
 from ..policy import LowDiffCosts, lowdiff_integer_optimum
 from ..policy.interval import due
-from ..recovery import Link, Recovered
+from ..recovery import Candidate, Link
 from ..replay import Replayer, StepRecord
 from ..state import check_group_settings, group_scalars
 from ..storage.base import malformed, manifest_name
@@ -240,7 +240,7 @@ class LowDiff(Differential):
 
     # -- recovery ------------------------------------------------------------------------------
 
-    def _restore(self) -> Recovered | None:
+    def _recover(self) -> Candidate | None:
         """Newest verified full checkpoint, then the gap-free chain of verified batches, replayed."""
         c = self.ctx.components
 
@@ -265,7 +265,7 @@ class LowDiff(Differential):
             return f"disk (lossy: residuals of step {full})" if lossy else "disk"
 
         self._pending = 0
-        return self._restore_chain(apply, source)
+        return self._recover_chain(apply, source)
 
     def _apply_sum(self, records: list[StepRecord]) -> None:
         names = parameter_names(self.ctx.components.model)

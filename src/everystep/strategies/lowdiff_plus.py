@@ -34,7 +34,7 @@ from ..capture.grads import GradientCapture
 from ..errors import ConfigError, CorruptCheckpointError
 from ..parallelism import DTENSOR_LAYOUTS
 from ..policy.interval import busy_interval, due, median_gap, next_multiple
-from ..recovery import Recovered, common_step
+from ..recovery import Candidate, common_step
 from ..state import group_scalars
 from ..tree import check_skeleton, unflatten
 from .base import Strategy, StrategyConfig, as_shards
@@ -116,7 +116,7 @@ class LowDiffPlus(Strategy):
         self._peers: _AgentPeers | None = None
         self._mirrored: Future[Any] | None = None
         """The newest step's mirroring (one thread mirrors the steps in turn)."""
-        self._from_peers: Recovered | None = None
+        self._from_peers: Candidate | None = None
 
     # -- what the parts report -------------------------------------------------------------------
 
@@ -185,18 +185,17 @@ class LowDiffPlus(Strategy):
                           "recovering from storage", RuntimeWarning, stacklevel=3)
         self._target = target
 
-    def _restore(self) -> Recovered | None:
+    def _recover(self) -> Candidate | None:
         """The agent's replica if :meth:`agree_restore` chose it, else the newest full checkpoint."""
         target, self._target = self._target, None
         found, self._from_peers = self._from_peers, None
         if found is not None:  # put together from the peers' agents
-            self.ctx.components.restore(found.tree)
             return found
         if target is None:
-            return super()._restore()
+            return super()._recover()
         t0 = time.perf_counter()
-        step = self.session.fetch(target)
-        return Recovered(step=step, tree={}, source="memory", manifest=None, seconds=time.perf_counter() - t0)
+        step, tree = self.session.fetch(target)
+        return Candidate(step=step, tree=tree, source="memory", manifest=None, seconds=time.perf_counter() - t0)
 
     def _on_start(self, step: int) -> None:
         directory, ranks = self.ctx.directory, self.ctx.ranks
@@ -441,7 +440,7 @@ class _AgentPeers:
                 found[k] = visit
         return found
 
-    def agree(self, visits: dict[int, tuple[AgentLink, dict[str, Any]]], disk: int) -> tuple[int | None, Recovered | None]:
+    def agree(self, visits: dict[int, tuple[AgentLink, dict[str, Any]]], disk: int) -> tuple[int | None, Candidate | None]:
         """Collective: every rank says what the agents it reached hold (each rank's replica, and
         the own states they keep for their wards); the ranks take the newest step not older than
         storage's at which every rank's state can be put together. Returns (the step every rank's
@@ -503,7 +502,7 @@ class _AgentPeers:
             raise CorruptCheckpointError(f"the state of step {step} put together from the peers' agents is not whole: "
                                          f"{e}") from None
         as_shards(tensors, self.owner.ctx.live_shards())
-        return None, Recovered(step=step, tree=unflatten(skeleton, tensors), source=source, manifest=None,
+        return None, Candidate(step=step, tree=unflatten(skeleton, tensors), source=source, manifest=None,
                                seconds=time.perf_counter() - t0)
 
 

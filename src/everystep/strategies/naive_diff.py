@@ -26,7 +26,7 @@ import torch
 
 from ..background import Worker
 from ..errors import ConfigError
-from ..recovery import Link, Recovered
+from ..recovery import Candidate, Link
 from ..tree import flatten, state_error
 from ..storage.base import manifest_name
 from ..storage.sharded import commit_tensors
@@ -101,7 +101,7 @@ class NaiveDiff(Differential):
         self.ctx.record_durable(step)
         self.ctx.directory.retain(self.config.keep)
 
-    def _restore(self) -> Recovered | None:
+    def _recover(self) -> Candidate | None:
         """The newest full checkpoint plus every verified difference after it: an approximation."""
 
         def apply(links: Iterator[Link]) -> None:
@@ -115,4 +115,4 @@ class NaiveDiff(Differential):
                             continue
                         target.view(-1)[tensors[f"d/{name}/indices"].long()] += tensors[f"d/{name}/values"]
 
-        return self._restore_chain(apply, lambda full, step: "disk (lossy)")
+        return self._recover_chain(apply, lambda full, step: "disk (lossy)")
