@@ -158,8 +158,8 @@ def test_every_part_of_the_package_has_a_row_of_rules():
 
 CEILING = 500
 """Lines a module may have."""
-TO_SPLIT = {"agent/session.py": 510, "agent/process.py": 517, "eval/gpu_check.py": 525, "strategies/lowdiff_plus.py": 525,
-            "strategies/gockpt.py": 538, "strategies/base.py": 590, "strategies/lightcheck.py": 633}
+TO_SPLIT = {"agent/session.py": 508, "agent/process.py": 517, "eval/gpu_check.py": 525, "strategies/lowdiff_plus.py": 509,
+            "strategies/gockpt.py": 534, "strategies/lightcheck.py": 610}
 """The modules over the ceiling, each with the lines it has now: each is to be split, and none may grow
 meanwhile (a module split below the ceiling leaves this list)."""
 

@@ -17,7 +17,7 @@ from everystep.state import TrainingComponents
 from everystep.tree import flatten, state_hash
 from everystep.storage import CheckpointDirectory
 from everystep.storage.tensorfile import load_tensors
-from everystep.strategies import base as strategies_base
+from everystep.strategies import context as strategy_context
 from everystep.strategies.lowdiff import LowDiff
 from everystep.tree import state_error
 
@@ -191,7 +191,7 @@ def test_a_corrupt_batch_ends_the_chain_with_a_warning(tmp_path):
 def test_differentials_older_than_a_durable_full_checkpoint_are_deleted(tmp_path, monkeypatch):
     # The batch that ends at step 4 is written only once the full checkpoint of step 4 is durable
     # (the order that leaves a batch older than a full checkpoint to delete): only newer batches stay.
-    write_batch, persist = LowDiff._write_batch, strategies_base.persist_full
+    write_batch, persist = LowDiff._write_batch, strategy_context.persist_full
     full_at_4 = threading.Event()
 
     def persisting(directory, step, *args, **kwargs):
@@ -205,7 +205,7 @@ def test_differentials_older_than_a_durable_full_checkpoint_are_deleted(tmp_path
             assert full_at_4.wait(60), "the full checkpoint of step 4 was never written"
         write_batch(self, base, records, *args)
 
-    monkeypatch.setattr(strategies_base, "persist_full", persisting)
+    monkeypatch.setattr(strategy_context, "persist_full", persisting)
     monkeypatch.setattr(LowDiff, "_write_batch", late)
     w = _make()
     with _attach(w, tmp_path / "c", every=4, batch=1, keep=1) as ckpt:

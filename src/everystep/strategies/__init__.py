@@ -7,7 +7,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..parallelism import DTENSOR_LAYOUTS
-from .base import CheckpointStats, Strategy, StrategyConfig, StrategyContext
+from .base import Strategy, StrategyConfig
+from .context import CheckpointStats, StrategyContext
 from .checkflow import Checkflow
 from .checkfreq import AsyncSnapshot, CheckFreq
 from .full_sync import FullSync

@@ -47,20 +47,21 @@ import torch
 
 from .._faults import crash_point
 from ..background import Worker, settled
-from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, NoValidCheckpointError
+from ..errors import CheckpointDirectoryError, ConfigError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
 from ..recovery import Candidate, recover
 from ..state import bare_module, local_optimizer
 from ..parallelism import SHARDED_LAYOUTS
-from ..tree import check_skeleton, flatten, local_shard, unflatten
+from ..tree import flatten, local_shard, unflatten
 from ..storage.region import RegionStore, UnreadableRegionError
 from ..storage.region_map import RegionLayout, SlotWriter
 from ..storage.region_open import open_region, region_path
 from .. import peers
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
-from .base import Strategy, StrategyConfig, as_shards
+from .base import Strategy, StrategyConfig
+from .context import as_shards
 
 
 __all__ = ["LightCheck", "LightCheckConfig", "region_path", "open_region"]
@@ -176,6 +177,7 @@ class LightCheck(Strategy):
     mirrors_to_peers: ClassVar[bool] = True
     Config = LightCheckConfig
     config: LightCheckConfig
+    peers: _RegionPeers | None
 
     def __init__(self, config: LightCheckConfig | None = None) -> None:
         super().__init__(config)
@@ -216,9 +218,8 @@ class LightCheck(Strategy):
         self._layered = isinstance(self.ctx.components.optimizer, OptimizerInBackward)
         self._mirrored: Future[Any] | None = None
         """The newest step's mirroring (one thread mirrors the steps in turn)."""
-        self._peers: _Peers | None = None
         if self.config.peers and directory.access != "read":
-            self._peers = _Peers.start(self, directory)
+            self.peers = _RegionPeers.start(self, directory)
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -228,8 +229,8 @@ class LightCheck(Strategy):
         the disk holds a newer full checkpoint."""
         assert self.ctx.directory is not None
         ranks = self.ctx.directory.ranks
-        if self._peers is not None:
-            self._chosen = self._peers.agree(self.ctx.directory.newest_full_step())
+        if self.peers is not None:
+            self._chosen = self.peers.recover(self.ctx.directory.newest_full_step())
             self._use_disk = self._chosen is None
             return
         verified = self._read_slots(every=ranks.distributed)
@@ -282,8 +283,8 @@ class LightCheck(Strategy):
         if self.region is not None and self.region.access != "read":
             self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
             self._slot = self.region.next_slot()
-        if self._peers is not None:
-            self._peers.discard_newer(step)
+        if self.peers is not None:
+            self.peers.discard_newer(step)
 
     # -- every step ----------------------------------------------------------------------------
 
@@ -373,7 +374,7 @@ class LightCheck(Strategy):
             order = self._copy_order(tensors, skeleton, sharded)
             copy.progress.start([name for name, _ in order.units], order.index)
             settled(self._committing[slot])  # the slot's previous commit is done
-            if self._peers is not None:
+            if self.peers is not None:
                 # and the mirroring of every step before: so that the region always holds a step its
                 # buddy's mirror holds too (and this rank's mirror of its wards' part), and a slot is
                 # not rewritten while read. The step before's mirroring is started by its commit,
@@ -436,10 +437,9 @@ class LightCheck(Strategy):
             settled(copy.future)
         assert self.region is not None
         self.region.commit(writer, copy.step, skeleton)
-        if self._peers is not None:  # off the training path: the slot is not reused until it is done
-            self._mirrored = self._peers.worker.submit(
-                f"mirroring of the state at step {copy.step}", self._peers.mirror, copy.step, writer.views, skeleton,
-                order.replicated)
+        if self.peers is not None:  # off the training path: the slot is not reused until it is done
+            self._mirrored = self.peers.submit(copy.step, functools.partial(
+                self.peers.own_part, copy.step, writer.views, skeleton, order.replicated))
         assert self.ctx.catalog is not None
         self.ctx.catalog.count_written_elsewhere(writer.layout.nbytes)  # the region's bytes count as written
         self.ctx.in_memory(copy.step)
@@ -518,30 +518,31 @@ class LightCheck(Strategy):
             settled(pending.future)
         self._copier.drain()
         self._committer.drain()
-        if self._peers is not None:
-            self._peers.worker.drain()
+        if self.peers is not None:
+            self.peers.worker.drain()
         self._persister.drain()
 
     def _close(self) -> None:
         for worker in (self._copier, self._committer, self._persister):
             worker.close()
-        if self._peers is not None:
-            self._peers.close()
+        if self.peers is not None:
+            self.peers.close()
         if self.region is not None:
             self.region.close()
 
 
-class _Peers:
-    """This rank's part in the replicas on peers (:mod:`everystep.peers`): its buddy, its wards and
-    their mirrors, the thread that sends and receives every step, and the agreement at a restart."""
+class _RegionPeers(peers.Peers):
+    """LightCheck's replicas on peers: each step's own part, read from the committed slot, goes to the
+    buddy, which keeps it in its mirror of this rank (``<region>.mirror``); at a restart, what the
+    regions and mirrors on this host hold."""
+
+    thread = "everystep-lightcheck-peers"
 
     def __init__(self, owner: LightCheck, directory: Any, team: peers.Team) -> None:
-        self.owner, self.directory, self.ranks = owner, directory, directory.ranks
-        self.host, self.hosts, self.buddy, self.wards = team.host, team.hosts, team.buddy, team.wards
-        self.worker = Worker("everystep-lightcheck-peers", owner.errors)
+        super().__init__(directory.ranks, team, owner.errors)
+        self.owner, self.directory = owner, directory
         self.mirrors: dict[int, RegionStore] = {}
-        self.traffic = peers.Traffic()
-        """Sent to the buddy since the start (every step: this rank's own part)."""
+        self._reading: dict[tuple[str, int], RegionStore | None] = {}
         assert owner.region is not None
         for ward in self.wards:
             path = self._path("mirror", ward)
@@ -554,12 +555,10 @@ class _Peers:
                     f"that run's state, so nothing was changed): give this run its own region= or delete {path}")
 
     @classmethod
-    def start(cls, owner: LightCheck, directory: Any) -> "_Peers | None":
+    def start(cls, owner: LightCheck, directory: Any) -> "_RegionPeers | None":
         """Collective: this rank's buddy and wards; None (with a warning) where the job runs on one
         host."""
-        if not directory.ranks.distributed:
-            return None
-        team = peers.Team.join(directory.ranks)
+        team = peers.Peers.join(directory.ranks)
         if team is None or owner.region is None:  # (a region skipped with a warning: unreadable)
             return None
         return cls(owner, directory, team)
@@ -568,64 +567,44 @@ class _Peers:
         path = region_path(self.directory.root, self.owner.config.region, rank, self.ranks.world)
         return peers.mirror_path(path) if kind == "mirror" else path
 
-    # -- every step (the mirroring thread) --------------------------------------------------------
+    def own_part(self, step: int, views: dict[str, torch.Tensor], skeleton: Any, replicated: frozenset[str]) -> torch.Tensor:
+        """(The mirroring thread.) This rank's own part of S_step, read from its committed slot, packed."""
+        return peers.pack(step, self.ranks.rank, {k: t for k, t in views.items() if k not in replicated}, skeleton)
 
-    def mirror(self, step: int, views: dict[str, torch.Tensor], skeleton: Any, replicated: frozenset[str]) -> None:
-        """Send this rank's own part of S_step (read from its committed slot) to its buddy; receive
-        each ward's and commit it in the ward's mirror."""
-        since = time.thread_time()
-        own = {k: t for k, t in views.items() if k not in replicated}
-        buffer = peers.pack(step, self.ranks.rank, own, skeleton)
-        received = peers.swap(self.ranks, buffer, self.buddy, self.wards)
-        sent = buffer.numel()
-        for ward, buffer in zip(self.wards, received):
-            _, _, tensors, theirs = peers.unpack(buffer, sender=ward, expect=(step, ward))
-            peers.commit_mirror(self.mirrors[ward], step, tensors, theirs)
-        self.traffic.count(sent, since)
+    def _keep(self, ward: int, step: int, tensors: dict[str, torch.Tensor], head: Any) -> None:
+        peers.commit_mirror(self.mirrors[ward], step, tensors, head)
 
     def discard_newer(self, step: int) -> None:
         for store in self.mirrors.values():
             store.discard_newer(step)
 
-    # -- at a restart ------------------------------------------------------------------------------
-
-    def agree(self, disk: int) -> Candidate | None:
-        """Collective: every rank says what its host's memory holds; the ranks take the newest step
-        not older than the disk's (``disk``) that every rank's state can be put together at, and the
-        ranks short of theirs receive it from the survivors. None: no such step (storage, as without
-        peers)."""
+    def recover(self, disk: int) -> Candidate | None:
+        """Collective: the newest step not older than the disk's (``disk``) at which every rank's state
+        can be put together from the regions and mirrors on the hosts, put together. None: storage."""
         t0 = time.perf_counter()
-        me = self.ranks.rank
         tokens = {p.read_text().strip() for p in self.directory.root.glob("region-r*.owner")}  # this directory's
-        assigned = peers.share_out(self.hosts, me)
-        stores = {(kind, k): peers.open_read(self._path(kind, k), tokens) for kind in ("region", "mirror")
-                  for k in assigned}
+        assigned = self.assigned()
+        self._reading = {(kind, k): peers.open_read(self._path(kind, k), tokens) for kind in ("region", "mirror")
+                         for k in assigned}
         try:
-            mine = peers.Holdings(self.host, {k: peers.read_steps(stores["region", k]) for k in assigned},
-                                  {k: peers.read_steps(stores["mirror", k]) for k in assigned})
-            held = [peers.Holdings.from_json(h) for h in self.ranks.all_gather("control", mine.as_json())]
-            found = peers.plan_recovery(held, disk - 1)
-            if found is None:
-                peers.warn_nothing_whole(held, disk, me)
+            agreed = self.agree(peers.Holdings(self.host, {k: peers.read_steps(self._reading["region", k]) for k in assigned},
+                                               {k: peers.read_steps(self._reading["mirror", k]) for k in assigned}), disk)
+            if agreed is None:
                 return None
-            step, transfers = found
-            read = functools.cache(lambda kind, k: peers.read_step(stores[kind, k], step))
-            tensors, skeleton, source = peers.put_together(self.ranks, step, transfers, held, read,
-                                                          own_source="region")
+            live = self.owner.ctx.live_shards()
+            return self.gather(agreed, own_source="region", place=lambda tensors: as_shards(tensors, live), since=t0)
         finally:
-            for store in stores.values():
+            for store in self._reading.values():
                 if store is not None:
                     store.close()
-        try:
-            check_skeleton(skeleton, set(tensors))
-        except ValueError as e:
-            raise CorruptCheckpointError(f"the state of step {step} put together from the peers' memory is not whole: "
-                                         f"{e}") from None
-        as_shards(tensors, self.owner.ctx.live_shards())
-        return Candidate(step=step, tree=unflatten(skeleton, tensors), source=source, manifest=None,
-                         seconds=time.perf_counter() - t0)
+            self._reading = {}
+
+    def _read(self, kind: str, rank: int, step: int) -> tuple[dict[str, torch.Tensor], Any]:
+        store = self._reading[kind, rank]
+        assert store is not None  # (what was read from it is what this rank said it holds)
+        return peers.read_step(store, step)
 
     def close(self) -> None:
-        self.worker.close()
+        super().close()
         for store in self.mirrors.values():
             store.close()

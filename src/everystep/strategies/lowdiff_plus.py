@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -29,15 +30,14 @@ from .._faults import crash_point
 from ..agent.config import AgentConfig
 from ..agent.client import AgentLink
 from ..agent.session import AgentSession, fits, served
-from ..background import Worker
 from ..capture.grads import GradientCapture
 from ..errors import ConfigError, CorruptCheckpointError
 from ..parallelism import DTENSOR_LAYOUTS
 from ..policy.interval import busy_interval, due, median_gap, next_multiple
 from ..recovery import Candidate, common_step
 from ..state import group_scalars
-from ..tree import check_skeleton, unflatten
-from .base import Strategy, StrategyConfig, as_shards
+from .base import Strategy, StrategyConfig
+from .context import as_shards
 from .checkfreq import CheckFreq, CheckFreqConfig
 
 __all__ = ["LowDiffPlus", "LowDiffPlusConfig"]
@@ -100,6 +100,7 @@ class LowDiffPlus(Strategy):
     mirrors_to_peers: ClassVar[bool] = True
     Config = LowDiffPlusConfig
     config: LowDiffPlusConfig
+    peers: _AgentPeers | None
 
     def __init__(self, config: LowDiffPlusConfig | None = None) -> None:
         super().__init__(config)
@@ -113,7 +114,6 @@ class LowDiffPlus(Strategy):
         self._has_grad: list[int] = []
         self._next_check = 0
         self._step_marks: list[float] = []
-        self._peers: _AgentPeers | None = None
         self._mirrored: Future[Any] | None = None
         """The newest step's mirroring (one thread mirrors the steps in turn)."""
         self._from_peers: Candidate | None = None
@@ -154,9 +154,9 @@ class LowDiffPlus(Strategy):
         self.capture = GradientCapture(c.model, self.session.params, c.compression, layerwise=layerwise,
                                        errors=self.errors, target=self.session.slot)
         self._rebase = any(p.device.type != "cpu" for p in self.session.params)
-        if self.config.peers and ctx.directory.access != "read" and ctx.ranks.distributed:
-            team = peers.Team.join(ctx.ranks)
-            self._peers = _AgentPeers(self, team, sharded=ctx.layout is not None) if team is not None else None
+        if self.config.peers and ctx.directory.access != "read":
+            team = peers.Peers.join(ctx.ranks)
+            self.peers = _AgentPeers(self, team, sharded=ctx.layout is not None) if team is not None else None
 
     def _agree_restore(self) -> None:
         """Every rank asks its agent what it holds; together they choose a step every agent can
@@ -165,7 +165,7 @@ class LowDiffPlus(Strategy):
         assert directory is not None
         if directory.access == "read":  # a reader takes nothing from a live agent: storage alone
             return
-        team = self._peers
+        team = self.peers
         reachable = self.session.hello(host=team.host if team else None)
         visits = team.visit() if team else {}  # (the other agents this rank reads on its host)
         on_disk = directory.newest_full_step()
@@ -176,7 +176,7 @@ class LowDiffPlus(Strategy):
             directory.collect_garbage()
         ranks.barrier("control")
         if team is not None:
-            self._target, self._from_peers = team.agree(visits, max(v["disk"] for v in views))
+            self._target, self._from_peers = team.recover(visits, max(v["disk"] for v in views))
             return
         target = common_step([v["reachable"] for v in views], max(v["disk"] for v in views))
         if target is None and self.shared and reachable is not None:
@@ -206,10 +206,10 @@ class LowDiffPlus(Strategy):
         self.session.start(step, tensors, skeleton, AgentConfig(
             directory=str(directory.root), strategy=self.name, keep=self.config.keep, every=self.config.every,
             busy=self.config.busy, grace=self.config.grace, threads=self.config.agent_threads,
-            rank=ranks.rank, world=ranks.world, host=self._peers.host if self._peers else ""))
-        if self._peers is not None and self._peers.sharded and self.session.lost is None:
+            rank=ranks.rank, world=ranks.world, host=self.peers.host if self.peers else ""))
+        if self.peers is not None and self.peers.sharded and self.session.lost is None:
             # The buddy's agent starts its replica of this rank from the state whole, on a fresh host too.
-            self._mirrored = self._peers.submit(step, self._peers.whole(step, tensors, skeleton))
+            self._mirrored = self.peers.submit(step, self.peers.whole(step, tensors, skeleton))
 
     def _check_after(self, step: int) -> int:
         """The next step at which the ranks agree (several ranks): each multiple of ``every``, or
@@ -261,7 +261,7 @@ class LowDiffPlus(Strategy):
         checked = bool(every) and due(step, every)
         rebase = self._rebase and (final or checked)
         diverged = session.diverged()
-        mates = self._peers
+        mates = self.peers
         if mates is not None:
             # The agent applies a step when the next arrives: the step before must be in the
             # buddies' agents first, so that they always hold a step this agent's replica holds
@@ -351,8 +351,8 @@ class LowDiffPlus(Strategy):
 
     def _close(self) -> None:
         try:
-            if self._peers is not None:
-                self._peers.worker.close()
+            if self.peers is not None:
+                self.peers.worker.close()
             self.capture.close()
             self.session.close(clean=True)
         finally:
@@ -365,35 +365,32 @@ class LowDiffPlus(Strategy):
         The agent keeps the replica for a restarted process (this is how the benchmark measures
         recovery from memory, and how a Checkpointer leaves on an exception).
         """
-        if self._peers is not None:
-            self._peers.worker.close(wait=False)  # (a mirroring under way waits on the buddy, as a crash would not)
+        if self.peers is not None:
+            self.peers.worker.close(wait=False)  # (a mirroring under way waits on the buddy, as a crash would not)
         self.capture.close()
         self.session.close(clean=False)
 
 
-class _AgentPeers:
-    """This rank's part in the replicas on peers: its buddy and wards, the thread that sends its own
-    state to its buddy and hands its wards' to its agent every step, and the agreement at a restart."""
+class _AgentPeers(peers.Peers):
+    """LowDiff+'s replicas on peers: every step this rank's own state goes to its buddy, whose agent
+    keeps it (under sharding, a replica of this rank's whole state its steps bring forward); at a
+    restart, what the agents this rank reaches hold."""
+
+    thread = "everystep-lowdiff-peers"
 
     def __init__(self, owner: LowDiffPlus, team: peers.Team, *, sharded: bool) -> None:
-        self.owner, self.ranks, self.session = owner, owner.ctx.ranks, owner.session
-        self.host, self.hosts, self.buddy, self.wards = team.host, team.hosts, team.buddy, team.wards
+        super().__init__(owner.ctx.ranks, team, owner.errors)
+        self.owner, self.session = owner, owner.session
         self.sharded = sharded
         """Whether a rank's own state is its shards: its buddy's agent then keeps a replica of its whole
-        state (``whole`` and ``step`` messages), else only its own state of each step."""
-        self.worker = Worker("everystep-lowdiff-peers", owner.errors)
-        self.traffic = peers.Traffic()
-        """Sent to the buddy since the start (every step: this rank's own state; under sharding, the
-        step's slot, and the state whole when the replica starts anew)."""
-
-    def submit(self, step: int, message: Any) -> Future[Any]:
-        """Mirror ``step`` on the mirroring thread: ``message`` is the packed buffer, or what packs it there."""
-        return self.worker.submit(f"mirroring of the state at step {step}", self.mirror, step, message)
+        state (:data:`~everystep.peers.WHOLE` and :data:`~everystep.peers.STEP` messages), else only
+        its own state of each step."""
+        self._reading: Callable[[str, int, int], tuple[dict[str, Any], Any]] | None = None
 
     def whole(self, step: int, tensors: dict[str, Any], skeleton: Any) -> Any:
         """(Under sharding.) This rank's state of ``step`` whole, packed (on the training thread:
         the live tensors change at the next update)."""
-        head = {"step": step, "kind": "whole", "state": skeleton, "index_keys": self.session.index_keys,
+        head = {"step": step, "kind": peers.WHOLE, "state": skeleton, "index_keys": self.session.index_keys,
                 "signature": self.session.signature()}
         return peers.pack(step, self.ranks.rank, tensors, head)
 
@@ -401,46 +398,39 @@ class _AgentPeers:
                 has_grad: list[int]) -> Any:
         """(Under sharding, on the mirroring thread.) The step's slot sent to this rank's agent — the
         gradient shards its optimizer consumed and what they cannot rebuild — packed."""
-        head = {"step": step, "kind": "step", "state": skeleton, "groups": groups, "skipped": skipped,
+        head = {"step": step, "kind": peers.STEP, "state": skeleton, "groups": groups, "skipped": skipped,
                 "has_grad": has_grad}
         return peers.pack(step, self.ranks.rank, slot.views, head)
 
-    def mirror(self, step: int, message: Any) -> None:
-        """(The mirroring thread.) Send this rank's message of ``step`` to its buddy; receive each
-        ward's and give it to this rank's agent to keep."""
-        since = time.thread_time()
-        buffer = message() if callable(message) else message
-        received = peers.swap(self.ranks, buffer, self.buddy, self.wards)
-        for ward, theirs in zip(self.wards, received):
-            _, _, tensors, head = peers.unpack(theirs, sender=ward, expect=(step, ward))
-            if not self.sharded:
-                self.session.send_mirror(ward, step, tensors, head)
-                continue
-            kind = head.get("kind")
-            if kind == "whole":
-                fitted = head.get("signature")
-                if not isinstance(fitted, str):
-                    raise CorruptCheckpointError(f"rank {ward} sent its state without what it fits")
-                self.session.send_ward_state(ward, step, tensors, head.get("state"),
-                                             _ward_keys(head.get("index_keys"), tensors, ward), fitted)
-            elif kind == "step":
-                groups, skipped, has_grad = _ward_step(head, tensors, ward)
-                self.session.send_ward_step(ward, step, tensors, groups=groups, skipped=skipped, has_grad=has_grad,
-                                            skeleton=head.get("state"))
-            else:
-                raise CorruptCheckpointError(f"rank {ward} sent a message of unknown kind {kind!r}")
-        self.traffic.count(buffer.numel(), since)
+    def _keep(self, ward: int, step: int, tensors: dict[str, Any], head: Any) -> None:
+        """Give ward ``ward``'s message of ``step`` to this rank's agent to keep."""
+        if not self.sharded:
+            self.session.send_mirror(ward, step, tensors, head)
+            return
+        kind = head.get("kind")
+        if kind == peers.WHOLE:
+            fitted = head.get("signature")
+            if not isinstance(fitted, str):
+                raise CorruptCheckpointError(f"rank {ward} sent its state without what it fits")
+            self.session.send_ward_state(ward, step, tensors, head.get("state"),
+                                         _ward_keys(head.get("index_keys"), tensors, ward), fitted)
+        elif kind == peers.STEP:
+            groups, skipped, has_grad = _ward_step(head, tensors, ward)
+            self.session.send_ward_step(ward, step, tensors, groups=groups, skipped=skipped, has_grad=has_grad,
+                                        skeleton=head.get("state"))
+        else:
+            raise CorruptCheckpointError(f"rank {ward} sent a message of unknown kind {kind!r}")
 
     def visit(self) -> dict[int, tuple[AgentLink, dict[str, Any]]]:
         """The agents on this host of the ranks whose memory this rank reads (other than its own),
         and what each answered."""
         found = {}
-        for k in peers.share_out(self.hosts, self.ranks.rank):
+        for k in self.assigned():
             if k != self.ranks.rank and (visit := self.session.visit(k, host=self.host)) is not None:
                 found[k] = visit
         return found
 
-    def agree(self, visits: dict[int, tuple[AgentLink, dict[str, Any]]], disk: int) -> tuple[int | None, Candidate | None]:
+    def recover(self, visits: dict[int, tuple[AgentLink, dict[str, Any]]], disk: int) -> tuple[int | None, Candidate | None]:
         """Collective: every rank says what the agents it reached hold (each rank's replica, and
         the own states they keep for their wards); the ranks take the newest step not older than
         storage's at which every rank's state can be put together. Returns (the step every rank's
@@ -472,38 +462,33 @@ class _AgentPeers:
         for ward, step in whole:
             if step not in mine.region.setdefault(ward, []):
                 mine.region[ward].append(step)
+
+        def read(kind: str, k: int, step: int) -> tuple[dict[str, Any], Any]:
+            if kind == "mirror":
+                return session.read(keeper[k, step], step, ward=k)
+            if step in own.get(k, ()):
+                return session.read(links[k], step)
+            return session.read(whole[k, step], step, ward=k, whole=True)
+
+        self._reading = read
         try:
-            held = [peers.Holdings.from_json(h) for h in self.ranks.all_gather("control", mine.as_json())]
-            found = peers.plan_recovery(held, disk - 1)
-            if found is None:
-                peers.warn_nothing_whole(held, disk, me)
+            agreed = self.agree(mine, disk)
+            if agreed is None:
                 return None, None
-            step, transfers = found
-            if not transfers and step in own.get(me, ()):
+            if not agreed.transfers and agreed.step in own.get(me, ()):
                 # this rank's own agent holds it (and, with no transfers, every rank's state is on its
                 # own host): taken over as after a crash of the process
-                return step, None
-
-            def read(kind: str, k: int) -> tuple[dict[str, Any], Any]:
-                if kind == "mirror":
-                    return session.read(keeper[k, step], step, ward=k)
-                if step in own.get(k, ()):
-                    return session.read(links[k], step)
-                return session.read(whole[k, step], step, ward=k, whole=True)
-
-            tensors, skeleton, source = peers.put_together(self.ranks, step, transfers, held, functools.cache(read),
-                                                          own_source="memory")
+                return agreed.step, None
+            live = self.owner.ctx.live_shards()
+            return None, self.gather(agreed, own_source="memory", place=lambda tensors: as_shards(tensors, live), since=t0)
         finally:
+            self._reading = None
             for link in (link for k, link in links.items() if k != me):
                 link.kill()  # another rank's agent: its rank has (or gets) its own
-        try:
-            check_skeleton(skeleton, set(tensors))
-        except ValueError as e:
-            raise CorruptCheckpointError(f"the state of step {step} put together from the peers' agents is not whole: "
-                                         f"{e}") from None
-        as_shards(tensors, self.owner.ctx.live_shards())
-        return None, Candidate(step=step, tree=unflatten(skeleton, tensors), source=source, manifest=None,
-                               seconds=time.perf_counter() - t0)
+
+    def _read(self, kind: str, rank: int, step: int) -> tuple[dict[str, Any], Any]:
+        assert self._reading is not None
+        return self._reading(kind, rank, step)
 
 
 def _ward_keys(keys: Any, tensors: dict[str, Any], ward: int) -> list[str]:
