@@ -4,6 +4,7 @@ another package's private names. Read from the source, so a new import that brea
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from .conftest import ROOT
@@ -169,3 +170,9 @@ def test_no_module_is_over_500_lines_but_those_to_be_split_and_none_of_those_gro
     over = {name: n for name, n in sizes.items() if n > TO_SPLIT.get(name, CEILING)}
     assert not over, f"over {CEILING} lines (or longer than when listed in TO_SPLIT): {over}"
     assert all(sizes.get(name, 0) > CEILING for name in TO_SPLIT), "a module now under the ceiling: take it off TO_SPLIT"
+
+
+def test_one_place_tells_a_remote_location_from_a_local_path():
+    tests = re.compile(r"""startswith\(\s*["']s3:|["']s3://["']\s+(not\s+)?in\b|\[:5\]\s*==""")
+    found = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if tests.search(p.read_text()))
+    assert found == ["storage/location.py"], f"only storage/location.py tests for s3://; found in {found}"

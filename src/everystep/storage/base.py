@@ -317,6 +317,27 @@ class Store(Protocol):
         ...
 
 
+class ConditionalStore(Store, Protocol):
+    """A store whose writes can be made conditional on a value's version, as object storage's are
+    (``If-None-Match``, ``If-Match``): what the lock that keeps one writer on a remote prefix rests
+    on (:class:`~everystep.storage.remote_lock.RemoteLock`)."""
+
+    def create(self, key: str, data: bytes) -> str | None:
+        """Write ``key`` only if no value has it: its version when this call created it, None when one
+        was there. Of several writers at once, exactly one succeeds."""
+        ...
+
+    def replace(self, key: str, data: bytes, version: str) -> str | None:
+        """Write ``key`` only if its value is still the one of ``version``: the new version, or None
+        when it changed meanwhile. Of several writers at once, at most one succeeds."""
+        ...
+
+    def age(self, key: str) -> tuple[str, float] | None:
+        """The version of ``key`` and the seconds since it was written, by the store's clock; None when
+        there is no value."""
+        ...
+
+
 class Reader(Protocol):
     """What reads checkpoints: the manifests committed, and their objects verified. A
     :class:`~everystep.storage.catalog.Catalog` over a store is one; lightcheck's region is another."""

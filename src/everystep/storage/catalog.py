@@ -120,6 +120,18 @@ class Catalog:
         nbytes = self.store.put(_new_object_key(name), self._counted(chunks, hasher))
         return ObjectInfo(name=name, nbytes=nbytes, checksum=f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}")
 
+    def put_object(self, info: ObjectInfo, data: bytes | bytearray | memoryview) -> int:
+        """Store the bytes of an object another catalog holds, verified there against ``info``
+        (:meth:`read_object`), under its name, over one of that name; durable when it returns. The
+        bytes written."""
+        self.check_writable()
+        return self.store.put(OBJECTS + check_object_name(info.name), self._counted([data], None))
+
+    def has_object(self, name: str) -> bool:
+        """Whether an object (a file of a directory object too) of that name is stored."""
+        key = OBJECTS + check_object_name(name)
+        return key in self.store.list(key)
+
     def write_directory(self, name: str, fill: Callable[[Path], T]) -> T:
         """An object that is a directory of files (a DCP checkpoint), which ``fill`` writes into the
         folder it is given; under several ranks every rank calls it at once (see

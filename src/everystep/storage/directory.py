@@ -32,7 +32,7 @@ from typing import Any
 from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError, DirectoryInUseError
 from .base import Access, Manifest, ManifestRecord, checksum
-from .s3 import is_url
+from .location import is_remote, open_remote
 from .catalog import MANIFESTS, OBJECTS, Catalog
 from .local import LocalStore, fsync_dir
 from .retention import plan_retention
@@ -189,7 +189,7 @@ class CheckpointDirectory:
         ranks = ranks or Ranks()
         if access not in ("write", "shared", "read"):
             raise ValueError(f"access must be 'write', 'shared' or 'read', got {access!r}")
-        if is_url(str(root)):
+        if is_remote(str(root)):
             return cls._open_remote(str(root), access)
         path = Path(root)
         if path.exists() and not path.is_dir():
@@ -207,19 +207,17 @@ class CheckpointDirectory:
     @property
     def remote(self) -> bool:
         """Whether this is a remote tier's prefix (``s3://…``: full checkpoints only, read only)."""
-        return is_url(str(self.root))
+        return is_remote(str(self.root))
 
     @classmethod
     def _open_remote(cls, url: str, access: Access) -> "CheckpointDirectory":
         """The checkpoints a remote tier uploaded to ``url`` (:mod:`everystep.storage.remote`), for
         reading: ``inspect``, ``verify`` and ``recover`` take the URL."""
-        from .s3 import S3Store
-
         if access != "read":
             raise CheckpointDirectoryError(f"{url} is read here, never written: a job writes to a local directory and "
                                            "uploads there with remote= (--remote)")
         try:
-            store = S3Store(url, access="read")
+            store = open_remote(url, access="read")
         except ValueError as e:  # a URL that is not one: said in one line, as training says it
             raise CheckpointDirectoryError(str(e)) from None
         try:
@@ -261,11 +259,10 @@ class CheckpointDirectory:
     def owner(root: str | os.PathLike[str]) -> int | None:
         """The pid of the process that holds ``root`` for writing (0 if it cannot be told), or None
         when no process does. Creates nothing: a reader may ask."""
-        if is_url(str(root)):
+        if is_remote(str(root)):
             from .remote_lock import LOCK_KEY
-            from .s3 import S3Store
 
-            return None if S3Store(str(root), access="read").age(LOCK_KEY) is None else 0
+            return None if open_remote(str(root), access="read").age(LOCK_KEY) is None else 0
         try:
             fd = os.open(Path(root) / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:

@@ -54,10 +54,12 @@ from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointErr
 from ..policy.interval import median_gap
 from ..policy.young_daly import young_daly_interval
 from ..distributed import Ranks
-from .base import Manifest, ObjectInfo
-from .catalog import OBJECTS, Catalog
+from .base import ConditionalStore, Manifest, ObjectInfo
+from .catalog import Catalog
+from .retention import plan_retention
 from .full import read_state
 from .directory import MARKER, collect_garbage, marker_bytes, parse_marker
+from .location import is_remote, open_remote
 from .remote_lock import LOCK_KEY, RemoteLock, check_conditional_writes
 from .uploader import UploadProcess
 
@@ -77,10 +79,10 @@ class RemoteTier:
     """Uploads ``directory``'s full checkpoints to ``url`` and brings them back (see the module docstring)."""
 
     def __init__(self, url: str, directory: "CheckpointDirectory", *, every: int | None, mtbf: float, keep: int,
-                 store: Any = None, uploaded: Callable[[int], None] | None = None, lease: float = 60.0) -> None:
-        from .s3 import S3Store, is_url, parse_url
+                 store: ConditionalStore | None = None, uploaded: Callable[[int], None] | None = None, lease: float = 60.0) -> None:
+        from .s3 import parse_url
 
-        if not is_url(url):
+        if not is_remote(url):
             raise ConfigError(f"remote must be an s3://bucket/prefix URL, got {url!r}")
         if every is not None and (type(every) is not int or every < 1):
             raise ConfigError(f"remote_every must be a positive number of steps or None, got {every!r}")
@@ -92,7 +94,7 @@ class RemoteTier:
         except ValueError as e:
             raise ConfigError(f"remote: {e}") from None
         self.url, self.directory, self.every, self.mtbf, self.keep = url, directory, every, float(mtbf), keep
-        self.store = store if store is not None else S3Store(url)
+        self.store = store if store is not None else open_remote(url)
         self.catalog = Catalog(self.store)
         self.uploaded_step = -1
         """The newest step committed remotely (by this run, or found there at :meth:`pull`)."""
@@ -178,8 +180,8 @@ class RemoteTier:
             manifest = Manifest.from_bytes(body)
             step, data, bad = manifest.step, {}, None
             try:
-                data = {info.name: self._new_object(info) for info in self._share(manifest)}
-                self.bytes_down += sum(len(v) for v in data.values())
+                data = {info.name: (info, self._new_object(info)) for info in self._share(manifest)}
+                self.bytes_down += sum(len(v) for _, v in data.values())
             except (CorruptCheckpointError, FileNotFoundError) as e:
                 bad = str(e)
             except BaseException as e:
@@ -193,8 +195,8 @@ class RemoteTier:
                 continue
             what = f"the download of step {step} from {self.url}"
             try:
-                for name, value in data.items():
-                    self.directory.catalog.store.put(OBJECTS + name, [value])
+                for info, value in data.values():
+                    self.directory.catalog.put_object(info, value)
             except BaseException as e:
                 error = e
             self.ranks.exchange("control", {}, error, what)  # every rank's share in the local directory
@@ -233,8 +235,7 @@ class RemoteTier:
 
         IMPORTANT: a pull never writes over a local object: one of that name is another checkpoint's
         (garbage collection removed what no manifest names before the pull)."""
-        key = OBJECTS + info.name
-        if key in self.directory.catalog.store.list(key):
+        if self.directory.catalog.has_object(info.name):
             raise CorruptCheckpointError(f"its object {info.name} exists in the local directory {self.directory.root}, "
                                          "which a pull never writes over")
         return self.catalog.read_object(info)
@@ -329,8 +330,8 @@ class RemoteTier:
         if self.lead:
             try:
                 self.catalog.commit(manifest)  # last: the checkpoint is visible remotely from here on
-                for old in sorted(self._fulls(), key=lambda r: -r.manifest.step)[self.keep:]:
-                    self.catalog.discard(old.name)
+                for name in plan_retention([r.manifest for r in self._fulls()], keep=self.keep):
+                    self.catalog.discard(name)
             except (EverystepError, OSError) as e:
                 error = e
         self.ranks.exchange("remote", {}, error, what)

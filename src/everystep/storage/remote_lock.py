@@ -24,13 +24,14 @@ import warnings
 from typing import Any
 
 from ..errors import DirectoryInUseError, EverystepError, RemoteStoreError
+from .base import ConditionalStore
 
 __all__ = ["LOCK_KEY", "RemoteLock", "check_conditional_writes"]
 
 LOCK_KEY = "writer.lock"
 
 
-def check_conditional_writes(store: Any, url: str) -> None:
+def check_conditional_writes(store: ConditionalStore, url: str) -> None:
     """Refuse a server that does not honour conditional writes, on which two writers could each
     believe they hold the lock (an older S3-compatible server drops ``If-None-Match`` and
     ``If-Match`` and writes anyway): a value is created, then created again and replaced with a
@@ -63,7 +64,7 @@ class RemoteLock:
     """One writer per prefix of an object store (see the module docstring); raises
     :class:`DirectoryInUseError` naming the holder when a live one holds it."""
 
-    def __init__(self, store: Any, url: str, *, lease: float) -> None:
+    def __init__(self, store: ConditionalStore, url: str, *, lease: float) -> None:
         self.store, self.url, self.lease = store, url, lease
         self.lost: str | None = None
         """Why this writer no longer holds the lock (another took it over), or None."""

@@ -41,7 +41,7 @@ from .._faults import crash_point
 from ..errors import CheckpointDirectoryError, ReadOnlyStoreError, RemoteStoreError
 from .base import Access
 
-__all__ = ["S3Store", "parse_url", "is_url", "redact", "client", "PART_BYTES"]
+__all__ = ["S3Store", "parse_url", "redact", "client", "PART_BYTES"]
 
 T = TypeVar("T")
 
@@ -58,12 +58,6 @@ _UPLOAD = "..upload/"
 
 
 _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
-
-
-def is_url(location: object) -> bool:
-    """Whether ``location`` names a place in object storage (``s3://…``), not a local path: the one
-    test of it, which every caller asks."""
-    return isinstance(location, str) and location.startswith("s3://")
 
 
 def _own_key(key: str) -> bool:

@@ -99,13 +99,12 @@ class UploadProcess:
 
 def _serve(conn: connection.Connection, root: Path, url: str) -> None:
     from .._faults import crash_point
-    from .base import read_verified
-    from .catalog import OBJECTS
+    from .catalog import Catalog
     from .local import LocalStore
-    from .s3 import S3Store
+    from .location import open_remote
 
-    local = LocalStore(root, access="read")  # (a reader: nothing of the directory is changed here)
-    remote = S3Store(url)
+    local = Catalog(LocalStore(root, access="read"))  # (a reader: nothing of the directory is changed here)
+    remote = Catalog(open_remote(url))
     try:
         while True:
             message = json.loads(conn.recv_bytes())
@@ -115,8 +114,7 @@ def _serve(conn: connection.Connection, root: Path, url: str) -> None:
                 total = 0
                 for info in map(ObjectInfo.from_json, message["put"]):
                     crash_point("remote.object")  # (an object of the share, before its upload)
-                    key = OBJECTS + info.name
-                    total += remote.put(key, [read_verified(local, key, info, f"{root}/{key}")])
+                    total += remote.put_object(info, local.read_object(info))
             except Exception as e:  # (sent whole to the tier, which reports it once)
                 corrupt = isinstance(e, CorruptCheckpointError)
                 conn.send_bytes(json.dumps({"error": str(e), "corrupt": corrupt}).encode())
