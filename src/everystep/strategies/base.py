@@ -158,7 +158,7 @@ class Strategy:
 
     def __init__(self, config: StrategyConfig | None = None) -> None:
         self._taken = -1
-        """The step of the newest checkpoint taken (:meth:`_due`)."""
+        """The newest step handed to this strategy (:meth:`_first`; with :meth:`_due`, checkpointed)."""
         self.peers: Peers | None = None
         """With ``peers=True`` (:attr:`mirrors_to_peers`) under several hosts: this rank's part in the
         replicas on peers (set at attach)."""
@@ -173,7 +173,12 @@ class Strategy:
     def _due(self, step: int, final: bool) -> bool:
         """Whether a checkpoint of ``step`` is due — every ``config.every`` steps, and the final one —
         and not taken already; one that is due counts as taken from here (the caller takes it)."""
-        if step == self._taken or not due(step, self.config.every, final=final):
+        return due(step, self.config.every, final=final) and self._first(step)
+
+    def _first(self, step: int) -> bool:
+        """Whether S_step is handed to this strategy for the first time (``on_state_ready`` may come
+        again for a step: at the final checkpoint); from here it has been."""
+        if step == self._taken:
             return False
         self._taken = step
         return True

@@ -5,7 +5,8 @@ the DTensors a sharded state is read back as (:class:`LiveShards`), and what che
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -272,6 +273,16 @@ class StrategyContext:
             chunks, tensors = tensor_chunks(TensorLayout.of(source), source), source
         return persist_full(self.directory, step, chunks, skeleton, keep=keep, share=share, tensors=tensors,
                             format=self.full_format, committed=lambda s: self.record_durable(step, count=count, seconds=s))
+
+    def persist_record(self, step: int, write: Callable[[], object], *, keep: int) -> None:
+        """Persist a checkpoint of ``step`` that is not a full one (a differential, a spread
+        checkpoint): ``write`` writes and commits it; then it is recorded (:meth:`record_durable`,
+        with the seconds it took) and retention keeps the newest ``keep`` points."""
+        assert self.directory is not None
+        t0 = time.perf_counter()
+        write()
+        self.record_durable(step, seconds=time.perf_counter() - t0)
+        self.directory.retain(keep)
 
     def record_durable(self, step: int, *, count: bool = True, seconds: float = 0.0) -> None:
         """Record that the checkpoint of ``step`` is durable and visible (``count``: as a checkpoint),

@@ -14,6 +14,7 @@ exactness and its costs: ``docs/strategies.md`` (GoCkpt).
 
 from __future__ import annotations
 
+import functools
 import contextlib
 import threading
 import time
@@ -98,7 +99,6 @@ class GoCkpt(Strategy):
         """The state of S_end that is not a part (buffers, state made since the checkpoint began)."""
         self._params: list[Param] | None = None
         self._spread: Spread | None = None
-        self._last = -1
         self._step_times: list[float] = []
         self._copier = Worker(f"everystep-{self.name}-copy", self.errors)
         self._appliers = [] if self.on_device else [Worker(f"everystep-{self.name}-apply-{i}", self.errors)
@@ -121,9 +121,8 @@ class GoCkpt(Strategy):
                 self._abandon_spread()
                 self._write_now(step)
             return
-        if step == self._last:
+        if not self._first(step):
             return
-        self._last = step
         spread = self._spread
         if spread is not None:
             k = step - spread.start + 1  # the part copied from S_step
@@ -440,12 +439,10 @@ class GoCkpt(Strategy):
         failed = next((f.exception() for f in spread.gradient_copies if f.exception() is not None), None)
         if failed is None:
             crash_point("gockpt.reconstructed")
-        t0 = time.perf_counter()
-        write_spread(self.ctx.catalog, step, {k: rest[k] if k in rest else spread.host[k] for k in live}, skeleton,
-                     replicated, start=spread.start, params=spread.params, copied=spread.copied,
-                     records=spread.records, distributed=self.ctx.ranks.distributed, error=failed)
-        self.ctx.record_durable(step, seconds=time.perf_counter() - t0)
-        self.ctx.directory.retain(self.config.keep)
+        self.ctx.persist_record(step, functools.partial(
+            write_spread, self.ctx.catalog, step, {k: rest[k] if k in rest else spread.host[k] for k in live}, skeleton,
+            replicated, start=spread.start, params=spread.params, copied=spread.copied, records=spread.records,
+            distributed=self.ctx.ranks.distributed, error=failed), keep=self.config.keep)
 
     def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replicated: set[str],
                  sharded: dict[str, torch.Tensor]) -> None:

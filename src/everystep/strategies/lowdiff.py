@@ -16,6 +16,7 @@ optimum computed from the measured step time, write bandwidth and replay time.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Iterator
@@ -190,18 +191,15 @@ class LowDiff(Differential):
             tensors[f"end{key}"] = t
         replicated = {k for k in tensors if k.startswith("g/")}
         share = RankShare.of(tensors, replicated, self.ctx.catalog.ranks)  # the share this rank writes
-        commit_tensors(
-            self.ctx.catalog, "diff", kind="diff", step=last, tensors=tensors, share=share,
-            replicated=replicated, requires=(manifest_name("full", base),),
-            rank_meta={"end": end_skeleton},
+        # (retention: a batch committed after a newer full checkpoint goes now)
+        self.ctx.persist_record(last, functools.partial(
+            commit_tensors, self.ctx.catalog, "diff", kind="diff", step=last, tensors=tensors, share=share,
+            replicated=replicated, requires=(manifest_name("full", base),), rank_meta={"end": end_skeleton},
             meta={"base": base, "first": first, "last": last, "steps": steps_meta, "compression": self.compression.spec,
-                  "summed": self.config.sum_linear},
-        )
-        self.ctx.record_durable(last)
+                  "summed": self.config.sum_linear}), keep=self.config.keep)
         self.record_bytes += sum(t.nbytes for k, t in share.local.items() if k in replicated)
         self.end_bytes += sum(t.nbytes for k, t in share.local.items() if k not in replicated)
         self.recorded_steps += last - first + 1
-        self.ctx.directory.retain(self.config.keep)  # a batch committed after a newer full checkpoint goes now
 
     def _summed(self, records: list[StepRecord]) -> StepRecord:
         """One record whose 'gradient' is Σ lr_s·g_s per parameter (plain SGD only), stored dense."""

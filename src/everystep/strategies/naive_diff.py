@@ -17,6 +17,7 @@ uninterrupted run's (measured 0.09%); on gpt2-small the state after a 50-step ch
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -95,11 +96,10 @@ class NaiveDiff(Differential):
 
     def _write(self, base: int, step: int, tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
         assert self.ctx.catalog is not None
-        commit_tensors(self.ctx.catalog, "diff", kind="ndiff", step=step, tensors=tensors,
-                       replicated={k for k in tensors if k.startswith("d/")}, requires=(manifest_name("full", base),),
-                       meta={"base": base}, rank_meta={"end": end_skeleton})
-        self.ctx.record_durable(step)
-        self.ctx.directory.retain(self.config.keep)
+        self.ctx.persist_record(step, functools.partial(
+            commit_tensors, self.ctx.catalog, "diff", kind="ndiff", step=step, tensors=tensors,
+            replicated={k for k in tensors if k.startswith("d/")}, requires=(manifest_name("full", base),),
+            meta={"base": base}, rank_meta={"end": end_skeleton}), keep=self.config.keep)
 
     def _recover(self) -> Candidate | None:
         """The newest full checkpoint plus every verified difference after it: an approximation."""
