@@ -164,7 +164,7 @@ def test_dcp_async_saves_again_after_its_stager_was_closed_by_staging(tmp_path):
     """Under torch 2.11 on a GPU, DefaultStager closes its StateDictStager after each staging, and
     the next async_save failed with KeyError: <class 'type'>. The
     close is done here by hand, as that staging does it: the next save gets a new stager and lands."""
-    from everystep.eval.peers import DcpAsyncSave
+    from everystep.eval.baselines import DcpAsyncSave
 
     w = build("mlp", seed=0)
     peer = DcpAsyncSave(tmp_path / "p", w, every=1)

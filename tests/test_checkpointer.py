@@ -349,7 +349,7 @@ def test_full_disk_surfaces_in_the_training_process_and_keeps_the_previous_check
     persist = {"persist_every": 1} if strategy == "lightcheck" else {}  # its region's slots all go to the directory
     persist |= {"every": 1, "parts": 1} if strategy in SPREAD else {}
     durable = 2 if strategy in SPREAD else 1  # (a spread one started after step 1 is complete at 2)
-    ckpt = attach(w, None, strategy, store=store, **({"every": 1} if agent else {}), **persist)
+    ckpt = attach(w, store, strategy, **({"every": 1} if agent else {}), **persist)
     ckpt.restore()
     loop(w, ckpt, 0, durable + 1)
     ckpt.wait()  # step `durable` is durable; the next checkpoint starts with the next step

@@ -22,7 +22,7 @@ from everystep.eval.workloads import build
 from everystep.recovery import latest_full
 from everystep.tree import flatten, state_hash
 from everystep.storage import CheckpointDirectory
-from everystep.storage.region import RegionStore
+from everystep.storage.region import Region
 from everystep.strategies import STRATEGIES
 from everystep.transport.host import HostBuffer, HostBufferPool, TensorLayout, snapshot_into
 
@@ -179,7 +179,7 @@ def test_lightcheck_copies_by_dma_into_the_registered_region_and_waits_on_events
         assert strategy.registered is True  # the mapping is pinned for the GPU's DMA
         assert len(strategy.copy_seconds) == 6 and all(s > 0 for s in strategy.copy_seconds)  # steps 1-5, the final 6
         live, _ = flatten({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
-        region = RegionStore.open(shm / "rank-0.bin", access="read")
+        region = Region.open(shm / "rank-0.bin", access="read")
         try:
             slot, tensors, _ = region.newest()
             assert slot.step == 6
@@ -207,7 +207,7 @@ def test_a_region_on_disk_that_cannot_be_pinned_is_warned_about_once_and_still_h
         assert len(refusals) == 1 and str(tmp_path / "c" / "region" / "rank-0.bin") in refusals[0], refusals
         assert "/dev/shm" in refusals[0]
     live, _ = flatten({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
-    region = RegionStore.open(tmp_path / "c" / "region" / "rank-0.bin", access="read")
+    region = Region.open(tmp_path / "c" / "region" / "rank-0.bin", access="read")
     try:
         slot, tensors, _ = region.newest()
         assert slot.step == 4 and all(torch.equal(tensors[k], live[k].cpu()) for k in live)

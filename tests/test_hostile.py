@@ -25,7 +25,7 @@ from everystep.state import TrainingComponents
 from everystep.tree import state_hash
 from everystep.storage import CheckpointDirectory
 from everystep.storage.base import Manifest, ObjectInfo, checksum
-from everystep.storage.region import RegionStore, UntrustedRegionError
+from everystep.storage.region import Region, UntrustedRegionError
 
 from .conftest import files_of
 
@@ -191,7 +191,7 @@ def test_a_zeroed_region_header_is_never_made_anew_silently(tmp_path):
 
 
 def _damage_slots(path: Path, which: list[int]) -> None:
-    region = RegionStore.open(path, access="read")
+    region = Region.open(path, access="read")
     spans = []
     try:
         for slot in region.slots(warn=False):
@@ -221,7 +221,7 @@ def _rewrite_slot_meta(path: Path, edit) -> int:
 
     from everystep.storage import region as rg
 
-    store = RegionStore.open(path, access="read")
+    store = Region.open(path, access="read")
     try:
         newest = store.slots(warn=False)[0]
     finally:

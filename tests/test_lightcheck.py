@@ -24,7 +24,7 @@ from everystep.eval.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.state import TrainingComponents
 from everystep.tree import state_hash
-from everystep.storage.region import RegionStore
+from everystep.storage.region import Region
 from everystep.storage.region_map import ALIGN, RegionLayout
 from everystep.strategies.lightcheck import LightCheck
 
@@ -40,7 +40,7 @@ def _tensors() -> dict[str, torch.Tensor]:
             "odd": torch.randn(33, generator=g), "half": torch.randn(7, generator=g).half(), "empty": torch.zeros(0)}
 
 
-def _write(region: RegionStore, step: int, tensors: dict[str, torch.Tensor]) -> None:
+def _write(region: Region, step: int, tensors: dict[str, torch.Tensor]) -> None:
     writer = region.begin(RegionLayout.of(tensors), 100)
     for k, v in writer.views.items():
         v.copy_(tensors[k] + step if v.dtype != torch.int64 else tensors[k])
@@ -59,7 +59,7 @@ def test_the_layout_aligns_large_tensors_and_packs_small_ones_in_copy_order():
 
 def test_slots_alternate_and_the_newest_complete_one_is_read_back(tmp_path):
     tensors = _tensors()
-    region = RegionStore.open(tmp_path / "r.bin")
+    region = Region.open(tmp_path / "r.bin")
     for step in (1, 2, 3):
         _write(region, step, tensors)
     assert [(s.slot, s.step) for s in region.slots()] == [(0, 3), (1, 2)]
@@ -81,7 +81,7 @@ def test_a_commit_flushes_the_slot_marked_writing_then_its_area_then_its_header(
     import everystep.storage.region as region_module
 
     tensors = _tensors()
-    region = RegionStore.open(tmp_path / "r.bin", flush=flush)
+    region = Region.open(tmp_path / "r.bin", flush=flush)
     _write(region, 1, tensors)
     seen, flush_pages = [], region_module._flush
 
@@ -100,7 +100,7 @@ def test_a_commit_flushes_the_slot_marked_writing_then_its_area_then_its_header(
 def test_a_damaged_slot_is_skipped_with_a_warning_naming_it(tmp_path, damage):
     """I3/I4: the newest slot damaged in each way; recovery takes the other slot and says which was skipped."""
     tensors = _tensors()
-    region = RegionStore.open(tmp_path / "r.bin")
+    region = Region.open(tmp_path / "r.bin")
     _write(region, 1, tensors)
     _write(region, 2, tensors)
     newest = region.slots()[0]
@@ -118,7 +118,7 @@ def test_a_damaged_slot_is_skipped_with_a_warning_naming_it(tmp_path, damage):
     else:
         raw = raw[:newest.area_offset + 10]
     path.write_bytes(raw)
-    region = RegionStore.open(path, access="read")
+    region = Region.open(path, access="read")
     with pytest.warns(UserWarning, match=f"slot {newest.slot}"):
         slot, got, _ = region.newest()
     assert slot.step == 1 and torch.equal(got["big"], tensors["big"] + 1)
@@ -128,10 +128,10 @@ def test_a_damaged_slot_is_skipped_with_a_warning_naming_it(tmp_path, damage):
 def test_a_reader_changes_nothing_and_cannot_write(tmp_path):
     """I9: reading maps the file copy-on-write and refuses to begin a slot. (I5/I8, a pickle planted
     in a slot: ``test_trust.py::test_a_region_slot_forged_to_hold_a_pickle_is_refused_without_running_code``.)"""
-    region = RegionStore.open(tmp_path / "r.bin")
+    region = Region.open(tmp_path / "r.bin")
     _write(region, 1, _tensors())
     before = (tmp_path / "r.bin").read_bytes(), os.stat(tmp_path / "r.bin").st_mtime_ns
-    reader = RegionStore.open(tmp_path / "r.bin", access="read")
+    reader = Region.open(tmp_path / "r.bin", access="read")
     slot, got, _ = reader.newest()
     got["big"].add_(1.0)  # a copy: the file does not change
     with pytest.raises(Exception, match="opened for reading"):
@@ -142,9 +142,9 @@ def test_a_reader_changes_nothing_and_cannot_write(tmp_path):
 
 
 def test_one_writer_per_region(tmp_path):
-    region = RegionStore.open(tmp_path / "r.bin")
+    region = Region.open(tmp_path / "r.bin")
     with pytest.raises(Exception, match="in use by another process"):
-        RegionStore.open(tmp_path / "r.bin")
+        Region.open(tmp_path / "r.bin")
     region.close()
 
 
@@ -334,7 +334,7 @@ def test_a_reader_beside_a_live_run_gets_a_verified_slot(tmp_path):
             w.optimizer.step()
             w.optimizer.zero_grad()
             if t >= 3:
-                reader = RegionStore.open(directory / "region" / "rank-0.bin", access="read")
+                reader = Region.open(directory / "region" / "rank-0.bin", access="read")
                 slot, _, meta = reader.newest()
                 assert t - 2 <= slot.step <= t and json.loads(json.dumps(meta["skeleton"]))
                 reader.close()
@@ -362,7 +362,7 @@ def test_inspect_and_verify_list_the_region_slots_and_name_a_damaged_one(tmp_pat
     code, listing, _ = call_cli(capsys, "inspect", str(d))
     assert code == 0 and listing.count("region step") == 2 and "valid" in listing
     path = d / "region" / "rank-0.bin"
-    region = RegionStore.open(path, access="read")
+    region = Region.open(path, access="read")
     newest = region.slots()[0]
     region.close()
     raw = bytearray(path.read_bytes())
@@ -385,7 +385,7 @@ def test_a_corrupt_newest_slot_gives_way_to_the_same_step_persisted_in_the_direc
             w.optimizer.zero_grad()
     expected = state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
     path = directory / "region" / "rank-0.bin"
-    region = RegionStore.open(path, access="read")
+    region = Region.open(path, access="read")
     newest = region.slots()[0]
     region.close()
     raw = bytearray(path.read_bytes())

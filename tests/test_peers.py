@@ -265,13 +265,13 @@ def test_a_size_a_peer_announces_is_refused_below_a_header_and_above_the_free_me
 
 
 def test_a_mirror_another_directory_made_is_not_written_over(tmp_path, monkeypatch):
-    from everystep.storage.region import RegionStore
+    from everystep.storage.region import Region
 
     from .test_distributed import _spawn_two
 
     mirror = tmp_path / "scratch" / "region-0.bin.mirror"  # where rank 1, rank 0's buddy, keeps rank 0's part
     mirror.parent.mkdir(mode=0o700)
-    RegionStore.open(mirror, owner="another-run").close()
+    Region.open(mirror, owner="another-run").close()
     before = mirror.read_bytes()
     monkeypatch.setenv("EVERYSTEP_COLLECTIVE_TIMEOUT", "20")  # (rank 0 waits for rank 1 in vain)
     out = _spawn_two(f"""

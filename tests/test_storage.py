@@ -23,7 +23,7 @@ from safetensors import safe_open
 from everystep.errors import CheckpointDirectoryError, CorruptCheckpointError, ReadOnlyStoreError
 from everystep.storage import Catalog, CheckpointDirectory, LocalStore, Manifest, plan_retention
 from everystep.storage.directory import marker_bytes
-from everystep.storage.region import RegionStore
+from everystep.storage.region import Region
 from everystep.storage.s3 import S3Store
 from everystep.storage.region_map import RegionLayout
 from everystep.storage.tensorfile import load_tensors, tensor_chunks
@@ -494,7 +494,7 @@ def _catalog_written(path: Path) -> _Written:
 
 
 def _region_written(path: Path) -> _Written:
-    store = RegionStore.open(path)
+    store = Region.open(path)
 
     def commit(step: int, payload: bytes) -> Manifest:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -506,7 +506,7 @@ def _region_written(path: Path) -> _Written:
     def locate(info) -> tuple[Path, int, int]:
         return (path, *store.object_location(info))
 
-    return _Written(store, lambda: RegionStore.open(path, access="read"), commit, locate)
+    return _Written(store, lambda: Region.open(path, access="read"), commit, locate)
 
 
 READERS = {"catalog": _catalog_written, "region": _region_written}
@@ -517,7 +517,7 @@ READERS = {"catalog": _catalog_written, "region": _region_written}
 def written(request, tmp_path):
     w = READERS[request.param](tmp_path / "ckpt")
     yield w
-    if isinstance(w.reader, RegionStore):
+    if isinstance(w.reader, Region):
         w.reader.close()
 
 
@@ -557,7 +557,7 @@ def test_every_store_opened_for_reading_changes_nothing(written, tmp_path):
                 change()
         assert files_of(tmp_path) == before
     finally:
-        if isinstance(reader, RegionStore):
+        if isinstance(reader, Region):
             reader.close()
 
 
@@ -572,7 +572,7 @@ def test_a_region_is_offered_for_pinning_only_in_memory_and_says_why_not(tmp_pat
     if (where == "disk") == on_volatile_memory(root):
         pytest.skip(f"{root} is {'' if where == 'disk' else 'not '}in memory on this machine")
     path = root / f"everystep-pin-{tmp_path.name}.bin"
-    store = RegionStore.open(path)
+    store = Region.open(path)
     try:
         data = torch.arange(64, dtype=torch.uint8)
         writer = store.begin(RegionLayout.of({"data": data}), 100)

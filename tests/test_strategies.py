@@ -19,7 +19,7 @@ from everystep.eval.train import TrainConfig, run
 from everystep.tree import state_hash
 from everystep.recovery import Candidate
 from everystep.storage import CheckpointDirectory
-from everystep.storage.region import RegionStore
+from everystep.storage.region import Region
 from everystep.strategies import STRATEGIES, Strategy, StrategyContext
 
 from .conftest import assert_recovered, loss_gap
@@ -174,7 +174,7 @@ def test_killed_runs_recover_the_uninterrupted_runs_state(tmp_path, strategy, re
 def _newest_object(root, strategy: str) -> tuple[Any, int]:
     """The file that holds the newest checkpoint's first object, and a byte in that object."""
     if strategy == "lightcheck":  # the newest checkpoint is a slot of the region
-        region = RegionStore.open(root / "region" / "rank-0.bin", access="read")
+        region = Region.open(root / "region" / "rank-0.bin", access="read")
         try:
             newest = max((r.manifest for r in region.manifests() if r.manifest), key=lambda m: m.step)
             offset, nbytes = region.object_location(next(iter(newest.objects.values())))

@@ -303,7 +303,7 @@ def test_a_region_slot_forged_to_hold_a_pickle_is_refused_without_running_code(t
         ckpt.restore()
         _train(w, ckpt, 0, 3)
     path = tmp_path / "c" / "region" / "rank-0.bin"
-    reader = rg.RegionStore.open(path, access="read")
+    reader = rg.Region.open(path, access="read")
     newest, older = reader.slots()
     reader.close()
     payload = pickle.dumps(_RunsCode(tmp_path / "pwned"))

@@ -93,7 +93,10 @@ class Checkpointer:
     """Checkpoints the complete training state with a chosen strategy.
 
     Args:
-        directory: where checkpoints live; created if absent. Ignored by strategy ``none``.
+        directory: where checkpoints live; created if absent. Ignored by strategy ``none``. Or an
+            open :class:`~everystep.storage.CheckpointDirectory` (the Checkpointer closes it, and
+            keeps it as ``self.directory``); one opened with ``access="read"`` makes a reader,
+            which restores and changes nothing.
         model, optimizer: the live objects being trained.
         scheduler, scaler, data: optional LR scheduler, GradScaler, and a data-position object
             with ``state_dict()``/``load_state_dict()`` (epoch, index, sampler seed).
@@ -116,9 +119,6 @@ class Checkpointer:
             directory holds; for a new one, ``"dcp"`` under sharding (FSDP2, HSDP, TP, FSDP+TP)
             where the strategy writes it (all but ``lowdiff_plus``, whose agent writes everystep's
             own), and ``"safetensors"`` otherwise. Both formats load at another world size or layout.
-        store: an open :class:`~everystep.storage.CheckpointDirectory` to use instead of
-            ``directory`` (the Checkpointer closes it, and keeps it as ``self.directory``); one
-            opened with ``access="read"`` makes a reader, which restores and changes nothing.
         remote: an ``s3://bucket/prefix`` URL: full checkpoints are also uploaded there in the
             background, and :meth:`restore` takes the newest one from there when the directory holds
             nothing as new (a new machine); under several ranks each uploads and downloads a share
@@ -141,7 +141,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        directory: str | os.PathLike[str] | None,
+        directory: str | os.PathLike[str] | CheckpointDirectory | None,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
@@ -153,7 +153,6 @@ class Checkpointer:
         every: int | None = None,
         keep: int | None = None,
         final: bool = True,
-        store: CheckpointDirectory | None = None,
         deadline: float | None = None,
         k1: float = 10.0,
         k2: float = 2.0,
@@ -192,6 +191,7 @@ class Checkpointer:
         )
         self.final = final
         self.stats = CheckpointStats()
+        store = directory if isinstance(directory, CheckpointDirectory) else None
         self.ranks = store.ranks if store is not None else Ranks.detect()
         if self.ranks.rank == 0 and (why := restart_rounding(model, self.ranks.world)):
             warnings.warn(why, stacklevel=2)

@@ -51,7 +51,7 @@ from .errors import BackgroundWriteError, CorruptCheckpointError
 from .recovery import Candidate
 from .tree import check_skeleton, unflatten
 from .storage.base import MALFORMED, refuse_constant
-from .storage.region import RegionStore, checksum_of
+from .storage.region import Region, checksum_of
 from .storage.region_map import RegionLayout
 
 __all__ = ["host_name", "Peers", "Agreed", "Team", "buddies", "mirrored", "pack", "unpack", "mirror_path", "Holdings",
@@ -209,7 +209,7 @@ class Peers:
                          seconds=time.perf_counter() - since)
 
     def _read(self, kind: str, rank: int, step: int) -> tuple[dict[str, torch.Tensor], Any]:
-        """Rank ``rank``'s state at ``step`` from this host's memory (``kind``: as :data:`Reader`)."""
+        """Rank ``rank``'s state at ``step`` from this host's memory (``kind``: as :data:`ReadHeld`)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -421,12 +421,12 @@ def share_out(hosts: list[str], me: int) -> list[int]:
     return [k for k in range(len(hosts)) if (k == me if k in local else local[k % len(local)] == me)]
 
 
-Reader = Callable[[str, int], tuple[dict[str, torch.Tensor], Any]]
+ReadHeld = Callable[[str, int], tuple[dict[str, torch.Tensor], Any]]
 """``read(kind, rank)``: rank ``rank``'s state at the agreed step from this process's memory —
 ``region`` (the whole state) or ``mirror`` (its own part) — as (tensors, skeleton of the whole)."""
 
 
-def put_together(ranks: Ranks, step: int, transfers: list[Transfer], held: list[Holdings], read: Reader, *,
+def put_together(ranks: Ranks, step: int, transfers: list[Transfer], held: list[Holdings], read: ReadHeld, *,
                  own_source: str) -> tuple[dict[str, torch.Tensor], Any, str]:
     """Collective: carry out ``transfers`` (every rank, in their order: what this rank sends it reads
     with ``read``) and return this rank's state at ``step`` — (tensors, skeleton, source) — whole
@@ -463,12 +463,12 @@ def put_together(ranks: Ranks, step: int, transfers: list[Transfer], held: list[
     return {**{k: v for k, v in rest.items() if k not in own[0]}, **own[0]}, own[1], source
 
 
-def read_steps(store: RegionStore | None) -> list[int]:
+def read_steps(store: Region | None) -> list[int]:
     """The steps of ``store``'s slots that verify (none without a store)."""
     return [] if store is None else [slot.step for slot, _, _ in store.verified(copy=True, warn=False)]
 
 
-def read_step(store: RegionStore, step: int) -> tuple[dict[str, torch.Tensor], Any]:
+def read_step(store: Region, step: int) -> tuple[dict[str, torch.Tensor], Any]:
     """The tensors (copies) and skeleton of ``store``'s slot of ``step``, verified (a mirror's
     skeleton, of the whole state, is kept in its slot's ``meta``: see :func:`commit_mirror`)."""
     for slot, tensors, meta in store.verified(copy=True, warn=False):
@@ -477,7 +477,7 @@ def read_step(store: RegionStore, step: int) -> tuple[dict[str, torch.Tensor], A
     raise CorruptCheckpointError(f"{store.path} no longer holds a slot of step {step} that verifies")
 
 
-def commit_mirror(store: RegionStore, step: int, tensors: dict[str, torch.Tensor], skeleton: Any) -> None:
+def commit_mirror(store: Region, step: int, tensors: dict[str, torch.Tensor], skeleton: Any) -> None:
     """Keep a rank's own part of S_step in its mirror: the tensors, and the skeleton of the whole
     state (in the slot's ``meta``: the slot's own skeleton names only what it holds)."""
     writer = store.begin(RegionLayout.of(tensors), len(json.dumps(skeleton, default=str)))
@@ -487,12 +487,12 @@ def commit_mirror(store: RegionStore, step: int, tensors: dict[str, torch.Tensor
     store.commit(writer, step, {"step": step}, meta={"state": skeleton})
 
 
-def open_read(path: Path, owners: set[str]) -> RegionStore | None:
+def open_read(path: Path, owners: set[str]) -> Region | None:
     """The region or mirror at ``path`` for reading, or None where there is none, or where it
     belongs to no checkpoint directory of ``owners`` (the owner tokens one directory keeps)."""
     if not os.path.lexists(path):
         return None
-    store = RegionStore.open(path, access="read")
+    store = Region.open(path, access="read")
     if store.owner not in owners:
         store.close()
         return None

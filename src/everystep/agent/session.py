@@ -45,7 +45,7 @@ from .commits import PartCommits
 from .config import AgentConfig
 from .replica import optimizer_class_path, replayed_keys, slot_layout
 
-__all__ = ["AgentSession", "Progress", "Shards", "fits", "served", "signature"]
+__all__ = ["AgentSession", "Progress", "ShardedState", "fits", "served", "signature"]
 
 
 def signature(tensors: dict[str, torch.Tensor], sharded: Mapping[str, torch.Tensor]) -> str:
@@ -57,7 +57,7 @@ def signature(tensors: dict[str, torch.Tensor], sharded: Mapping[str, torch.Tens
     return hashlib.sha256(json.dumps(model).encode()).hexdigest()[:32]
 
 
-class Shards(Protocol):
+class ShardedState(Protocol):
     """Where the session learns how the state is sharded (the strategy's context)."""
 
     @property
@@ -106,7 +106,7 @@ class AgentSession:
 
     def __init__(self, directory: CheckpointDirectory, ranks: Ranks, components: TrainingComponents, progress: Progress,
                  errors: BackgroundErrors, *, timeout: float, slots: int, keep: int, verify_sample: int,
-                 shards: Shards) -> None:
+                 shards: ShardedState) -> None:
         self.directory, self.ranks, self.components, self.progress = directory, ranks, components, progress
         self.shards = shards
         self.errors = errors

@@ -29,7 +29,7 @@ from ..distributed import free_port
 from ..errors import ConfigError, EverystepError
 from ..strategies import STRATEGIES
 from .measure import CHECKFLOW_MEMORY, base_strategy
-from .peers import PEERS
+from .baselines import BASELINES
 from .workloads import LAYOUT_OF, WORKLOADS, check_device
 from .plotting import pyplot
 from .run_config import check_layout
@@ -80,10 +80,10 @@ class BenchConfig:
             self._check_trainer()
         elif self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
-        unknown = [s for s in self.strategies if s not in STRATEGIES and s not in PEERS]
+        unknown = [s for s in self.strategies if s not in STRATEGIES and s not in BASELINES]
         if unknown:
             raise ConfigError(f"unknown strategies {', '.join(unknown)}; choose from {', '.join(sorted(STRATEGIES))} "
-                              f"or the peers {', '.join(PEERS)}")
+                              f"or the baselines {', '.join(BASELINES)}")
         if "none" not in self.strategies:
             self.strategies = ("none", *self.strategies)
         if self.steps <= self.warmup:
@@ -152,7 +152,7 @@ class BenchConfig:
         if self.trainer is not None:
             raise ConfigError("--trainer runs one process: it takes no --nproc or --parallel")
         check_layout(self.parallel, self.strategies, compress=self.compress, in_backward=self.in_backward,
-                     others=", or the peers dcp, dcp_async")
+                     others=", or the baselines dcp, dcp_async")
         if self.nproc > 1 and "torch_save" in self.strategies:
             raise ConfigError("--nproc: torch_save writes one process's state_dict to one file; under several ranks "
                               "compare with dcp or dcp_async, which every rank writes")
@@ -160,7 +160,7 @@ class BenchConfig:
     def _check_in_backward(self) -> None:
         if self.compress:
             raise ConfigError("--in-backward takes no --compress (updates in backward train dense)")
-        unable = [s for s in self.strategies if s in PEERS or not STRATEGIES[s].layer_updates]
+        unable = [s for s in self.strategies if s in BASELINES or not STRATEGIES[s].layer_updates]
         if unable:
             raise ConfigError(f"--in-backward cannot run {', '.join(unable)}: they read the gradients after the "
                               "update, or call optimizer.step() themselves")

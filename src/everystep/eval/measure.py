@@ -148,8 +148,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     init_process_group(one_process=needs_ddp(spec.get("compress")), device=spec.get("device", "cpu"))  # PowerSGD: DDP's hook
     name = spec["strategy"]
     strategy = base_strategy(name)  # (+remote: the same strategy, uploading; +peers: mirroring)
-    if strategy not in STRATEGIES:  # a peer: only its runs import DCP (a second of start-up)
-        return measure_peer(spec)
+    if strategy not in STRATEGIES:  # a baseline: only its runs import DCP (a second of start-up)
+        return measure_baseline(spec)
     steps, warmup = spec["steps"], spec["warmup"]
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
     if name.endswith("+peers"):
@@ -248,44 +248,44 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     return _across_ranks(result)
 
 
-def measure_peer(spec: dict[str, Any]) -> dict[str, Any]:
-    """:func:`measure` for a peer (:mod:`everystep.eval.peers`): the same loop, counters and checks."""
-    from .peers import PEERS, Peer
+def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
+    """:func:`measure` for a baseline (:mod:`everystep.eval.baselines`): the same loop, counters and checks."""
+    from .baselines import BASELINES, Baseline
 
     steps, warmup = spec["steps"], spec["warmup"]
     with _scratch(spec) as tmp:
         w = _build(spec, spec["seed"])
-        peer: Peer = PEERS[spec["strategy"]](Path(tmp) / "ckpt", w, spec.get("every") or 1)
+        baseline: Baseline = BASELINES[spec["strategy"]](Path(tmp) / "ckpt", w, spec.get("every") or 1)
         times, lost = [], []
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         try:
             for step in range(1, steps + 1):
                 if step == warmup + 1:
-                    peer.wait()
-                    at_warmup = (peer.stall_seconds, peer.checkpoints, peer.bytes_written)
+                    baseline.wait()
+                    at_warmup = (baseline.stall_seconds, baseline.checkpoints, baseline.bytes_written)
                 t0 = time.perf_counter()
-                _step(w, peer.before_update)
-                peer.after_step(step)
+                _step(w, baseline.before_update)
+                baseline.after_step(step)
                 if step > warmup:
                     times.append(time.perf_counter() - t0)
-                lost.append(step - peer.last_durable_step)
-            peer.wait()
+                lost.append(step - baseline.last_durable_step)
+            baseline.wait()
         finally:
-            peer.close()
+            baseline.close()
         live = _model_and_optimizer(w)
         after = _train_on(w)
         fresh = _build(spec, spec["seed"])
         t0 = time.perf_counter()
-        recovered = peer.load(fresh)
+        recovered = baseline.load(fresh)
         seconds = time.perf_counter() - t0
         if recovered != steps:
             raise RuntimeError(f"{spec['strategy']} recovered step {recovered}, expected {steps}")
         return _across_ranks({
             "strategy": spec["strategy"], "repeat": spec["repeat"], "every": spec["every"], "step_seconds": times,
-            "mean_step_seconds": sum(times) / len(times), "stall_seconds": peer.stall_seconds - at_warmup[0],
-            "checkpoints": peer.checkpoints - at_warmup[1],
-            "bytes_per_step": (peer.bytes_written - at_warmup[2]) / (steps - warmup),
+            "mean_step_seconds": sum(times) / len(times), "stall_seconds": baseline.stall_seconds - at_warmup[0],
+            "checkpoints": baseline.checkpoints - at_warmup[1],
+            "bytes_per_step": (baseline.bytes_written - at_warmup[2]) / (steps - warmup),
             "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "peak_device_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
             "lost_steps_software": max(lost), "lost_steps_hardware": max(lost),

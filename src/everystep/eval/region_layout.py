@@ -5,7 +5,7 @@ Both write the same workload state into a memory-mapped file, with the same copi
 bytes, from the training device) and the same flush:
 
 - ``separated``: the region's layout — tensors of more than 128 bytes at 128-byte-aligned offsets
-  in copy order, the small ones packed, the metadata written once, apart (:class:`RegionStore`);
+  in copy order, the small ones packed, the metadata written once, apart (:class:`Region`);
 - ``interleaved``: each tensor's metadata record (JSON: key, dtype, shape) followed at once by its
   bytes, as a serialiser that writes a dictionary in order would lay them out.
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..tree import flatten
-from ..storage.region import RegionStore
+from ..storage.region import Region
 from ..storage.region_map import RegionLayout, on_volatile_memory
 from .workloads import build
 
@@ -36,7 +36,7 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _separated(region: RegionStore, tensors: dict[str, torch.Tensor], layout: RegionLayout) -> float:
+def _separated(region: Region, tensors: dict[str, torch.Tensor], layout: RegionLayout) -> float:
     t0 = time.perf_counter()
     writer = region.begin(layout, 4096)
     for key, view in writer.views.items():
@@ -73,7 +73,7 @@ def measure_layouts(workload: str, *, device: str = "cpu", repeats: int = 5, whe
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     layout = RegionLayout.of(tensors)
     with tempfile.TemporaryDirectory(prefix="everystep-layout-", dir=where) as tmp:
-        region = RegionStore.open(os.path.join(tmp, "region.bin"))
+        region = Region.open(os.path.join(tmp, "region.bin"))
         path = os.path.join(tmp, "interleaved.bin")
         flush = not on_volatile_memory(path)
         with open(path, "w+b") as f:

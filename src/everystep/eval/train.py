@@ -110,10 +110,9 @@ def preflight(cfg: TrainConfig, world: int, *, owner: bool = True) -> None:
 def _recover_with(store: CheckpointDirectory, run: dict[str, Any], directory: str, device: str) -> dict[str, Any]:
     w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"], compress=run["compress"], device=device,
               in_backward=run.get("in_backward", False))
-    with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
+    with Checkpointer(store, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
                       strategy=store.marker["strategy"], every=run["every"], keep=run["keep"], final=False,
-                      full_format=run.get("full_format", "safetensors"),
-                      store=store, **run["options"]) as ckpt:
+                      full_format=run.get("full_format", "safetensors"), **run["options"]) as ckpt:
         step = ckpt.restore()
         tree = {"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
         found = ckpt.recovered
@@ -183,8 +182,8 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
                                 extra={"run": run_record(cfg), "full_format": cfg.full_format},
                                 other_world=STRATEGIES[strategy].other_world_size)
     with Checkpointer(
-        directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
-        strategy=strategy, every=cfg.every, keep=cfg.keep, store=store, deadline=cfg.deadline, full_format=cfg.full_format,
+        store, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
+        strategy=strategy, every=cfg.every, keep=cfg.keep, deadline=cfg.deadline, full_format=cfg.full_format,
         stagger=cfg.stagger, remote=cfg.remote, remote_every=cfg.remote_every,
         stop_signals=(signal.SIGTERM, signal.SIGUSR1), **cfg.options,
     ) as ckpt:

@@ -32,7 +32,7 @@ overhead went from +56% to +80% and the shootdowns from about one to about 460 a
 The region implements the :class:`~everystep.storage.base.Reader` protocol
 (``manifests``, ``read_object``, ``committed``, ``discard``, ``stored_files``): a complete slot
 is a manifest of kind ``full`` whose objects are its tensors. Writing goes through
-:meth:`RegionStore.begin` and :meth:`RegionStore.commit`, since the data is copied into place.
+:meth:`Region.begin` and :meth:`Region.commit`, since the data is copied into place.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from ..tree import check_skeleton
 from .base import CHECKSUM_ALGORITHM, MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo, refuse_constant
 from .region_map import PAGE, Area, RegionLayout, RegionSlot, SlotMeta, SlotWriter, on_volatile_memory, round_up
 
-__all__ = ["RegionStore", "UntrustedRegionError", "UnreadableRegionError", "RegionSlot", "SlotWriter"]
+__all__ = ["Region", "UntrustedRegionError", "UnreadableRegionError", "RegionSlot", "SlotWriter"]
 
 _MAGIC = b"EVERYSTEP-REGION"
 _VERSION = 1
@@ -103,7 +103,7 @@ def _flush(view: mmap.mmap, offset: int, nbytes: int) -> None:
     view.flush(offset, nbytes)
 
 
-class RegionStore:
+class Region:
     """The two-slot region in one file (see the module docstring)."""
 
     def __init__(self, path: Path, fd: int, *, access: Access, ranks: Ranks, flush: bool | None) -> None:
@@ -127,7 +127,7 @@ class RegionStore:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, access: Access = "write", ranks: Ranks | None = None,
-             flush: bool | None = None, owner: str = "", remake: bool = False) -> "RegionStore":
+             flush: bool | None = None, owner: str = "", remake: bool = False) -> "Region":
         """Open (a writer: create) the region at ``path``. ``flush``: ``None`` flushes unless the file
         lies on tmpfs/ramfs, where a flush cannot make it outlive the host. ``owner``: up to 32
         ASCII characters recorded when the file is made (what it belongs to; :attr:`owner` reads it back).

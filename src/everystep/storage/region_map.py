@@ -158,7 +158,7 @@ class RegionSlot:
 
 @dataclass(eq=False)
 class SlotWriter:
-    """A slot being written: copy into ``views``, then :meth:`RegionStore.commit`."""
+    """A slot being written: copy into ``views``, then :meth:`Region.commit`."""
 
     slot: int
     layout: RegionLayout

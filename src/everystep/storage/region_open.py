@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointDirectoryError
-from .region import RegionStore, UnreadableRegionError, UntrustedRegionError
+from .region import Region, UnreadableRegionError, UntrustedRegionError
 
 if TYPE_CHECKING:
     from .directory import CheckpointDirectory
@@ -28,7 +28,7 @@ def region_path(directory: Path, region: str | None, rank: int, world: int) -> P
 
 
 def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: bool | None = None,
-                rank: int | None = None) -> RegionStore | None:
+                rank: int | None = None) -> Region | None:
     """This rank's region of ``directory``: made if absent (a writer), or ``None`` for a reader
     where there is none. A region records, when made, the token that its directory keeps in
     ``region-r<rank>.owner``; a region that another directory made (a ``region=`` path given to two
@@ -45,7 +45,7 @@ def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: 
     if directory.access == "read":
         if not os.path.lexists(path):
             return None
-        found = RegionStore.open(path, access="read", ranks=ranks)
+        found = Region.open(path, access="read", ranks=ranks)
         if found.owner != token:
             found.close()
             warnings.warn(f"the region {path} belongs to another checkpoint directory than {directory.root}: not read",
@@ -57,7 +57,7 @@ def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: 
         token = uuid.uuid4().hex
         directory.put_file(claim.name, token.encode())  # before the region: a region is always claimed
     try:
-        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token)
+        found = Region.open(path, ranks=ranks, flush=flush, owner=token)
     except UntrustedRegionError:
         if claimed:
             claim.unlink(missing_ok=True)  # the directory stays as it was found
@@ -69,7 +69,7 @@ def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: 
                 f"{directory.root} replaces: to start over, delete {path}") from None
         warnings.warn(f"{e}: training resumes from the full checkpoints of {directory.root}, and the region is "
                       "made anew", stacklevel=3)
-        found = RegionStore.open(path, ranks=ranks, flush=flush, owner=token, remake=True)
+        found = Region.open(path, ranks=ranks, flush=flush, owner=token, remake=True)
     if found.owner != token:
         found.close()
         raise CheckpointDirectoryError(

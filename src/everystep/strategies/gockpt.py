@@ -42,7 +42,7 @@ from ..layout import TensorLayout
 from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
 from ..tree import local_shard
 from .base import Strategy
-from .gockpt_plan import ELEMENTWISE, Chunk, GoCkptConfig, Param, Spread
+from .gockpt_config import ELEMENTWISE, Chunk, GoCkptConfig, Param, Spread
 
 __all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig"]
 

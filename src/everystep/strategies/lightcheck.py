@@ -54,7 +54,7 @@ from ..recovery import Candidate, recover
 from ..state import bare_module, local_optimizer
 from ..parallelism import SHARDED_LAYOUTS
 from ..tree import flatten, local_shard, unflatten
-from ..storage.region import RegionStore, UnreadableRegionError
+from ..storage.region import Region, UnreadableRegionError
 from ..storage.region_map import RegionLayout, SlotWriter
 from ..storage.region_open import open_region, region_path
 from .. import peers
@@ -190,7 +190,7 @@ class LightCheck(Strategy):
         self.commit_wait_seconds = 0.0
         """Seconds the updates waited, after the copies, for the checksums and the slot's header."""
         self.persisted = 0
-        self.region: RegionStore | None = None
+        self.region: Region | None = None
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -541,12 +541,12 @@ class _RegionPeers(peers.Peers):
     def __init__(self, owner: LightCheck, directory: Any, team: peers.Team) -> None:
         super().__init__(directory.ranks, team, owner.errors)
         self.owner, self.directory = owner, directory
-        self.mirrors: dict[int, RegionStore] = {}
-        self._reading: dict[tuple[str, int], RegionStore | None] = {}
+        self.mirrors: dict[int, Region] = {}
+        self._reading: dict[tuple[str, int], Region | None] = {}
         assert owner.region is not None
         for ward in self.wards:
             path = self._path("mirror", ward)
-            store = RegionStore.open(path, ranks=self.ranks, flush=owner.config.flush, owner=owner.region.owner)
+            store = Region.open(path, ranks=self.ranks, flush=owner.config.flush, owner=owner.region.owner)
             self.mirrors[ward] = store
             if store.owner != owner.region.owner:  # as for a region: another run's memory is not written over
                 self.close()

@@ -18,7 +18,7 @@ one directory per checkpoint, each rank its state (under FSDP2 its shards), as T
 Like a user's, none of them saves the RNG or the data position: the bench's resume check shows
 whether training goes on bitwise after their recovery. Their checkpoints live in the bench's own
 temporary directory; DCP stores the scheduler's plain values in pickle form, which its loader
-unpickles, so load a peer's checkpoint only from a directory you trust.
+unpickles, so load a baseline's checkpoint only from a directory you trust.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-__all__ = ["PEERS", "Peer", "TorchSave", "DcpSave", "DcpAsyncSave"]
+__all__ = ["BASELINES", "Baseline", "TorchSave", "DcpSave", "DcpAsyncSave"]
 
 
 def _size(path: Path) -> int:
@@ -44,8 +44,8 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-class Peer:
-    """A peer's checkpointing, driven by the bench's training loop.
+class Baseline:
+    """A baseline's checkpointing, driven by the bench's training loop.
 
     Call order: :meth:`before_update` before each ``optimizer.step()``; :meth:`after_step` after
     each step; :meth:`wait`, then :meth:`close` at the end; :meth:`load` into a fresh workload.
@@ -86,7 +86,7 @@ class Peer:
         raise NotImplementedError
 
 
-class TorchSave(Peer):
+class TorchSave(Baseline):
     name = "torch_save"
 
     @property
@@ -137,7 +137,7 @@ def _ranks() -> tuple[int, int]:
     return 0, 1
 
 
-class DcpSave(Peer):
+class DcpSave(Baseline):
     """Under several ranks every rank saves its state (its shards, under FSDP2) into one directory per
     checkpoint, as TorchTitan does; rank 0 removes the old ones."""
 
@@ -242,4 +242,4 @@ class DcpAsyncSave(DcpSave):
             self._stager.close()
 
 
-PEERS: dict[str, type[Peer]] = {cls.name: cls for cls in (TorchSave, DcpSave, DcpAsyncSave)}
+BASELINES: dict[str, type[Baseline]] = {cls.name: cls for cls in (TorchSave, DcpSave, DcpAsyncSave)}
