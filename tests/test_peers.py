@@ -170,7 +170,7 @@ def test_a_wards_replica_serves_its_step_and_the_one_held_back_and_applies_that_
     its own, so that it serves both; asked for the newer, it applies it, and equals the ward's state."""
     import torch
 
-    from everystep.agent.process import _WardReplica
+    from everystep.agent.replica import WardReplica
     from everystep.agent.replica import slot_layout
     from everystep.state import group_scalars
     from everystep.transport.shared import SharedRegion
@@ -180,7 +180,7 @@ def test_a_wards_replica_serves_its_step_and_the_one_held_back_and_applies_that_
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()  # (the optimizer's state exists: a replica starts from a state that has it)
-    ward = _WardReplica(_replica_of(model, optimizer, 1), "fits")
+    ward = WardReplica(_replica_of(model, optimizer, 1), "fits")
     assert ward.served() == [1]
 
     def step(n):
@@ -214,14 +214,15 @@ def test_a_step_a_wards_replica_cannot_take_drops_that_replica_not_the_agent(cap
     shape: a peer's bug) drops the ward's replica, with a line on stderr, and the agent goes on."""
     import torch
 
-    from everystep.agent.process import Agent, _WardReplica
+    from everystep.agent.process import Agent
+    from everystep.agent.replica import WardReplica
     from everystep.agent.replica import slot_layout
     from everystep.transport.shared import SharedRegion
 
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     agent = Agent.__new__(Agent)  # (its ward replicas only: no directory, no connection)
-    agent._wards = {1: _WardReplica(_replica_of(model, optimizer, 5), "fits")}
+    agent._wards = {1: WardReplica(_replica_of(model, optimizer, 5), "fits")}
     wrong = {0: torch.zeros(2, 2), 1: torch.zeros(3)}
     for step in (6, 7):  # step 6 is held back; step 7's arrival applies it, and it does not fit
         region, _ = SharedRegion.holding(slot_layout(wrong, {}))
@@ -235,7 +236,7 @@ def test_a_step_a_wards_replica_cannot_take_drops_that_replica_not_the_agent(cap
 def test_what_a_ward_sends_of_its_step_is_checked_before_its_buddys_agent_takes_it():
     import torch
 
-    from everystep.strategies.lowdiff_plus import _ward_keys, _ward_step
+    from everystep.strategies.mirrors import _ward_keys, _ward_step
 
     tensors = {"g/0": torch.zeros(3), "/model/w": torch.zeros(3)}
     good = {"groups": [{"lr": 0.1}], "skipped": False, "has_grad": [0]}

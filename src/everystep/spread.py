@@ -10,12 +10,15 @@ A part brought forward is checked against the state of the step before anything 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+import warnings
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, NoValidCheckpointError
+from .recovery import Candidate, Shards, recover
 from .storage.full import read_state
 from .replay import optimizer_like, replay_step
 from .storage.base import Manifest, malformed
@@ -26,7 +29,7 @@ if TYPE_CHECKING:
     from .storage.catalog import Catalog
     from .storage.directory import CheckpointDirectory
 
-__all__ = ["SPREAD_KIND", "write_spread", "read_spread", "bring_forward"]
+__all__ = ["SPREAD_KIND", "write_spread", "read_spread", "bring_forward", "recover_spread"]
 
 
 def write_spread(catalog: "Catalog", step: int, state: dict[str, torch.Tensor], skeleton: Any, replicated: set[str], *,
@@ -158,3 +161,48 @@ def bring_forward(optimizer: torch.optim.Optimizer, trained: dict[str, tuple[int
                 raise CorruptCheckpointError(f"{what}: the part of {d['key']!r} brought forward disagrees with the "
                                              f"state of the step on {name!r}")
     return str(views[0].device) if views else "cpu"
+
+
+def recover_spread(directory: "CheckpointDirectory", optimizer: torch.optim.Optimizer,
+                   trained: Callable[[], dict[str, tuple[int, torch.Tensor]]], shards: Shards) -> Candidate | None:
+    """The newest checkpoint in ``directory`` that verifies, full (read as :func:`~everystep.recovery.recover`
+    reads it, ``shards`` as there) or spread (its parts brought forward with ``optimizer`` on the
+    training device; ``trained()``: as :func:`bring_forward` takes it); None for an empty directory."""
+    t0 = time.perf_counter()
+    records = directory.catalog.manifests()
+    newest_full = directory.newest_full_step(records)
+    spreads = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == SPREAD_KIND),
+                     key=lambda m: -m.step)
+    found = _first_spread(directory, optimizer, trained, [m for m in spreads if m.step > newest_full], t0)
+    if found is not None:
+        return found
+    failed: NoValidCheckpointError | None = None
+    try:
+        full = recover(directory, shards=shards)  # the newest that verifies, warning about others
+    except NoValidCheckpointError as e:  # none does: a spread one older than them may
+        full, failed = None, e
+    above = full.step if full is not None else -1
+    found = _first_spread(directory, optimizer, trained, [m for m in spreads if above < m.step <= newest_full], t0)
+    if found is None and failed is not None:  # (a newer full checkpoint failed)
+        raise failed
+    return found or full
+
+
+def _first_spread(directory: "CheckpointDirectory", optimizer: torch.optim.Optimizer,
+                  trained: Callable[[], dict[str, tuple[int, torch.Tensor]]], manifests: list[Manifest],
+                  t0: float) -> Candidate | None:
+    """The first of ``manifests`` (newest first) that verifies and comes forward."""
+    if not manifests:
+        return None
+    params = trained()
+    for manifest in manifests:
+        try:
+            tree, tensors, description = read_spread(directory, manifest)
+            with malformed(f"the spread checkpoint at step {manifest.step}"):
+                device = bring_forward(optimizer, params, manifest, tree, tensors, description)
+        except CorruptCheckpointError as e:
+            warnings.warn(f"skipping the spread checkpoint at step {manifest.step}: {e}", stacklevel=5)
+            continue
+        return Candidate(step=manifest.step, tree=tree, source=f"disk (parts brought forward on {device})",
+                         manifest=manifest, seconds=time.perf_counter() - t0)
+    return None

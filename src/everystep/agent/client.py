@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -11,13 +12,16 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import EverystepError
+from ..parallelism import shard_box
 from .channel import (
     DISCOVERY_FILE,
     AgentAddress,
@@ -33,7 +37,34 @@ from .channel import (
 )
 from .config import AgentConfig
 
-__all__ = ["AgentLink", "AgentLostError"]
+__all__ = ["AgentLink", "AgentLostError", "signature", "fits", "served"]
+
+
+def signature(tensors: dict[str, torch.Tensor], sharded: Mapping[str, torch.Tensor]) -> str:
+    """What a replica of ``tensors`` (a flat state; ``sharded``: the DTensors of the keys that hold
+    this rank's shards) fits: the model's keys, each tensor's shape, and where a shard lies in the
+    whole. A replica made under another layout or model is not taken."""
+    model = [(k, list(t.shape), shard_box(sharded[k]).offsets if k in sharded else None)
+             for k, t in sorted(tensors.items()) if k.startswith("/model/")]
+    return hashlib.sha256(json.dumps(model).encode()).hexdigest()[:32]
+
+
+def fits(hello: dict[str, Any], expect: str) -> bool:
+    """Whether the replica an agent's answer to ``hello`` describes fits the :func:`signature`
+    ``expect`` (warned about where it does not)."""
+    if hello["step"] is None or hello.get("signature") == expect:
+        return True
+    warnings.warn(f"the checkpoint agent (pid {hello.get('pid')}) holds the state of another layout (another sharding, "
+                  "or another model); recovering from storage", RuntimeWarning, stacklevel=6)
+    return False
+
+
+def served(hello: dict[str, Any]) -> list[int] | None:
+    """The steps an agent's answer to ``hello`` says its replica can serve; None when it holds none."""
+    if hello["step"] is None:
+        return None
+    return [hello["step"]] + ([hello["pending"]] if hello.get("pending") is not None else [])
+
 
 LOG_FILE = "agent.log"
 

@@ -77,7 +77,7 @@ from .channel import (
     send_fds,
 )
 from .config import AgentConfig
-from .replica import Replica, replayed_keys
+from .replica import Replica, WardReplica, replayed_keys
 
 __all__ = ["AgentConfig", "Agent", "main"]
 
@@ -118,7 +118,7 @@ class Agent:
         self._mirrors: dict[int, dict[int, tuple[SharedRegion, TensorLayout, Any]]] = {}
         """Replicas on peers: by ward (a rank on another host) and step, that rank's own state (its
         RNG, data position, buffers: what its replica would hold beyond the replicated state)."""
-        self._wards: dict[int, _WardReplica] = {}
+        self._wards: dict[int, WardReplica] = {}
         """Replicas on peers under sharding: by ward, a replica of that rank's whole state."""
 
     # -- serving -------------------------------------------------------------------------------
@@ -338,7 +338,7 @@ class Agent:
         with self._ward_failure(msg, region, "state"):
             replica = Replica(step=msg["step"], region=region, layout=msg["layout"], skeleton=msg["skeleton"],
                               index_keys=msg["index_keys"], optimizer_class=msg["optimizer_class"])
-            self._wards[int(msg["ward"])] = _WardReplica(replica, msg["signature"])
+            self._wards[int(msg["ward"])] = WardReplica(replica, msg["signature"])
 
     def _on_ward_step(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         (fd,) = recv_fds(conn, 1)
@@ -450,48 +450,6 @@ class Agent:
             settled(self._persist)
             self._persist = None
             self._errors.raise_pending()
-
-
-class _WardReplica:
-    """The replica of a ward's whole state and the ward's newest step, held back as the agent's own
-    newest step is under several ranks: it serves both the step applied and the one pending."""
-
-    def __init__(self, replica: Replica, signature: str) -> None:
-        self.replica, self.signature = replica, signature
-        self.pending: tuple[dict[str, Any], SharedRegion] | None = None
-
-    def served(self) -> list[int]:
-        if not self.replica.servable():
-            return []
-        return [self.replica.step] + ([self.pending[0]["step"]] if self.pending is not None else [])
-
-    def arrive(self, msg: dict[str, Any], region: SharedRegion) -> None:
-        self._apply_pending()
-        self.pending = msg, region
-
-    def at(self, step: int) -> Replica:
-        """The replica at ``step`` (applying the pending step if that is the one asked for)."""
-        if self.pending is not None and self.pending[0]["step"] == step:
-            self._apply_pending()
-        if self.replica.step != step:
-            raise ValueError(f"the ward's replica is at step {self.replica.step} and cannot serve step {step}")
-        return self.replica
-
-    def _apply_pending(self) -> None:
-        if self.pending is None:
-            return
-        (msg, region), self.pending = self.pending, None
-        try:
-            self.replica.apply(msg["step"], HostBuffer(msg["layout"], data=region.data), groups=msg["groups"],
-                               skipped=msg["skipped"], has_grad=msg["has_grad"], skeleton=msg["skeleton"])
-        finally:
-            region.close()
-
-    def close(self) -> None:
-        if self.pending is not None:
-            self.pending[1].close()
-            self.pending = None
-        self.replica.region.close()
 
 
 def _describe(error: BaseException) -> str:

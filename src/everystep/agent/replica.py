@@ -21,7 +21,7 @@ from ..tree import unflatten
 from ..transport.host import HostBuffer, TensorLayout
 from ..transport.shared import SharedRegion
 
-__all__ = ["Replica", "optimizer_class_path", "replayed_keys", "slot_layout"]
+__all__ = ["Replica", "WardReplica", "optimizer_class_path", "replayed_keys", "slot_layout"]
 
 _NOT_ON_CPU = ("capturable",)
 
@@ -140,3 +140,45 @@ class Replica:
         except KeyError:
             return False
         return True
+
+
+class WardReplica:
+    """The replica of a ward's whole state and the ward's newest step, held back as the agent's own
+    newest step is under several ranks: it serves both the step applied and the one pending."""
+
+    def __init__(self, replica: Replica, signature: str) -> None:
+        self.replica, self.signature = replica, signature
+        self.pending: tuple[dict[str, Any], SharedRegion] | None = None
+
+    def served(self) -> list[int]:
+        if not self.replica.servable():
+            return []
+        return [self.replica.step] + ([self.pending[0]["step"]] if self.pending is not None else [])
+
+    def arrive(self, msg: dict[str, Any], region: SharedRegion) -> None:
+        self._apply_pending()
+        self.pending = msg, region
+
+    def at(self, step: int) -> Replica:
+        """The replica at ``step`` (applying the pending step if that is the one asked for)."""
+        if self.pending is not None and self.pending[0]["step"] == step:
+            self._apply_pending()
+        if self.replica.step != step:
+            raise ValueError(f"the ward's replica is at step {self.replica.step} and cannot serve step {step}")
+        return self.replica
+
+    def _apply_pending(self) -> None:
+        if self.pending is None:
+            return
+        (msg, region), self.pending = self.pending, None
+        try:
+            self.replica.apply(msg["step"], HostBuffer(msg["layout"], data=region.data), groups=msg["groups"],
+                               skipped=msg["skipped"], has_grad=msg["has_grad"], skeleton=msg["skeleton"])
+        finally:
+            region.close()
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending[1].close()
+            self.pending = None
+        self.replica.region.close()

@@ -16,8 +16,6 @@ session stops sending, and its strategy falls back to checkpoints written by the
 
 from __future__ import annotations
 
-import hashlib
-import json
 import queue
 import threading
 import time
@@ -40,21 +38,12 @@ from ..transport.host import HostBuffer, snapshot_into
 from ..transport.shared import SharedRegion
 from ..transport.slots import SlotPool
 from .channel import DISCOVERY_FILE, Plain, digest, rank_file
-from .client import AgentLink, AgentLostError
+from .client import AgentLink, AgentLostError, fits, served, signature
 from .commits import PartCommits
 from .config import AgentConfig
 from .replica import optimizer_class_path, replayed_keys, slot_layout
 
-__all__ = ["AgentSession", "Progress", "ShardedState", "fits", "served", "signature"]
-
-
-def signature(tensors: dict[str, torch.Tensor], sharded: Mapping[str, torch.Tensor]) -> str:
-    """What a replica of ``tensors`` (a flat state; ``sharded``: the DTensors of the keys that hold
-    this rank's shards) fits: the model's keys, each tensor's shape, and where a shard lies in the
-    whole. A replica made under another layout or model is not taken."""
-    model = [(k, list(t.shape), shard_box(sharded[k]).offsets if k in sharded else None)
-             for k, t in sorted(tensors.items()) if k.startswith("/model/")]
-    return hashlib.sha256(json.dumps(model).encode()).hexdigest()[:32]
+__all__ = ["AgentSession", "Progress", "ShardedState"]
 
 
 class ShardedState(Protocol):
@@ -76,23 +65,6 @@ class Progress(Protocol):
     def in_memory(self, step: int) -> None: ...
 
     def waited(self, seconds: float) -> None: ...
-
-
-def fits(hello: dict[str, Any], expect: str) -> bool:
-    """Whether the replica an agent's answer to ``hello`` describes fits the :func:`signature`
-    ``expect`` (warned about where it does not)."""
-    if hello["step"] is None or hello.get("signature") == expect:
-        return True
-    warnings.warn(f"the checkpoint agent (pid {hello.get('pid')}) holds the state of another layout (another sharding, "
-                  "or another model); recovering from storage", RuntimeWarning, stacklevel=6)
-    return False
-
-
-def served(hello: dict[str, Any]) -> list[int] | None:
-    """The steps an agent's answer to ``hello`` says its replica can serve; None when it holds none."""
-    if hello["step"] is None:
-        return None
-    return [hello["step"]] + ([hello["pending"]] if hello.get("pending") is not None else [])
 
 
 class AgentSession:

@@ -14,11 +14,10 @@ exactness and its costs: ``docs/strategies.md`` (GoCkpt).
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any, ClassVar
@@ -27,16 +26,15 @@ import torch
 
 from .._faults import crash_point
 from ..background import Worker, settled
-from ..errors import ConfigError, CorruptCheckpointError, EverystepError, NoValidCheckpointError
+from ..errors import ConfigError, EverystepError
 from ..policy.interval import due
 from ..policy.parts import MAX_PARTS, PartSplit, Unit, choose_parts
 from ..parallelism import SHARDED_LAYOUTS
-from ..recovery import Candidate, recover
+from ..recovery import Candidate
 from ..replay import optimizer_like, replay_step
 from ..state import group_scalars, local_optimizer
-from ..storage.base import Manifest, malformed
 from ..storage.full import write_full
-from ..spread import SPREAD_KIND, bring_forward, read_spread, write_spread
+from ..spread import recover_spread, write_spread
 from ..storage.sharded import RankShare
 from ..layout import TensorLayout
 from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
@@ -474,44 +472,13 @@ class GoCkpt(Strategy):
     def _recover(self) -> Candidate | None:
         """The newest checkpoint that verifies, full or spread; a spread one's parts are brought
         forward here, on the training device."""
-        directory = self.ctx.directory
-        assert directory is not None
-        t0 = time.perf_counter()
-        records = directory.catalog.manifests()
-        newest_full = directory.newest_full_step(records)
-        spreads = sorted((r.manifest for r in records if r.manifest and r.manifest.kind == SPREAD_KIND),
-                         key=lambda m: -m.step)
-        found = self._recover_spread([m for m in spreads if m.step > newest_full], t0)
-        if found is not None:
-            return found
-        failed: NoValidCheckpointError | None = None
-        try:
-            full = recover(directory, shards=self.ctx.live_shards())  # the newest that verifies, warning about others
-        except NoValidCheckpointError as e:  # none does: a spread one older than them may
-            full, failed = None, e
-        above = full.step if full is not None else -1
-        found = self._recover_spread([m for m in spreads if above < m.step <= newest_full], t0)  # (a newer full failed)
-        if found is None and failed is not None:
-            raise failed
-        return found or full
+        assert self.ctx.directory is not None
 
-    def _recover_spread(self, manifests: list[Manifest], t0: float) -> Candidate | None:
-        """The first of ``manifests`` (newest first) that verifies and comes forward."""
-        if not manifests:
-            return None
-        live, _ = self.ctx.flatten_state(0)  # the live parameters' keys: the same for every candidate
-        trained = {p.key: (p.index, p.param) for p in self.ctx.optimizer_keys(live) if p.key is not None}
-        for manifest in manifests:
-            try:
-                tree, tensors, description = read_spread(self.ctx.directory, manifest)
-                with malformed(f"the spread checkpoint at step {manifest.step}"):
-                    device = bring_forward(self.ctx.components.optimizer, trained, manifest, tree, tensors, description)
-            except CorruptCheckpointError as e:
-                warnings.warn(f"skipping the spread checkpoint at step {manifest.step}: {e}", stacklevel=5)
-                continue
-            return Candidate(step=manifest.step, tree=tree, source=f"disk (parts brought forward on {device})",
-                             manifest=manifest, seconds=time.perf_counter() - t0)
-        return None
+        def trained() -> dict[str, tuple[int, torch.Tensor]]:
+            live, _ = self.ctx.flatten_state(0)  # the live parameters' keys: the same for every candidate
+            return {p.key: (p.index, p.param) for p in self.ctx.optimizer_keys(live) if p.key is not None}
+
+        return recover_spread(self.ctx.directory, self.ctx.components.optimizer, trained, self.ctx.live_shards())
 
     # -- end -----------------------------------------------------------------------------------
 

@@ -33,21 +33,18 @@ ranks agree on the newest step every rank's region holds (else on the disk's).
 from __future__ import annotations
 
 import functools
-
 import json
-import threading
 import time
 import warnings
 from concurrent.futures import Future
-from pathlib import Path
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from .._faults import crash_point
 from ..background import Worker, settled
-from ..errors import CheckpointDirectoryError, ConfigError, NoValidCheckpointError
+from ..errors import ConfigError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..optim import OptimizerInBackward
 from ..recovery import Candidate, recover
@@ -61,7 +58,9 @@ from .. import peers
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig
+from .lightcheck_copy import Copy, CopyOrder
 from .context import as_shards
+from .mirrors import RegionPeers
 
 
 __all__ = ["LightCheck", "LightCheckConfig", "region_path", "open_region"]
@@ -90,86 +89,6 @@ class LightCheckConfig(StrategyConfig):
             raise ConfigError(f"persist_every must be 0 (never) or a positive number of steps, got {self.persist_every}")
 
 
-@dataclass(eq=False)
-class _Copy:
-    """One step's copy into a slot, as the training thread and the two threads see it."""
-
-    step: int
-    final: bool
-    ready: Any = None
-    """CUDA: the event after which S_step is complete on the device."""
-    frozen: dict[int, torch.Tensor] = field(default_factory=dict)
-    progress: "_Progress" = field(default_factory=lambda: _Progress())
-    """CPU: how many units' copies are in the slot."""
-    events: list[Any] = field(default_factory=list)
-    """CUDA: one event per unit, recorded on the copy stream."""
-    future: Future[Any] | None = None
-    """Done once every copy is in the slot (CPU) or issued (CUDA)."""
-    commit: Future[Any] | None = None
-    """Done once the slot is committed."""
-
-
-class _Progress:
-    """How far a copy on the CPU has come, for the training thread that waits on it."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._units: list[str] | None = None
-        self._index: dict[int, int] = {}
-        self._done = 0
-        self._waited = 0
-        self._over = False
-
-    def start(self, units: list[str], index: dict[int, int]) -> None:
-        """The units in copy order; ``index``: a parameter's data pointer → its unit's position."""
-        with self._cond:
-            self._units, self._index = units, index
-            self._cond.notify_all()
-
-    def advance(self) -> None:
-        with self._cond:
-            self._done += 1
-            self._cond.notify_all()
-
-    def end(self) -> None:
-        """No more progress will come (done, or failed)."""
-        with self._cond:
-            self._over = True
-            self._cond.notify_all()
-
-    def wait(self, waits: dict[str, float], params: list[torch.Tensor] | None = None) -> int:
-        """Wait for each unit in turn, up to the last one holding ``params`` (``None``: every unit),
-        adding how long each one kept the caller waiting to ``waits``; the position of that unit."""
-        with self._cond:
-            t0 = time.perf_counter()
-            self._cond.wait_for(lambda: self._units is not None or self._over)
-            units = self._units or []
-            last = len(units) - 1
-            upto = last if params is None else max((self._index.get(local_shard(p).data_ptr(), last) for p in params),
-                                                   default=-1)
-            for i in range(self._waited, upto + 1):
-                self._cond.wait_for(lambda: self._done > i or self._over)
-                now = time.perf_counter()
-                waits[units[i]] = waits.get(units[i], 0.0) + now - t0
-                t0 = now
-            self._waited = max(self._waited, upto + 1)
-            return upto
-
-
-@dataclass(frozen=True)
-class _CopyOrder:
-    """What a state of one shape needs, computed once: the copy order and the layouts."""
-
-    units: list[tuple[str, list[str]]]
-    index: dict[int, int]
-    """A parameter's data pointer → the position of its unit in ``units``."""
-    layout: RegionLayout
-    replicated: frozenset[str]
-    meta_hint: int
-    sharded: dict[str, torch.Tensor]
-    """Keys whose tensor is this rank's shard of a DTensor, with the live DTensor (its placements)."""
-
-
 class LightCheck(Strategy):
     name: ClassVar[str] = "lightcheck"
     sharded_layouts: ClassVar[frozenset[str]] = SHARDED_LAYOUTS
@@ -177,7 +96,7 @@ class LightCheck(Strategy):
     mirrors_to_peers: ClassVar[bool] = True
     Config = LightCheckConfig
     config: LightCheckConfig
-    peers: _RegionPeers | None
+    peers: RegionPeers | None
 
     def __init__(self, config: LightCheckConfig | None = None) -> None:
         super().__init__(config)
@@ -204,10 +123,10 @@ class LightCheck(Strategy):
         except UnreadableRegionError as e:  # a reader's: a writer remakes it or refuses
             warnings.warn(f"skipping {e}", stacklevel=2)
             self.region, self._damaged = None, str(e)
-        self._pending: _Copy | None = None
+        self._pending: Copy | None = None
         self._slot = self.region.next_slot() if self.region is not None and directory.access != "read" else 0
         self._committing: dict[int, Future[Any] | None] = {0: None, 1: None}
-        self._orders: dict[Any, _CopyOrder] = {}
+        self._orders: dict[Any, CopyOrder] = {}
         self._copier = Worker("everystep-lightcheck-copy", self.errors)
         self._committer = Worker("everystep-lightcheck-commit", self.errors)
         self._persister = Worker("everystep-lightcheck-persist", self.errors)
@@ -219,7 +138,7 @@ class LightCheck(Strategy):
         self._mirrored: Future[Any] | None = None
         """The newest step's mirroring (one thread mirrors the steps in turn)."""
         if self.config.peers and directory.access != "read":
-            self.peers = _RegionPeers.start(self, directory)
+            self.peers = RegionPeers.start(self, directory)
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -291,7 +210,7 @@ class LightCheck(Strategy):
     def _on_state_ready(self, step: int, final: bool) -> None:
         if not self._due(step, final):
             return
-        copy = _Copy(step, final, frozen=self._freeze())
+        copy = Copy(step, final, frozen=self._freeze())
         if self._on_cuda():
             if self._stream is None:
                 self._stream = self.ctx.copy_stream()
@@ -318,7 +237,7 @@ class LightCheck(Strategy):
         with torch.no_grad():
             return {t.data_ptr(): t.detach().clone() for t in live if t.numel()}
 
-    def _copy_order(self, tensors: dict[str, torch.Tensor], skeleton: Any, sharded: dict[str, torch.Tensor]) -> _CopyOrder:
+    def _copy_order(self, tensors: dict[str, torch.Tensor], skeleton: Any, sharded: dict[str, torch.Tensor]) -> CopyOrder:
         signature = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
         found = self._orders.get(signature)
         if found is None:
@@ -326,7 +245,7 @@ class LightCheck(Strategy):
             keys = [k for _, unit in units for k in unit]
             hint = len(json.dumps(skeleton, default=str))
             replicated = frozenset(self.ctx.replicated_keys(tensors, sharded=sharded))
-            found = _CopyOrder(units, index, RegionLayout.of(tensors, keys), replicated, hint, sharded)
+            found = CopyOrder(units, index, RegionLayout.of(tensors, keys), replicated, hint, sharded)
             self._orders = {signature: found}
         return found
 
@@ -363,7 +282,7 @@ class LightCheck(Strategy):
         tensors, skeleton = flatten({"step": step, **self.ctx.components.capture(), **boundary}, sharded=sharded)
         return tensors, skeleton, sharded
 
-    def _copy(self, copy: _Copy, slot: int, boundary: dict[str, Any], flat: Any) -> None:
+    def _copy(self, copy: Copy, slot: int, boundary: dict[str, Any], flat: Any) -> None:
         """Copy thread: S_step into ``slot``, unit by unit; then hand the slot to the commit thread."""
         try:
             tensors, skeleton, sharded = flat if flat is not None else self._flatten(copy.step, boundary)
@@ -393,7 +312,7 @@ class LightCheck(Strategy):
                                              copy, writer, skeleton, order)
         self._committing[slot] = copy.commit
 
-    def _copy_cpu(self, copy: _Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], order: _CopyOrder) -> None:
+    def _copy_cpu(self, copy: Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], order: CopyOrder) -> None:
         half = len(order.units) // 2
         with torch.no_grad():
             for i, (_, keys) in enumerate(order.units):
@@ -403,7 +322,7 @@ class LightCheck(Strategy):
                 torch._foreach_copy_([writer.views[k] for k in keys], [tensors[k] for k in keys])
                 copy.progress.advance()
 
-    def _copy_cuda(self, copy: _Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], order: _CopyOrder) -> None:
+    def _copy_cuda(self, copy: Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], order: CopyOrder) -> None:
         assert self.region is not None
         refused = self.region.register(writer)
         if refused is not None and self.registered is None:
@@ -427,7 +346,7 @@ class LightCheck(Strategy):
                 copy.events.append(event)
                 copy.progress.advance()
 
-    def _commit(self, copy: _Copy, writer: SlotWriter, skeleton: Any, order: _CopyOrder) -> None:
+    def _commit(self, copy: Copy, writer: SlotWriter, skeleton: Any, order: CopyOrder) -> None:
         """Commit thread: wait for the copies, then checksums, metadata, header. (``copy`` holds the
         frozen copies the side stream reads until its events are done.)"""
         if copy.events:
@@ -451,7 +370,7 @@ class LightCheck(Strategy):
 
     # -- persisting to the directory -----------------------------------------------------------
 
-    def _persist(self, step: int, writer: SlotWriter, skeleton: Any, order: _CopyOrder) -> None:
+    def _persist(self, step: int, writer: SlotWriter, skeleton: Any, order: CopyOrder) -> None:
         """Copy the committed slot to a host buffer (waiting while the previous persist writes),
         then write it to the directory in the background."""
         shard = RankShare.of(writer.views, set(order.replicated), self.ctx.ranks, split=self.ctx.splits_replicated,
@@ -529,82 +448,3 @@ class LightCheck(Strategy):
             self.peers.close()
         if self.region is not None:
             self.region.close()
-
-
-class _RegionPeers(peers.Peers):
-    """LightCheck's replicas on peers: each step's own part, read from the committed slot, goes to the
-    buddy, which keeps it in its mirror of this rank (``<region>.mirror``); at a restart, what the
-    regions and mirrors on this host hold."""
-
-    thread = "everystep-lightcheck-peers"
-
-    def __init__(self, owner: LightCheck, directory: Any, team: peers.Team) -> None:
-        super().__init__(directory.ranks, team, owner.errors)
-        self.owner, self.directory = owner, directory
-        self.mirrors: dict[int, Region] = {}
-        self._reading: dict[tuple[str, int], Region | None] = {}
-        assert owner.region is not None
-        for ward in self.wards:
-            path = self._path("mirror", ward)
-            store = Region.open(path, ranks=self.ranks, flush=owner.config.flush, owner=owner.region.owner)
-            self.mirrors[ward] = store
-            if store.owner != owner.region.owner:  # as for a region: another run's memory is not written over
-                self.close()
-                raise CheckpointDirectoryError(
-                    f"the mirror {path} belongs to another checkpoint directory than {directory.root} (it may hold "
-                    f"that run's state, so nothing was changed): give this run its own region= or delete {path}")
-
-    @classmethod
-    def start(cls, owner: LightCheck, directory: Any) -> "_RegionPeers | None":
-        """Collective: this rank's buddy and wards; None (with a warning) where the job runs on one
-        host."""
-        team = peers.Peers.join(directory.ranks)
-        if team is None or owner.region is None:  # (a region skipped with a warning: unreadable)
-            return None
-        return cls(owner, directory, team)
-
-    def _path(self, kind: str, rank: int) -> Path:
-        path = region_path(self.directory.root, self.owner.config.region, rank, self.ranks.world)
-        return peers.mirror_path(path) if kind == "mirror" else path
-
-    def own_part(self, step: int, views: dict[str, torch.Tensor], skeleton: Any, replicated: frozenset[str]) -> torch.Tensor:
-        """(The mirroring thread.) This rank's own part of S_step, read from its committed slot, packed."""
-        return peers.pack(step, self.ranks.rank, {k: t for k, t in views.items() if k not in replicated}, skeleton)
-
-    def _keep(self, ward: int, step: int, tensors: dict[str, torch.Tensor], head: Any) -> None:
-        peers.commit_mirror(self.mirrors[ward], step, tensors, head)
-
-    def discard_newer(self, step: int) -> None:
-        for store in self.mirrors.values():
-            store.discard_newer(step)
-
-    def recover(self, disk: int) -> Candidate | None:
-        """Collective: the newest step not older than the disk's (``disk``) at which every rank's state
-        can be put together from the regions and mirrors on the hosts, put together. None: storage."""
-        t0 = time.perf_counter()
-        tokens = {p.read_text().strip() for p in self.directory.root.glob("region-r*.owner")}  # this directory's
-        assigned = self.assigned()
-        self._reading = {(kind, k): peers.open_read(self._path(kind, k), tokens) for kind in ("region", "mirror")
-                         for k in assigned}
-        try:
-            agreed = self.agree(peers.Holdings(self.host, {k: peers.read_steps(self._reading["region", k]) for k in assigned},
-                                               {k: peers.read_steps(self._reading["mirror", k]) for k in assigned}), disk)
-            if agreed is None:
-                return None
-            live = self.owner.ctx.live_shards()
-            return self.gather(agreed, own_source="region", place=lambda tensors: as_shards(tensors, live), since=t0)
-        finally:
-            for store in self._reading.values():
-                if store is not None:
-                    store.close()
-            self._reading = {}
-
-    def _read(self, kind: str, rank: int, step: int) -> tuple[dict[str, torch.Tensor], Any]:
-        store = self._reading[kind, rank]
-        assert store is not None  # (what was read from it is what this rank said it holds)
-        return peers.read_step(store, step)
-
-    def close(self) -> None:
-        super().close()
-        for store in self.mirrors.values():
-            store.close()

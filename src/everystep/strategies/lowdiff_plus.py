@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -28,16 +27,15 @@ from typing import Any, ClassVar
 from .. import peers
 from .._faults import crash_point
 from ..agent.config import AgentConfig
-from ..agent.client import AgentLink
-from ..agent.session import AgentSession, fits, served
+from ..agent.session import AgentSession
 from ..capture.grads import GradientCapture
-from ..errors import ConfigError, CorruptCheckpointError
+from ..errors import ConfigError
 from ..parallelism import DTENSOR_LAYOUTS
 from ..policy.interval import busy_interval, due, median_gap, next_multiple
 from ..recovery import Candidate, common_step
 from ..state import group_scalars
 from .base import Strategy, StrategyConfig
-from .context import as_shards
+from .mirrors import AgentPeers
 from .checkfreq import CheckFreq, CheckFreqConfig
 
 __all__ = ["LowDiffPlus", "LowDiffPlusConfig"]
@@ -100,7 +98,7 @@ class LowDiffPlus(Strategy):
     mirrors_to_peers: ClassVar[bool] = True
     Config = LowDiffPlusConfig
     config: LowDiffPlusConfig
-    peers: _AgentPeers | None
+    peers: AgentPeers | None
 
     def __init__(self, config: LowDiffPlusConfig | None = None) -> None:
         super().__init__(config)
@@ -156,7 +154,7 @@ class LowDiffPlus(Strategy):
         self._rebase = any(p.device.type != "cpu" for p in self.session.params)
         if self.config.peers and ctx.directory.access != "read":
             team = peers.Peers.join(ctx.ranks)
-            self.peers = _AgentPeers(self, team, sharded=ctx.layout is not None) if team is not None else None
+            self.peers = AgentPeers(self, team, sharded=ctx.layout is not None) if team is not None else None
 
     def _agree_restore(self) -> None:
         """Every rank asks its agent what it holds; together they choose a step every agent can
@@ -369,141 +367,3 @@ class LowDiffPlus(Strategy):
             self.peers.worker.close(wait=False)  # (a mirroring under way waits on the buddy, as a crash would not)
         self.capture.close()
         self.session.close(clean=False)
-
-
-class _AgentPeers(peers.Peers):
-    """LowDiff+'s replicas on peers: every step this rank's own state goes to its buddy, whose agent
-    keeps it (under sharding, a replica of this rank's whole state its steps bring forward); at a
-    restart, what the agents this rank reaches hold."""
-
-    thread = "everystep-lowdiff-peers"
-
-    def __init__(self, owner: LowDiffPlus, team: peers.Team, *, sharded: bool) -> None:
-        super().__init__(owner.ctx.ranks, team, owner.errors)
-        self.owner, self.session = owner, owner.session
-        self.sharded = sharded
-        """Whether a rank's own state is its shards: its buddy's agent then keeps a replica of its whole
-        state (:data:`~everystep.peers.WHOLE` and :data:`~everystep.peers.STEP` messages), else only
-        its own state of each step."""
-        self._reading: Callable[[str, int, int], tuple[dict[str, Any], Any]] | None = None
-
-    def whole(self, step: int, tensors: dict[str, Any], skeleton: Any) -> Any:
-        """(Under sharding.) This rank's state of ``step`` whole, packed (on the training thread:
-        the live tensors change at the next update)."""
-        head = {"step": step, "kind": peers.WHOLE, "state": skeleton, "index_keys": self.session.index_keys,
-                "signature": self.session.signature()}
-        return peers.pack(step, self.ranks.rank, tensors, head)
-
-    def step_of(self, step: int, slot: Any, skeleton: Any, *, groups: list[dict[str, Any]], skipped: bool,
-                has_grad: list[int]) -> Any:
-        """(Under sharding, on the mirroring thread.) The step's slot sent to this rank's agent — the
-        gradient shards its optimizer consumed and what they cannot rebuild — packed."""
-        head = {"step": step, "kind": peers.STEP, "state": skeleton, "groups": groups, "skipped": skipped,
-                "has_grad": has_grad}
-        return peers.pack(step, self.ranks.rank, slot.views, head)
-
-    def _keep(self, ward: int, step: int, tensors: dict[str, Any], head: Any) -> None:
-        """Give ward ``ward``'s message of ``step`` to this rank's agent to keep."""
-        if not self.sharded:
-            self.session.send_mirror(ward, step, tensors, head)
-            return
-        kind = head.get("kind")
-        if kind == peers.WHOLE:
-            fitted = head.get("signature")
-            if not isinstance(fitted, str):
-                raise CorruptCheckpointError(f"rank {ward} sent its state without what it fits")
-            self.session.send_ward_state(ward, step, tensors, head.get("state"),
-                                         _ward_keys(head.get("index_keys"), tensors, ward), fitted)
-        elif kind == peers.STEP:
-            groups, skipped, has_grad = _ward_step(head, tensors, ward)
-            self.session.send_ward_step(ward, step, tensors, groups=groups, skipped=skipped, has_grad=has_grad,
-                                        skeleton=head.get("state"))
-        else:
-            raise CorruptCheckpointError(f"rank {ward} sent a message of unknown kind {kind!r}")
-
-    def visit(self) -> dict[int, tuple[AgentLink, dict[str, Any]]]:
-        """The agents on this host of the ranks whose memory this rank reads (other than its own),
-        and what each answered."""
-        found = {}
-        for k in self.assigned():
-            if k != self.ranks.rank and (visit := self.session.visit(k, host=self.host)) is not None:
-                found[k] = visit
-        return found
-
-    def recover(self, visits: dict[int, tuple[AgentLink, dict[str, Any]]], disk: int) -> tuple[int | None, Candidate | None]:
-        """Collective: every rank says what the agents it reached hold (each rank's replica, and
-        the own states they keep for their wards); the ranks take the newest step not older than
-        storage's at which every rank's state can be put together. Returns (the step every rank's
-        own agent serves, None) when no host was lost, (None, the state put together) when one
-        was, and (None, None) for storage. The other agents read here are ended."""
-        t0 = time.perf_counter()
-        me, session = self.ranks.rank, self.session
-        # What each rank's replica must fit (under sharding each rank's shards lie elsewhere in the whole).
-        expected = self.ranks.all_gather("control", session.signature())
-        links = {k: link for k, (link, _) in visits.items()}
-        greetings = {k: hello for k, (_, hello) in visits.items()}
-        for k in [k for k, hello in greetings.items() if not fits(hello, expected[k])]:
-            links.pop(k).kill()
-            greetings.pop(k)
-        if session.link is not None:
-            links[me], greetings[me] = session.link, session.greeting
-        keeper: dict[tuple[int, int], AgentLink] = {}  # (ward, step): the agent keeping that rank's own state
-        whole: dict[tuple[int, int], AgentLink] = {}  # (ward, step): the agent keeping a replica of that rank
-        for k, hello in greetings.items():
-            for ward, steps in hello.get("mirrors", {}).items():
-                keeper.update({(int(ward), step): links[k] for step in steps})
-            for ward, kept in hello.get("wards", {}).items():
-                if kept["signature"] == expected[int(ward)]:
-                    whole.update({(int(ward), step): links[k] for step in kept["steps"]})
-        own = {k: served(hello) or [] for k, hello in greetings.items()}
-        mine = peers.Holdings(self.host, {k: list(v) for k, v in own.items()}, {})
-        for ward, step in keeper:
-            mine.mirror.setdefault(ward, []).append(step)
-        for ward, step in whole:
-            if step not in mine.region.setdefault(ward, []):
-                mine.region[ward].append(step)
-
-        def read(kind: str, k: int, step: int) -> tuple[dict[str, Any], Any]:
-            if kind == "mirror":
-                return session.read(keeper[k, step], step, ward=k)
-            if step in own.get(k, ()):
-                return session.read(links[k], step)
-            return session.read(whole[k, step], step, ward=k, whole=True)
-
-        self._reading = read
-        try:
-            agreed = self.agree(mine, disk)
-            if agreed is None:
-                return None, None
-            if not agreed.transfers and agreed.step in own.get(me, ()):
-                # this rank's own agent holds it (and, with no transfers, every rank's state is on its
-                # own host): taken over as after a crash of the process
-                return agreed.step, None
-            live = self.owner.ctx.live_shards()
-            return None, self.gather(agreed, own_source="memory", place=lambda tensors: as_shards(tensors, live), since=t0)
-        finally:
-            self._reading = None
-            for link in (link for k, link in links.items() if k != me):
-                link.kill()  # another rank's agent: its rank has (or gets) its own
-
-    def _read(self, kind: str, rank: int, step: int) -> tuple[dict[str, Any], Any]:
-        assert self._reading is not None
-        return self._reading(kind, rank, step)
-
-
-def _ward_keys(keys: Any, tensors: dict[str, Any], ward: int) -> list[str]:
-    """The keys of a ward's parameters, as it sent them: names of tensors it sent."""
-    if not isinstance(keys, list) or not all(isinstance(k, str) and k in tensors for k in keys):
-        raise CorruptCheckpointError(f"rank {ward} sent its state with parameter keys that are not among its tensors")
-    return keys
-
-
-def _ward_step(head: dict[str, Any], tensors: dict[str, Any], ward: int) -> tuple[list[dict[str, Any]], bool, list[int]]:
-    """A ward's step as it sent it — the optimizer's group settings, whether the update was skipped,
-    the parameters that had a gradient — each checked for its shape, not trusted."""
-    groups, skipped, has_grad = head.get("groups"), head.get("skipped"), head.get("has_grad")
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or type(skipped) is not bool \
-            or not isinstance(has_grad, list) or not all(type(i) is int and f"g/{i}" in tensors for i in has_grad):
-        raise CorruptCheckpointError(f"rank {ward} sent a step that is not one (its group settings, whether it was "
-                                     "skipped, or the gradients it names)")
-    return groups, skipped, has_grad
