@@ -61,8 +61,8 @@ MUTATIONS = (
         name="restore-nothing",
         what="recovery returns nothing: Checkpointer.restore() never asks the strategy",
         path="src/everystep/checkpointer.py",
-        before="found = self.strategy.restore()",
-        after="found = None",
+        before="candidate = self.strategy.recover()",
+        after="candidate = None",
         tests=KILLS,
     ),
     Mutation(
