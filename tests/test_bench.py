@@ -7,7 +7,8 @@ import json
 import pytest
 
 from everystep.demo import stalls
-from everystep.eval.bench import BenchConfig, interleaved_order, markdown_table, run_bench, smallest_interval, summarise
+from everystep.eval.bench import (BenchConfig, interleaved_order, markdown_table, reference_spread, run_bench,
+                                  smallest_interval, summarise)
 from everystep.eval.workloads import build
 from everystep.strategies.checkfreq import CheckFreqConfig
 from everystep.tree import state_hash
@@ -40,6 +41,11 @@ def test_the_summary_pairs_each_run_with_its_own_repeats_reference_and_takes_med
     assert summary["checkfreq"]["stall_per_checkpoint_seconds"] == pytest.approx(0.002)
     assert summary["checkfreq"]["bytes_per_step"] == 200 and summary["checkfreq"]["peak_host_bytes"] == 300
     assert summary["none"]["overhead"] == 0 and summary["none"]["stall_per_checkpoint_seconds"] == 0
+    # none's rounds spread from 10 to 20 ms around a median of 10: 100%, which checkfreq's +10% is within
+    assert reference_spread(runs) == pytest.approx(1.0)
+    assert "| checkfreq | 10.0%* |" in markdown_table(summary, reference_spread(runs))
+    assert "| checkfreq | 10.0% |" in markdown_table(summary, 0.05)
+    assert reference_spread(runs[:2]) is None  # one round: no spread to tell
 
 
 def test_the_demo_lists_each_strategy_s_wait_per_checkpoint_from_the_least_against_the_step():
@@ -146,6 +152,7 @@ def test_a_run_of_two_fsdp2_ranks_compares_with_dcp_as_torchtitan_runs_it_and_sa
         assert summary[name]["recovery_error"] == 0  # every rank's shards, bitwise
     assert summary["lowdiff_plus"]["resumes_bitwise"] is True  # on every rank
     assert summary["lowdiff_plus"]["recovery_seconds_memory"] > 0  # from the two agents' memory
+    assert summary["lowdiff_plus"]["agent_seconds_per_step"] > 0 and "lowdiff_plus's agent applied a step in" in stdout
     assert summary["dcp_async"]["resumes_bitwise"] is False  # (it keeps no RNG, no data position)
 
 

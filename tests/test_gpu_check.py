@@ -14,6 +14,7 @@ import torch
 
 from everystep.eval import gpu_check
 from everystep.eval.gpu_check import DRY, EVERY_STEP, SPREAD, Variant
+from everystep.eval.gpu_sizes import BOUND, BOUND_TARGETS, COMPRESSED, EVERY_STEP_TARGETS
 from everystep.eval.gpu_report import markdown
 from everystep.eval.interval_search import search_intervals, smallest_within
 from everystep.eval.machine import pcie_limit
@@ -39,7 +40,7 @@ def test_the_dry_run_reports_every_part_and_no_failure(dry):
     assert proc.returncode == 0, proc.stderr
     assert report["failures"] == []
     assert {name: p["status"] for name, p in report["parts"].items()} == dict.fromkeys(
-        ("tests", "bandwidth", "bench", "frequency", "memory"), "ran")
+        ("tests", "bandwidth", "bench", "bound", "frequency", "memory"), "ran")
     assert "1 failure" not in proc.stdout and "0 failure(s)" in proc.stdout
     m = report["machine"]
     assert m["torch"] == torch.__version__ and m["cpu_cores"] >= 1 and m["gpu"] is None
@@ -72,11 +73,12 @@ def test_the_dry_run_measures_the_copies_it_can_and_says_why_not_the_others(dry)
 @dry_run
 def test_the_dry_run_benches_every_variant_interleaved_and_each_resumes_bitwise(dry):
     bench = dry[1]["parts"]["bench"]
-    labels = ["none", *EVERY_STEP, *(f"{n}/{DRY.spread_every}" for n in SPREAD)]
+    references = [f"none+{c}" for c in dict.fromkeys(COMPRESSED.values())]
+    labels = ["none", *references, *EVERY_STEP, *(f"{n}/{DRY.spread_every}" for n in SPREAD)]
     assert list(bench["summary"]) == labels and bench["rounds"] == DRY.repeats
     for label, s in bench["summary"].items():
         assert s["mean_step_seconds"] > 0
-        if label not in ("none", "torch_save", "dcp_async"):  # the peers keep no RNG or data position
+        if label.split("+")[0] not in ("none", "torch_save", "dcp_async"):  # the baselines keep no RNG or data position
             assert s["resumes_bitwise"] is True, label
     assert bench["summary"]["lowdiff_plus"]["recovery_seconds_memory"] > 0  # from its agent's memory
     assert bench["summary"]["lightcheck"]["recovery_seconds_memory"] > 0  # from its region
@@ -88,6 +90,28 @@ def test_the_dry_run_benches_every_variant_interleaved_and_each_resumes_bitwise(
     for name in ("gockpt", "gockpt_o"):
         g = bench["gockpt_stall_over_async_o"][name]
         assert g["ratio"] > 0 and g["met"] == (g["ratio"] <= g["target_at_most"])
+    # lowdiff trains with top-k, and is compared with the none of its round that trains with it too
+    by = {(r["strategy"], r["repeat"]): r["mean_step_seconds"] for r in bench["runs"]}
+    lowdiff = bench["summary"]["lowdiff"]
+    assert lowdiff["reference"] == "none+topk:0.01" and lowdiff["overhead"] == pytest.approx(
+        by["lowdiff", 0] / by["none+topk:0.01", 0] - 1)
+    assert {r["strategy"]: r.get("compress") for r in bench["runs"]}["lowdiff"] == "topk:0.01"
+    assert set(bench["targets"]) == set(EVERY_STEP_TARGETS) and bench["reference_spread"] is None  # (one round)
+    for name, t in bench["targets"].items():
+        assert t["met"] == (bench["summary"][name]["overhead"] <= t["target_at_most"])
+
+
+@dry_run
+def test_the_dry_run_takes_the_every_step_strategies_on_the_gpu_bound_workload_against_their_targets(dry):
+    bound = dry[1]["parts"]["bound"]
+    assert bound["workload"] == DRY.bound_workload and bound["rounds"] == DRY.repeats
+    assert list(bound["summary"]) == ["none", *(f"none+{c}" for c in dict.fromkeys(COMPRESSED.values())), *BOUND]
+    assert {r["workload"] for r in bound["runs"]} == {DRY.bound_workload}
+    assert {len(r["step_seconds"]) for r in bound["runs"]} == {DRY.bound_steps - DRY.bound_warmup}
+    assert set(bound["targets"]) == set(BOUND_TARGETS)
+    for name in BOUND:
+        assert bound["summary"][name]["resumes_bitwise"] is True, name
+    assert bound["summary"]["lowdiff_plus"]["agent_seconds_per_step"] > 0
 
 
 @dry_run
@@ -108,7 +132,7 @@ def test_the_dry_run_searches_both_frequencies_and_reads_checkflows_memory(dry):
 def test_the_markdown_report_has_a_section_for_each_part(dry):
     md = dry[2]
     for heading in ("# everystep gpu-check (dry run on the CPU)", "## tests/test_cuda.py", "## Device-to-host bandwidth",
-                    "## Every step, and every K steps", "## Highest frequency within a 3.5% overhead budget",
+                    "## Every step, and every K steps", "## Every step on a GPU-bound step (mlp)", "## Highest frequency within a 3.5% overhead budget",
                     "## Checkflow's device memory", "## Failures"):
         assert heading in md
     assert "| lightcheck |" in md and "| gockpt/3 |" in md and "None." in md.split("## Failures")[1]
@@ -141,9 +165,9 @@ def test_a_part_that_fails_is_reported_with_its_traceback_and_the_next_runs(tmp_
 
 
 def test_a_round_that_the_box_cannot_hold_starts_no_run():
-    box = gpu_check._Box(0.0)
+    box = gpu_check.Box(0.0)
     failures: list = []
-    runs, done = gpu_check._rounds(DRY, [Variant("none", "none", None)], 3, box, failures, "bench", say=lambda s: None)
+    runs, done = gpu_check.rounds(DRY, [Variant("none", "none", None)], 3, box, failures, "bench", say=lambda s: None)
     assert (runs, done, failures) == ([], 0, [])
 
 

@@ -421,3 +421,48 @@ def test_a_release_that_arrives_while_the_first_update_waits_ends_the_wait():
     t0 = time.monotonic()
     s.take_over()
     assert time.monotonic() - t0 < 4 and s.lost is None and s._handover is None and len(waits) == 1
+
+
+def test_the_agents_fused_replica_applies_adamw_as_the_optimizers_own_path_does_to_rounding():
+    """GPU training's configuration of the agent: torch's fused CPU kernel for the replica's AdamW —
+    the same update, in another order of arithmetic; an optimizer without one keeps its own path."""
+    import importlib.util
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("agent_speed", ROOT / "tools" / "agent_speed.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    own = tool.agent_step_seconds("mlp", fused=False, threads=1, repeats=1)
+    fused = tool.agent_step_seconds("mlp", fused=True, threads=1, repeats=1)
+    assert own["fused"] is False and fused["fused"] is True and own["seconds"] > 0 and fused["seconds"] > 0
+
+    import torch
+
+    from everystep.agent.replica import fusable
+
+    assert fusable(torch.optim.AdamW, [torch.zeros(2)]) and not fusable(torch.optim.SGD, [torch.zeros(2)])
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(3)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    own_opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    fused_opt = torch.optim.AdamW(twins, lr=1e-2, weight_decay=0.1, fused=True)
+    for _ in range(5):
+        grads = [torch.randn_like(p) for p in params]
+        for p, t, g in zip(params, twins, grads):
+            p.grad, t.grad = g, g.clone()
+        own_opt.step()
+        fused_opt.step()
+    for p, t in zip(params, twins):
+        torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+
+
+def test_the_agents_defaults_keep_the_bitwise_path_and_one_thread_for_training_on_the_cpu(tmp_path):
+    w = build("mlp", seed=0)
+    with _attach(w, tmp_path / "c", every=100) as ckpt:
+        ckpt.restore()
+        assert ckpt.strategy._agent_threads() == 1 and ckpt.strategy._fused() is False
+        assert ckpt.strategy.agent_seconds_per_step is None  # no step applied yet
+        _train(w, 3)
+        ckpt.wait()
+        assert ckpt.strategy.agent_seconds_per_step > 0

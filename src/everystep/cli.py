@@ -186,7 +186,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cpu = s.get("peer_cpu_seconds_per_step_per_rank")
         if cpu:
             print(f"{name}'s mirroring thread, CPU time per step, by rank: {', '.join(f'{c * 1e3:.1f} ms' for c in cpu)}")
-    print(bench.markdown_table(result["summary"]))
+    spread = result["reference_spread"]
+    print(bench.markdown_table(result["summary"], spread))
+    if spread is not None:
+        print(f"none's mean step varied by {spread:.1%} between its {cfg.repeats} rounds (largest less smallest, over "
+              f"the median): an overhead within it (*) is not resolved")
+    for name, s in result["summary"].items():
+        if s.get("agent_seconds_per_step") is not None:
+            print(f"{name}'s agent applied a step in {s['agent_seconds_per_step'] * 1e3:.1f} ms (median), against a "
+                  f"training step of {s['mean_step_seconds'] * 1e3:.1f} ms")
     if "upload_throughput" in result:
         t = result["upload_throughput"]
         print(f"upload of {t['bytes'] / 2**20:.1f} MiB to {cfg.remote}: everystep {t['everystep_bytes_per_second'] / 1e6:.0f} "
@@ -436,8 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a minute (the report under bench-out/gpu-check)")
     g.add_argument("--out", metavar="DIR", help="where the report goes (default docs/results; bench-out/gpu-check "
                    "with --dry-run)")
-    g.add_argument("--parts", type=gpu_check_parts, default=("tests", "bandwidth", "bench", "frequency"), metavar="PARTS",
-                   help="comma-separated, some of tests,bandwidth,bench,frequency (default all; memory comes "
+    g.add_argument("--parts", type=gpu_check_parts, default=("tests", "bandwidth", "bench", "bound", "frequency"),
+                   metavar="PARTS",
+                   help="comma-separated, some of tests,bandwidth,bench,bound,frequency (default all; memory comes "
                    "with bench)")
     g.set_defaults(func=cmd_gpu_check)
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .errors import PeerFailedError
 
-__all__ = ["Ranks", "CHANNELS", "COLLECTIVE_TIMEOUT", "init_process_group"]
+__all__ = ["Ranks", "CHANNELS", "COLLECTIVE_TIMEOUT", "init_process_group", "local_world_size"]
 
 CHANNELS = ("full", "diff", "control")
 
@@ -124,6 +124,15 @@ class Ranks:
             owners[key] = rank
             load[rank] += max(sizes[key], 1)
         return owners
+
+
+def local_world_size() -> int:
+    """The processes of this job on this machine (``LOCAL_WORLD_SIZE``, which torchrun sets; 1
+    without it)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def free_port() -> int:

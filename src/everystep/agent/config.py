@@ -19,6 +19,10 @@ class AgentConfig:
     busy: float = 0.25
     grace: float = 30.0
     threads: int = 1
+    """The agent's CPU threads (``torch.set_num_threads``)."""
+    fused: bool = False
+    """The replica's optimizer runs torch's fused CPU kernel where its class has one (Adam, AdamW):
+    the same update, in another order of arithmetic (see :class:`~everystep.agent.replica.Replica`)."""
     handshake: float = HANDSHAKE_SECONDS
     """Seconds a connecting process has to authenticate before it is dropped."""
     rank: int = 0

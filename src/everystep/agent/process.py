@@ -239,7 +239,8 @@ class Agent:
         if self.replica is not None:
             self.replica.region.close()
         self.replica = Replica(step=msg["step"], region=SharedRegion(msg["layout"].nbytes, fd=fd), layout=msg["layout"],
-                               skeleton=msg["skeleton"], index_keys=msg["index_keys"], optimizer_class=msg["optimizer_class"])
+                               skeleton=msg["skeleton"], index_keys=msg["index_keys"], optimizer_class=msg["optimizer_class"],
+                               fused=self.config.fused)
         self._boxes = {k: ShardBox(*box) for k, box in msg["boxes"].items()}
         self._signature = msg["signature"]
         self._pending = None
@@ -279,10 +280,11 @@ class Agent:
         if it is due."""
         r = self.replica
         assert r is not None
+        t0 = time.perf_counter()
         r.apply(msg["step"], self.slots[msg["slot"]], groups=msg["groups"], skipped=msg["skipped"],
                 has_grad=msg["has_grad"], skeleton=msg["skeleton"])
         if notify:
-            self._send("done", slot=msg["slot"], step=r.step)
+            self._send("done", slot=msg["slot"], step=r.step, seconds=time.perf_counter() - t0)
         check = msg.get("digest")
         if check is not None:
             lacking = [k for k in check["keys"] if k not in r.tensors]
@@ -337,7 +339,8 @@ class Agent:
         self._drop_ward(int(msg["ward"]))
         with self._ward_failure(msg, region, "state"):
             replica = Replica(step=msg["step"], region=region, layout=msg["layout"], skeleton=msg["skeleton"],
-                              index_keys=msg["index_keys"], optimizer_class=msg["optimizer_class"])
+                              index_keys=msg["index_keys"], optimizer_class=msg["optimizer_class"],
+                               fused=self.config.fused)
             self._wards[int(msg["ward"])] = WardReplica(replica, msg["signature"])
 
     def _on_ward_step(self, conn: connection.Connection, msg: dict[str, Any]) -> None:

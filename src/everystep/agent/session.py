@@ -16,6 +16,7 @@ session stops sending, and its strategy falls back to checkpoints written by the
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -96,6 +97,8 @@ class AgentSession:
         self.write_seconds = 0.0
         """How long the agent's newest write of its part took (several ranks)."""
         self.commits: PartCommits | None = None
+        self.apply_seconds: collections.deque[float] = collections.deque(maxlen=64)
+        """How long the agent took to apply each of the newest steps to its replica."""
         self._diverged: list[str] = []
         self._fetched = False
         self._handover: threading.Event | None = None
@@ -271,6 +274,9 @@ class AgentSession:
     def _on_done(self, msg: dict[str, Any]) -> None:
         self.progress.in_memory(msg["step"])
         self.pool.give_back(msg["slot"])
+        seconds = msg.get("seconds")
+        if isinstance(seconds, (int, float)):
+            self.apply_seconds.append(float(seconds))
 
     def _on_persisted(self, msg: dict[str, Any]) -> None:
         self.persisted = (self.persisted + [msg["step"]])[-2:]
@@ -412,7 +418,7 @@ class AgentSession:
         _, volatile = self.split(tensors)
         layout = slot_layout({i: local_shard(p) for i, p in enumerate(self.params)}, volatile)
         count = self.slots + self.shared
-        regions = self.pool.make(layout, count)
+        regions = self.pool.make(layout, count, pin=any(p.is_cuda for p in self.params))
         try:
             self.link.send("slots", fds=[r.fd for r in regions], count=count, layout=layout)
         finally:
@@ -462,6 +468,7 @@ class AgentSession:
     def close(self, *, clean: bool) -> None:
         """``clean``: the agent persists what it holds and exits; else, as after a crash, the link
         is dropped without a word and the agent keeps its replica for a restarted process."""
+        self.pool.release()
         if self.commits is not None:
             self.commits.close(wait=clean)
         link, self.link = self.link, None

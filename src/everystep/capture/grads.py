@@ -139,12 +139,18 @@ class GradientCapture:
     def _copy_all_into(self, buffer: HostBuffer, due: list[tuple[int, torch.Tensor]],
                        event: torch.cuda.Event | None) -> None:
         crash_point("lowdiff_plus.gradients.copy")  # on the copier thread, while the update runs
+        targets, grads = [buffer.views[f"g/{i}"] for i, _ in due], [g for _, g in due]
         if event is None:
             with torch.no_grad():
-                torch._foreach_copy_([buffer.views[f"g/{i}"] for i, _ in due], [g for _, g in due])
+                torch._foreach_copy_(targets, grads)
             return
-        for i, g in due:
-            self._copy_into(buffer, i, g, event)
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):  # every copy issued, then waited for once
+            self._stream.wait_event(event)
+            for target, g in zip(targets, grads):
+                target.copy_(g, non_blocking=True)  # (DMA where the slot is registered)
+                g.record_stream(self._stream)
+        self._stream.synchronize()
 
     # -- at the step ---------------------------------------------------------------------------
 

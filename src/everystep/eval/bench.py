@@ -354,7 +354,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             else all(r["resumes_bitwise"] for r in mine),
             "resume_error": med("resume_error"),
             **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step",
-                                         *CHECKFLOW_MEMORY) if key in mine[0]},
+                                         "agent_seconds_per_step", *CHECKFLOW_MEMORY) if key in mine[0]},
         }
         for key in ("bytes_per_step_per_rank", "peer_bytes_per_step_per_rank", "peer_cpu_seconds_per_step_per_rank"):
             # (several ranks: what each wrote; what each sent its buddy, and its mirroring thread's CPU time)
@@ -397,13 +397,24 @@ def _resumes(s: dict[str, Any]) -> str:
     return "yes" if s["resumes_bitwise"] else f"no ({error:.1e})" if error is not None else "no"
 
 
-def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
+def reference_spread(runs: list[dict[str, Any]]) -> float | None:
+    """How much ``none``'s mean step time varied between the repeats: the largest less the smallest,
+    over their median; None with fewer than two. An overhead smaller than it is not resolved."""
+    times = [r["mean_step_seconds"] for r in runs if r["strategy"] == "none"]
+    return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else None
+
+
+def markdown_table(summary: dict[str, dict[str, Any]], spread: float | None = None) -> str:
+    """The summary as a table; with ``spread`` (:func:`reference_spread`), an overhead within it is
+    marked ``*``: not resolved."""
     head = ("| strategy | overhead | stall/ckpt (ms) | MiB/step | peak host MiB | recovery disk (s) "
             "| recovery mem (s) | lost steps sw/hw | recovery error | resumes bitwise |")
     rows = [head, "|" + "---|" * 10]
     for name, s in summary.items():
+        within = spread is not None and name != "none" and abs(s["overhead"]) < spread
         rows.append(
-            f"| {name} | {_fmt(s['overhead'], 100, 1, '%')} | {_fmt(s['stall_per_checkpoint_seconds'], 1e3, 1)} "
+            f"| {name} | {_fmt(s['overhead'], 100, 1, '%')}{'*' if within else ''} "
+            f"| {_fmt(s['stall_per_checkpoint_seconds'], 1e3, 1)} "
             f"| {_fmt(s['bytes_per_step'], 2**-20, 2)} | {_fmt(s['peak_host_bytes'], 2**-20, 0)} "
             f"| {_fmt(s['recovery_seconds_disk'], 1, 3)} | {_fmt(s['recovery_seconds_memory'], 1, 3)} "
             f"| {s['lost_steps_software']}/{s['lost_steps_hardware']} "
@@ -474,4 +485,5 @@ def plot(summary: dict[str, dict[str, Any]], path: str, title: str) -> None:
 
 def report(cfg: BenchConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary = summarise_trainer(runs) if cfg.trainer else summarise(runs)
-    return {"machine": machine_info(cfg.threads), "config": asdict(cfg), "summary": summary, "runs": runs}
+    return {"machine": machine_info(cfg.threads), "config": asdict(cfg), "summary": summary,
+            "reference_spread": reference_spread(runs), "runs": runs}

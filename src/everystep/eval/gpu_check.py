@@ -9,16 +9,20 @@ to the next):
    registered (a shared mapping pinned in place, as LightCheck's region and checkfreq's writer
    process use) host memory, on the training stream with the GPU otherwise idle and on a side stream
    while matmuls run on the training stream, against the PCIe link's limit;
-3. ``bench``: :data:`EVERY_STEP` checkpointing every step, and :data:`SPREAD` with a checkpoint every
-   :attr:`Sizes.spread_every` steps (GoCkpt's copy spread over :attr:`Sizes.spread_parts`), all
-   interleaved with one ``none`` reference, each run's resume checked bitwise (the bench's own
-   check); GoCkpt's and GoCkpt-O's stall per checkpoint over Async-O's (``checkfreq``: its snapshot
-   overlaps the next forward and backward), the runs every K steps timed after the first two
-   checkpoints (:attr:`Sizes.spread_warmup`: the host memory a strategy keeps is allocated once in a
-   long run);
-4. ``frequency``: the smallest checkpoint interval of ``lightcheck`` and of ``checkfreq`` within a
+3. ``bench``: :data:`EVERY_STEP` checkpointing every step (``lowdiff`` with top-k 1%, the paper's
+   setting, over a ``none`` that trains with the same compression), each against its target
+   (:data:`EVERY_STEP_TARGETS`) beside ``none``'s spread between rounds, and :data:`SPREAD` with a
+   checkpoint every :attr:`Sizes.spread_every` steps (GoCkpt's copy spread over
+   :attr:`Sizes.spread_parts`), all interleaved with one ``none`` reference, each run's resume
+   checked bitwise (the bench's own check); GoCkpt's and GoCkpt-O's stall per checkpoint over
+   Async-O's (``checkfreq``: its snapshot overlaps the next forward and backward), the runs every K
+   steps timed after the first two checkpoints (:attr:`Sizes.spread_warmup`: the host memory a
+   strategy keeps is allocated once in a long run);
+4. ``bound``: :data:`BOUND` every step on the GPU-bound workload (:attr:`Sizes.bound_workload`),
+   interleaved with ``none``, each against its target (:data:`BOUND_TARGETS`), beside ``none``'s spread;
+5. ``frequency``: the smallest checkpoint interval of ``lightcheck`` and of ``checkfreq`` within a
    3.5% overhead budget, searched from the every-step overheads over powers of two;
-5. ``memory``: Checkflow's peak device memory (``max_memory_allocated``) in the bench's runs against
+6. ``memory``: Checkflow's peak device memory (``max_memory_allocated``) in the bench's runs against
    its plan's, CheckFreq's and no checkpointing's.
 
 The report is one JSON and one Markdown file, ``gpu_check_<device>_<date>``, with the machine, every
@@ -39,10 +43,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +54,9 @@ from .bandwidth import measure_bandwidth
 from .machine import machine
 from .gpu_report import markdown
 from .interval_search import search_intervals, smallest_within
-from .gpu_sizes import (ASYNC_O, DRY, EVERY_STEP, GOCKPT_TARGETS, GPU, INTERRUPT_GRACE, LIGHTCHECK_TARGET, PARTS,
-                        SPREAD, Sizes)
+from .gpu_rounds import Variant, bound_variants, exact, over_references, rounds, targets, variants
+from .gpu_sizes import (ASYNC_O, BOUND_TARGETS, DRY, EVERY_STEP, EVERY_STEP_TARGETS, GOCKPT_TARGETS, GPU,
+                        INTERRUPT_GRACE, LIGHTCHECK_TARGET, PARTS, SPREAD, Box, Sizes, failure)
 
 __all__ = ["Sizes", "GPU", "DRY", "EVERY_STEP", "SPREAD", "gpu_check", "report_name", "no_gpu_reason"]
 
@@ -73,25 +77,6 @@ def report_name(machine: dict[str, Any], dry_run: bool, when: _dt.datetime) -> s
 
 
 # -- running a part ---------------------------------------------------------------------------
-
-
-class _Box:
-    """A part's time box: the seconds left of it."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.start = time.monotonic()
-
-    def left(self) -> float:
-        return self.seconds - (time.monotonic() - self.start)
-
-    def used(self) -> float:
-        return time.monotonic() - self.start
-
-
-def _failure(part: str, what: str, error: BaseException | str) -> dict[str, str]:
-    text = error if isinstance(error, str) else "".join(traceback.format_exception(error)).strip()
-    return {"part": part, "what": what, "traceback": text}
 
 
 def _python_env(root: Path | None) -> dict[str, str]:
@@ -136,7 +121,7 @@ def _junit(path: Path) -> list[dict[str, Any]]:
     return cases
 
 
-def run_tests(sizes: Sizes, box: _Box, failures: list[dict[str, str]]) -> dict[str, Any]:
+def run_tests(sizes: Sizes, box: Box, failures: list[dict[str, str]]) -> dict[str, Any]:
     root = _checkout()
     if root is None:
         raise EverystepError("tests/test_cuda.py is not beside the package (an installed copy): run the check from "
@@ -176,12 +161,12 @@ def run_tests(sizes: Sizes, box: _Box, failures: list[dict[str, str]]) -> dict[s
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
     for c in cases:
         if c["outcome"] in ("failed", "error"):
-            failures.append(_failure("tests", c["name"], c["message"] or "(no report)"))
+            failures.append(failure("tests", c["name"], c["message"] or "(no report)"))
     if timed_out:
-        failures.append(_failure("tests", "tests/test_cuda.py", f"still running after {box.seconds:.0f} s, stopped; "
+        failures.append(failure("tests", "tests/test_cuda.py", f"still running after {box.seconds:.0f} s, stopped; "
                                  f"output so far:\n{out[-4000:]}"))
     elif proc.returncode not in (0, 1) or not cases:  # 1: some failed (reported above); else pytest itself did not run
-        failures.append(_failure("tests", "pytest", f"exit status {proc.returncode}:\n{out[-4000:]}"))
+        failures.append(failure("tests", "pytest", f"exit status {proc.returncode}:\n{out[-4000:]}"))
     return {"command": " ".join(["python -m pytest", *workers, "tests/test_cuda.py"]), "exit_status": proc.returncode, "timed_out": timed_out,
             "counts": counts, "tests": cases}
 
@@ -196,16 +181,16 @@ def _kill(proc: subprocess.Popen[str]) -> None:
 # -- 2. device-to-host bandwidth --------------------------------------------------------------
 
 
-def run_bandwidth(sizes: Sizes, box: _Box, failures: list[dict[str, str]]) -> dict[str, Any]:
+def run_bandwidth(sizes: Sizes, box: Box, failures: list[dict[str, str]]) -> dict[str, Any]:
     spec = {"copy_bytes": sizes.copy_bytes, "copies": sizes.copies}
     result = _in_process("bandwidth", spec, box)
     missing = [f"{r['memory']} on the {r['stream']} stream" for r in result["rows"] if r["exact"] is False]
     if missing:
-        failures.append(_failure("bandwidth", "copies", f"bytes differ after the copy into {', '.join(missing)}"))
+        failures.append(failure("bandwidth", "copies", f"bytes differ after the copy into {', '.join(missing)}"))
     return result
 
 
-def _in_process(part: str, spec: dict[str, Any], box: _Box) -> dict[str, Any]:
+def _in_process(part: str, spec: dict[str, Any], box: Box) -> dict[str, Any]:
     """Run one of this module's measurements in a fresh process (a CUDA fault there ends that
     process, not the check), inside the box."""
     proc = subprocess.Popen([sys.executable, "-m", "everystep.eval.gpu_check", part, json.dumps(spec)],
@@ -225,118 +210,52 @@ def _in_process(part: str, spec: dict[str, Any], box: _Box) -> dict[str, Any]:
 # -- 3. the bench -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Variant:
-    label: str
-    strategy: str
-    every: int | None
-    options: dict[str, Any] = field(default_factory=dict)
-    scratch: str | None = None
-    steps: int | None = None
-    """Steps of its runs, and the first ``warmup`` left out of the timing (None: the sizes')."""
-    warmup: int | None = None
-
-
-def variants(sizes: Sizes) -> list[Variant]:
-    """``none``, :data:`EVERY_STEP` every step, :data:`SPREAD` every ``spread_every`` steps
-    (labelled ``NAME/K``); lightcheck's checkpoint directory, and so its region, in ``/dev/shm``."""
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    found = [Variant("none", "none", None)]
-    for name in EVERY_STEP:
-        every = None if name == "lowdiff_plus" else 1  # lowdiff_plus: its replica every step, persisted at its own interval
-        found.append(Variant(name, name, every, scratch=shm if name == "lightcheck" else None))
-    for name in SPREAD:
-        options = {"parts": sizes.spread_parts} if name.startswith("gockpt") else {}
-        found.append(Variant(f"{name}/{sizes.spread_every}", name, sizes.spread_every, options,
-                             steps=sizes.spread_steps, warmup=sizes.spread_warmup))
-    return found
-
-
-def _spec(sizes: Sizes, v: Variant, repeat: int, steps: int | None = None) -> dict[str, Any]:
-    from .bench import BenchConfig, run_spec
-
-    cfg = BenchConfig(workload=sizes.workload, strategies=(v.strategy,), steps=steps or v.steps or sizes.steps,
-                      warmup=v.warmup or sizes.warmup,
-                      repeats=1, device=sizes.device, options={v.strategy: v.options}, scratch=v.scratch)
-    return run_spec(cfg, repeat, v.strategy, v.every)
-
-
-def _rounds(sizes: Sizes, chosen: list[Variant], repeats: int, box: _Box, failures: list[dict[str, str]], part: str,
-            steps: int | None = None, say: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], int]:
-    """Interleaved rounds of ``chosen`` (repeat r starts r places along), each run labelled by its
-    variant; a round starts only while the box holds another as long as the first. A variant that
-    fails is reported and left out of the rounds after. Returns the runs of complete rounds and
-    their number."""
-    from .bench import measure_run
-
-    runs: list[dict[str, Any]] = []
-    done, first = 0, None
-    failed: set[str] = set()
-    for r in range(repeats):
-        if first is not None and box.left() < first * 1.1:
-            say(f"  {part}: {done} round(s); the box has no time for another")
-            break
-        started = time.monotonic()
-        live = [v for v in chosen if v.label not in failed]
-        order = [live[(r + i) % len(live)] for i in range(len(live))]
-        mine: list[dict[str, Any]] = []
-        for i, v in enumerate(order):
-            if box.left() <= 0:
-                break
-            say(f"  {part}: round {r + 1}/{repeats}, run {i + 1}/{len(order)}: {v.label}")
-            try:
-                got = measure_run(_spec(sizes, v, r, steps), timeout=max(box.left(), 1))
-            except EverystepError as e:
-                failures.append(_failure(part, f"{v.label}, round {r + 1}", str(e)))
-                failed.add(v.label)
-                if v.label == "none" or box.left() <= 0:
-                    break
-                continue
-            mine.append({**got, "strategy": v.label, "run_strategy": v.strategy})
-        complete = "none" not in failed and {m["strategy"] for m in mine} == {v.label for v in order} - failed
-        if not complete:
-            say(f"  {part}: round {r + 1} incomplete, left out")
-            break
-        runs.extend(mine)
-        done += 1
-        first = first or time.monotonic() - started
-    return runs, done
-
-
-def _exact(strategy: str, device: str) -> bool:
-    """Whether a run of ``strategy`` must resume bitwise: not the peers (they keep no RNG or data
-    position), not a lossy strategy, not ``lowdiff_plus`` on a GPU (its replica is updated by the
-    CPU's arithmetic until the next re-base)."""
-    from ..strategies import STRATEGIES
-
-    return strategy in STRATEGIES and STRATEGIES[strategy].exact and not (strategy == "lowdiff_plus" and device == "cuda")
-
-
-def run_bench_part(sizes: Sizes, box: _Box, failures: list[dict[str, str]], say: Callable[[str], None]) -> dict[str, Any]:
-    from .bench import summarise
+def run_bench_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None]) -> dict[str, Any]:
+    from .bench import reference_spread, summarise
 
     chosen = variants(sizes)
-    runs, rounds = _rounds(sizes, chosen, sizes.repeats, box, failures, "bench", say=say)
+    runs, done = rounds(sizes, chosen, sizes.repeats, box, failures, "bench", say=say)
     summary = summarise(runs) if runs else {}
+    over_references(summary, runs, chosen)
     of = {v.label: v.strategy for v in chosen}
     for label, s in summary.items():
-        if s.get("resumes_bitwise") is False and _exact(of[label], sizes.device):
-            failures.append(_failure("bench", label, f"{label} did not resume bitwise (state error "
+        if s.get("resumes_bitwise") is False and exact(of[label], sizes.device):
+            failures.append(failure("bench", label, f"{label} did not resume bitwise (state error "
                                      f"{s.get('resume_error')})"))
     spread = sizes.spread_every
     stall = {k: summary.get(f"{k}/{spread}", {}).get("stall_per_checkpoint_seconds") for k in (*GOCKPT_TARGETS, ASYNC_O)}
     versus = {k: (stall[k] / stall[ASYNC_O] if stall[k] is not None and stall[ASYNC_O] else None) for k in GOCKPT_TARGETS}
-    return {"variants": [asdict(v) for v in chosen], "rounds": rounds, "summary": summary,
+    return {"variants": [asdict(v) for v in chosen], "rounds": done, "summary": summary,
+            "reference_spread": reference_spread(runs), "targets": targets(summary, EVERY_STEP_TARGETS),
             "gockpt_stall_over_async_o": {k: {"ratio": versus[k], "target_at_most": t,
                                             "met": None if versus[k] is None else versus[k] <= t}
                                         for k, t in GOCKPT_TARGETS.items()},
             "runs": runs}
 
 
+def run_bound_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None]) -> dict[str, Any]:
+    """The strategies built to take every step, every step on the GPU-bound workload, interleaved
+    with ``none``: each one's overhead against its target, beside ``none``'s spread between rounds."""
+    from .bench import reference_spread, summarise
+
+    chosen = bound_variants(sizes)
+    runs, done = rounds(sizes, chosen, sizes.repeats, box, failures, "bound", say=say)
+    summary = summarise(runs) if runs else {}
+    over_references(summary, runs, chosen)
+    of = {v.label: v.strategy for v in chosen}
+    for label, s in summary.items():
+        if s.get("resumes_bitwise") is False and exact(of[label], sizes.device):
+            failures.append(failure("bound", label, f"{label} did not resume bitwise (state error "
+                                    f"{s.get('resume_error')})"))
+    return {"workload": sizes.bound_workload, "variants": [asdict(v) for v in chosen], "rounds": done,
+            "summary": summary, "reference_spread": reference_spread(runs), "targets": targets(summary, BOUND_TARGETS),
+            "runs": runs}
+
+
 # -- 4. the highest frequency within the budget -----------------------------------------------
 
 
-def run_frequency(sizes: Sizes, bench: dict[str, Any], box: _Box, failures: list[dict[str, str]],
+def run_frequency(sizes: Sizes, bench: dict[str, Any], box: Box, failures: list[dict[str, str]],
                   say: Callable[[str], None]) -> dict[str, Any]:
     """LightCheck's and CheckFreq's smallest interval within the budget (:func:`search_intervals`),
     each round of probes interleaved with a ``none`` run of the same length."""
@@ -348,19 +267,19 @@ def run_frequency(sizes: Sizes, bench: dict[str, Any], box: _Box, failures: list
     if missing:
         raise EverystepError(f"the bench measured no every-step overhead of {' and '.join(missing)}")
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    rounds = 0
+    probes = 0
 
     def probe(intervals: dict[str, int]) -> dict[str, float] | None:
-        nonlocal rounds
+        nonlocal probes
         if box.left() <= 0:
             return None
         steps = sizes.warmup + max(sizes.steps - sizes.warmup, 2 * max(intervals.values()))  # two checkpoints at least
         chosen = [Variant("none", "none", None)] + [
             Variant(f"{n}@{k}", n, k, scratch=shm if n == "lightcheck" else None) for n, k in intervals.items()]
-        runs, done = _rounds(sizes, chosen, sizes.frequency_repeats, box, failures, "frequency", steps=steps, say=say)
+        runs, done = rounds(sizes, chosen, sizes.frequency_repeats, box, failures, "frequency", steps=steps, say=say)
         if not done:
             return None
-        rounds += 1
+        probes += 1
         got = summarise(runs)
         return {n: got[f"{n}@{k}"]["overhead"] for n, k in intervals.items() if f"{n}@{k}" in got}
 
@@ -368,7 +287,7 @@ def run_frequency(sizes: Sizes, bench: dict[str, Any], box: _Box, failures: list
     found = {n: smallest_within(measured[n], sizes.budget, sizes.frequency_cap) for n in names}
     a, b = found["lightcheck"]["interval"], found["checkfreq"]["interval"]
     ratio = b / a if a and b else None
-    return {"budget": sizes.budget, "cap": sizes.frequency_cap, "rounds": rounds, "strategies": found,
+    return {"budget": sizes.budget, "cap": sizes.frequency_cap, "rounds": probes, "strategies": found,
             "frequency_ratio": ratio, "target_at_least": LIGHTCHECK_TARGET,
             "met": None if ratio is None else ratio >= LIGHTCHECK_TARGET}
 
@@ -407,10 +326,11 @@ def gpu_check(sizes: Sizes, out: Path, *, dry_run: bool, parts: tuple[str, ...] 
     report: dict[str, Any] = {"kind": "everystep gpu-check", "format": 1, "date": when.isoformat(timespec="seconds"),
                               "dry_run": dry_run, "machine": machine(), "sizes": asdict(sizes), "parts": {},
                               "failures": failures}
-    steps: list[tuple[str, Callable[[_Box], dict[str, Any]]]] = [
+    steps: list[tuple[str, Callable[[Box], dict[str, Any]]]] = [
         ("tests", lambda box: run_tests(sizes, box, failures)),
         ("bandwidth", lambda box: run_bandwidth(sizes, box, failures)),
         ("bench", lambda box: run_bench_part(sizes, box, failures, say)),
+        ("bound", lambda box: run_bound_part(sizes, box, failures, say)),
         ("frequency", lambda box: run_frequency(sizes, report["parts"]["bench"], box, failures, say)),
         ("memory", lambda box: memory_part(report["parts"]["bench"])),
     ]
@@ -424,14 +344,14 @@ def gpu_check(sizes: Sizes, out: Path, *, dry_run: bool, parts: tuple[str, ...] 
         if needs and report["parts"].get(needs, {}).get("status") != "ran":
             report["parts"][name] = {"status": "not run", "why": f"the {needs} part did not run"}
             continue
-        box = _Box(sizes.boxes.get(name, 0.0) + spare)
+        box = Box(sizes.boxes.get(name, 0.0) + spare)
         say(f"gpu-check: {name} (time box {box.seconds:.0f} s)")
         before = len(failures)
         try:
             result = step(box)
             status = "ran"
         except Exception as e:  # reported with its traceback; the next part runs all the same
-            failures.append(_failure(name, name, e))
+            failures.append(failure(name, name, e))
             result, status = {}, "failed"
         report["parts"][name] = {"status": status, "seconds": box.used(), "box_seconds": box.seconds,
                                  "failures": len(failures) - before, **result}

@@ -34,7 +34,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {p['status']} | {_num(p.get('seconds'), 1, 0)} | {_num(p.get('box_seconds'), 1, 0)} "
                      f"| {p.get('failures', '–')} |")
     lines += _tests_md(parts.get("tests", {})) + _bandwidth_md(parts.get("bandwidth", {}), pcie)
-    lines += _bench_md(parts.get("bench", {})) + _frequency_md(parts.get("frequency", {}))
+    lines += _bench_md(parts.get("bench", {})) + _bound_md(parts.get("bound", {})) + _frequency_md(parts.get("frequency", {}))
     lines += _memory_md(parts.get("memory", {}))
     lines += ["", "## Failures", ""]
     if not report["failures"]:
@@ -79,12 +79,38 @@ def _bench_md(p: dict[str, Any]) -> list[str]:
     from .bench import markdown_table
 
     out = ["", "## Every step, and every K steps (`NAME/K`)", "", f"{p['rounds']} interleaved round(s); overhead: mean "
-           "step time over the same round's `none`, minus one, median over rounds.", "", markdown_table(p["summary"]), "",
+           "step time over the same round's `none` (for a strategy that trains with a gradient compression, the `none` "
+           "that trains with it), minus one, median over rounds.", "",
+           markdown_table(p["summary"], p.get("reference_spread")), *_spread_md(p), *_targets_md(p), "",
            "| GoCkpt stall per checkpoint over Async-O's (`checkfreq`) | ratio | paper's target | met |",
            "|---|---|---|---|"]
     for name, g in p["gockpt_stall_over_async_o"].items():
         met = {True: "yes", False: "no", None: "–"}[g["met"]]
         out.append(f"| {name} | {_num(g['ratio'], 100, 1, '%')} | ≤ {g['target_at_most']:.0%} | {met} |")
+    return out
+
+
+def _bound_md(p: dict[str, Any]) -> list[str]:
+    if "summary" not in p:
+        return []
+    from .bench import markdown_table
+
+    return ["", f"## Every step on a GPU-bound step ({p['workload']})", "", f"{p['rounds']} interleaved round(s), overhead "
+            "as above.", "", markdown_table(p["summary"], p.get("reference_spread")), *_spread_md(p), *_targets_md(p)]
+
+
+def _spread_md(p: dict[str, Any]) -> list[str]:
+    spread = p.get("reference_spread")
+    if spread is None:
+        return ["", "`none` ran once: its spread between rounds is not known, and no overhead is resolved against it."]
+    return ["", f"`none`'s mean step varied by {spread:.1%} between rounds: an overhead within it (`*`) is not resolved."]
+
+
+def _targets_md(p: dict[str, Any]) -> list[str]:
+    out = ["", "| strategy | overhead | target | met |", "|---|---|---|---|"]
+    for name, t in p.get("targets", {}).items():
+        met = {True: "yes", False: "no", None: "not measured"}[t["met"]]
+        out.append(f"| {name} | {_num(t['overhead'], 100, 1, '%')} | ≤ {t['target_at_most']:.0%} | {met} |")
     return out
 
 

@@ -1,15 +1,28 @@
 """What the GPU check (:mod:`everystep.eval.gpu_check`) runs, and how much: the strategies of each
-part, the papers' targets it compares with, and the sizes and time boxes on a GPU and in a dry run."""
+part, the targets it compares with, the sizes and time boxes on a GPU and in a dry run, and a box's clock."""
 
 from __future__ import annotations
 
+import time
+import traceback
 from dataclasses import dataclass, field
 
 __all__ = ["Sizes", "GPU", "DRY", "EVERY_STEP", "SPREAD", "ASYNC_O", "GOCKPT_TARGETS", "LIGHTCHECK_TARGET", "PARTS",
-           "INTERRUPT_GRACE", "MIB"]
+           "INTERRUPT_GRACE", "MIB", "COMPRESSED", "BOUND", "EVERY_STEP_TARGETS", "BOUND_TARGETS", "Box", "failure"]
 
-EVERY_STEP = ("torch_save", "dcp_async", "checkfreq", "async", "lightcheck", "checkflow", "lowdiff_plus")
-"""Checkpointing every step (``lowdiff_plus``: its replica every step, persisted at its own interval)."""
+EVERY_STEP = ("torch_save", "dcp_async", "checkfreq", "async", "lightcheck", "checkflow", "lowdiff_plus", "lowdiff")
+"""Checkpointing every step (``lowdiff_plus``: its replica every step, persisted at its own interval;
+``lowdiff``: a differential every step, a full checkpoint at its own interval)."""
+COMPRESSED = {"lowdiff": "topk:0.01"}
+"""The strategies that reuse the gradient compression training runs with, and the compression (the
+paper's setting): each one's overhead is over a ``none`` run with that compression (``none+topk:0.01``)."""
+BOUND = ("lightcheck", "lowdiff_plus", "lowdiff")
+"""The strategies built to take every step, measured on the GPU-bound workload too."""
+EVERY_STEP_TARGETS = {"lightcheck": 0.10, "lowdiff_plus": 0.10, "lowdiff": 0.10}
+"""The most each may cost every step on the short-step workload (gpt2-small)."""
+BOUND_TARGETS = {"lightcheck": 0.03, "lowdiff_plus": 0.05, "lowdiff": 0.03}
+"""The most each may cost every step on the GPU-bound workload: LightCheck's paper ≤ 4%, LowDiff+'s
+5.1–7.2% without compression, LowDiff's 2.4–3.1%."""
 SPREAD = ("gockpt", "gockpt_o", "async", "checkfreq")
 """Checkpointing every :attr:`Sizes.spread_every` steps."""
 ASYNC_O = "checkfreq"
@@ -18,7 +31,7 @@ GOCKPT_TARGETS = {"gockpt": 0.42, "gockpt_o": 0.14}
 """GoCkpt's paper: its checkpointing time 57.7-70.1% and GoCkpt-O's 86.4-99.2% below Async-O's."""
 LIGHTCHECK_TARGET = 10.0
 """LightCheck's paper: more than 10× CheckFreq's checkpoint frequency within the overhead budget."""
-PARTS = ("tests", "bandwidth", "bench", "frequency")
+PARTS = ("tests", "bandwidth", "bench", "bound", "frequency")
 INTERRUPT_GRACE = 20.0
 """Seconds pytest is given, interrupted at the end of its box, to report the tests that ran."""
 MIB = 2**20
@@ -46,6 +59,10 @@ class Sizes:
     frequency_repeats: int = 3
     test_workers: int = 0
     """pytest-xdist workers for the CUDA tests (0: none), where it can be imported."""
+    bound_workload: str = "gpt2-medium"
+    """The GPU-bound workload of the ``bound`` part (:data:`BOUND` every step)."""
+    bound_steps: int = 12
+    bound_warmup: int = 4
     boxes: dict[str, float] = field(default_factory=dict)
     """Seconds each part may take (:data:`PARTS`); ``memory`` is read from the bench's runs."""
 
@@ -65,14 +82,36 @@ class Sizes:
 
 GPU = Sizes(workload="gpt2-small", device="cuda", steps=25, warmup=5, repeats=3, spread_every=8, spread_parts=7,
             copy_bytes=256 * MIB, copies=5, frequency_cap=128, frequency_repeats=2, test_workers=4,
-            boxes={"tests": 120, "bandwidth": 30, "bench": 330, "frequency": 60})
-"""On one H100: gpt2-small's 25 ms steps and 265 MiB of state. 540 s of boxes (what a part leaves of
-its box goes to the next), 9 minutes with the report. A round of the bench takes about 125 s there
-(the runs every K steps train through two checkpoints first), so three rounds need what the tests
-and the bandwidth leave of theirs on top of the bench's own box. The frequency search goes
-up to a checkpoint every 128 steps (a probe trains 2 intervals: 261 steps, about 7 s): CheckFreq
-writing 265 MiB to a disk each time needs about that many steps of 25 ms to stay within 3.5%."""
+            boxes={"tests": 100, "bandwidth": 25, "bench": 285, "bound": 100, "frequency": 40})
+"""On one H100: gpt2-small's 25 ms steps and 265 MiB of state. 550 s of boxes (what a part leaves of
+its box goes to the next), 9 minutes with the report. A round of the bench took about 125 s there
+before ``lowdiff`` and its compressed reference joined it (two more runs, about 15 s), so three
+rounds need what the tests and the bandwidth leave of theirs on top of the bench's own box. The
+``bound`` part runs gpt2-medium (336M parameters, 4 GiB of state with AdamW's) for 12 steps: as many
+rounds of its five runs as 100 s hold (not timed on a GPU yet). The frequency search goes up to a
+checkpoint every 128 steps (a probe trains 2 intervals: 261 steps, about 7 s): CheckFreq writing
+265 MiB to a disk each time needs about that many steps of 25 ms to stay within 3.5%."""
 DRY = Sizes(workload="mlp", device="cpu", steps=8, warmup=2, repeats=1, spread_every=3, spread_parts=2,
-            copy_bytes=4 * MIB, copies=3, frequency_cap=2, frequency_repeats=1,
-            boxes={"tests": 120, "bandwidth": 30, "bench": 240, "frequency": 120})
+            copy_bytes=4 * MIB, copies=3, frequency_cap=2, frequency_repeats=1, bound_workload="mlp", bound_steps=6,
+            bound_warmup=2, boxes={"tests": 120, "bandwidth": 30, "bench": 240, "bound": 120, "frequency": 120})
 """The same pipeline on the CPU with a tiny workload; every figure real, none meaningful."""
+
+
+class Box:
+    """A part's time box: the seconds left of it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.start = time.monotonic()
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.start)
+
+    def used(self) -> float:
+        return time.monotonic() - self.start
+
+
+def failure(part: str, what: str, error: BaseException | str) -> dict[str, str]:
+    """A failure as the report keeps it: the part, what failed, and its traceback (or message)."""
+    text = error if isinstance(error, str) else "".join(traceback.format_exception(error)).strip()
+    return {"part": part, "what": what, "traceback": text}

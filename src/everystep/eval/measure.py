@@ -100,8 +100,8 @@ def _step(w: Any, before_update: Any = None) -> torch.Tensor:
     loss = w.loss(w.data.next())
     loss.backward()
     w.update(before=before_update)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    if loss.is_cuda:  # the training stream only, as a loop that reads its loss waits: not the copy streams
+        torch.cuda.current_stream().synchronize()
     return loss
 
 
@@ -215,6 +215,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "resume_error": None,
             **split,
             **({"remote_step": ckpt.stats.last_remote_step} if name.endswith("+remote") else {}),
+            **({"agent_seconds_per_step": ckpt.strategy.agent_seconds_per_step} if strategy == "lowdiff_plus" else {}),
             **((ckpt.strategy.peer_traffic or {"peer_bytes_per_step": None}) if name.endswith("+peers") else {}),
         }
         if memory is not None:

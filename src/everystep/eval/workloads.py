@@ -1,13 +1,16 @@
 """The deterministic workloads of the measurement protocol.
 
-=============  =====================================================  ==========
-name           model                                                  batch
-=============  =====================================================  ==========
-``mlp``        3-layer MLP classifier with dropout, 32 → 10 classes   16
-``gpt2-tiny``  GPT-2 (2 layers, width 64, vocab 256, seq 32)          4
-``gpt2-small`` GPT-2 (6 layers, width 512, vocab 8192, seq 128), ~23M  8
-``resnet``     ResNet-style CNN with BatchNorm, 3×32×32 → 10 classes  16
-=============  =====================================================  ==========
+===============  ======================================================  ==========
+name             model                                                   batch
+===============  ======================================================  ==========
+``mlp``          3-layer MLP classifier with dropout, 32 → 10 classes    16
+``gpt2-tiny``    GPT-2 (2 layers, width 64, vocab 256, seq 32)           4
+``gpt2-small``   GPT-2 (6 layers, width 512, vocab 8192, seq 128), ~23M  8
+``gpt2-medium``  GPT-2 (24 layers, width 1024, vocab 32768, seq 256),    8
+                 ~336M: about 4 TFLOP a step, for a GPU-bound step as
+                 training's are (gpt2-small's is bound by kernel launches)
+``resnet``       ResNet-style CNN with BatchNorm, 3×32×32 → 10 classes   16
+===============  ======================================================  ==========
 
 GPT-2 models tie the token embedding and the output projection, and use dropout, so shared
 parameters and the random generator's state are exercised by every checkpoint.
@@ -215,6 +218,7 @@ WORKLOADS: dict[str, Callable[[int], Any]] = {
     "mlp": _mlp,
     "gpt2-tiny": lambda seed: _gpt(GPTConfig(vocab=256, seq=32, layers=2, width=64, heads=4), 4),
     "gpt2-small": lambda seed: _gpt(GPTConfig(vocab=8192, seq=128, layers=6, width=512, heads=8), 8),
+    "gpt2-medium": lambda seed: _gpt(GPTConfig(vocab=32768, seq=256, layers=24, width=1024, heads=16), 8),
     "resnet": _resnet,
 }
 

@@ -18,6 +18,8 @@ agree, persist, or fall back.
 from __future__ import annotations
 
 import functools
+import os
+import statistics
 import time
 import warnings
 from concurrent.futures import Future
@@ -29,6 +31,7 @@ from .._faults import crash_point
 from ..agent.config import AgentConfig
 from ..agent.session import AgentSession
 from ..capture.grads import GradientCapture
+from ..distributed import local_world_size
 from ..errors import ConfigError
 from ..parallelism import DTENSOR_LAYOUTS
 from ..policy.interval import busy_interval, due, median_gap, next_multiple
@@ -55,7 +58,14 @@ class LowDiffPlusConfig(StrategyConfig):
     """Seconds the agent waits for a restarted training process before it exits."""
     agent_timeout: float = 60.0
     """Seconds without a free slot or an answer after which the agent counts as lost."""
-    agent_threads: int = 1
+    agent_threads: int | None = None
+    """The agent's CPU threads; None: one where training runs on the CPU (its threads are training's),
+    else the cores this process may use shared among the ranks on this host."""
+    fused: bool | None = None
+    """The replica's optimizer runs torch's fused CPU kernel where its class has one (Adam, AdamW):
+    the same update in another order of arithmetic, several times faster. None: where training runs on
+    a GPU (whose arithmetic the CPU does not reproduce bitwise either way); on the CPU, the training
+    optimizer's own path, bitwise."""
     layerwise: bool | None = None
     """Copy gradients while backward produces them: True always, False never (at the optimizer
     step), None until most of those copies turn out changed before the step two steps in a row."""
@@ -74,7 +84,7 @@ class LowDiffPlusConfig(StrategyConfig):
 
     def __post_init__(self) -> None:
         StrategyConfig.__post_init__(self)
-        if self.queue < 1 or self.agent_threads < 1:
+        if self.queue < 1 or (self.agent_threads is not None and self.agent_threads < 1):
             raise ConfigError("queue and agent_threads must be at least 1")
         if self.verify_every < 0 or self.verify_sample < 0:
             raise ConfigError("verify_every and verify_sample must be >= 0")
@@ -203,11 +213,33 @@ class LowDiffPlus(Strategy):
             self._next_check = self._check_after(step)
         self.session.start(step, tensors, skeleton, AgentConfig(
             directory=str(directory.root), strategy=self.name, keep=self.config.keep, every=self.config.every,
-            busy=self.config.busy, grace=self.config.grace, threads=self.config.agent_threads,
+            busy=self.config.busy, grace=self.config.grace, threads=self._agent_threads(), fused=self._fused(),
             rank=ranks.rank, world=ranks.world, host=self.peers.host if self.peers else ""))
         if self.peers is not None and self.peers.sharded and self.session.lost is None:
             # The buddy's agent starts its replica of this rank from the state whole, on a fresh host too.
             self._mirrored = self.peers.submit(step, self.peers.whole(step, tensors, skeleton))
+
+    def _on_gpu(self) -> bool:
+        return any(p.device.type != "cpu" for p in self.session.params)
+
+    def _agent_threads(self) -> int:
+        """``agent_threads``, or its default (see :class:`LowDiffPlusConfig`)."""
+        if self.config.agent_threads is not None:
+            return self.config.agent_threads
+        if not self._on_gpu():
+            return 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // local_world_size())
+
+    def _fused(self) -> bool:
+        return self._on_gpu() if self.config.fused is None else self.config.fused
+
+    @property
+    def agent_seconds_per_step(self) -> float | None:
+        """The median time the agent took to apply one of the newest steps to its replica; None
+        before the first."""
+        seconds = list(self.session.apply_seconds)
+        return statistics.median(seconds) if seconds else None
 
     def _check_after(self, step: int) -> int:
         """The next step at which the ranks agree (several ranks): each multiple of ``every``, or

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import queue
 
+import torch
+
+from .._memory import register_host, unregister_host
 from ..layout import TensorLayout
 from .host import HostBuffer
 from .shared import SharedRegion
@@ -24,11 +27,16 @@ class SlotPool:
         self.buffers: list[HostBuffer] = []
         self.current: int | None = None
         self._free: queue.Queue[int] = queue.Queue()
+        self._pinned: list[torch.Tensor] = []
 
-    def make(self, layout: TensorLayout, count: int) -> list[SharedRegion]:
-        """Replace the slots by ``count`` new ones of ``layout``, all free. Returns their regions,
+    def make(self, layout: TensorLayout, count: int, *, pin: bool = False) -> list[SharedRegion]:
+        """Replace the slots by ``count`` new ones of ``layout``, all free; ``pin``: each registered
+        for DMA from a GPU (where the driver allows: else they stay pageable). Returns their regions,
         whose descriptors the caller hands to the reader and then closes."""
+        self.release()
         regions = [SharedRegion.holding(layout) for _ in range(count)]
+        if pin:
+            self._pinned = [r.data for r, _ in regions if r.nbytes and register_host(r.data)]
         self.buffers = [b for _, b in regions]
         self.current = None
         self._free = queue.Queue()
@@ -63,6 +71,12 @@ class SlotPool:
 
     def give_back(self, slot: int) -> None:
         self._free.put(slot)
+
+    def release(self) -> None:
+        """Undo the slots' registration (once nothing copies into them any more)."""
+        pinned, self._pinned = self._pinned, []
+        for data in pinned:
+            unregister_host(data)
 
     def wake(self) -> None:
         """End one wait in :meth:`take` (the reader is gone)."""

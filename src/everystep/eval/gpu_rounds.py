@@ -1,0 +1,150 @@
+"""The GPU check's runs of the bench: which strategies each part runs (its variants, :class:`Variant`), their
+interleaved rounds inside a part's time box, and what their overheads are compared with."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import EverystepError
+from .gpu_sizes import BOUND, COMPRESSED, EVERY_STEP, SPREAD, Box, Sizes, failure
+
+__all__ = ["Variant", "variants", "bound_variants", "over_references", "targets", "spec", "rounds", "exact"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    strategy: str
+    every: int | None
+    options: dict[str, Any] = field(default_factory=dict)
+    scratch: str | None = None
+    compress: str | None = None
+    """The gradient compression training runs with (:data:`~everystep.eval.gpu_sizes.COMPRESSED`)."""
+    workload: str | None = None
+    """None: the sizes' workload."""
+    steps: int | None = None
+    """Steps of its runs, and the first ``warmup`` left out of the timing (None: the sizes')."""
+    warmup: int | None = None
+
+
+def variants(sizes: Sizes) -> list[Variant]:
+    """``none``, :data:`EVERY_STEP` every step, :data:`SPREAD` every ``spread_every`` steps
+    (labelled ``NAME/K``), and a ``none`` with each compression a strategy reuses (``none+C``);
+    lightcheck's checkpoint directory, and so its region, in ``/dev/shm``."""
+    found = [Variant("none", "none", None)] + _compressed_references()
+    found += [_every_step(name) for name in EVERY_STEP]
+    for name in SPREAD:
+        options = {"parts": sizes.spread_parts} if name.startswith("gockpt") else {}
+        found.append(Variant(f"{name}/{sizes.spread_every}", name, sizes.spread_every, options,
+                             steps=sizes.spread_steps, warmup=sizes.spread_warmup))
+    return found
+
+
+def bound_variants(sizes: Sizes) -> list[Variant]:
+    """The ``bound`` part's: ``none`` (and its compressed twins) and :data:`BOUND` every step, on the
+    GPU-bound workload."""
+    chosen = [Variant("none", "none", None)] + _compressed_references() + [_every_step(name) for name in BOUND]
+    return [dataclasses.replace(v, workload=sizes.bound_workload, steps=sizes.bound_steps, warmup=sizes.bound_warmup)
+            for v in chosen]
+
+
+def _every_step(name: str) -> Variant:
+    every = None if name == "lowdiff_plus" else 1  # lowdiff_plus: its replica every step, persisted at its own interval
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return Variant(name, name, every, scratch=shm if name == "lightcheck" else None, compress=COMPRESSED.get(name))
+
+
+def _compressed_references() -> list[Variant]:
+    return [Variant(f"none+{c}", "none", None, compress=c) for c in dict.fromkeys(COMPRESSED.values())]
+
+
+def over_references(summary: dict[str, dict[str, Any]], runs: list[dict[str, Any]], chosen: list[Variant]) -> None:
+    """A run with a gradient compression is compared with the ``none`` run of the same round that
+    trains with the same one: its summary's overhead (and each round's) is over that run, and
+    ``reference`` names it."""
+    for v in chosen:
+        if v.compress is None or v.strategy == "none" or v.label not in summary:
+            continue
+        reference = f"none+{v.compress}"
+        base = {r["repeat"]: r["mean_step_seconds"] for r in runs if r["strategy"] == reference}
+        overheads = [r["mean_step_seconds"] / base[r["repeat"]] - 1 for r in runs
+                     if r["strategy"] == v.label and r["repeat"] in base]
+        if overheads:
+            summary[v.label].update(overhead=statistics.median(overheads), overheads=overheads, reference=reference)
+
+
+def targets(summary: dict[str, dict[str, Any]], most: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Each strategy's overhead against the most it may cost (``met`` None where it was not measured)."""
+    found = {}
+    for name, limit in most.items():
+        overhead = summary.get(name, {}).get("overhead")
+        found[name] = {"overhead": overhead, "target_at_most": limit,
+                       "met": None if overhead is None else overhead <= limit}
+    return found
+
+
+def spec(sizes: Sizes, v: Variant, repeat: int, steps: int | None = None) -> dict[str, Any]:
+    from .bench import BenchConfig, run_spec
+
+    cfg = BenchConfig(workload=v.workload or sizes.workload, strategies=(v.strategy,),
+                      steps=steps or v.steps or sizes.steps, warmup=v.warmup or sizes.warmup, repeats=1,
+                      device=sizes.device, options={v.strategy: v.options}, scratch=v.scratch, compress=v.compress)
+    return run_spec(cfg, repeat, v.strategy, v.every)
+
+
+def rounds(sizes: Sizes, chosen: list[Variant], repeats: int, box: Box, failures: list[dict[str, str]], part: str,
+            steps: int | None = None, say: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], int]:
+    """Interleaved rounds of ``chosen`` (repeat r starts r places along), each run labelled by its
+    variant; a round starts only while the box holds another as long as the first. A variant that
+    fails is reported and left out of the rounds after. Returns the runs of complete rounds and
+    their number."""
+    from .bench import measure_run
+
+    runs: list[dict[str, Any]] = []
+    done, first = 0, None
+    failed: set[str] = set()
+    for r in range(repeats):
+        if first is not None and box.left() < first * 1.1:
+            say(f"  {part}: {done} round(s); the box has no time for another")
+            break
+        started = time.monotonic()
+        live = [v for v in chosen if v.label not in failed]
+        order = [live[(r + i) % len(live)] for i in range(len(live))]
+        mine: list[dict[str, Any]] = []
+        for i, v in enumerate(order):
+            if box.left() <= 0:
+                break
+            say(f"  {part}: round {r + 1}/{repeats}, run {i + 1}/{len(order)}: {v.label}")
+            try:
+                got = measure_run(spec(sizes, v, r, steps), timeout=max(box.left(), 1))
+            except EverystepError as e:
+                failures.append(failure(part, f"{v.label}, round {r + 1}", str(e)))
+                failed.add(v.label)
+                if v.label == "none" or box.left() <= 0:
+                    break
+                continue
+            mine.append({**got, "strategy": v.label, "run_strategy": v.strategy, "workload": v.workload or sizes.workload,
+                         "compress": v.compress})
+        complete = "none" not in failed and {m["strategy"] for m in mine} == {v.label for v in order} - failed
+        if not complete:
+            say(f"  {part}: round {r + 1} incomplete, left out")
+            break
+        runs.extend(mine)
+        done += 1
+        first = first or time.monotonic() - started
+    return runs, done
+
+
+def exact(strategy: str, device: str) -> bool:
+    """Whether a run of ``strategy`` must resume bitwise: not the peers (they keep no RNG or data
+    position), not a lossy strategy, not ``lowdiff_plus`` on a GPU (its replica is updated by the
+    CPU's arithmetic until the next re-base)."""
+    from ..strategies import STRATEGIES
+
+    return strategy in STRATEGIES and STRATEGIES[strategy].exact and not (strategy == "lowdiff_plus" and device == "cuda")
