@@ -171,3 +171,11 @@ def test_one_place_tells_a_remote_location_from_a_local_path():
     tests = re.compile(r"""startswith\(\s*["']s3:|["']s3://["']\s+(not\s+)?in\b|\[:5\]\s*==""")
     found = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if tests.search(p.read_text()))
     assert found == ["storage/location.py"], f"only storage/location.py tests for s3://; found in {found}"
+
+
+def test_no_strategy_loads_what_it_recovers():
+    """A strategy returns what it recovers (a Candidate); the Checkpointer loads it through
+    recovery.load, the one place a recovered state enters the live objects."""
+    loading = re.compile(r"components\.restore\(|\.restore\(\s*(found|tree|candidate)")
+    found = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if loading.search(p.read_text()))
+    assert found == ["recovery.py"], found

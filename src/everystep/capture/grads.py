@@ -22,6 +22,7 @@ and the gradients are copied once, at the step (``True``: always during backward
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -56,7 +57,6 @@ class GradientCapture:
         self._reduced: list[int] = []
         self._awaiting_end = False
         self._stale_streak = 0
-        self._what = [f"copying the gradient of parameter {i} for the agent" for i in range(len(params))]
         self._hooks: list[Any] = []
         self._tap: ReductionTap | None = None
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -71,6 +71,9 @@ class GradientCapture:
                            for i, p in enumerate(params) if p.requires_grad]
         self._stream = torch.cuda.Stream(priority=0) if torch.cuda.is_available() else None
         self._copier = Worker("everystep-grad-copy", errors)
+        self._lock = threading.Lock()
+        self._queued: list[tuple[HostBuffer, int, torch.Tensor, torch.cuda.Event | None]] = []
+        self._posted = False
 
     # -- during backward -----------------------------------------------------------------------
 
@@ -96,10 +99,9 @@ class GradientCapture:
             try:
                 flat = result.detach().reshape(-1)
                 event = _event(flat)
-                for i, offset, n in where:
-                    self._copier.post(self._what[i], self._copy_into, buffer, i,
-                                      flat[offset:offset + n].view(self.params[i].shape), event)
-                    self._reduced.append(i)
+                self._hand_over(buffer, [(i, flat[offset:offset + n].view(self.params[i].shape), event)
+                                         for i, offset, n in where])
+                self._reduced.extend(i for i, _, _ in where)
             except BaseException as e:
                 self._errors.record("taking the reduced gradients for the agent", e)
 
@@ -122,35 +124,47 @@ class GradientCapture:
         if buffer is None:
             return
         self._copied[index] = (grad, grad._version)
-        self._copier.post(self._what[index], self._copy_into, buffer, index, grad, _event(grad))
+        self._hand_over(buffer, [(index, grad, _event(grad))])
 
-    def _copy_into(self, buffer: HostBuffer, index: int, grad: torch.Tensor, event: torch.cuda.Event | None) -> None:
-        target = buffer.views[f"g/{index}"]
-        if event is None:
-            target.copy_(grad)
-            return
-        assert self._stream is not None
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(event)
-            target.copy_(grad)
-            grad.record_stream(self._stream)
-        self._stream.synchronize()
+    def _hand_over(self, buffer: HostBuffer, grads: list[tuple[int, torch.Tensor, torch.cuda.Event | None]]) -> None:
+        """Queue gradients for the copier; one job copies whatever is queued when it runs, so that
+        the copier's work per step is a few batches, not a job per parameter."""
+        with self._lock:
+            self._queued.extend((buffer, i, g, e) for i, g, e in grads)
+            if self._posted:
+                return
+            self._posted = True
+        self._copier.post("copying gradients for the agent during backward", self._copy_queued)
+
+    def _copy_queued(self) -> None:
+        with self._lock:
+            queued, self._queued, self._posted = self._queued, [], False
+        for buffer in {id(b): b for b, _, _, _ in queued}.values():
+            mine = [(i, g, e) for b, i, g, e in queued if b is buffer]
+            self._copy_all_into(buffer, [(i, g) for i, g, _ in mine], [e for _, _, e in mine])
 
     def _copy_all_into(self, buffer: HostBuffer, due: list[tuple[int, torch.Tensor]],
-                       event: torch.cuda.Event | None) -> None:
-        crash_point("lowdiff_plus.gradients.copy")  # on the copier thread, while the update runs
+                       events: list[torch.cuda.Event | None]) -> None:
+        """Copy ``due`` into the slot: on the CPU in one call; on CUDA each copy issued on the side
+        stream after the event that made its gradient, then all waited for once."""
         targets, grads = [buffer.views[f"g/{i}"] for i, _ in due], [g for _, g in due]
-        if event is None:
+        if all(e is None for e in events):
             with torch.no_grad():
                 torch._foreach_copy_(targets, grads)
             return
         assert self._stream is not None
-        with torch.cuda.stream(self._stream):  # every copy issued, then waited for once
-            self._stream.wait_event(event)
+        with torch.cuda.stream(self._stream):
+            for event in {id(e): e for e in events if e is not None}.values():
+                self._stream.wait_event(event)
             for target, g in zip(targets, grads):
                 target.copy_(g, non_blocking=True)  # (DMA where the slot is registered)
                 g.record_stream(self._stream)
         self._stream.synchronize()
+
+    def _copy_at_update(self, buffer: HostBuffer, due: list[tuple[int, torch.Tensor]],
+                        event: torch.cuda.Event | None) -> None:
+        crash_point("lowdiff_plus.gradients.copy")  # on the copier thread, while the update runs
+        self._copy_all_into(buffer, due, [event] * len(due))
 
     # -- at the step ---------------------------------------------------------------------------
 
@@ -170,7 +184,7 @@ class GradientCapture:
             for i, g in due:
                 self._copied[i] = (g, g._version)
             local = [(i, local_shard(g)) for i, g in due]  # (a DTensor's: this rank's shard, what the slot holds)
-            self._copier.post("copying the gradients for the agent", self._copy_all_into, buffer, local,
+            self._copier.post("copying the gradients for the agent", self._copy_at_update, buffer, local,
                               _event(local[0][1]))
         self._judge(early, stale)
         return [i for i, p in enumerate(self.params) if p.grad is not None]
