@@ -34,7 +34,10 @@ from ..transport.host import HostBuffer
 from ..tree import local_shard
 from .hooks import ReductionTap, after_backward, reduction_tap
 
-__all__ = ["GradientCapture"]
+__all__ = ["GradientCapture", "BATCH_BYTES"]
+
+BATCH_BYTES = 32 * 2**20
+"""Gradients queued during backward before the copier takes them (one job per batch)."""
 
 
 class GradientCapture:
@@ -73,6 +76,7 @@ class GradientCapture:
         self._copier = Worker("everystep-grad-copy", errors)
         self._lock = threading.Lock()
         self._queued: list[tuple[HostBuffer, int, torch.Tensor, torch.cuda.Event | None]] = []
+        self._queued_bytes = 0
         self._posted = False
 
     # -- during backward -----------------------------------------------------------------------
@@ -127,18 +131,27 @@ class GradientCapture:
         self._hand_over(buffer, [(index, grad, _event(grad))])
 
     def _hand_over(self, buffer: HostBuffer, grads: list[tuple[int, torch.Tensor, torch.cuda.Event | None]]) -> None:
-        """Queue gradients for the copier; one job copies whatever is queued when it runs, so that
-        the copier's work per step is a few batches, not a job per parameter."""
+        """Queue gradients for the copier, which takes them in batches of :data:`BATCH_BYTES` (the
+        rest at the step, :meth:`at_update`): a few jobs a step, not one per parameter."""
         with self._lock:
             self._queued.extend((buffer, i, g, e) for i, g, e in grads)
-            if self._posted:
+            self._queued_bytes += sum(g.nbytes for _, g, _ in grads)
+            if self._posted or self._queued_bytes < BATCH_BYTES:
+                return
+            self._posted = True
+        self._copier.post("copying gradients for the agent during backward", self._copy_queued)
+
+    def _flush(self) -> None:
+        """Hand the copier what is queued, however little."""
+        with self._lock:
+            if self._posted or not self._queued:
                 return
             self._posted = True
         self._copier.post("copying gradients for the agent during backward", self._copy_queued)
 
     def _copy_queued(self) -> None:
         with self._lock:
-            queued, self._queued, self._posted = self._queued, [], False
+            queued, self._queued, self._posted, self._queued_bytes = self._queued, [], False, 0
         for buffer in {id(b): b for b, _, _, _ in queued}.values():
             mine = [(i, g, e) for b, i, g, e in queued if b is buffer]
             self._copy_all_into(buffer, [(i, g) for i, g, _ in mine], [e for _, _, e in mine])
@@ -148,7 +161,7 @@ class GradientCapture:
         """Copy ``due`` into the slot: on the CPU in one call; on CUDA each copy issued on the side
         stream after the event that made its gradient, then all waited for once."""
         targets, grads = [buffer.views[f"g/{i}"] for i, _ in due], [g for _, g in due]
-        if all(e is None for e in events):
+        if events.count(None) == len(events):  # (the CPU's; counted in C, as the copier's calls are few)
             with torch.no_grad():
                 torch._foreach_copy_(targets, grads)
             return
@@ -172,6 +185,7 @@ class GradientCapture:
         """Right before ``optimizer.step()``: copy what was not copied yet or changed since (clipped,
         unscaled, compressed); return the indices of the parameters that have a gradient."""
         self._awaiting_end = False
+        self._flush()
         early, stale, due = len(self._copied), 0, []
         for i, p in enumerate(self.params):
             g = p.grad
