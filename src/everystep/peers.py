@@ -86,8 +86,10 @@ class Team:
 
     @classmethod
     def join(cls, ranks: Ranks) -> "Team | None":
-        """Collective: this rank's team, with the mirrors' channel made; None (with a warning) where
-        every rank of the job runs on one host."""
+        """Collective: this rank's team, with the mirrors' channel made; None in a job of one process,
+        and (with a warning) where every rank of the job runs on one host."""
+        if not ranks.distributed:
+            return None
         ranks.add_channel(CHANNEL)
         hosts = ranks.all_gather("control", host_name())
         chosen = buddies(hosts)
@@ -146,12 +148,6 @@ class Peers:
         self.worker = Worker(self.thread, errors)
         self.traffic = Traffic()
         """Sent to the buddy since the start."""
-
-    @staticmethod
-    def join(ranks: Ranks) -> Team | None:
-        """Collective: this rank's team; None (with a warning) where the job runs on one host, or
-        in one process."""
-        return Team.join(ranks) if ranks.distributed else None
 
     # -- every step (the mirroring thread) --------------------------------------------------------
 

@@ -136,15 +136,13 @@ class GradientCapture:
         with self._lock:
             self._queued.extend((buffer, i, g, e) for i, g, e in grads)
             self._queued_bytes += sum(g.nbytes for _, g, _ in grads)
-            if self._posted or self._queued_bytes < BATCH_BYTES:
-                return
-            self._posted = True
-        self._copier.post("copying gradients for the agent during backward", self._copy_queued)
+        self._flush(at_least=BATCH_BYTES)
 
-    def _flush(self) -> None:
-        """Hand the copier what is queued, however little."""
+    def _flush(self, *, at_least: int = 0) -> None:
+        """Hand the copier what is queued, once it is ``at_least`` bytes (0: however little), unless
+        a job that will take it is posted already."""
         with self._lock:
-            if self._posted or not self._queued:
+            if self._posted or not self._queued or self._queued_bytes < at_least:
                 return
             self._posted = True
         self._copier.post("copying gradients for the agent during backward", self._copy_queued)

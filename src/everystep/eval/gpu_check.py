@@ -210,18 +210,29 @@ def _in_process(part: str, spec: dict[str, Any], box: Box) -> dict[str, Any]:
 # -- 3. the bench -----------------------------------------------------------------------------
 
 
-def run_bench_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None]) -> dict[str, Any]:
-    from .bench import reference_spread, summarise
+def _measured(sizes: Sizes, chosen: list[Variant], box: Box, failures: list[dict[str, str]], part: str,
+              say: Callable[[str], None]) -> tuple[list[dict[str, Any]], int, dict[str, dict[str, Any]]]:
+    """Interleaved rounds of ``chosen`` (:func:`rounds`): their runs, the rounds done and the summary,
+    each overhead over its reference (:func:`over_references`), and a failure for each exact strategy
+    that did not resume bitwise."""
+    from .bench import summarise
 
-    chosen = variants(sizes)
-    runs, done = rounds(sizes, chosen, sizes.repeats, box, failures, "bench", say=say)
+    runs, done = rounds(sizes, chosen, sizes.repeats, box, failures, part, say=say)
     summary = summarise(runs) if runs else {}
     over_references(summary, runs, chosen)
     of = {v.label: v.strategy for v in chosen}
     for label, s in summary.items():
         if s.get("resumes_bitwise") is False and exact(of[label], sizes.device):
-            failures.append(failure("bench", label, f"{label} did not resume bitwise (state error "
-                                     f"{s.get('resume_error')})"))
+            failures.append(failure(part, label, f"{label} did not resume bitwise (state error "
+                                    f"{s.get('resume_error')})"))
+    return runs, done, summary
+
+
+def run_bench_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None]) -> dict[str, Any]:
+    from .bench import reference_spread
+
+    chosen = variants(sizes)
+    runs, done, summary = _measured(sizes, chosen, box, failures, "bench", say)
     spread = sizes.spread_every
     stall = {k: summary.get(f"{k}/{spread}", {}).get("stall_per_checkpoint_seconds") for k in (*GOCKPT_TARGETS, ASYNC_O)}
     versus = {k: (stall[k] / stall[ASYNC_O] if stall[k] is not None and stall[ASYNC_O] else None) for k in GOCKPT_TARGETS}
@@ -236,17 +247,10 @@ def run_bench_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: 
 def run_bound_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None]) -> dict[str, Any]:
     """The strategies built to take every step, every step on the GPU-bound workload, interleaved
     with ``none``: each one's overhead against its target, beside ``none``'s spread between rounds."""
-    from .bench import reference_spread, summarise
+    from .bench import reference_spread
 
     chosen = bound_variants(sizes)
-    runs, done = rounds(sizes, chosen, sizes.repeats, box, failures, "bound", say=say)
-    summary = summarise(runs) if runs else {}
-    over_references(summary, runs, chosen)
-    of = {v.label: v.strategy for v in chosen}
-    for label, s in summary.items():
-        if s.get("resumes_bitwise") is False and exact(of[label], sizes.device):
-            failures.append(failure("bound", label, f"{label} did not resume bitwise (state error "
-                                    f"{s.get('resume_error')})"))
+    runs, done, summary = _measured(sizes, chosen, box, failures, "bound", say)
     return {"workload": sizes.bound_workload, "variants": [asdict(v) for v in chosen], "rounds": done,
             "summary": summary, "reference_spread": reference_spread(runs), "targets": targets(summary, BOUND_TARGETS),
             "runs": runs}

@@ -163,7 +163,7 @@ class LowDiffPlus(Strategy):
                                        errors=self.errors, target=self.session.slot)
         self._rebase = any(p.device.type != "cpu" for p in self.session.params)
         if self.config.peers and ctx.directory.access != "read":
-            team = peers.Peers.join(ctx.ranks)
+            team = peers.Team.join(ctx.ranks)
             self.peers = AgentPeers(self, team, sharded=ctx.layout is not None) if team is not None else None
 
     def _agree_restore(self) -> None:

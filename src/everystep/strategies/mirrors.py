@@ -51,7 +51,7 @@ class RegionPeers(peers.Peers):
     def start(cls, owner: Strategy, directory: Any) -> "RegionPeers | None":
         """Collective: this rank's buddy and wards; None (with a warning) where the job runs on one
         host."""
-        team = peers.Peers.join(directory.ranks)
+        team = peers.Team.join(directory.ranks)
         if team is None or owner.region is None:  # (a region skipped with a warning: unreadable)
             return None
         return cls(owner, directory, team)
