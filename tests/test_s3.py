@@ -527,6 +527,44 @@ def test_an_upload_slower_than_the_steps_keeps_its_checkpoint_from_retention_and
     assert Catalog(S3Store(url)).manifests()[0].manifest.step == ckpt.stats.last_durable_step  # then the final one
 
 
+def test_a_checkpoint_retired_by_another_processs_retention_before_its_pin_is_passed_over_without_a_warning(
+        bucket, tmp_path, monkeypatch):
+    """An agent process applies retention too, reading the pins before the upload's pin lands: the
+    checkpoint the upload chose is discarded under it. That is no failure of the remote: nothing is
+    warned, and the next upload takes the newer checkpoint."""
+    import warnings
+
+    from everystep import Checkpointer
+    from everystep.eval.workloads import build
+    from everystep.storage.directory import CheckpointDirectory
+
+    w = build("mlp", seed=0, optimizer="adamw")
+    url = f"s3://{bucket}/retired"
+    original = CheckpointDirectory.pin_newest
+    retired: list[int] = []
+
+    def retired_first(self, newer_than):
+        manifest = original(self, newer_than)
+        if manifest is not None and not retired:
+            self.catalog.discard(manifest.name)  # (what the other process's retention did)
+            retired.append(manifest.step)
+        return manifest
+
+    monkeypatch.setattr(CheckpointDirectory, "pin_newest", retired_first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed upload warns
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", keep=1, remote=url,
+                          remote_every=1) as ckpt:
+            ckpt.restore()
+            for _ in range(3):  # (checkpoints at steps 1 and 2: the first step is not one)
+                w.loss(w.data.next()).backward()
+                w.update()
+                ckpt.remote.wait()  # (the test's sequence)
+            assert retired == [1] and ckpt.stats.last_remote_step == 2
+    assert [r.manifest.step for r in Catalog(S3Store(url)).manifests()] == [ckpt.stats.last_durable_step]  # (the final one)
+    assert not (tmp_path / "c" / "pinned.json").exists()
+
+
 def test_uploads_run_in_a_process_without_pytorch_started_again_when_it_died(bucket, tmp_path):
     import warnings
 

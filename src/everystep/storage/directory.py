@@ -417,6 +417,19 @@ class CheckpointDirectory:
         else:
             self.catalog.store.delete(PINNED)
 
+    def pin_newest(self, newer_than: int) -> Manifest | None:
+        """Pin the job's newest full checkpoint (rank 0's manifest; see :meth:`pin`) if its step is
+        above ``newer_than``, and return it; None, and nothing pinned, when there is none that new.
+        Listed and pinned under the lock :meth:`retain` holds, so that no retention in this process
+        discards it in between. (One in another process, an agent's, may have read the pins just
+        before: a reader of what was pinned checks :meth:`Catalog.committed` when an object is missing.)"""
+        with self._retention_lock:
+            newest = [m for m in self.fulls() if m.rank == 0]  # (a rank's own part is not the full state)
+            if not newest or newest[0].step <= newer_than:
+                return None
+            self.pin([newest[0].name])
+            return newest[0]
+
     def _pinned(self) -> list[str]:
         """The names :meth:`pin` gave (none when the file is missing or not its own JSON)."""
         try:

@@ -285,14 +285,15 @@ class RemoteTier:
                 warnings.warn(f"no more uploads to {self.url}: {self.lock.lost}", RuntimeWarning, stacklevel=1)
                 self._failed = self.lock.lost
             return
-        newest = [m for m in self.directory.fulls() if m.rank == 0]  # the job's (a rank's own is not full state)
-        if not newest or newest[0].step <= self.uploaded_step:
+        manifest = self.directory.pin_newest(newer_than=self.uploaded_step)  # kept until every share is read and up
+        if manifest is None:
             return
-        manifest = newest[0]
         t0 = time.perf_counter()
         try:
             self._copy(manifest)
         except (EverystepError, OSError) as e:
+            if not self.directory.catalog.committed(manifest.name):
+                return  # retired by another process's retention planned just before the pin: the next upload takes a newer one
             if self._failed is None:
                 warnings.warn(f"uploading the checkpoint of step {manifest.step} to {self.url} failed ({e}); training goes "
                               "on with checkpoints kept locally, and later uploads try again", RuntimeWarning, stacklevel=1)
@@ -306,7 +307,7 @@ class RemoteTier:
             self._failed = None
 
     def _copy(self, manifest: Manifest) -> None:
-        self.directory.pin([manifest.name])  # retention keeps it until every share is read and up
+        """Upload ``manifest``, pinned by the caller; unpinned at the end, up or not."""
         try:
             if self._follows:
                 self.ranks.broadcast("remote", manifest.to_bytes())  # the followers upload their shares with it
