@@ -51,6 +51,7 @@ def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
 
 _PLAIN = frozenset({bool, int, float, str, type(None)})
 """Types of JSON scalars a state holds as they are (checked by exact type: the fast path)."""
+_STR, _INT = frozenset({str}), frozenset({int})
 
 
 def flatten(tree: Any, prefix: str = "", *, sharded: dict[str, torch.Tensor] | None = None
@@ -64,9 +65,10 @@ def flatten(tree: Any, prefix: str = "", *, sharded: dict[str, torch.Tensor] | N
     skeleton refers to the first key. Dicts with non-string keys (optimizer state) and tuples
     survive the round trip.
 
-    It runs on the training thread at every checkpoint, so the common nodes take a fast path:
-    scalars of a plain type are kept without a call, and a tensor's full identity
-    (:func:`storage_key`) is computed only when its data pointer is another's.
+    It runs at every checkpoint (on the training thread, or a strategy's), so it makes no Python
+    call per node: scalars of a plain type are kept as they are, a tensor's full identity
+    (:func:`storage_key`) is computed only when its data pointer is another's, and the tree is
+    walked with a stack of its own (so a deep tree cannot exhaust Python's recursion either).
     """
     tensors: dict[str, torch.Tensor] = {}
     by_ptr: dict[int, list[tuple[tuple[Any, ...] | None, str]]] = {}
@@ -101,28 +103,62 @@ def flatten(tree: Any, prefix: str = "", *, sharded: dict[str, torch.Tensor] | N
         tensors[path] = node
         return {_TENSOR: path}
 
-    def walk(node: Any, path: str) -> Any:
-        if type(node) in _PLAIN:
-            return node
-        if isinstance(node, torch.Tensor):
-            return tensor(node, path)
-        if isinstance(node, dict):
-            if all(isinstance(k, str) for k in node):
-                return {k: v if type(v) in _PLAIN else walk(v, f"{path}/{k}") for k, v in node.items()}
-            if all(isinstance(k, int) for k in node):
-                return {_INTKEYS: [[k, v if type(v) in _PLAIN else walk(v, f"{path}/{k}")] for k, v in node.items()]}
-            raise TypeError(f"state entry {path!r} is a dict with keys that are neither all str nor all int")
-        if isinstance(node, (list, tuple)):
-            items = [v if type(v) in _PLAIN else walk(v, f"{path}/{i}") for i, v in enumerate(node)]
-            return {_TUPLE: items} if isinstance(node, tuple) else items
-        if node is None or isinstance(node, (bool, int, float, str)):
-            return node
-        raise TypeError(
-            f"state entry {path!r} has type {type(node).__name__}, which cannot be stored without pickle; "
-            "expose it as tensors or JSON scalars"
-        )
-
-    skeleton = walk(tree, prefix)
+    # An explicit stack, depth first in the order of the tree (the first of tied tensors keeps its
+    # key): each node is placed into the container made for its parent, and a tensor that is not a
+    # DTensor, not empty and not sharing memory takes its fast path inline. No Python call is made
+    # per node, which matters on the threads that flatten the state at every step.
+    strided, tensor_type = torch.strided, torch.Tensor
+    root: list[Any] = [None]
+    stack: list[tuple[Any, str, Any, Any]] = [(tree, prefix, root, 0)]
+    pending: list[tuple[Any, str, Any, Any]] = []
+    while stack:
+        node, path, into, at = stack.pop()
+        kind = type(node)
+        if kind in _PLAIN:
+            into[at] = node
+        elif kind is tensor_type and node.layout is strided and (ptr := node.data_ptr()) not in by_ptr \
+                and node.numel():
+            by_ptr[ptr] = [(None, path)]
+            tensors[path] = node
+            into[at] = {_TENSOR: path}
+        elif isinstance(node, torch.Tensor):
+            into[at] = tensor(node, path)
+        elif isinstance(node, dict):
+            kinds = set(map(type, node))
+            if kinds <= _STR or all(isinstance(k, str) for k in node):
+                out: Any = dict.fromkeys(node)
+                for k, v in node.items():
+                    if type(v) in _PLAIN:
+                        out[k] = v
+                    else:
+                        pending.append((v, f"{path}/{k}", out, k))
+                into[at] = out
+            elif kinds <= _INT or all(isinstance(k, int) for k in node):
+                rows = [[k, v] for k, v in node.items()]
+                for row in rows:
+                    if type(row[1]) not in _PLAIN:
+                        pending.append((row[1], f"{path}/{row[0]}", row, 1))
+                into[at] = {_INTKEYS: rows}
+            else:
+                raise TypeError(f"state entry {path!r} is a dict with keys that are neither all str nor all int")
+        elif isinstance(node, (list, tuple)):
+            items = list(node)
+            for i, v in enumerate(items):
+                if type(v) not in _PLAIN:
+                    pending.append((v, f"{path}/{i}", items, i))
+            into[at] = {_TUPLE: items} if isinstance(node, tuple) else items
+        elif node is None or isinstance(node, (bool, int, float, str)):
+            into[at] = node
+        else:
+            raise TypeError(
+                f"state entry {path!r} has type {type(node).__name__}, which cannot be stored without pickle; "
+                "expose it as tensors or JSON scalars"
+            )
+        if pending:
+            pending.reverse()  # (popped in the tree's order)
+            stack += pending
+            pending.clear()
+    skeleton = root[0]
     if sharded:
         for key in [k for k in sharded if k not in tensors]:
             del sharded[key]  # a tied DTensor: stored once, under the first key
