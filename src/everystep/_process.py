@@ -14,14 +14,15 @@ from multiprocessing import connection
 __all__ = ["die_with", "start_helper", "stop_helper", "run_helper"]
 
 
-def start_helper(code: str, *args: str) -> tuple[subprocess.Popen[bytes], connection.Connection]:
+def start_helper(code: str, *args: str, pass_fds: tuple[int, ...] = ()) -> tuple[subprocess.Popen[bytes], connection.Connection]:
     """Start ``python -c code <fd> *args`` — a fresh interpreter, never a fork of a process that may
     hold a CUDA context — and the connection to it: one end of a socket pair made before it starts,
-    whose other end it finds as descriptor ``<fd>`` (nothing else can reach it)."""
+    whose other end it finds as descriptor ``<fd>`` (nothing else can reach it). ``pass_fds``: more
+    descriptors it inherits, under the same numbers."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         process = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno()), *args],
-                                   pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                                   pass_fds=(theirs.fileno(), *pass_fds), stdin=subprocess.DEVNULL)
     except BaseException:
         ours.close()
         raise

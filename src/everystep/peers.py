@@ -50,8 +50,8 @@ from .background import BackgroundErrors, Worker, settled
 from .errors import BackgroundWriteError, CorruptCheckpointError
 from .recovery import Candidate
 from .tree import check_skeleton, unflatten
-from .storage.base import MALFORMED, refuse_constant
-from .storage.region import Region, checksum_of
+from .storage.base import MALFORMED, checksum, refuse_constant
+from .storage.region import Region
 from .storage.region_map import RegionLayout
 
 __all__ = ["host_name", "Peers", "Agreed", "Team", "buddies", "mirrored", "pack", "unpack", "mirror_path", "Holdings",
@@ -237,7 +237,7 @@ def pack(step: int, rank: int, tensors: dict[str, torch.Tensor], skeleton: Any) 
         if e.nbytes:
             data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(tensors[e.key])
     view = memoryview(data.numpy()) if layout.nbytes else memoryview(b"")
-    sums = {e.key: checksum_of(view[e.offset:e.offset + e.nbytes]) for e in layout.entries}
+    sums = {e.key: checksum(view[e.offset:e.offset + e.nbytes]) for e in layout.entries}
     head = json.dumps({"format": "everystep-peer", "step": step, "rank": rank, "skeleton": skeleton,
                        "data_nbytes": layout.nbytes, "tensors": layout.to_json(sums)}, separators=(",", ":")).encode()
     head += b" " * (-(_LENGTH.size + len(head)) % 64)  # (JSON's whitespace) the tensors aligned for their views
@@ -270,7 +270,7 @@ def unpack(buffer: torch.Tensor, *, sender: int, expect: tuple[int, int] | None 
     base = _LENGTH.size + n
     tensors = {}
     for e in layout.entries:
-        if checksum_of(raw[base + e.offset:base + e.offset + e.nbytes]) != sums[e.key]:
+        if checksum(raw[base + e.offset:base + e.offset + e.nbytes]) != sums[e.key]:
             raise CorruptCheckpointError(f"the state rank {sender} sent: tensor {e.key!r} fails its checksum")
         tensors[e.key] = buffer[base + e.offset:base + e.offset + e.nbytes].view(e.dtype).view(e.shape)
     return step, rank, tensors, head["skeleton"]

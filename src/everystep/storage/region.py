@@ -14,7 +14,8 @@ registered with the driver), never serialised.
 
 Committing a slot, in this order: (1) its header is marked *writing* and flushed, so that the slot
 is not taken for a checkpoint while its data changes; (2) the data is copied; (3) each tensor's
-checksum is computed and the metadata written; (4) where the file survives the host (not tmpfs),
+checksum is computed — by a process of the writer's own that maps the file
+(:mod:`~everystep.storage.region_hash`) — and the metadata written; (4) where the file survives the host (not tmpfs),
 the area is flushed; (5) the header — step, generation, where the area lies, the metadata's size
 and checksum, and a checksum of the header itself — is written and flushed last. A crash at any
 instant leaves the other slot complete. Recovery takes the complete slot with the newest step
@@ -65,8 +66,9 @@ from ..errors import (
 from ..files import untrusted_file, untrusted_folder
 from ..layout import LayoutEntry
 from ..tree import check_skeleton
-from .base import CHECKSUM_ALGORITHM, MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo, refuse_constant
-from .region_map import PAGE, Area, RegionLayout, RegionSlot, SlotMeta, SlotWriter, on_volatile_memory, round_up
+from .base import MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo, checksum, refuse_constant
+from .region_hash import RegionHasher, hash_ranges
+from .region_map import PAGE, Area, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter, on_volatile_memory, round_up
 
 __all__ = ["Region", "UntrustedRegionError", "UnreadableRegionError", "RegionSlot", "SlotWriter"]
 
@@ -77,8 +79,6 @@ _SLOT_MAGIC = b"EVSLOT01"
 _SLOT = struct.Struct("<8sIIQQQQQ16s")  # magic, state, slot, step, generation, area offset, area size, meta size, meta digest
 _WRITING, _COMPLETE = 1, 2
 _AREAS_START = 3 * PAGE
-_PARALLEL_HASH = 1 << 20
-"""Tensors of at least this many bytes are hashed on the pool's threads."""
 
 
 class UntrustedRegionError(CheckpointDirectoryError):
@@ -91,10 +91,6 @@ class UnreadableRegionError(CorruptCheckpointError):
 
 def _digest(data: bytes | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(data)
-
-
-def checksum_of(data: memoryview) -> str:
-    return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_128_hexdigest(data)}"
 
 
 def _flush(view: mmap.mmap, offset: int, nbytes: int) -> None:
@@ -124,6 +120,10 @@ class Region:
         self._headers = mmap.mmap(fd, _AREAS_START, mmap.MAP_SHARED if access != "read" else mmap.MAP_PRIVATE,
                                   mmap.PROT_READ | mmap.PROT_WRITE)
         self._pool = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) - 1)), thread_name_prefix="everystep-region")
+        self._hasher: RegionHasher | None = None
+        """The writer's hashing process, started at its first commit."""
+        self._codes: LayoutCodes | None = None
+        """The layout the writer last committed, with what is made once for it."""
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, access: Access = "write", ranks: Ranks | None = None,
@@ -291,28 +291,33 @@ class Region:
         return None if writer.area.register() else writer.area.refused
 
     def checksums(self, writer: SlotWriter) -> dict[str, str]:
-        """Each tensor's checksum."""
-        return self._checksums(memoryview(writer.area.mm)[writer.area.meta_nbytes:], writer.layout.entries)
+        """Each tensor's checksum, computed by the region's hashing process
+        (:mod:`~everystep.storage.region_hash`): the training process's threads only wait for it."""
+        codes, area = self._codes_of(writer.layout), writer.area
+        if self._hasher is None:
+            self._hasher = RegionHasher(self._fd, str(self.path))
+        return dict(zip(codes.keys, self._hasher.sums(codes, codes.ranges, area.offset + area.meta_nbytes,
+                                                      codes.layout.nbytes)))
+
+    def _codes_of(self, layout: RegionLayout) -> LayoutCodes:
+        if self._codes is None or self._codes.layout is not layout:
+            self._codes = LayoutCodes.of(layout)
+        return self._codes
 
     def _checksums(self, data: memoryview, entries: Sequence[LayoutEntry]) -> dict[str, str]:
-        """The checksum of each entry of ``data``: large tensors on the pool's threads (the hash
-        releases the GIL), small ones here, in one loop (a task each would cost more than the hash)."""
-        futures = {e.key: self._pool.submit(checksum_of, data[e.offset:e.offset + e.nbytes])
-                   for e in entries if e.nbytes >= _PARALLEL_HASH}
-        sums = {e.key: checksum_of(data[e.offset:e.offset + e.nbytes]) for e in entries if e.nbytes < _PARALLEL_HASH}
-        sums.update((k, f.result()) for k, f in futures.items())
-        return sums
+        """The checksum of each entry of ``data`` (a reader's, in this process)."""
+        return dict(zip([e.key for e in entries], hash_ranges(self._pool, data, [(e.offset, e.nbytes) for e in entries])))
 
     def commit(self, writer: SlotWriter, step: int, skeleton: Any, meta: dict[str, Any] | None = None,
                checksums: dict[str, str] | None = None) -> None:
         """Make the slot the newest checkpoint: metadata, flush, then the header, flushed last."""
         self.check_writable()
         sums = self.checksums(writer) if checksums is None else checksums
-        area = writer.area
+        area, codes = writer.area, self._codes_of(writer.layout)  # (its rows encoded once: a millisecond a step)
         body = json.dumps({"format": "everystep-region-slot", "step": step, "meta_section": area.meta_nbytes,
-                           "data_nbytes": writer.layout.nbytes,
-                           "tensors": writer.layout.to_json(sums), "skeleton": skeleton, "meta": meta or {}},
-                          separators=(",", ":")).encode()
+                           "data_nbytes": codes.layout.nbytes, "checksums": list(map(sums.__getitem__, codes.keys)),
+                           "skeleton": skeleton, "meta": meta or {}}, separators=(",", ":")).encode()
+        body = body[:-1] + b',"tensors":' + codes.rows + b"}"
         if len(body) > area.meta_nbytes:
             raise EverystepError(f"the metadata of step {step} ({len(body)} bytes) outgrew its section in {self.path} "
                                  f"({area.meta_nbytes} bytes)")
@@ -367,7 +372,7 @@ class Region:
             if type(base) is not int or type(data_nbytes) is not int or base < slot.meta_nbytes or data_nbytes < 0 \
                     or base + data_nbytes > area.nbytes:
                 raise ValueError("its data outgrows its area")
-            layout, sums = RegionLayout.from_json(meta["tensors"], data_nbytes)
+            layout, sums = RegionLayout.from_json(meta["tensors"], data_nbytes, meta.get("checksums"))
             check_skeleton(meta["skeleton"], set(sums))
             if not isinstance(meta["skeleton"], dict) or meta["skeleton"].get("step") != slot.step:
                 raise ValueError(f"its state is not that of step {slot.step}")
@@ -461,7 +466,7 @@ class Region:
         """The object's bytes (one tensor of a slot), its checksum verified."""
         m, e = self._entry(info)
         data = bytearray(m.area.mm[m.base + e.offset:m.base + e.offset + e.nbytes])
-        if checksum_of(memoryview(data)) != m.sums[e.key]:
+        if checksum(memoryview(data)) != m.sums[e.key]:
             raise CorruptCheckpointError(f"{m.where}: tensor {e.key!r} fails its checksum")
         return data
 
@@ -484,6 +489,8 @@ class Region:
     # -- closing ---------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._hasher is not None:
+            self._hasher.close()
         self._pool.shutdown(wait=True)
         for area in self._areas.values():
             area.close()

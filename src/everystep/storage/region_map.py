@@ -3,6 +3,7 @@ into memory, and the records of a slot (see :mod:`everystep.storage.region`)."""
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import os
@@ -16,7 +17,7 @@ import torch
 from .._memory import pin_in_place, unregister_host
 from ..layout import LayoutEntry
 
-__all__ = ["ALIGN", "PAGE", "RegionLayout", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up"]
+__all__ = ["ALIGN", "PAGE", "RegionLayout", "LayoutCodes", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up"]
 
 ALIGN = 128
 """Tensors of more than this many bytes start at multiples of it."""
@@ -69,20 +70,29 @@ class RegionLayout:
             offset += sizes[key]
         return cls(tuple(entries), offset)
 
-    def to_json(self, checksums: dict[str, str]) -> list[list[Any]]:
+    def to_json(self, checksums: dict[str, str] | None = None) -> list[list[Any]]:
+        """A row per tensor: key, dtype, shape, offset, size, and its checksum if ``checksums`` are given
+        (a writer that commits a layout again and again encodes the rows without them once, and the
+        checksums apart: :meth:`from_json` reads both)."""
+        if checksums is None:
+            return [[e.key, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset, e.nbytes] for e in self.entries]
         return [[e.key, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset, e.nbytes, checksums[e.key]]
                 for e in self.entries]
 
     @classmethod
-    def from_json(cls, rows: list[list[Any]], data_nbytes: int) -> tuple["RegionLayout", dict[str, str]]:
-        """Parse :meth:`to_json`'s rows; ValueError for anything but what it writes."""
+    def from_json(cls, rows: list[list[Any]], data_nbytes: int, checksums: list[str] | None = None
+                  ) -> tuple["RegionLayout", dict[str, str]]:
+        """Parse :meth:`to_json`'s rows (with ``checksums``, the list of the rows' checksums in their
+        order: rows without them); ValueError for anything but what it writes."""
         entries, sums = [], {}
         if not isinstance(rows, list):
             raise ValueError("its tensors are not a list")
-        for row in rows:
-            if not isinstance(row, list) or len(row) != 6:
+        if checksums is not None and (not isinstance(checksums, list) or len(checksums) != len(rows)):
+            raise ValueError("its checksums are not one per tensor")
+        for i, row in enumerate(rows):
+            if not isinstance(row, list) or len(row) != (6 if checksums is None else 5):
                 raise ValueError(f"{row!r} does not describe a tensor")
-            key, dtype, shape, offset, nbytes, digest = row
+            key, dtype, shape, offset, nbytes, digest = row if checksums is None else (*row, checksums[i])
             if not isinstance(key, str) or not isinstance(digest, str) or key in sums:
                 raise ValueError(f"{row!r} does not describe a tensor of its own")
             if dtype not in _DTYPES:
@@ -95,6 +105,23 @@ class RegionLayout:
             entries.append(LayoutEntry(key, dt, shape, offset, nbytes))
             sums[key] = digest
         return cls(tuple(entries), data_nbytes), sums
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LayoutCodes:
+    """What a writer hands on for each commit of one layout, made once for it: the tensors' keys and
+    their ``(offset, size)`` ranges in the data section, in order, and their rows as JSON
+    (:meth:`RegionLayout.to_json` without checksums)."""
+
+    layout: RegionLayout
+    keys: list[str]
+    ranges: list[tuple[int, int]]
+    rows: bytes
+
+    @classmethod
+    def of(cls, layout: RegionLayout) -> "LayoutCodes":
+        return cls(layout, [e.key for e in layout.entries], [(e.offset, e.nbytes) for e in layout.entries],
+                   json.dumps(layout.to_json(), separators=(",", ":")).encode())
 
 
 class Area:

@@ -1,15 +1,17 @@
 """``lightcheck``: LightCheck's layer-wise asynchronous checkpoint into a two-slot region, every step.
 
-After the update of step t, the new state is copied, layer by layer, into the slot of the region
+After the update of step t, the new state is copied into the slot of the region
 (:mod:`everystep.storage.region`) that does not hold the newest checkpoint, while step t+1's
-forward and backward compute. The copies go in the order the next iteration updates the layers
-(backward order: the last layer first), each layer being a module's parameters with their
-optimizer state. On CUDA the copies run on a side stream into the region's mapping, registered with
-the driver so that they move by DMA, with one event per layer; on the CPU a copy thread copies
-layer by layer. A commit thread then computes each tensor's checksum off the training thread,
-writes the slot's metadata and commits the slot's header last.
+forward and backward compute. With updates in backward the copies go layer by layer, in the order
+the next iteration updates the layers (backward order: the last layer first), each layer being a
+module's parameters with their optimizer state; with one update of the whole model, which waits for
+all of it anyway, in one batched copy. On CUDA the copies run on a side stream into the region's
+mapping, registered with the driver so that they move by DMA, with one event per unit; on the CPU a
+copy thread copies. A commit thread then has each tensor's checksum computed by the region's hashing
+process (:mod:`everystep.storage.region_hash`), writes the slot's metadata and commits the slot's
+header last. The training process's threads make a few hundred Python calls a step at most.
 
-The update of step t+1 waits until S_t is committed: for each layer's copy in turn (how long each
+The update of step t+1 waits until S_t is committed: for each unit's copy in turn (how long each
 one kept it waiting is in :attr:`LightCheck.layer_waits`, on the CPU), then for the commit
 (:attr:`LightCheck.commit_wait_seconds`). With per-layer updates (:class:`~everystep.OptimizerInBackward`:
 each layer updated during backward, under DDP once its bucket is all-reduced) each layer's update
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import time
 import warnings
 from concurrent.futures import Future
@@ -63,7 +66,11 @@ from .context import as_shards
 from .mirrors import RegionPeers
 
 
-__all__ = ["LightCheck", "LightCheckConfig", "region_path", "open_region"]
+__all__ = ["LightCheck", "LightCheckConfig", "region_path", "open_region", "WHOLE"]
+
+WHOLE = "(state)"
+"""The one copy unit when the whole model is updated at once (:attr:`LightCheck.layer_waits`'s key)."""
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -238,7 +245,8 @@ class LightCheck(Strategy):
             return {t.data_ptr(): t.detach().clone() for t in live if t.numel()}
 
     def _copy_order(self, tensors: dict[str, torch.Tensor], skeleton: Any, sharded: dict[str, torch.Tensor]) -> CopyOrder:
-        signature = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
+        values = tensors.values()
+        signature = (tuple(tensors), tuple(map(_DTYPE, values)), tuple(map(_SHAPE, values)))  # (no Python call per tensor)
         found = self._orders.get(signature)
         if found is None:
             units, index = self._units(tensors)
@@ -252,7 +260,8 @@ class LightCheck(Strategy):
     def _units(self, tensors: dict[str, torch.Tensor]) -> tuple[list[tuple[str, list[str]]], dict[int, int]]:
         """The copy order: what is not a layer's first, then each layer (a module's parameters and
         their optimizer state) in the order the next iteration updates them (backward order); and
-        each parameter's unit, by its data pointer."""
+        each parameter's unit, by its data pointer. With one update for the whole model, which
+        waits for the whole copy, the units are that order as one: one batched copy, not one per layer."""
         components = self.ctx.components
         module, optimizer = bare_module(components.model), components.optimizer
         owner = {p: name.rpartition(".")[0] or name for name, p in module.named_parameters()}
@@ -272,6 +281,9 @@ class LightCheck(Strategy):
         for key, t in tensors.items():
             members.setdefault(unit_of.get(t.data_ptr(), "(rest)") if t.numel() else "(rest)", []).append(key)
         units = [(name, members[name]) for name in ["(rest)", *reversed(layers)] if members.get(name)]
+        if not self._layered:
+            units = [(WHOLE, [k for _, keys in units for k in keys])]
+            return units, {ptr: 0 for ptr in unit_of}
         position = {name: i for i, (name, _) in enumerate(units)}
         params = {local_shard(p).data_ptr() for group in optimizer.param_groups for p in group["params"]}
         return units, {ptr: position[layer] for ptr, layer in unit_of.items() if ptr in params and layer in position}
@@ -338,8 +350,7 @@ class LightCheck(Strategy):
             for i, (_, keys) in enumerate(order.units):
                 if i == half:
                     crash_point("store.object.mid_write")
-                for k in keys:
-                    writer.views[k].copy_(tensors[k], non_blocking=True)
+                torch._foreach_copy_([writer.views[k] for k in keys], [tensors[k] for k in keys], non_blocking=True)
                 event = torch.cuda.Event(enable_timing=True) if len(copy.events) == len(order.units) - 1 \
                     else torch.cuda.Event()
                 event.record(stream)

@@ -1,0 +1,143 @@
+"""A process that computes the checksums of a region's slot, beside the training process.
+
+A commit hashes every byte of the slot (278 MB a step on gpt2-small with AdamW). The hash itself
+releases the interpreter's lock, but handing a few hundred tensors to a pool of threads and
+collecting their digests took about 2,600 Python calls a step on the training process's threads,
+each one the lock taken from the training thread. So a writer's :class:`~everystep.storage.region.Region`
+has a :class:`RegionHasher`: a child process in a fresh interpreter (never a fork of a process that
+may hold a CUDA context) that imports neither PyTorch nor the region, is given the region's file
+descriptor at its start, maps the slot's data section read-only and hashes it, large tensors on
+threads of its own. The commit thread sends one message and waits for one answer; the metadata and
+the header stay the region's, written in the training process, in the same order as before.
+
+The two talk over a socket pair made before the child starts, so nothing else can reach it.
+Messages are JSON (never pickle): training → hasher ``{"layout": id, "at": offset, "nbytes": n}``
+with ``"ranges": [[offset, nbytes], ...]`` the first time a layout is used (offsets in the data
+section, which starts ``at`` bytes into the file), or ``{"close": true}``; hasher → training
+``{"sums": [checksum, ...]}`` in the order of the ranges, or ``{"error": message}``. The child dies
+with its parent (``PR_SET_PDEATHSIG``); one that died is started again at the next commit.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import connection
+
+from .._process import run_helper, start_helper, stop_helper
+from ..errors import EverystepError
+from .base import checksum
+
+__all__ = ["RegionHasher", "PARALLEL_HASH", "hash_ranges"]
+
+_MAIN = "import sys; from everystep.storage.region_hash import main; sys.exit(main(sys.argv[1:]))"
+PARALLEL_HASH = 1 << 20
+"""Tensors of at least this many bytes are hashed on threads of their own."""
+
+
+class RegionHasher:
+    """The training side: the hasher for the region file open as ``fd`` (:meth:`sums`, from one
+    thread at a time; :meth:`close` at the end)."""
+
+    def __init__(self, fd: int, where: str) -> None:
+        self.fd, self.where = fd, where
+        self._talk = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._conn: connection.Connection | None = None
+        self._layout: object | None = None
+        """The layout whose ranges the hasher holds (kept so that its id is not another's)."""
+        self._layouts = 0
+
+    def sums(self, layout: object, ranges: list[tuple[int, int]], at: int, nbytes: int) -> list[str]:
+        """The checksum of each of ``ranges`` of the data section that starts ``at`` bytes into the
+        file and holds ``nbytes``: ``layout`` names the ranges (the same object, the same ranges).
+        Raises :class:`EverystepError` when the hasher failed or is gone (started again next time)."""
+        with self._talk:
+            if self._process is None or self._process.poll() is not None:
+                self._stop()
+                self._process, self._conn = start_helper(_MAIN, str(self.fd), pass_fds=(self.fd,))
+                self._layout = None
+            assert self._process is not None and self._conn is not None
+            message: dict[str, object] = {"at": at, "nbytes": nbytes}
+            if layout is not self._layout:
+                self._layouts += 1
+                message["ranges"] = ranges
+                self._layout = layout
+            message["layout"] = self._layouts
+            try:
+                self._conn.send_bytes(json.dumps(message).encode())
+                while not self._conn.poll(1.0):  # (a watch on the child, not a synchronisation)
+                    if self._process.poll() is not None:
+                        break  # the read that follows reports how it exited
+                answer = json.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                status = self._process.poll()
+                how = f"exited with status {status}" if status is not None else "cannot be reached"
+                self._stop()
+                raise EverystepError(f"hashing a slot of {self.where}: the hashing process {how}") from None
+        if "error" in answer:
+            raise EverystepError(f"hashing a slot of {self.where}: {answer['error']}")
+        return list(answer["sums"])
+
+    def close(self) -> None:
+        """Ask the hasher to exit and wait for it."""
+        with self._talk:
+            if self._conn is not None:
+                try:
+                    self._conn.send_bytes(b'{"close": true}')
+                except OSError:
+                    pass
+            self._stop()
+
+    def _stop(self) -> None:
+        if self._process is not None and self._conn is not None:
+            stop_helper(self._process, self._conn, wait=10.0)
+        self._process = self._conn = None
+
+
+def _serve(conn: connection.Connection, fd: int) -> None:
+    layouts: dict[int, list[tuple[int, int]]] = {}
+    mapped: tuple[int, int, mmap.mmap] | None = None
+    pool = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) - 1)), thread_name_prefix="everystep-region-hash")
+    try:
+        while True:
+            message = json.loads(conn.recv_bytes())
+            if not isinstance(message, dict) or "layout" not in message:
+                return  # close
+            try:
+                if "ranges" in message:
+                    layouts = {message["layout"]: [(int(o), int(n)) for o, n in message["ranges"]]}
+                ranges, at, nbytes = layouts[message["layout"]], int(message["at"]), int(message["nbytes"])
+                if mapped is None or mapped[:2] != (at, nbytes):
+                    if mapped is not None:
+                        mapped[2].close()
+                        mapped = None
+                    if nbytes:
+                        mapped = (at, nbytes, mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=at))
+                with memoryview(mapped[2]) if mapped is not None else memoryview(b"") as data:
+                    sums = hash_ranges(pool, data, ranges)
+            except Exception as e:  # (sent whole to the commit, which raises it)
+                conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+                continue
+            conn.send_bytes(json.dumps({"sums": sums}).encode())
+    finally:
+        pool.shutdown(wait=True)
+        if mapped is not None:
+            mapped[2].close()
+
+
+def hash_ranges(pool: ThreadPoolExecutor, data: memoryview, ranges: list[tuple[int, int]]) -> list[str]:
+    """The checksum of each ``(offset, nbytes)`` range of ``data``, in order: large ones on the
+    pool's threads (the hash releases the interpreter's lock), small ones here."""
+    if any(o < 0 or n < 0 or o + n > len(data) for o, n in ranges):
+        raise ValueError(f"a range lies outside the data section ({len(data)} bytes)")
+    futures = {i: pool.submit(checksum, data[o:o + n]) for i, (o, n) in enumerate(ranges) if n >= PARALLEL_HASH}
+    return [futures[i].result() if i in futures else checksum(data[o:o + n]) for i, (o, n) in enumerate(ranges)]
+
+
+def main(argv: list[str]) -> int:
+    return run_helper(argv, lambda conn, fd: _serve(conn, int(fd)))
