@@ -283,6 +283,26 @@ def test_a_slow_write_delays_the_next_one_and_skips_none(tmp_path, monkeypatch):
     assert ckpt.stats.stall_seconds > 1.0  # the wait for the write shows in the measured stall
 
 
+def test_a_slow_persist_copy_holds_the_next_step_back_and_each_checkpoint_is_its_step(tmp_path, monkeypatch):
+    """The agent copies its replica for a write on the writer's thread, off the thread that applies
+    steps: the next step, were it applied before the copy is done, would change the replica under
+    it. Each copy is slowed down (every step written): every checkpoint is still its own step's
+    state, bitwise."""
+    from everystep.storage.full import read_state
+
+    monkeypatch.setenv("EVERYSTEP_DELAY", "agent.persist.copy:1+=0.05")
+    w = build("mlp", seed=0, optimizer="adamw")
+    live: dict[int, str] = {}
+    with _attach(w, tmp_path / "c", every=1, keep=20) as ckpt:
+        live[ckpt.restore()] = _live_hash(w, 0)
+        for step in range(1, 7):
+            _train(w, 1)
+            live[step] = _live_hash(w, step)
+    directory = CheckpointDirectory.open(tmp_path / "c")
+    stored = {m.step: _stored_hash(read_state(directory, m)[0]) for m in directory.fulls()}
+    assert sorted(stored) == list(range(7)) and stored == live
+
+
 def test_an_optimizer_the_agent_cannot_import_is_named_and_training_goes_on(tmp_path):
     w = build("mlp", seed=0, optimizer="adamw")
     local = type("Adam", (torch.optim.Adam,), {"__qualname__": "f.<locals>.Adam", "__module__": __name__})

@@ -109,6 +109,8 @@ class Agent:
         self._writer = Worker("everystep-agent-persist", self._errors)
         self._persist: Future[Any] | None = None
         self._persist_buffer: HostBuffer | None = None
+        self._copied: threading.Event | None = None
+        """Set once the persist in progress has copied the replica (which no step may change before)."""
         self._persisted = -1  # newest step written or being written
         self._write_seconds: float | None = None
         self._arrivals: list[float] = []
@@ -219,6 +221,7 @@ class Agent:
     def _on_fetch(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         r = self.replica
         assert r is not None
+        self._settle_copy()  # (the replica moves out below)
         target = msg.get("step")
         if target is not None and self._pending is not None:
             if self._pending["step"] == target:
@@ -236,6 +239,7 @@ class Agent:
 
     def _on_init(self, conn: connection.Connection, msg: dict[str, Any]) -> None:
         (fd,) = recv_fds(conn, 1)
+        self._settle_copy()
         if self.replica is not None:
             self.replica.region.close()
         self.replica = Replica(step=msg["step"], region=SharedRegion(msg["layout"].nbytes, fd=fd), layout=msg["layout"],
@@ -281,6 +285,7 @@ class Agent:
         r = self.replica
         assert r is not None
         t0 = time.perf_counter()
+        self._settle_copy()
         r.apply(msg["step"], self.slots[msg["slot"]], groups=msg["groups"], skipped=msg["skipped"],
                 has_grad=msg["has_grad"], skeleton=msg["skeleton"])
         if notify:
@@ -406,15 +411,31 @@ class Agent:
             self._start_persist()
 
     def _start_persist(self) -> None:
+        """Persist the replica's step: its copy and its write on the writer's thread, so that the
+        thread applying steps goes on answering; the next step's apply waits for the copy only."""
         r = self.replica
         assert r is not None
         self._finish_persist()
-        if self._persist_buffer is None or self._persist_buffer.layout != r.layout:
-            self._persist_buffer = HostBuffer(r.layout)
-        self._persist_buffer.data.copy_(r.region.data)
         self._persisted = r.step
-        self._persist = self._writer.submit(f"the agent's write of step {r.step}", self._write, r.step,
-                                            self._persist_buffer, r.skeleton)
+        self._copied = copied = threading.Event()
+        self._persist = self._writer.submit(f"the agent's write of step {r.step}", self._copy_and_write, r, r.step,
+                                            r.skeleton, copied)
+
+    def _copy_and_write(self, r: Replica, step: int, skeleton: Any, copied: threading.Event) -> None:
+        try:
+            crash_point("agent.persist.copy")
+            if self._persist_buffer is None or self._persist_buffer.layout != r.layout:
+                self._persist_buffer = HostBuffer(r.layout)
+            self._persist_buffer.data.copy_(r.region.data)
+        finally:
+            copied.set()
+        self._write(step, self._persist_buffer, skeleton)
+
+    def _settle_copy(self) -> None:
+        """Wait until the persist in progress has copied the replica: then it may change."""
+        if self._copied is not None:
+            self._copied.wait()
+            self._copied = None
 
     def _write(self, step: int, buffer: HostBuffer, skeleton: Any) -> None:
         if self.shared:
