@@ -100,6 +100,24 @@ def test_max_frequency_cli_measures_intervals_and_reports_each_strategy(tmp_path
     assert "| full_sync | 1 |" in stdout
 
 
+def test_samples_set_each_runs_batch_and_a_trainer_run_refuses_them():
+    """``--samples``: every run of the bench trains at that many samples a step (a longer step over the
+    same state), the ``none`` reference included."""
+    from everystep.errors import ConfigError
+    from everystep.eval.bench import run_spec
+    from everystep.eval.measure import _build
+
+    cfg = BenchConfig(workload="mlp", strategies=("full_sync",), samples=3)
+    specs = [run_spec(cfg, 0, s, None) for s in cfg.strategies]
+    assert [s["strategy"] for s in specs] == ["none", "full_sync"]
+    for spec in specs:
+        inputs, _ = _build(spec, 0).data.next()
+        assert inputs.shape[0] == 3
+    assert _build(run_spec(BenchConfig(workload="mlp"), 0, "none", None), 0).data.next()[0].shape[0] != 3
+    with pytest.raises(ConfigError, match="--samples"):
+        BenchConfig(trainer="lightning", workload="native", samples=3)
+
+
 def test_bench_refuses_lowdiff_without_compression():
     from everystep.errors import ConfigError
 
@@ -210,3 +228,22 @@ def test_bench_with_peers_reports_what_each_rank_sends_its_buddy_and_what_its_mi
     shard = sum(p.numel() * p.element_size() for p in model.parameters()) / 2  # a rank's gradient shards
     assert len(sent) == 2 and all(b > shard for b in sent) and len(cpu) == 2 and all(c > 0 for c in cpu)
     assert "peer_bytes_per_step_per_rank" not in found["lowdiff_plus"]
+
+
+@pytest.mark.parametrize("strategy", ["lightcheck", "lowdiff_plus"])
+def test_the_strategies_threads_make_a_few_hundred_python_calls_a_step_at_most(strategy):
+    """What a strategy's threads run in Python takes the interpreter's lock from the training thread
+    (on a GPU, where the step is the host launching kernels): each of its threads makes at most 300
+    Python calls a step, counted by the documented tool on gpt2-tiny every step. (LightCheck's copy
+    thread made 951 when it copied, and its commit 171 and the region's hash threads hundreds more
+    when they hashed, tensor by tensor.)"""
+    import importlib.util
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("python_calls", ROOT / "tools" / "python_calls.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    found = tool.calls_per_step(strategy, "gpt2-tiny", steps=3, warmup=2, options={"every": 1})
+    theirs = {name: n for name, n in found.items() if name != "MainThread"}
+    assert theirs and max(theirs.values()) <= 300, found

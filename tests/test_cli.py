@@ -191,6 +191,7 @@ def _bad_arguments(tmp: "Path") -> list[tuple[str, ...]]:
         (*train, "--json", f"{a_file}/out.json"), (*train, "--json", str(tmp)), (*train, "--option", "nope=1"),
         ("recover", "--dir", str(a_file)), ("inspect", str(tmp / "missing")), ("verify", str(a_file)),
         ("bench", "--steps", "0"), ("bench", "--repeats", "0"), ("bench", "--threads", "0"), ("bench", "--budget", "-1"),
+        ("bench", "--samples", "0"),
         ("bench", "--strategies", "none,nope", "--steps", "1"),
         ("simulate", "--mtbf", "0", "--strategy", "a:1:1:1:0:1"), ("simulate", "--mtbf", "nan"),
         ("simulate", "--gpus", "0"), ("simulate", "--trials", "0"), ("simulate", "--from-bench", str(tmp / "bad.json")),

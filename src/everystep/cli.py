@@ -124,7 +124,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
                             compress=args.compress, options=options, device=args.device,
                             scratch=args.scratch, in_backward=args.in_backward, trainer=args.trainer, nproc=args.nproc,
-                            parallel=args.parallel, remote=args.remote, peers=args.peers)
+                            parallel=args.parallel, remote=args.remote, peers=args.peers, samples=args.samples)
     if args.trainer:
         if args.region_layout or args.max_frequency or args.plot:
             raise ConfigError("--trainer takes none of --region-layout, --max-frequency, --plot")
@@ -368,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--option", type=strategy_option, action="append", default=[], metavar="STRATEGY.NAME=VALUE",
                    help="an option of one strategy, repeatable (e.g. lowdiff_plus.layerwise=true)")
     b.add_argument("--repeats", type=whole(1), default=3)
+    b.add_argument("--samples", type=whole(1), help="samples per step and rank (default: the workload's own batch); "
+                   "more is a longer step over the same state")
     b.add_argument("--threads", type=THREADS, default=1)
     b.add_argument("--seed", type=whole(0, 2**31 - 1), default=0)
     b.add_argument("--max-frequency", action="store_true", help="find each strategy's smallest interval within --budget")

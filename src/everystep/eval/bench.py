@@ -70,6 +70,9 @@ class BenchConfig:
     on (as ``<strategy>+remote``, each run under a prefix of its own there)."""
     parallel: str = "ddp"
     """How the ranks hold the state: ``ddp``, ``fsdp``, ``hsdp`` or ``zero1`` (:data:`~.workloads.LAYOUT_OF`)."""
+    samples: int | None = None
+    """Samples per step and rank (None: the workload's own batch): a larger batch is a longer step
+    over the same state."""
     peers: bool = False
     """Each strategy that mirrors to peers is also run with ``peers=True`` (as ``<strategy>+peers``),
     every rank counted as a host of its own, so that each mirrors its own part to another."""
@@ -88,8 +91,9 @@ class BenchConfig:
             self.strategies = ("none", *self.strategies)
         if self.steps <= self.warmup:
             raise ConfigError(f"--steps ({self.steps}) must exceed the warm-up steps ({self.warmup})")
-        if self.repeats < 1 or (self.every is not None and self.every < 1) or self.threads < 1:
-            raise ConfigError("--repeats, --every and --threads must be at least 1")
+        if self.repeats < 1 or (self.every is not None and self.every < 1) or self.threads < 1 \
+                or (self.samples is not None and self.samples < 1):
+            raise ConfigError("--repeats, --every, --threads and --samples must be at least 1")
         if self.in_backward:
             self._check_in_backward()
         if self.nproc != 1 or self.parallel != "ddp":
@@ -113,9 +117,9 @@ class BenchConfig:
             raise ConfigError(f"--trainer runs the workloads {', '.join(TRAINER_WORKLOADS)} (native: the trainer's own "
                               f"small model), not {self.workload!r}")
         unable = [s for s in self.strategies if s not in STRATEGIES or not STRATEGIES[s].needs_store and s != "none"]
-        if unable or self.compress or self.in_backward or self.device != "cpu" or self.options:
+        if unable or self.compress or self.in_backward or self.device != "cpu" or self.options or self.samples:
             raise ConfigError("--trainer compares everystep strategies on the CPU, without --compress, --in-backward, "
-                              f"--option or peers{' (not ' + ', '.join(unable) + ')' if unable else ''}")
+                              f"--option, --samples or peers{' (not ' + ', '.join(unable) + ')' if unable else ''}")
         if self.every is None:
             self.every = 1  # what the integrations are for
 
@@ -179,7 +183,7 @@ def run_spec(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
         "every": every, "threads": cfg.threads, "seed": cfg.seed, "repeat": repeat,
         "options": cfg.options.get(base_strategy(strategy), {}), "compress": cfg.compress, "device": cfg.device,
         "scratch": cfg.scratch, "in_backward": cfg.in_backward, "nproc": cfg.nproc, "parallel": cfg.parallel,
-        "remote": cfg.remote,
+        "remote": cfg.remote, "samples": cfg.samples,
     }
 
 

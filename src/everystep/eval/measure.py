@@ -41,7 +41,8 @@ def _build(spec: dict[str, Any], seed: int) -> Any:
     ``spec["parallel"]`` says."""
     return build(spec["workload"], seed=seed, compress=spec.get("compress"), device=spec.get("device", "cpu"),
                  in_backward=spec.get("in_backward", False), rank=int(os.environ.get("RANK", "0")),
-                 world=int(os.environ.get("WORLD_SIZE", "1")), parallel=spec.get("parallel", "ddp"))
+                 world=int(os.environ.get("WORLD_SIZE", "1")), parallel=spec.get("parallel", "ddp"),
+                 batch=spec.get("samples"))
 
 
 def _scratch(spec: dict[str, Any]) -> Any:
