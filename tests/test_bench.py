@@ -48,6 +48,20 @@ def test_the_summary_pairs_each_run_with_its_own_repeats_reference_and_takes_med
     assert reference_spread(runs[:2]) is None  # one round: no spread to tell
 
 
+def test_the_summary_gives_what_each_recovery_read_its_rate_and_its_memory_above_the_process():
+    from everystep.eval.bench import recovery_reads
+
+    runs = [_run(r, "none", 0.010) for r in range(3)]
+    for r, (seconds, extra) in enumerate([(0.5, 300 << 20), (1.0, 100 << 20), (0.25, 200 << 20)]):
+        runs.append({**_run(r, "checkfreq", 0.011), "recovery_seconds_disk": seconds, "recovery_bytes_read": 10**9,
+                     "recovery_peak_extra_bytes": extra})
+    summary = summarise(runs)
+    assert summary["checkfreq"]["recovery_gb_per_s"] == pytest.approx(2.0)  # median of 2, 1 and 4 GB/s
+    assert summary["checkfreq"]["recovery_peak_extra_bytes"] == 300 << 20  # the most of the repeats
+    assert summary["none"]["recovery_gb_per_s"] is None
+    assert recovery_reads(summary) == "checkfreq 954 MiB at 2.00 GB/s, +300 MiB"
+
+
 def test_the_demo_lists_each_strategy_s_wait_per_checkpoint_from_the_least_against_the_step():
     summary = {"none": {"mean_step_seconds": 0.0085, "stall_per_checkpoint_seconds": 0.0},
                "full_sync": {"mean_step_seconds": 0.015, "stall_per_checkpoint_seconds": 0.0062},
@@ -81,6 +95,11 @@ def test_bench_cli_writes_json_with_machine_info_and_a_figure(tmp_path, capsys):
     assert report["machine"]["training_threads"] == 1 and report["machine"]["torch"]
     assert set(report["summary"]) == {"none", "full_sync", "lowdiff"}
     assert report["summary"]["lowdiff"]["end_bytes_per_step"] > 0
+    from everystep.eval.workloads import state_bytes
+
+    full = report["summary"]["full_sync"]  # its recovery read the last checkpoint (state, RNG, header) once
+    assert state_bytes("mlp") <= full["recovery_bytes_read"] < 2 * state_bytes("mlp") and full["recovery_gb_per_s"] > 0
+    assert "recovery read (median" in stdout and "full_sync " in stdout.split("recovery read (median")[1]
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sim = tmp_path / "s.json"
     assert call_cli(capsys, "simulate", "--from-bench", str(out), "--gpus", "1,64", "--mtbf-sweep", "600,3600",
@@ -247,3 +266,15 @@ def test_the_strategies_threads_make_a_few_hundred_python_calls_a_step_at_most(s
     found = tool.calls_per_step(strategy, "gpt2-tiny", steps=3, warmup=2, options={"every": 1})
     theirs = {name: n for name, n in found.items() if name != "MainThread"}
     assert theirs and max(theirs.values()) <= 300, found
+
+
+def test_the_restore_speed_tool_times_each_strategys_restore_beside_torch_load(tmp_path):
+    import importlib.util
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("restore_speed", ROOT / "tools" / "restore_speed.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    found = tool.restore_seconds("mlp", ["checkfreq", "lightcheck"], repeats=1, root=tmp_path)
+    assert set(found) == {"checkfreq", "lightcheck", "torch.load"} and all(s > 0 for s in found.values())

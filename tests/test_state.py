@@ -76,3 +76,46 @@ def test_rng_capture_restores_every_generator():
     restore_rng(state)
     again = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "in_backward"])
+def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimizer):
+    """The data loader's own ``load_state_dict`` fails after the model and the optimizer are loaded:
+    the model's tensors, the optimizer's state and groups and the RNG are back as they were, bitwise
+    (the optimizer's from its own tensors, which loading replaced without writing into them; the
+    model's from a copy, since loading writes into its tensors)."""
+    from everystep.errors import StateMismatchError
+    from everystep.eval.workloads import build
+    from everystep.state import TrainingComponents
+
+    def trained(seed: int):
+        w = build("mlp", seed=seed, in_backward=optimizer == "in_backward")
+        for _ in range(2):
+            w.loss(w.data.next()).backward()
+            w.update()
+        return w
+
+    other, w = trained(1), trained(0)
+    tree = {**TrainingComponents(model=other.model, optimizer=other.optimizer).capture(),
+            "rng": capture_rng(), "data": other.data.state_dict()}
+
+    class Refusing:
+        def state_dict(self):
+            return w.data.state_dict()
+
+        def load_state_dict(self, state):
+            if state != w.data.state_dict():  # (its own, put back, it takes)
+                raise RuntimeError("this loader cannot take it")
+
+    def live() -> str:
+        return state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
+
+    before, loaded = live(), state_hash({"model": other.model.state_dict(), "optimizer": other.optimizer.state_dict()})
+    assert before != loaded
+    torch.manual_seed(123)  # (the RNG the checkpoint holds is another: restore must put this one back)
+    rng = state_hash(capture_rng())
+    with pytest.raises(StateMismatchError, match="this loader cannot take it.*as they were"):
+        TrainingComponents(model=w.model, optimizer=w.optimizer, data=Refusing()).restore(tree)
+    assert live() == before and state_hash(capture_rng()) == rng
+    TrainingComponents(model=w.model, optimizer=w.optimizer, data=w.data).restore({**tree, "data": w.data.state_dict()})
+    assert live() == loaded

@@ -10,7 +10,9 @@ it is written by copying into a slot (``begin``/``commit``), not through ``write
 from __future__ import annotations
 
 import errno
+import io
 import json
+import struct
 import textwrap
 from pathlib import Path
 
@@ -466,6 +468,91 @@ def test_tensor_file_opens_with_the_safetensors_library(tmp_path):
     with safe_open(str(path), framework="pt") as f:
         assert sorted(f.keys()) == ["a", "b", "c"]
         assert torch.equal(f.get_tensor("a"), tensors["a"])
+
+
+_EVERY_DTYPE = {"f64": torch.randn(3, dtype=torch.float64), "bf16": torch.randn(2, 3).bfloat16(),
+                "f16": torch.randn(4).half(), "i8": torch.arange(-3, 3, dtype=torch.int8), "bool": torch.tensor([True, False]),
+                "u8": torch.arange(7, dtype=torch.uint8), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+                "i64": torch.arange(5)}
+
+
+def test_the_safetensors_librarys_files_are_read_once_each_byte_into_tensors_of_their_own(tmp_path):
+    """A file the safetensors library wrote (every dtype, a 0-d and an empty tensor) reads back bitwise
+    from memory and from a file; from a file each byte is read once, straight into a tensor that owns
+    its memory (no view of a buffer the size of the file)."""
+    import io
+
+    from safetensors.torch import save
+
+    from everystep.storage.base import checksum
+    from everystep.storage.tensorfile import read_tensors
+
+    data = save(_EVERY_DTYPE)
+    for got in (load_tensors(data, what="object x"), load_tensors(bytearray(data), what="object x")):
+        assert got.keys() == _EVERY_DTYPE.keys() and all(torch.equal(got[k], v) and got[k].dtype == v.dtype
+                                                          for k, v in _EVERY_DTYPE.items())
+
+    class Counted(io.BytesIO):
+        read_bytes = 0
+
+        def readinto(self, b):
+            n = super().readinto(b)
+            Counted.read_bytes += n
+            return n
+
+    f = Counted(data)
+    got = read_tensors(f, len(data), checksum(data), what="object x")
+    assert Counted.read_bytes == len(data)
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in _EVERY_DTYPE.items())
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in got.values())
+
+
+def _header_file(header: dict, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.mark.parametrize("header, data, why", [
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}},
+     bytes(8), "starts at 4"),  # overlapping
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8), "starts at 4"),  # a gap
+    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), "not those of its shape"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(12), "not at the end of its data"),
+    ({"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}, bytes(16), "unknown dtype"),
+    ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8), "not whole numbers"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": 1}}, bytes(8), "not described by"),
+    ({"__metadata__": {"k": 1}}, b"", "metadata is not strings"),
+    ([1, 2], b"", "not a JSON object"),
+])
+def test_a_tensor_file_whose_header_the_format_does_not_allow_is_refused(tmp_path, header, data, why):
+    from everystep.storage.base import checksum
+    from everystep.storage.tensorfile import read_tensors
+
+    raw = _header_file(header, data)
+    with pytest.raises(CorruptCheckpointError, match=f"not a valid safetensors file.*{why}"):
+        load_tensors(raw, what="object x")
+    with pytest.raises(CorruptCheckpointError, match=f"not a valid safetensors file.*{why}"):
+        read_tensors(io.BytesIO(raw), len(raw), checksum(raw), what="object x")
+
+
+def test_a_tensor_file_read_once_is_refused_when_a_byte_changed_or_it_is_shorter_or_longer(tmp_path):
+    from everystep.storage.base import checksum
+    from everystep.storage.tensorfile import read_tensors
+
+    good = bytes(b"".join(bytes(c) for c in tensor_chunks(TensorLayout.of(_EVERY_DTYPE), _EVERY_DTYPE)))
+    flipped = bytearray(good)
+    flipped[-5] ^= 1
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+        read_tensors(io.BytesIO(bytes(flipped)), len(good), checksum(good), what="object x")
+    with pytest.raises(CorruptCheckpointError, match="shorter than its manifest says"):
+        read_tensors(io.BytesIO(good[:-3]), len(good), checksum(good), what="object x")
+    with pytest.raises(CorruptCheckpointError, match="longer than its manifest says"):
+        read_tensors(io.BytesIO(good + b"x"), len(good), checksum(good), what="object x")
+    header_too_long = struct.pack("<Q", 1 << 40) + good[8:]
+    with pytest.raises(CorruptCheckpointError, match="a header of"):
+        read_tensors(io.BytesIO(header_too_long), len(good), checksum(header_too_long), what="object x")
+    got = read_tensors(io.BytesIO(good), len(good), checksum(good), what="object x")
+    assert all(torch.equal(got[k], v) for k, v in _EVERY_DTYPE.items())
 
 
 def test_corrupt_tensor_file_is_refused():

@@ -195,6 +195,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if s.get("agent_seconds_per_step") is not None:
             print(f"{name}'s agent applied a step in {s['agent_seconds_per_step'] * 1e3:.1f} ms (median), against a "
                   f"training step of {s['mean_step_seconds'] * 1e3:.1f} ms")
+    if read := bench.recovery_reads(result["summary"]):
+        print(f"recovery read (median; peak host memory above what the process held, most of the repeats): {read}")
     if "upload_throughput" in result:
         t = result["upload_throughput"]
         print(f"upload of {t['bytes'] / 2**20:.1f} MiB to {cfg.remote}: everystep {t['everystep_bytes_per_second'] / 1e6:.0f} "

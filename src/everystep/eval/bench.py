@@ -13,12 +13,11 @@ import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,15 +27,16 @@ from tqdm import tqdm
 from ..distributed import free_port
 from ..errors import ConfigError, EverystepError
 from ..strategies import STRATEGIES
-from .measure import CHECKFLOW_MEMORY, base_strategy
+from .bench_table import markdown_table, recovery_reads, reference_spread, summarise, summarise_trainer, trainer_table
+from .measure import base_strategy
 from .baselines import BASELINES
 from .workloads import LAYOUT_OF, WORKLOADS, check_device
 from .plotting import pyplot
 from .run_config import check_layout
 from .zygote import Zygote, shared
 
-__all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table",
-           "smallest_interval", "interleaved_order", "run_spec", "measure_run"]
+__all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table", "recovery_reads",
+           "smallest_interval", "interleaved_order", "run_spec", "measure_run", "reference_spread"]
 
 
 @dataclass(kw_only=True)
@@ -318,114 +318,6 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> list[dict[str, Any]
     for repeat, strategy in tqdm(order, desc=f"bench {what}", disable=None if progress else True):
         runs.append(_run_one(cfg, repeat, strategy, cfg.every))
     return runs
-
-
-def _by_strategy(runs: list[dict[str, Any]]) -> Iterator[tuple[str, list[dict[str, Any]], list[float]]]:
-    """Per strategy, in the order first run: its runs, and each run's overhead — its mean step time
-    over the same repeat's ``none`` run's, minus one."""
-    reference = {r["repeat"]: r["mean_step_seconds"] for r in runs if r["strategy"] == "none"}
-    for name in dict.fromkeys(r["strategy"] for r in runs):
-        mine = [r for r in runs if r["strategy"] == name]
-        yield name, mine, [r["mean_step_seconds"] / reference[r["repeat"]] - 1 for r in mine]
-
-
-def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per strategy: medians over repeats, overhead relative to the same repeat's ``none``."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, mine, overheads in _by_strategy(runs):
-
-        def med(key: str, rows: list[dict[str, Any]] = mine) -> Any:
-            values = [r[key] for r in rows if r.get(key) is not None]
-            return statistics.median(values) if values else None
-
-        out[name] = {
-            "overhead": statistics.median(overheads),
-            "overheads": overheads,
-            "mean_step_seconds": med("mean_step_seconds"),
-            "stall_per_checkpoint_seconds": statistics.median(
-                r["stall_seconds"] / r["checkpoints"] if r["checkpoints"] else 0.0 for r in mine
-            ),
-            "bytes_per_step": med("bytes_per_step"),
-            "peak_host_bytes": max(r["peak_host_bytes"] for r in mine),
-            "peak_device_bytes": med("peak_device_bytes"),
-            "recovery_seconds_disk": med("recovery_seconds_disk"),
-            "recovery_seconds_memory": med("recovery_seconds_memory"),
-            "lost_steps_software": max(r["lost_steps_software"] for r in mine),
-            "lost_steps_hardware": max(r["lost_steps_hardware"] for r in mine),
-            "recovery_error": max((r.get("recovery_error") or 0.0) for r in mine) if mine[0].get("recovery_error") is not None else None,
-            "replay_seconds": mine[-1].get("replay_seconds"),
-            "resumes_bitwise": None if any(r.get("resumes_bitwise") is None for r in mine)
-            else all(r["resumes_bitwise"] for r in mine),
-            "resume_error": med("resume_error"),
-            **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step",
-                                         "agent_seconds_per_step", *CHECKFLOW_MEMORY) if key in mine[0]},
-        }
-        for key in ("bytes_per_step_per_rank", "peer_bytes_per_step_per_rank", "peer_cpu_seconds_per_step_per_rank"):
-            # (several ranks: what each wrote; what each sent its buddy, and its mirroring thread's CPU time)
-            if key in mine[0]:
-                out[name][key] = [statistics.median(r[key][i] for r in mine) for i in range(len(mine[0][key]))]
-    return out
-
-
-def summarise_trainer(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per strategy, runs in a trainer: the median overhead over the same repeat's trainer alone, and
-    the training thread's time inside everystep per timed step."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, mine, overheads in _by_strategy(runs):
-        out[name] = {
-            "overhead": statistics.median(overheads), "overheads": overheads,
-            "mean_step_seconds": statistics.median(r["mean_step_seconds"] for r in mine),
-            "stall_per_step_seconds": statistics.median(r["stall_per_step_seconds"] for r in mine),
-        }
-    return out
-
-
-def trainer_table(summary: dict[str, dict[str, Any]]) -> str:
-    rows = ["| strategy | overhead | overheads per repeat | step (ms) | stall/step (ms) |", "|---|---|---|---|---|"]
-    for name, s in summary.items():
-        each = ", ".join(f"{o:+.1%}" for o in s["overheads"])
-        rows.append(f"| {'none (the trainer alone)' if name == 'none' else name} | {_fmt(s['overhead'], 100, 1, '%')} "
-                    f"| {each} | {_fmt(s['mean_step_seconds'], 1e3, 1)} "
-                    f"| {_fmt(s['stall_per_step_seconds'], 1e3, 2)} |")
-    return "\n".join(rows)
-
-
-def _fmt(value: Any, scale: float = 1.0, digits: int = 2, suffix: str = "") -> str:
-    return "–" if value is None else f"{value * scale:.{digits}f}{suffix}"
-
-
-def _resumes(s: dict[str, Any]) -> str:
-    if s.get("resumes_bitwise") is None:
-        return "–"
-    error = s.get("resume_error")
-    return "yes" if s["resumes_bitwise"] else f"no ({error:.1e})" if error is not None else "no"
-
-
-def reference_spread(runs: list[dict[str, Any]]) -> float | None:
-    """How much ``none``'s mean step time varied between the repeats: the largest less the smallest,
-    over their median; None with fewer than two. An overhead smaller than it is not resolved."""
-    times = [r["mean_step_seconds"] for r in runs if r["strategy"] == "none"]
-    return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else None
-
-
-def markdown_table(summary: dict[str, dict[str, Any]], spread: float | None = None) -> str:
-    """The summary as a table; with ``spread`` (:func:`reference_spread`), an overhead within it is
-    marked ``*``: not resolved."""
-    head = ("| strategy | overhead | stall/ckpt (ms) | MiB/step | peak host MiB | recovery disk (s) "
-            "| recovery mem (s) | lost steps sw/hw | recovery error | resumes bitwise |")
-    rows = [head, "|" + "---|" * 10]
-    for name, s in summary.items():
-        within = spread is not None and name != "none" and abs(s["overhead"]) < spread
-        rows.append(
-            f"| {name} | {_fmt(s['overhead'], 100, 1, '%')}{'*' if within else ''} "
-            f"| {_fmt(s['stall_per_checkpoint_seconds'], 1e3, 1)} "
-            f"| {_fmt(s['bytes_per_step'], 2**-20, 2)} | {_fmt(s['peak_host_bytes'], 2**-20, 0)} "
-            f"| {_fmt(s['recovery_seconds_disk'], 1, 3)} | {_fmt(s['recovery_seconds_memory'], 1, 3)} "
-            f"| {s['lost_steps_software']}/{s['lost_steps_hardware']} "
-            f"| {'–' if s.get('recovery_error') is None else format(s['recovery_error'], '.2e')} "
-            f"| {_resumes(s)} |"
-        )
-    return "\n".join(rows)
 
 
 def machine_info(threads: int) -> dict[str, Any]:

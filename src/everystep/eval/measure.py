@@ -86,14 +86,43 @@ def _model_and_optimizer(w: Any) -> dict[str, torch.Tensor]:
     return {k: t.detach().clone() for k, t in tensors.items()}
 
 
-def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[str, Any]) -> tuple[float, int, Any, Checkpointer]:
+def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[str, Any]
+             ) -> tuple[float, int, Any, Checkpointer, dict[str, Any]]:
+    """A fresh workload restored from ``directory``: the seconds, the step, the workload, its
+    Checkpointer, and what the restore read and how much host memory it took on top of what the
+    process held (:func:`peak_during`)."""
     fresh = _build(spec, spec["seed"])  # the same workload (its data, its targets) at S_0: recovery must bring S_steps
     options = {k: v for k, v in options.items() if k != "remote"}  # (recovery from this machine's tiers)
     t0 = time.perf_counter()
     with _attach(fresh, directory, strategy, options, final=False) as again:
-        recovered = again.restore()
+        recovered, extra = peak_during(again.restore)
         seconds = again.recovered.seconds if again.recovered else time.perf_counter() - t0
-    return seconds, recovered, fresh, again
+        region = getattr(again.strategy, "region", None)
+        read = again.directory.catalog.bytes_read + (region.bytes_read if region is not None else 0)
+    return seconds, recovered, fresh, again, {"recovery_bytes_read": read, "recovery_peak_extra_bytes": extra}
+
+
+def peak_during(call: Any) -> tuple[Any, int | None]:
+    """``call()``'s result, and the most host memory the process held during it beyond what it held
+    before (Linux: its peak resident size reset first, ``/proc/self/clear_refs``); None where that
+    cannot be read."""
+    def status(field: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                line = next((line for line in f if line.startswith(field + ":")), None)
+        except OSError:
+            return None
+        return int(line.split()[1]) * 1024 if line else None
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # (the peak resident size starts again from the current one)
+        before = status("VmRSS")
+    except OSError:
+        before = None
+    result = call()
+    peak = status("VmHWM") if before is not None else None
+    return result, (max(0, peak - before) if peak is not None and before is not None else None)
 
 
 def _step(w: Any, before_update: Any = None) -> torch.Tensor:
@@ -192,7 +221,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 ckpt.final = False  # a crashed process writes no final checkpoint
                 ckpt.strategy.abandon()
                 ckpt.directory.close()  # the directory is free, as a dead process leaves it
-                memory = _recover(spec, directory, strategy, options)
+                memory = _recover(spec, directory, strategy, options)  # (from the agent's memory)
                 rng = capture_rng()  # as recovered: the uninterrupted run's next steps, below, draw from it too
         after = _train_on(w)  # the uninterrupted run's next steps (the Checkpointer is closed)
         result: dict[str, Any] = {
@@ -210,6 +239,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "lost_steps_hardware": max(lost_hw),
             "recovery_seconds_disk": None,
             "recovery_seconds_memory": None,
+            "recovery_bytes_read": None,
+            "recovery_peak_extra_bytes": None,
             "recovery_error": None,
             "replay_seconds": None,
             "resumes_bitwise": None,
@@ -220,7 +251,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             **((ckpt.strategy.peer_traffic or {"peer_bytes_per_step": None}) if name.endswith("+peers") else {}),
         }
         if memory is not None:
-            seconds, recovered, fresh, again = memory
+            seconds, recovered, fresh, again, _ = memory
             if recovered != steps or again.recovered is None or again.recovered.source != "memory":
                 raise RuntimeError(f"recovered step {recovered} from {again.recovered}, expected {steps} from memory")
             result["recovery_seconds_memory"] = seconds
@@ -228,13 +259,14 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             # Under several ranks the agents persist only the steps the ranks agree on (with the measured
             # interval, maybe none of this short run's) and nothing as their processes go: what the
             # run recovered from their memory is what is checked.
-            _, _, fresh, _ = memory
+            fresh = memory[2]
             result["recovery_error"] = state_error(_model_and_optimizer(fresh), live)
             assert rng is not None
             restore_rng(rng)
             result.update(_resume_check(fresh, after))
         elif directory is not None:
-            seconds, recovered, fresh, again = _recover(spec, directory, strategy, options)
+            seconds, recovered, fresh, again, io = _recover(spec, directory, strategy, options)
+            result.update(io)
             from_region = again.recovered is not None and again.recovered.source == "region"  # lightcheck's memory
             result["recovery_seconds_memory" if from_region else "recovery_seconds_disk"] = seconds
             if recovered != steps:
@@ -244,7 +276,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             if strategy == "lowdiff":
                 replay = {}
                 for threads in (1, 2):
-                    _, _, _, r = _recover(spec, directory, strategy, {**options, "replay_threads": threads})
+                    r = _recover(spec, directory, strategy, {**options, "replay_threads": threads})[3]
                     replay[threads] = r.strategy.replay_seconds
                 result["replay_seconds"] = {"serial": replay[1], "parallel_2_threads": replay[2]}
     return _across_ranks(result)
@@ -279,7 +311,7 @@ def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
         after = _train_on(w)
         fresh = _build(spec, spec["seed"])
         t0 = time.perf_counter()
-        recovered = baseline.load(fresh)
+        recovered, extra = peak_during(lambda: baseline.load(fresh))
         seconds = time.perf_counter() - t0
         if recovered != steps:
             raise RuntimeError(f"{spec['strategy']} recovered step {recovered}, expected {steps}")
@@ -291,7 +323,8 @@ def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
             "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "peak_device_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
             "lost_steps_software": max(lost), "lost_steps_hardware": max(lost),
-            "recovery_seconds_disk": seconds, "recovery_seconds_memory": None,
+            "recovery_seconds_disk": seconds, "recovery_seconds_memory": None, "recovery_bytes_read": None,
+            "recovery_peak_extra_bytes": extra,
             "recovery_error": state_error(_model_and_optimizer(fresh), live), "replay_seconds": None,
             **_resume_check(fresh, after),
         })

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["malformed", "MALFORMED", "refuse_constant", "ObjectInfo", "Manifest", "check_object_name", "check_manifest_name",
            "manifest_name", "MAX_STEP", "ManifestRecord", "Store", "Reader", "Access", "new_hasher", "checksum", "CHECKSUM_ALGORITHM",
-           "read_verified"]
+           "read_verified", "open_object", "check_object", "check_digest"]
 
 Access = Literal["write", "shared", "read"]
 """``write``: the directory's one writer; ``shared``: a process writing on the writer's behalf (its
@@ -151,26 +151,45 @@ _PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}|\.metadata")
 _MANIFEST_NAME = re.compile(r"(?P<kind>[a-z][a-z0-9_]{0,31})-(?P<step>[0-9]{12})(?:-r(?P<rank>[1-9][0-9]{0,6}))?")
 
 
-def read_verified(store: "Store", key: str, info: ObjectInfo, where: str) -> bytearray:
-    """The bytes of the object ``info`` describes, ``key`` in ``store``, once their size and checksum
-    are verified; :class:`CorruptCheckpointError` naming ``where`` when it is missing or they differ."""
+def open_object(open_value: Callable[[], T], info: ObjectInfo, where: str) -> T:
+    """``open_value()`` — the store's ``get`` or ``open_value`` of the object ``info`` describes —,
+    with what makes it :class:`CorruptCheckpointError` naming ``where``: a name everystep does not
+    write, a missing object, a value that is not one (a link, a folder), one longer than ``info`` says."""
     try:
         check_object_name(info.name)
-        data = store.get(key, limit=info.nbytes)
+        return open_value()
     except ValueError as e:
         raise CorruptCheckpointError(str(e)) from None
     except (FileNotFoundError, IsADirectoryError):
         raise CorruptCheckpointError(f"object {where} is missing") from None
-    if len(data) != info.nbytes:
-        raise CorruptCheckpointError(f"object {where} has {len(data)} bytes; its manifest says {info.nbytes} (truncated?)")
+
+
+def check_object(info: ObjectInfo, where: str, size: int) -> None:
+    """Raise :class:`CorruptCheckpointError` naming ``where`` unless the object is ``info``'s size and
+    its checksum one everystep computes."""
+    if size != info.nbytes:
+        raise CorruptCheckpointError(f"object {where} has {size} bytes; its manifest says {info.nbytes} (truncated?)")
     algorithm, _, _ = info.checksum.partition(":")
     if algorithm != CHECKSUM_ALGORITHM:
         raise CorruptCheckpointError(f"object {where} has checksum algorithm {algorithm!r}; expected {CHECKSUM_ALGORITHM}")
+
+
+def read_verified(store: "Store", key: str, info: ObjectInfo, where: str) -> bytearray:
+    """The bytes of the object ``info`` describes, ``key`` in ``store``, once their size and checksum
+    are verified; :class:`CorruptCheckpointError` naming ``where`` when it is missing or they differ."""
+    data = open_object(lambda: store.get(key, limit=info.nbytes), info, where)
+    check_object(info, where, len(data))
     hasher = new_hasher()
     hasher.update(data)
-    if f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}" != info.checksum:
-        raise CorruptCheckpointError(f"object {where} fails its checksum (corrupted on storage?)")
+    check_digest(hasher, info.checksum, f"object {where}")
     return data
+
+
+def check_digest(hasher: "xxhash.xxh3_128", expected: str, what: str) -> None:
+    """Raise :class:`CorruptCheckpointError` naming ``what`` unless the bytes ``hasher`` took are
+    those the checksum ``expected`` names: the one check every object read passes."""
+    if f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}" != expected:
+        raise CorruptCheckpointError(f"{what} fails its checksum (corrupted on storage?)")
 
 
 def manifest_name(kind: str, step: int, rank: int = 0) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from .._faults import crash_point
 from ..distributed import Ranks
@@ -33,10 +33,15 @@ from .base import (
     ObjectInfo,
     Store,
     check_manifest_name,
+    check_object,
     check_object_name,
     new_hasher,
+    open_object,
     read_verified,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Catalog", "OBJECTS", "MANIFESTS"]
 
@@ -163,6 +168,27 @@ class Catalog:
         with self._lock:
             self._bytes_read += len(data)
         return data
+
+    def read_tensors(self, info: ObjectInfo) -> "dict[str, torch.Tensor]":
+        """A tensor object's tensors, its size and checksum verified before they are returned. From a
+        local store each byte is read once, straight into the tensor it belongs to, and hashed on
+        the way (:func:`~everystep.storage.tensorfile.read_tensors`); from another, the object is
+        read whole and each tensor copied out of it."""
+        from .local import LocalStore
+        from .tensorfile import load_tensors, read_tensors  # (PyTorch: not for the processes that only move bytes)
+
+        key = OBJECTS + info.name
+        where = self.where(key)
+        if not isinstance(self.store, LocalStore):
+            return load_tensors(self.read_object(info), what=f"object {where}")
+        store = self.store
+        f, size = open_object(lambda: store.open_value(key, limit=info.nbytes), info, where)
+        with f:
+            check_object(info, where, size)
+            tensors = read_tensors(f, size, info.checksum, what=f"object {where}")
+        with self._lock:
+            self._bytes_read += size
+        return tensors
 
     def manifests(self) -> list[ManifestRecord]:
         """Every manifest, parsed and verified. A manifest this catalog already parsed or committed, and

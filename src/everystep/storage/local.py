@@ -20,7 +20,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 from .._faults import crash_point
 from ..errors import CheckpointDirectoryError, EverystepError, ReadOnlyStoreError
@@ -224,10 +224,10 @@ class LocalStore:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def get(self, key: str, *, limit: int | None = None) -> bytearray:
-        """The value's bytes. Only a regular file is read, never through a symbolic link and never
-        waiting to open (a FIFO put where a value was): anything else is a ValueError naming it, as
-        is a file longer than ``limit``."""
+    def open_value(self, key: str, *, limit: int | None = None) -> tuple[BinaryIO, int]:
+        """The value's file, open for reading, and its size. Only a regular file is opened, never
+        through a symbolic link and never waiting to open (a FIFO put where a value was): anything
+        else is a ValueError naming it, as is a file longer than ``limit``."""
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -235,12 +235,22 @@ class LocalStore:
             if e.errno == errno.ELOOP:
                 raise ValueError(f"{path} is a symbolic link, not a value everystep wrote: not followed") from None
             raise
-        with open(fd, "rb", buffering=0) as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f = open(fd, "rb", buffering=0)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise ValueError(f"{path} is not a regular file, not a value everystep wrote: not read")
-            size = os.fstat(f.fileno()).st_size
-            if limit is not None and size > limit:
-                raise ValueError(f"{path} holds {size} bytes, more than the {limit} expected")
+            if limit is not None and st.st_size > limit:
+                raise ValueError(f"{path} holds {st.st_size} bytes, more than the {limit} expected")
+        except BaseException:
+            f.close()
+            raise
+        return f, st.st_size
+
+    def get(self, key: str, *, limit: int | None = None) -> bytearray:
+        """The value's bytes, from :meth:`open_value`'s file."""
+        f, size = self.open_value(key, limit=limit)
+        with f:
             data = bytearray(size)
             view, got = memoryview(data), 0
             while got < size:

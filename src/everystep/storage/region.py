@@ -46,7 +46,7 @@ import os
 import struct
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,8 @@ from ..layout import LayoutEntry
 from ..tree import check_skeleton
 from .base import MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo, checksum, refuse_constant
 from .region_hash import RegionHasher, hash_ranges
-from .region_map import PAGE, Area, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter, on_volatile_memory, round_up
+from .region_map import (HASH_THREADS, PAGE, Area, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter, copied_out,
+                         on_volatile_memory, round_up)
 
 __all__ = ["Region", "UntrustedRegionError", "UnreadableRegionError", "RegionSlot", "SlotWriter"]
 
@@ -119,9 +120,10 @@ class Region:
         self._areas: dict[int, Area] = {}
         self._headers = mmap.mmap(fd, _AREAS_START, mmap.MAP_SHARED if access != "read" else mmap.MAP_PRIVATE,
                                   mmap.PROT_READ | mmap.PROT_WRITE)
-        self._pool = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) - 1)), thread_name_prefix="everystep-region")
+        self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="everystep-region")
         self._hasher: RegionHasher | None = None
         """The writer's hashing process, started at its first commit."""
+        self.bytes_read = 0  # (by read_slot: what a restore read)
         self._codes: LayoutCodes | None = None
         """The layout the writer last committed, with what is made once for it."""
 
@@ -304,10 +306,6 @@ class Region:
             self._codes = LayoutCodes.of(layout)
         return self._codes
 
-    def _checksums(self, data: memoryview, entries: Sequence[LayoutEntry]) -> dict[str, str]:
-        """The checksum of each entry of ``data`` (a reader's, in this process)."""
-        return dict(zip([e.key for e in entries], hash_ranges(self._pool, data, [(e.offset, e.nbytes) for e in entries])))
-
     def commit(self, writer: SlotWriter, step: int, skeleton: Any, meta: dict[str, Any] | None = None,
                checksums: dict[str, str] | None = None) -> None:
         """Make the slot the newest checkpoint: metadata, flush, then the header, flushed last."""
@@ -385,18 +383,21 @@ class Region:
         :class:`CorruptCheckpointError` naming the slot.
 
         The tensors are views of the mapping, valid while the slot is not rewritten: the region's
-        writer reads them so. ``copy``: a reader beside a live writer gets a copy, taken before the
-        checksums are verified on it (a slot rewritten meanwhile fails them, and :meth:`newest`
-        sees that its header changed)."""
+        writer reads them so. ``copy``: each tensor is copied out into memory of its own and its
+        checksum verified on the copy (a slot rewritten meanwhile fails them, and :meth:`newest` sees
+        that its header changed): what a reader beside a live writer gets, and what is loaded."""
         m = self._metadata(slot)
         data = m.area.bytes[m.base:m.base + m.layout.nbytes]
+        self.bytes_read += m.layout.nbytes
         if copy:
-            data = data.clone()
-        got = self._checksums(memoryview(data.numpy()) if m.layout.nbytes else memoryview(b""), m.layout.entries)
+            tensors, got = copied_out(self._pool, data, m.layout.entries)
+        else:
+            view = memoryview(data.numpy()) if m.layout.nbytes else memoryview(b"")
+            got = dict(zip(m.sums, hash_ranges(self._pool, view, [(e.offset, e.nbytes) for e in m.layout.entries])))
+            tensors = {e.key: data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in m.layout.entries}
         for e in m.layout.entries:
             if got[e.key] != m.sums[e.key]:
                 raise CorruptCheckpointError(f"{m.where}: tensor {e.key!r} fails its checksum")
-        tensors = {e.key: data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in m.layout.entries}
         return tensors, m.meta
 
     def verified(self, *, copy: bool = False, warn: bool = True

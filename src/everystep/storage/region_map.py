@@ -8,6 +8,7 @@ import math
 import mmap
 import os
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,10 @@ import torch
 
 from .._memory import pin_in_place, unregister_host
 from ..layout import LayoutEntry
+from .base import checksum
 
-__all__ = ["ALIGN", "PAGE", "RegionLayout", "LayoutCodes", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up"]
+__all__ = ["ALIGN", "PAGE", "RegionLayout", "LayoutCodes", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up",
+           "copied_out", "HASH_THREADS"]
 
 ALIGN = 128
 """Tensors of more than this many bytes start at multiples of it."""
@@ -25,6 +28,10 @@ PAGE = mmap.ALLOCATIONGRANULARITY
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+
+
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
+"""The threads of a region's pool, which hash (and copy out) what a reader reads."""
 
 
 def round_up(n: int, to: int) -> int:
@@ -122,6 +129,34 @@ class LayoutCodes:
     def of(cls, layout: RegionLayout) -> "LayoutCodes":
         return cls(layout, [e.key for e in layout.entries], [(e.offset, e.nbytes) for e in layout.entries],
                    json.dumps(layout.to_json(), separators=(",", ":")).encode())
+
+
+def copied_out(pool: Executor, data: torch.Tensor, entries: Sequence[LayoutEntry]
+               ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Each entry of ``data`` (a slot's data section, uint8) copied into a tensor of its own, and the
+    checksum of that copy: the entries shared out by size between ``pool``'s threads and this one,
+    each copied and hashed in turn (the hash while the copy is in cache; both release the GIL)."""
+    share = HASH_THREADS + 1
+    groups: list[list[LayoutEntry]] = [[] for _ in range(share)]
+    loads = [0] * share
+    for e in sorted(entries, key=lambda e: -e.nbytes):
+        i = loads.index(min(loads))
+        groups[i].append(e)
+        loads[i] += e.nbytes
+
+    def copy(group: list[LayoutEntry]) -> list[tuple[str, torch.Tensor, str]]:
+        done = []
+        for e in group:
+            t = torch.empty(e.shape, dtype=e.dtype)
+            raw = t.view(-1).view(torch.uint8) if e.nbytes else torch.empty(0, dtype=torch.uint8)
+            raw.copy_(data[e.offset:e.offset + e.nbytes])
+            done.append((e.key, t, checksum(memoryview(raw.numpy()))))
+        return done
+
+    futures = [pool.submit(copy, g) for g in groups[1:] if g]
+    done = copy(groups[0]) + [item for f in futures for item in f.result()]
+    tensors = {key: t for key, t, _ in done}
+    return {e.key: tensors[e.key] for e in entries}, {key: digest for key, _, digest in done}
 
 
 class Area:

@@ -226,6 +226,14 @@ def commit_tensors(
                         meta=meta, rank_meta=rank_meta, requires=requires)
 
 
+def _read_tensors(reader: Reader, info: ObjectInfo) -> dict[str, torch.Tensor]:
+    """An object's tensors, each byte read once where ``reader`` is a catalog
+    (:meth:`Catalog.read_tensors`)."""
+    if isinstance(reader, Catalog):
+        return reader.read_tensors(info)
+    return load_tensors(reader.read_object(info), what=f"object {info.name}")
+
+
 def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safetensors",
                shards: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's tensors of a checkpoint, replicated ones reassembled, and its per-rank meta.
@@ -253,7 +261,7 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
         info = manifest.objects.get("tensors")
         if info is None:
             raise CorruptCheckpointError(f"{what} lacks its tensor object")
-        return _as_shards(load_tensors(catalog.read_object(info), what=f"object {info.name}"), shards), manifest.meta
+        return _as_shards(_read_tensors(catalog, info), shards), manifest.meta
     with malformed(what):
         parts = _check_parts(manifest.meta["parts"])
     world = len(parts)
@@ -268,7 +276,7 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
         info = manifest.objects.get(f"tensors-r{r}")
         if info is None:
             raise CorruptCheckpointError(f"{what} lacks the part of rank {r}")
-        loaded = load_tensors(catalog.read_object(info), what=f"object {info.name}")
+        loaded = _read_tensors(catalog, info)
         for key, (start, end, shape) in part["pieces"].items():
             piece = loaded.pop(key, None)
             if piece is None or piece.numel() != end - start:

@@ -1,25 +1,30 @@
 """Tensor objects in the safetensors format.
 
 Writing streams the header and then the tensors' own bytes (or one flat host buffer laid out by
-:class:`~everystep.transport.TensorLayout`) without building the file in memory. Reading goes
-through the safetensors library, which parses the header as JSON and never executes code.
+:class:`~everystep.transport.TensorLayout`) without building the file in memory. Reading parses the
+header as JSON (nothing is executed) and checks it as strictly as the safetensors library does;
+from a file (:func:`read_tensors`) each byte is read once, straight into the tensor it belongs to,
+and verified on the way.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import struct
+import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import BinaryIO
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as _st_load
 
 from ..errors import CorruptCheckpointError
 from ..layout import TensorLayout, tensor_bytes
+from .base import check_digest, new_hasher, refuse_constant
 
-__all__ = ["header_bytes", "tensor_chunks", "buffer_chunks", "load_tensors", "CHUNK"]
+__all__ = ["header_bytes", "tensor_chunks", "buffer_chunks", "load_tensors", "read_tensors", "parse_header", "CHUNK"]
 
 CHUNK = 8 << 20
 
@@ -98,9 +103,121 @@ def buffer_chunks(layout: TensorLayout, flat: memoryview) -> Iterator[memoryview
     yield from _split(flat)
 
 
-def load_tensors(data: bytes | bytearray, *, what: str) -> dict[str, torch.Tensor]:
-    """Parse a tensor object; raise :class:`CorruptCheckpointError` if it is not one."""
+MAX_HEADER = 100 << 20
+"""The largest header read (the safetensors library's own limit)."""
+_BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+def parse_header(header: bytes | bytearray | memoryview, data_nbytes: int, *, what: str
+                 ) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
+    """The tensors a safetensors header describes — key, dtype, shape, start and end in the data
+    section — in the order they lie there; :class:`CorruptCheckpointError` naming ``what`` for
+    anything the format does not allow: JSON only (nothing is executed), known dtypes, sizes that
+    match the shapes, and the tensors covering the ``data_nbytes`` of the data section exactly, one
+    after another (no gap, no overlap), as the safetensors library requires."""
     try:
-        return _st_load(bytes(data))
-    except (SafetensorError, ValueError, RuntimeError) as e:
+        found = json.loads(bytes(header), parse_constant=refuse_constant)
+        if not isinstance(found, dict):
+            raise ValueError("the header is not a JSON object")
+        rows = []
+        for key, entry in found.items():
+            if key == "__metadata__":
+                if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                    raise ValueError("its metadata is not strings")
+                continue
+            if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+                raise ValueError(f"tensor {key!r} is not described by dtype, shape and data_offsets")
+            dtype, shape, offsets = _BY_NAME.get(entry["dtype"]), entry["shape"], entry["data_offsets"]
+            if dtype is None:
+                raise ValueError(f"tensor {key!r} has an unknown dtype {entry['dtype']!r}")
+            if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2 \
+                    or not all(type(v) is int and v >= 0 for v in (*shape, *offsets)):
+                raise ValueError(f"tensor {key!r} has a shape or offsets that are not whole numbers")
+            start, end = offsets
+            if end - start != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"tensor {key!r} holds {end - start} bytes, not those of its shape {shape}")
+            rows.append((key, dtype, tuple(shape), start, end))
+        rows.sort(key=lambda r: (r[3], r[4]))
+        at = 0
+        for key, _, _, start, end in rows:
+            if start != at:
+                raise ValueError(f"tensor {key!r} starts at {start}, not where the one before it ends ({at})")
+            at = end
+        if at != data_nbytes:
+            raise ValueError(f"its tensors end at {at}, not at the end of its data ({data_nbytes} bytes)")
+        return rows
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{what} is not a valid safetensors file ({e}); it was not loaded") from None
+
+
+def _split_header(size: int, prefix: bytes, *, what: str) -> int:
+    """The header's length, from the first 8 bytes of an object of ``size`` bytes."""
+    if len(prefix) < 8:
+        raise CorruptCheckpointError(f"{what} is not a valid safetensors file (it is {size} bytes); it was not loaded")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > min(MAX_HEADER, size - 8):
+        raise CorruptCheckpointError(f"{what} is not a valid safetensors file (a header of {n} bytes in {size}); "
+                                     "it was not loaded")
+    return n
+
+
+def load_tensors(data: bytes | bytearray | memoryview, *, what: str) -> dict[str, torch.Tensor]:
+    """Parse a tensor object held in memory (its checksum verified by the caller): each tensor copied
+    out of it once, into memory of its own; :class:`CorruptCheckpointError` if it is not one."""
+    n = _split_header(len(data), bytes(data[:8]), what=what)
+    view = memoryview(data)
+    rows = parse_header(view[8:8 + n], len(data) - 8 - n, what=what)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a read-only buffer: only read here)
+        flat = torch.frombuffer(view, dtype=torch.uint8)
+    base, tensors = 8 + n, {}
+    for key, dtype, shape, start, end in rows:
+        t = torch.empty(shape, dtype=dtype)
+        if end > start:
+            t.view(-1).view(torch.uint8).copy_(flat[base + start:base + end])
+        tensors[key] = t
+    return tensors
+
+
+def read_tensors(f: BinaryIO, size: int, checksum: str, *, what: str) -> dict[str, torch.Tensor]:
+    """Read a tensor object of ``size`` bytes from the file ``f`` once: each tensor straight into
+    memory of its own (nothing zero-filled, no intermediate bytes), the checksum computed as the
+    bytes arrive (by a thread of its own, in order, while the next tensor is read: both release the
+    interpreter's lock) and compared once all are read — the caller loads nothing before this
+    returns. :class:`CorruptCheckpointError` naming ``what`` when it is not a tensor object, is
+    shorter than ``size`` or fails ``checksum``."""
+    hasher = new_hasher()
+    prefix = _read_exactly(f, min(8, size), what)
+    n = _split_header(size, prefix, what=what)
+    header = _read_exactly(f, n, what)
+    hasher.update(prefix)
+    hasher.update(header)
+    rows = parse_header(header, size - 8 - n, what=what)
+    tensors = {}
+    with ThreadPoolExecutor(1, thread_name_prefix="everystep-read-hash") as hashing:  # (one thread: in order)
+        for key, dtype, shape, start, end in rows:
+            t = torch.empty(shape, dtype=dtype)
+            if end > start:
+                view = memoryview(t.view(-1).view(torch.uint8).numpy())
+                _read_into(f, view, what)
+                hashing.submit(hasher.update, view)
+            tensors[key] = t
+    if f.read(1):
+        raise CorruptCheckpointError(f"{what} is longer than its manifest says ({size} bytes)")
+    check_digest(hasher, checksum, what)
+    return tensors
+
+
+def _read_exactly(f: BinaryIO, n: int, what: str) -> bytes:
+    data = bytearray(n)
+    _read_into(f, memoryview(data), what)
+    return bytes(data)
+
+
+def _read_into(f: BinaryIO, view: memoryview, what: str) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CorruptCheckpointError(f"{what} is shorter than its manifest says (truncated?)")
+        got += n
