@@ -131,8 +131,8 @@ def test_the_replica_of_a_gpu_trained_model_is_rebased_and_its_final_checkpoint_
 @gpu
 @pytest.mark.parametrize("mode, source", [("software", "region"), ("hardware", "disk")])
 def test_lightcheck_trained_on_the_gpu_recovers_bitwise_from_its_region(tmp_path, mode, source):
-    """The region's mapping registered for DMA, copies on a side stream with an event per layer:
-    the copies are of the state itself, so recovery is bitwise on the GPU too. The region lies in
+    """The region's mapping registered for DMA, the state copied on a side stream in one batched
+    copy with its event (one per layer with updates in backward, below): the copies are of the state itself, so recovery is bitwise on the GPU too. The region lies in
     /dev/shm: a host loss takes it, and recovery reads the persisted checkpoint instead."""
     steps = 10
     ref = _reference(steps=steps)
