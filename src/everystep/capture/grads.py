@@ -78,6 +78,8 @@ class GradientCapture:
         self._queued: list[tuple[HostBuffer, int, torch.Tensor, torch.cuda.Event | None]] = []
         self._queued_bytes = 0
         self._posted = False
+        self._buffer: HostBuffer | None = None
+        """The slot this step's gradients go to, once its first one took it."""
 
     # -- during backward -----------------------------------------------------------------------
 
@@ -122,13 +124,21 @@ class GradientCapture:
         self._reduced = []
 
     def _copy(self, index: int, grad: torch.Tensor | None) -> None:
+        """A parameter's gradient, as backward produced it (training thread): queued for the copier.
+        A few Python calls each: on a GPU this runs between the kernel launches of backward."""
         if grad is None:
             return
-        buffer = self._target()
+        buffer = self._buffer
         if buffer is None:
-            return
+            buffer = self._buffer = self._target()  # (the step's slot: taken by its first gradient)
+            if buffer is None:
+                return
         self._copied[index] = (grad, grad._version)
-        self._hand_over(buffer, [(index, grad, _event(grad))])
+        event = _event(grad) if grad.is_cuda else None
+        with self._lock:
+            self._queued.append((buffer, index, grad, event))
+            self._queued_bytes += grad.nbytes
+        self._flush(at_least=BATCH_BYTES)
 
     def _hand_over(self, buffer: HostBuffer, grads: list[tuple[int, torch.Tensor, torch.cuda.Event | None]]) -> None:
         """Queue gradients for the copier, which takes them in batches of :data:`BATCH_BYTES` (the
@@ -213,9 +223,11 @@ class GradientCapture:
             self.layerwise = False
 
     def settle(self) -> None:
-        """After the update: wait until the slot holds every copy (its gradients may change next)."""
+        """After the update: wait until the slot holds every copy (its gradients may change next);
+        the next step's first gradient takes the next slot."""
         self._copier.drain()
         self._copied.clear()
+        self._buffer = None
 
     def close(self) -> None:
         self._copier.close()
