@@ -25,7 +25,7 @@ test: $(STAMP)
 
 # The runs at an issue's acceptance scale (marked `long`): hosts lost again and again, four ranks, a
 # lost machine of two ranks. Each restart starts interpreters anew, seconds of CPU apiece: about 5
-# minutes on two cores, 8 tests.
+# minutes on two cores, 11 tests.
 test-long: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m long tests
 

@@ -36,7 +36,7 @@ LONG = pytest.mark.long  # (make test-long: each restart of a host starts a torc
 
 
 @pytest.mark.parametrize("strategy, local, parallel, steps, losses", [
-    ("lightcheck", 1, "fsdp", 14, 1), ("lowdiff_plus", 1, "fsdp", 14, 1),
+    ("lightcheck", 1, "fsdp", 14, 1), pytest.param("lowdiff_plus", 1, "fsdp", 14, 1, marks=LONG),
     pytest.param("lowdiff_plus", 1, "ddp", 14, 1, marks=LONG), pytest.param("lightcheck", 1, "ddp", 30, 5, marks=LONG), pytest.param("lightcheck", 2, "ddp", 14, 1, marks=LONG),
     pytest.param("lowdiff_plus", 1, "ddp", 30, 5, marks=LONG), pytest.param("lowdiff_plus", 2, "ddp", 14, 1, marks=LONG),
     pytest.param("lowdiff_plus", 1, "fsdp", 30, 5, marks=LONG),
