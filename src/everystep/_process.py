@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing import connection
+from typing import Any
 
-__all__ = ["die_with", "start_helper", "stop_helper", "run_helper"]
+__all__ = ["die_with", "start_helper", "stop_helper", "run_helper", "HelperClient"]
 
 
 def start_helper(code: str, *args: str, pass_fds: tuple[int, ...] = ()) -> tuple[subprocess.Popen[bytes], connection.Connection]:
@@ -29,6 +32,72 @@ def start_helper(code: str, *args: str, pass_fds: tuple[int, ...] = ()) -> tuple
     finally:
         theirs.close()
     return process, connection.Connection(ours.detach())
+
+
+class HelperClient:
+    """The training process's side of a helper :func:`start_helper` starts: asked one JSON message at a
+    time and answered with one (:meth:`ask`, from any thread), started again at the next question
+    when it died. A helper that exits or cannot be reached is ``failure(f"{name} exited with status
+    N")`` (or ``… cannot be reached``); what the answer says is the caller's to read."""
+
+    def __init__(self, code: str, *args: str, pass_fds: tuple[int, ...] = (), name: str,
+                 failure: type[Exception], stop_wait: float = 60.0) -> None:
+        self._code, self._args, self._pass_fds = code, args, pass_fds
+        self._name, self._failure, self._stop_wait = name, failure, stop_wait
+        self._talk = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._conn: connection.Connection | None = None
+
+    def start(self) -> None:
+        """Start the helper if it is not running (its failure to start is raised here)."""
+        with self._talk:
+            self._running()
+
+    def _running(self) -> None:
+        if self._process is None or self._process.poll() is not None:
+            self._stop()
+            self._process, self._conn = start_helper(self._code, *self._args, pass_fds=self._pass_fds)
+            self._started()
+
+    def _started(self) -> None:
+        """A new helper started (under the lock): what the one before was told is gone with it."""
+
+    def ask(self, message: dict[str, Any] | Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Send ``message`` (or what it makes, once the helper is known to run) and return the answer."""
+        with self._talk:
+            self._running()
+            assert self._process is not None and self._conn is not None
+            try:
+                self._conn.send_bytes(json.dumps(message() if callable(message) else message).encode())
+                while not self._conn.poll(1.0):  # (a watch on the child, not a synchronisation)
+                    if self._process.poll() is not None:
+                        break  # the read that follows reports how it exited
+                answer: dict[str, Any] = json.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                status = self._process.poll()
+                how = f"exited with status {status}" if status is not None else "cannot be reached"
+                self._stop()
+                raise self._failure(f"{self._name} {how}") from None
+        return answer
+
+    def close(self, *, wait: bool = True) -> None:
+        """Ask the helper to exit once the question in flight (if any) is answered, and wait for it
+        (``wait=False``: end it now)."""
+        if not wait:
+            self._stop(wait=0)
+            return
+        with self._talk:
+            if self._conn is not None:
+                try:
+                    self._conn.send_bytes(b'{"close": true}')
+                except OSError:
+                    pass
+            self._stop()
+
+    def _stop(self, *, wait: float | None = None) -> None:
+        if self._process is not None and self._conn is not None:
+            stop_helper(self._process, self._conn, wait=self._stop_wait if wait is None else wait)
+        self._process = self._conn = None
 
 
 def stop_helper(process: subprocess.Popen[bytes], conn: connection.Connection, *, wait: float = 60.0) -> None:

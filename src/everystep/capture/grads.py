@@ -134,18 +134,15 @@ class GradientCapture:
             if buffer is None:
                 return
         self._copied[index] = (grad, grad._version)
-        event = _event(grad) if grad.is_cuda else None
-        with self._lock:
-            self._queued.append((buffer, index, grad, event))
-            self._queued_bytes += grad.nbytes
-        self._flush(at_least=BATCH_BYTES)
+        self._hand_over(buffer, [(index, grad, _event(grad) if grad.is_cuda else None)])
 
     def _hand_over(self, buffer: HostBuffer, grads: list[tuple[int, torch.Tensor, torch.cuda.Event | None]]) -> None:
         """Queue gradients for the copier, which takes them in batches of :data:`BATCH_BYTES` (the
         rest at the step, :meth:`at_update`): a few jobs a step, not one per parameter."""
         with self._lock:
-            self._queued.extend((buffer, i, g, e) for i, g, e in grads)
-            self._queued_bytes += sum(g.nbytes for _, g, _ in grads)
+            for i, g, e in grads:  # (a loop, not generators: no Python call per gradient)
+                self._queued.append((buffer, i, g, e))
+                self._queued_bytes += g.nbytes
         self._flush(at_least=BATCH_BYTES)
 
     def _flush(self, *, at_least: int = 0) -> None:

@@ -23,12 +23,10 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import subprocess
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import connection
 
-from .._process import run_helper, start_helper, stop_helper
+from .._process import HelperClient, run_helper
 from ..errors import EverystepError
 from .base import checksum
 
@@ -39,64 +37,39 @@ PARALLEL_HASH = 1 << 20
 """Tensors of at least this many bytes are hashed on threads of their own."""
 
 
-class RegionHasher:
-    """The training side: the hasher for the region file open as ``fd`` (:meth:`sums`, from one
-    thread at a time; :meth:`close` at the end)."""
+class RegionHasher(HelperClient):
+    """The training side: the hasher for the region file open as ``fd`` (:meth:`sums`; :meth:`close`
+    at the end), started at its first question."""
 
     def __init__(self, fd: int, where: str) -> None:
         self.fd, self.where = fd, where
-        self._talk = threading.Lock()
-        self._process: subprocess.Popen[bytes] | None = None
-        self._conn: connection.Connection | None = None
+        super().__init__(_MAIN, str(fd), pass_fds=(fd,), name=f"hashing a slot of {where}: the hashing process",
+                         failure=EverystepError, stop_wait=10.0)
         self._layout: object | None = None
         """The layout whose ranges the hasher holds (kept so that its id is not another's)."""
         self._layouts = 0
+
+    def _started(self) -> None:
+        self._layout = None  # (a new hasher has been given no ranges)
 
     def sums(self, layout: object, ranges: list[tuple[int, int]], at: int, nbytes: int) -> list[str]:
         """The checksum of each of ``ranges`` of the data section that starts ``at`` bytes into the
         file and holds ``nbytes``: ``layout`` names the ranges (the same object, the same ranges).
         Raises :class:`EverystepError` when the hasher failed or is gone (started again next time)."""
-        with self._talk:
-            if self._process is None or self._process.poll() is not None:
-                self._stop()
-                self._process, self._conn = start_helper(_MAIN, str(self.fd), pass_fds=(self.fd,))
-                self._layout = None
-            assert self._process is not None and self._conn is not None
-            message: dict[str, object] = {"at": at, "nbytes": nbytes}
+
+        def message() -> dict[str, object]:  # (made once the hasher runs: a new one is sent the ranges)
+            said: dict[str, object] = {"at": at, "nbytes": nbytes}
             if layout is not self._layout:
                 self._layouts += 1
-                message["ranges"] = ranges
+                said["ranges"] = ranges
                 self._layout = layout
-            message["layout"] = self._layouts
-            try:
-                self._conn.send_bytes(json.dumps(message).encode())
-                while not self._conn.poll(1.0):  # (a watch on the child, not a synchronisation)
-                    if self._process.poll() is not None:
-                        break  # the read that follows reports how it exited
-                answer = json.loads(self._conn.recv_bytes())
-            except (EOFError, OSError):
-                status = self._process.poll()
-                how = f"exited with status {status}" if status is not None else "cannot be reached"
-                self._stop()
-                raise EverystepError(f"hashing a slot of {self.where}: the hashing process {how}") from None
+            said["layout"] = self._layouts
+            return said
+
+        answer = self.ask(message)
         if "error" in answer:
             raise EverystepError(f"hashing a slot of {self.where}: {answer['error']}")
         return list(answer["sums"])
-
-    def close(self) -> None:
-        """Ask the hasher to exit and wait for it."""
-        with self._talk:
-            if self._conn is not None:
-                try:
-                    self._conn.send_bytes(b'{"close": true}')
-                except OSError:
-                    pass
-            self._stop()
-
-    def _stop(self) -> None:
-        if self._process is not None and self._conn is not None:
-            stop_helper(self._process, self._conn, wait=10.0)
-        self._process = self._conn = None
 
 
 def _serve(conn: connection.Connection, fd: int) -> None:

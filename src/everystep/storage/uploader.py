@@ -24,12 +24,10 @@ the next upload.
 from __future__ import annotations
 
 import json
-import subprocess
-import threading
 from multiprocessing import connection
 from pathlib import Path
 
-from .._process import run_helper, start_helper, stop_helper
+from .._process import HelperClient, run_helper
 from ..errors import CorruptCheckpointError, RemoteStoreError
 from .base import ObjectInfo
 
@@ -38,63 +36,25 @@ __all__ = ["UploadProcess"]
 _MAIN = "import sys; from everystep.storage.uploader import main; sys.exit(main(sys.argv[1:]))"
 
 
-class UploadProcess:
+class UploadProcess(HelperClient):
     """The training side: starts the uploader for the store at ``url`` and the local directory at
-    ``root``, and has it put objects (:meth:`put`, from one thread at a time)."""
+    ``root``, and has it put objects (:meth:`put`)."""
 
     def __init__(self, url: str, root: Path) -> None:
         self.url, self.root = url, Path(root)
-        self._talk = threading.Lock()
-        self._process: subprocess.Popen[bytes] | None = None
-        self._conn: connection.Connection | None = None
-        self._start()
-
-    def _start(self) -> None:
-        self._process, self._conn = start_helper(_MAIN, str(self.root), self.url)
+        super().__init__(_MAIN, str(self.root), url, name=f"uploading to {url}: the upload process",
+                         failure=RemoteStoreError)
+        self.start()
 
     def put(self, objects: list[ObjectInfo]) -> int:
         """Upload ``objects`` from the local directory, each verified against its checksum on the way
         out, under the same names; the bytes uploaded. Raises :class:`CorruptCheckpointError` when a
         local object does not verify, :class:`RemoteStoreError` when an upload failed or the uploader
         is gone (started again at the next call)."""
-        with self._talk:
-            if self._process is None or self._process.poll() is not None:
-                self._stop()
-                self._start()
-            assert self._process is not None and self._conn is not None
-            try:
-                self._conn.send_bytes(json.dumps({"put": [o.to_json() for o in objects]}).encode())
-                while not self._conn.poll(1.0):  # (a watch on the child, not a synchronisation)
-                    if self._process.poll() is not None:
-                        break  # the read that follows reports how it exited
-                answer = json.loads(self._conn.recv_bytes())
-            except (EOFError, OSError):
-                status = self._process.poll()
-                how = f"exited with status {status}" if status is not None else "cannot be reached"
-                self._stop()
-                raise RemoteStoreError(f"uploading to {self.url}: the upload process {how}") from None
+        answer = self.ask({"put": [o.to_json() for o in objects]})
         if "error" in answer:
             raise (CorruptCheckpointError if answer.get("corrupt") else RemoteStoreError)(str(answer["error"]))
         return int(answer["nbytes"])
-
-    def close(self, *, wait: bool = True) -> None:
-        """Ask the uploader to exit once the upload in flight (if any) is answered, and wait for it
-        (``wait=False``: end it now)."""
-        if not wait:
-            self._stop(wait=0)
-            return
-        with self._talk:
-            if self._conn is not None:
-                try:
-                    self._conn.send_bytes(b'{"close": true}')
-                except OSError:
-                    pass
-            self._stop()
-
-    def _stop(self, *, wait: float = 60.0) -> None:
-        if self._process is not None and self._conn is not None:
-            stop_helper(self._process, self._conn, wait=wait)
-        self._process = self._conn = None
 
 
 def _serve(conn: connection.Connection, root: Path, url: str) -> None:
