@@ -294,7 +294,8 @@ class Checkpointer:
         if error is not None:
             raise error
         if found is not None:
-            self.step = self.stats.last_durable_step = found.step
+            self.step = found.step  # (from memory, the directory holds an older one, or none)
+            self.stats.last_durable_step = max(self.directory.newest_full_step(), 0) if found.source == "memory" else found.step
             from_remote = found.step == pulled and found.source == "disk"
             self.recovered = Recovered(
                 step=found.step, source="remote" if from_remote else found.source, manifest=found.manifest,

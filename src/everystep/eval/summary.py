@@ -88,6 +88,7 @@ def summarise(cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]
         "fail_mode": cfg.fail_mode,
         "device": cfg.device,
         "snapshot_wait_seconds": totals["snapshot_wait_seconds"],
+        "memory_tier": end.get("memory_tier"),
     }
 
 

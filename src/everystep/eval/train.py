@@ -31,7 +31,7 @@ from ..recovery import recover
 from ..storage.directory import MARKER, CheckpointDirectory
 from ..tree import state_hash
 from ..storage.region_map import on_volatile_memory
-from ..storage.region_open import region_path
+from ..storage.region_open import memory_path, region_path
 from ..strategies import STRATEGIES
 from .faults import FailurePlan, Injector
 from .workloads import build, needs_ddp
@@ -236,6 +236,7 @@ def _counters(ckpt: Checkpointer) -> dict[str, Any]:
         "stall_seconds": ckpt.stats.stall_seconds,
         "checkpoints": ckpt.stats.checkpoints,
         "snapshot_wait_seconds": ckpt.stats.snapshot_wait_seconds,
+        **({"memory_tier": ckpt.strategy.tier.report()} if ckpt.strategy.tier is not None else {}),
     }
 
 
@@ -398,14 +399,17 @@ def _supervise(cfg: TrainConfig, pending: list[int], journals: list[str], zygote
 
 
 def _lose_host_memory(cfg: TrainConfig) -> None:
-    """A hardware failure takes the host's memory with it: lightcheck's regions on tmpfs go too
-    (a checkpoint agent's memory goes with its process, which the failure killed)."""
+    """A hardware failure takes the host's memory with it: lightcheck's regions and the memory tiers on
+    tmpfs go too (a checkpoint agent's memory goes with its process, which the failure killed)."""
     if cfg.directory is None:
         return  # (a strategy without a region has no region file where its option says)
     for rank in range(cfg.nproc):
-        path = region_path(Path(cfg.directory), cfg.options.get("region"), rank, cfg.nproc)
-        if path.exists() and on_volatile_memory(path):
-            path.unlink()
+        paths = [region_path(Path(cfg.directory), cfg.options.get("region"), rank, cfg.nproc)]
+        if cfg.options.get("memory"):  # a full-state strategy's memory tier
+            paths.append(memory_path(Path(cfg.directory), cfg.options.get("region"), rank, cfg.nproc))
+        for path in paths:
+            if path.exists() and on_volatile_memory(path):
+                path.unlink()
 
 
 def _die_with_supervisor() -> None:

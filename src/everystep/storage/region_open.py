@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 import warnings
@@ -14,8 +15,10 @@ from .region import Region, UnreadableRegionError, UntrustedRegionError
 if TYPE_CHECKING:
     from .directory import CheckpointDirectory
 
-__all__ = ["region_path", "open_region"]
+__all__ = ["region_path", "open_region", "memory_path", "MEMORY_ROOT"]
 
+MEMORY_ROOT = Path("/dev/shm")
+"""Where a full-state strategy's memory tier lies unless ``region=`` says otherwise."""
 
 
 def region_path(directory: Path, region: str | None, rank: int, world: int) -> Path:
@@ -25,6 +28,16 @@ def region_path(directory: Path, region: str | None, rank: int, world: int) -> P
     if "{rank}" in region:
         return Path(region.replace("{rank}", str(rank)))
     return Path(region) if world == 1 else Path(f"{region}.rank-{rank}")
+
+
+def memory_path(directory: Path, region: str | None, rank: int, world: int) -> Path:
+    """Where rank ``rank``'s memory tier (``memory=True``) lies, for a checkpoint directory and a
+    ``region`` option: by default in :data:`MEMORY_ROOT`, in a folder of the user's and a name drawn
+    from the directory's path."""
+    if region is not None:
+        return region_path(directory, region, rank, world)
+    name = hashlib.sha256(os.path.realpath(directory).encode()).hexdigest()[:16]
+    return MEMORY_ROOT / f"everystep-{os.getuid()}" / name / f"rank-{rank}.bin"
 
 
 def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: bool | None = None,

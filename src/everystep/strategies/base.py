@@ -159,6 +159,9 @@ class Strategy:
     def __init__(self, config: StrategyConfig | None = None) -> None:
         self._taken = -1
         """The newest step handed to this strategy (:meth:`_first`; with :meth:`_due`, checkpointed)."""
+        self.tier: typing.Any = None
+        """With ``memory=True`` (a strategy that writes the whole state): its memory tier
+        (:class:`~everystep.strategies.memory_tier.MemoryTier`), made at attach by :meth:`_make_tier`."""
         self.peers: Peers | None = None
         """With ``peers=True`` (:attr:`mirrors_to_peers`) under several hosts: this rank's part in the
         replicas on peers (set at attach)."""
@@ -189,6 +192,11 @@ class Strategy:
         self.ctx = ctx
         self._phase = "attached"
         self._attach()
+        try:
+            self.tier = self._make_tier()
+        except BaseException:
+            self._close()
+            raise
 
     @property
     def peer_traffic(self) -> dict[str, float] | None:
@@ -206,6 +214,8 @@ class Strategy:
         """Collective: every rank calls it at once, before :meth:`recover`."""
         self._expect("attached", "agree_restore()")
         self._agree_restore()
+        if self.tier is not None:
+            self.tier.agree()
 
     def recover(self) -> Candidate | None:
         """The newest recoverable state, read and verified, for the caller to load
@@ -213,6 +223,8 @@ class Strategy:
         self._expect("attached", "recover()")
         if self.ctx.catalog is None:
             return None
+        if self.tier is not None:
+            return self.tier.recover(self._recover)
         return self._recover()
 
     def on_start(self, step: int) -> None:
@@ -220,6 +232,8 @@ class Strategy:
         self._expect("attached", "on_start()")
         self._phase = "started"
         self._on_start(step)
+        if self.tier is not None:
+            self.tier.on_start(step)
 
     def on_step_end(self, step: int) -> None:
         self._expect("started", "on_step_end()")
@@ -243,6 +257,8 @@ class Strategy:
         """Block until work in flight is done; raise what failed in the background, once."""
         if self._phase in ("attached", "started"):
             self._wait()
+            if self.tier is not None:
+                self.tier.wait()
         self.errors.raise_pending()
 
     def close(self) -> None:
@@ -251,11 +267,20 @@ class Strategy:
             self._phase = "closed"
             return
         self._phase = "closed"
+        clean = False
         try:
             self._wait()
+            if self.tier is not None:
+                self.errors.raise_pending()
+                self.tier.finish()  # the newest checkpoint to the directory
             self.errors.raise_pending()
+            clean = True
         finally:
-            self._close()
+            try:
+                self._close()
+            finally:
+                if self.tier is not None:
+                    self.tier.close(clean=clean)
 
     def abandon(self) -> None:
         """After an error in training: end as :meth:`close` does, but leave what outlives the
@@ -264,7 +289,11 @@ class Strategy:
             self._phase = "closed"
             return
         self._phase = "closed"
-        self._abandon()
+        try:
+            self._abandon()
+        finally:
+            if self.tier is not None:
+                self.tier.close()
 
     def _expect(self, phase: str, call: str) -> None:
         if self._phase == phase:
@@ -281,6 +310,10 @@ class Strategy:
 
     def _attach(self) -> None:
         """Check the components, start threads, allocate what does not depend on the step."""
+
+    def _make_tier(self) -> typing.Any:
+        """The memory tier, or None (the default: none)."""
+        return None
 
     def _agree_restore(self) -> None:
         """Collective: agree with the other ranks on what :meth:`_recover` finds."""

@@ -43,7 +43,7 @@ from ..policy.schedule import ScheduleResult, StepProfile, coarsen, drifted, pla
 from ..parallelism import DTENSOR_LAYOUTS
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
-from .base import Strategy, StrategyConfig
+from .memory_tier import FullState, FullStateConfig
 
 __all__ = ["Checkflow", "CheckflowConfig"]
 
@@ -51,7 +51,7 @@ _WINDOW = 5
 
 
 @dataclass(kw_only=True, slots=True)
-class CheckflowConfig(StrategyConfig):
+class CheckflowConfig(FullStateConfig):
     quantities: ClassVar[dict[str, str]] = {"bandwidth": "rate", "per_size": "size", "memory_limit": "size"}
     bandwidth: float | None = None
     """Bytes/s of the device-to-host link; ``None``: measured once (timed copies of 16 MiB)."""
@@ -66,7 +66,7 @@ class CheckflowConfig(StrategyConfig):
     by more than this fraction."""
 
     def __post_init__(self) -> None:
-        StrategyConfig.__post_init__(self)
+        FullStateConfig.__post_init__(self)
         if self.bandwidth is not None and self.bandwidth <= 0:
             raise ConfigError(f"bandwidth must be a positive number of bytes per second, got {self.bandwidth}")
         if self.memory_limit is not None and self.memory_limit <= 0:
@@ -128,7 +128,7 @@ def _local_ranges(schedule: _Schedule, shard: RankShare) -> list[list[tuple[str,
     return local
 
 
-class Checkflow(Strategy):
+class Checkflow(FullState):
     name: ClassVar[str] = "checkflow"
     sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS
     sharded_refusal: ClassVar[str] = "its profile reads the optimizer's state, which ZeRO-1 keeps in a local optimizer"
@@ -284,7 +284,7 @@ class Checkflow(Strategy):
 
     def _persist(self, r: _Round) -> None:
         try:
-            self.ctx.persist(r.step, r.buffer, r.skeleton, share=r.shard, keep=self.config.keep)
+            self._write_full(r.step, r.buffer, r.skeleton, share=r.shard)
         finally:
             self._pool.release(r.buffer)
 

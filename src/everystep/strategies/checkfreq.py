@@ -27,13 +27,13 @@ from ..parallelism import SHARDED_LAYOUTS
 from ..storage.full import write_full
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
-from .base import Strategy, StrategyConfig
+from .memory_tier import FullState, FullStateConfig
 
 __all__ = ["CheckFreq", "CheckFreqConfig", "AsyncSnapshot"]
 
 
 @dataclass(kw_only=True, slots=True)
-class CheckFreqConfig(StrategyConfig):
+class CheckFreqConfig(FullStateConfig):
     buffers: int = 2
     """Host buffers: 1 is the paper's design (a snapshot waits for the previous persist)."""
     persist: str = "thread"
@@ -45,23 +45,27 @@ class CheckFreqConfig(StrategyConfig):
     training fails with an error saying so."""
 
     def __post_init__(self) -> None:
-        StrategyConfig.__post_init__(self)
+        FullStateConfig.__post_init__(self)
         if self.writer_timeout <= 0:
             raise ConfigError(f"writer_timeout must be a positive number of seconds, got {self.writer_timeout}")
         if self.buffers < 1:
             raise ConfigError(f"buffers must be at least 1, got {self.buffers}")
         if self.persist not in ("thread", "process"):
             raise ConfigError(f"persist must be 'thread' or 'process', got {self.persist!r}")
+        if self.persist == "process" and self.memory:
+            raise ConfigError("persist='process' has a writer process write each snapshot to the directory, and "
+                              "memory=True writes each one to the memory tier: give one of them")
 
     def check_job(self, world: int, full_format: str) -> None:
         """``persist="process"`` serves one training process writing everystep's own format."""
+        FullStateConfig.check_job(self, world, full_format)
         if self.persist == "process" and (world != 1 or full_format != "safetensors"):
             raise ConfigError("persist='process' writes and commits each checkpoint in the writer process, which "
                               "serves one training process writing everystep's own format: use persist='thread' "
                               "under several processes or with full_format='dcp'")
 
 
-class CheckFreq(Strategy):
+class CheckFreq(FullState):
     name: ClassVar[str] = "checkfreq"
     other_world_size: ClassVar[bool] = True
     layer_updates: ClassVar[bool] = True
@@ -130,8 +134,7 @@ class CheckFreq(Strategy):
                 self.ctx.catalog.count_written_elsewhere(nbytes)
                 self.ctx.record_durable(step, seconds=seconds)
             else:
-                manifest, seconds = self.ctx.persist(step, buffer, skeleton, share=share, keep=self.config.keep)
-                nbytes = manifest.nbytes
+                nbytes, seconds = self._write_full(step, buffer, skeleton, share=share)
             self.write_bandwidth = nbytes / max(seconds, 1e-9)
         finally:
             self._pool.release(buffer)

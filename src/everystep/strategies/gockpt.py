@@ -39,12 +39,12 @@ from ..storage.sharded import RankShare
 from ..layout import TensorLayout
 from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
 from ..tree import local_shard
-from .base import Strategy
+from .memory_tier import FullState
 from .gockpt_config import ELEMENTWISE, Chunk, GoCkptConfig, Param, Spread
 
 __all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig"]
 
-class GoCkpt(Strategy):
+class GoCkpt(FullState):
     name: ClassVar[str] = "gockpt"
     sharded_layouts: ClassVar[frozenset[str]] = SHARDED_LAYOUTS
     other_world_size: ClassVar[bool] = True
@@ -77,14 +77,16 @@ class GoCkpt(Strategy):
         on_gpu = self.ctx.device.type == "cuda"
         if on_gpu and self.config.reconstruct == "host":
             raise ConfigError(f"strategy {self.name!r} with reconstruct='host' brings the parts forward on the CPU, whose "
-                              "arithmetic differs from the GPU's: recovery would not be exact; use "
-                              "reconstruct='device' (the default on a GPU)")
+                              "arithmetic differs from the GPU's: recovery would not be exact; use reconstruct='device' (the default on a GPU)")
         self.on_device = self.config.reconstruct == "device" or (self.config.reconstruct is None and on_gpu)
         """The parts are brought forward at recovery, on the training device."""
         if self.on_device and self.ctx.layout is not None:
             raise ConfigError(f"strategy {self.name!r} with reconstruct='device' writes spread checkpoints in everystep's "
                               f"own format, which does not hold the shards of a job sharded with {self.ctx.layout}: "
                               "use reconstruct='host' (on the CPU), or checkfreq")
+        if self.on_device and self.config.memory:
+            raise ConfigError(f"strategy {self.name!r} with reconstruct='device' writes spread checkpoints, and memory=True "
+                              "holds full ones: use reconstruct='host' (on the CPU), or memory=False")
         self._stream = self.ctx.copy_stream()
         pin = self._stream is not None
         self._part_buffers = HostBufferPool(2, pin=pin)
@@ -447,7 +449,7 @@ class GoCkpt(Strategy):
         assert self.ctx.catalog is not None and self.ctx.directory is not None
         split = self.ctx.splits_replicated
         share = RankShare.of(tensors, replicated, self.ctx.ranks, split=split, sharded=sharded)
-        self.ctx.persist(step, share.local, skeleton, share=share, keep=self.config.keep)
+        self._write_full(step, share.local, skeleton, share=share)
 
     def _write_now(self, step: int) -> None:
         """At close: the state as it is, copied now and written (a spread in flight is dropped)."""

@@ -12,7 +12,7 @@ import torch
 from ..errors import ConfigError
 from ..policy.parts import ALIGN, PartSplit
 from ..tree import local_shard
-from .base import StrategyConfig
+from .memory_tier import FullStateConfig
 
 __all__ = ["ELEMENTWISE", "GoCkptConfig", "Param", "Chunk", "Spread"]
 
@@ -24,7 +24,7 @@ a part of a parameter can be brought forward on its own."""
 
 
 @dataclass(kw_only=True, slots=True)
-class GoCkptConfig(StrategyConfig):
+class GoCkptConfig(FullStateConfig):
     quantities: ClassVar[dict[str, str]] = {"chunk_bytes": "size"}
     every: int = 50
     """A checkpoint starts every this many steps; it is complete ``parts`` steps later."""
@@ -42,7 +42,7 @@ class GoCkptConfig(StrategyConfig):
     ``"host"``."""
 
     def __post_init__(self) -> None:
-        StrategyConfig.__post_init__(self)
+        FullStateConfig.__post_init__(self)
         if self.parts is not None and not 1 <= self.parts <= self.every:
             raise ConfigError(f"parts must lie in 1..every ({self.every}): a checkpoint spans parts steps and the next "
                               f"starts every steps later; got {self.parts}")

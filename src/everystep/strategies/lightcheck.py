@@ -53,7 +53,7 @@ from ..optim import OptimizerInBackward
 from ..recovery import Candidate, recover
 from ..state import bare_module, local_optimizer
 from ..parallelism import SHARDED_LAYOUTS
-from ..tree import flatten, local_shard, unflatten
+from ..tree import flatten, local_shard
 from ..storage.region import Region, UnreadableRegionError
 from ..storage.region_map import RegionLayout, SlotWriter
 from ..storage.region_open import open_region, region_path
@@ -62,7 +62,7 @@ from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .base import Strategy, StrategyConfig
 from .lightcheck_copy import Copy, CopyOrder
-from .context import as_shards
+from .memory_tier import region_candidates
 from .mirrors import RegionPeers
 
 
@@ -170,27 +170,11 @@ class LightCheck(Strategy):
         self._use_disk = newest < disk or newest < 0
 
     def _read_slots(self, *, every: bool) -> dict[int, Candidate]:
-        """The region's slots that verify, read as copies (the optimizer keeps what it loads), by
-        step; newest first, only the newest one unless ``every``. Each slot skipped is warned about."""
-        found: dict[int, Candidate] = {}
+        """The region's slots that verify, by step (:func:`~.memory_tier.region_candidates`)."""
         if self.region is None:
-            return found
-        t0 = time.perf_counter()
-        complete = self.region.slots(warn=False)
-        live = self.ctx.live_shards()
-        for slot, tensors, meta in self.region.verified(copy=True):
-            if any(live.shapes.get(k, tuple(t.shape)) != tuple(t.shape) for k, t in tensors.items()):
-                warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
-                              "(written under another layout or world size)", stacklevel=3)
-                continue
-            as_shards(tensors, live)
-            found[slot.step] = Candidate(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source="region",
-                                         manifest=None, seconds=time.perf_counter() - t0)
-            if not every:
-                break
-            t0 = time.perf_counter()
-        if complete and not found:
-            self._damaged = f"none of the {len(complete)} complete slot(s) of the region {self.region.path} verifies"
+            return {}
+        found, damaged = region_candidates(self.region, self.ctx.live_shards(), every=every, source="region")
+        self._damaged = damaged or self._damaged
         return found
 
     def _recover(self) -> Candidate | None:

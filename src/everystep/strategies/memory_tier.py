@@ -1,0 +1,324 @@
+"""The memory tier of the strategies that write the whole state (``memory=True``).
+
+Without it, ``full_sync``, ``checkfreq``, ``async`` and ``checkflow`` write each checkpoint to the
+directory, and every step needs a disk that takes the whole state every step (gpt2-small on a GPU:
+11 GB/s). With it, each checkpoint goes to a two-slot region in memory that outlives the training
+process (:mod:`everystep.storage.region`, by default in ``/dev/shm``: one file per run and rank),
+and the directory receives the newest complete slot every ``persist_every`` steps — by default as
+often as keeps the disk busy ``busy`` of the time, from the measured write and the measured step,
+as the checkpoint agent decides its interval (:func:`~everystep.policy.interval.busy_interval`).
+
+The checkpoint of step t is copied into the slot that does not hold the newest complete one, its
+checksums computed by the region's hashing process, and its header committed last, on the thread
+that wrote to the directory before (a persist thread; ``full_sync``: the training thread). Slots
+are written one after the other on that thread, so one of them always holds a complete checkpoint.
+A persist copies the committed slot to a host buffer and writes it from there on a thread of its
+own, so the region goes on; it never holds the region back. A persist due while the previous one
+still writes waits for it when ``persist_every`` is set, and comes at the first step after it
+otherwise.
+
+What each failure loses: a crash of the training process, what was not committed in the region
+(the steps between checkpoints, and the one being written); the host (the region in its memory
+with it), what was not persisted: up to ``persist_every`` checkpoints. A clean close persists the
+newest slot. Recovery takes the newest of the region's newest slot that verifies and the
+directory's newest checkpoint that verifies; a region of another run is refused by name, a damaged
+slot skipped with a warning naming it, as ``lightcheck``'s region.
+
+One process: under several, each rank's checkpoint is its share of the state, and a lost rank's
+share would need the others' regions (``lightcheck`` holds each rank's whole state, and mirrors it
+to peers).
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .._faults import crash_point
+from ..background import BackgroundErrors, Worker
+from ..errors import ConfigError
+from ..layout import TensorLayout
+from ..policy.interval import busy_interval, median_gap, persist_due
+from ..recovery import Candidate
+from ..storage.region import Region, UnreadableRegionError
+from ..storage.region_map import RegionLayout
+from ..storage.region_open import MEMORY_ROOT, memory_path, open_region
+from ..storage.sharded import RankShare
+from ..transport.host import HostBuffer, HostBufferPool
+from ..tree import unflatten
+from .base import Strategy, StrategyConfig
+from .context import LiveShards, StrategyContext, as_shards
+
+__all__ = ["FullState", "FullStateConfig", "MemoryTier", "region_candidates"]
+
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
+
+
+@dataclass(kw_only=True, slots=True)
+class FullStateConfig(StrategyConfig):
+    """Options of a strategy that writes the whole state: its memory tier."""
+
+    memory: bool = False
+    """Write each checkpoint to a region in memory that outlives the training process, and the
+    newest one to the directory every ``persist_every`` steps (:mod:`everystep.strategies.memory_tier`)."""
+    region: str | None = None
+    """``memory=True``: the region's file (``{rank}`` in it is replaced by the rank). Default:
+    ``/dev/shm/everystep-UID/`` and a name drawn from the checkpoint directory's path."""
+    persist_every: int | None = None
+    """``memory=True``: write the newest checkpoint to the directory every this many steps; None:
+    as often as keeps the disk busy ``busy`` of the time (measured)."""
+    busy: float = 0.5
+    """``memory=True`` and ``persist_every=None``: the share of the time the directory's writes may take."""
+
+    def __post_init__(self) -> None:
+        StrategyConfig.__post_init__(self)
+        if self.persist_every is not None and self.persist_every < 1:
+            raise ConfigError(f"persist_every must be a positive number of steps or None (measured), "
+                              f"got {self.persist_every}")
+        if not 0 < self.busy <= 1:
+            raise ConfigError(f"busy must be a share of the time in (0, 1], got {self.busy}")
+        if not self.memory:
+            given = [name for name, default in (("region", None), ("persist_every", None), ("busy", 0.5))
+                     if getattr(self, name) != default]
+            if given:
+                raise ConfigError(f"{', '.join(given)} configure the memory tier: give memory=True as well")
+
+    def check_job(self, world: int, full_format: str) -> None:
+        if self.memory and world != 1:
+            raise ConfigError("memory=True serves one training process: under several, use strategy='lightcheck' "
+                              "(each rank's whole state in its region, mirrored to a peer with peers=True)")
+
+
+def region_candidates(region: Region, live: LiveShards, *, every: bool, source: str
+                      ) -> tuple[dict[int, Candidate], str | None]:
+    """The region's slots that verify, read as copies (the optimizer keeps what it loads), by step,
+    newest first — only the newest one unless ``every`` — each skipped one warned about; and, where
+    complete slots exist and none verifies, why the region holds nothing to recover."""
+    found: dict[int, Candidate] = {}
+    t0 = time.perf_counter()
+    complete = region.slots(warn=False)
+    for slot, tensors, meta in region.verified(copy=True):
+        if any(live.shapes.get(k, tuple(t.shape)) != tuple(t.shape) for k, t in tensors.items()):
+            warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
+                          "(written under another layout or world size)", stacklevel=3)
+            continue
+        as_shards(tensors, live)
+        found[slot.step] = Candidate(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source=source,
+                                     manifest=None, seconds=time.perf_counter() - t0)
+        if not every:
+            break
+        t0 = time.perf_counter()
+    damaged = None
+    if complete and not found:
+        damaged = f"none of the {len(complete)} complete slot(s) of the region {region.path} verifies"
+    return found, damaged
+
+
+class MemoryTier:
+    """A strategy's memory tier (see the module docstring): made at attach when ``memory=True``."""
+
+    def __init__(self, ctx: StrategyContext, config: FullStateConfig, errors: BackgroundErrors) -> None:
+        directory = ctx.directory
+        assert directory is not None
+        self.ctx, self.config = ctx, config
+        config.check_job(ctx.ranks.world, ctx.full_format)
+        self.path = memory_path(directory.root, config.region, ctx.ranks.rank, ctx.ranks.world)
+        if config.region is None and not MEMORY_ROOT.is_dir():
+            raise ConfigError(f"memory=True keeps its region in {MEMORY_ROOT}, which this machine lacks: give region= "
+                              "a path on a filesystem in memory (tmpfs)")
+        self.damaged: str | None = None
+        """Why the region holds no checkpoint that verifies, where it holds a damaged one."""
+        try:
+            self.region = open_region(directory, str(self.path), flush=None)
+        except UnreadableRegionError as e:  # a reader's
+            warnings.warn(f"skipping {e}", stacklevel=3)
+            self.region, self.damaged = None, str(e)
+        self._slot = self.region.next_slot() if self.region is not None and directory.access != "read" else 0
+        self._layouts: dict[Any, RegionLayout] = {}
+        self._staging = HostBufferPool(1, pin=False)
+        self._writer = Worker("everystep-tier-persist", errors)
+        self._writing: Any = None
+        self._chosen: Candidate | None = None
+        self._marks: deque[float] = deque(maxlen=16)
+        self._write_seconds: float | None = None
+        self.last_persisted = -1
+        """The newest step written to the directory (or found there at the start)."""
+        self.persisted = 0
+        """Checkpoints written to the directory by this tier."""
+        self.newest = -1
+        """The newest step committed in the region."""
+        self._newest_skeleton: Any = None
+
+    # -- restore -------------------------------------------------------------------------------
+
+    def agree(self) -> None:
+        """Read the region's newest slot that verifies (one process: nothing to agree on)."""
+        if self.region is None:
+            return
+        found, damaged = region_candidates(self.region, self.ctx.live_shards(), every=False, source="memory")
+        self.damaged = self.damaged or damaged
+        self._chosen = next(iter(found.values()), None)
+
+    def recover(self, own: Callable[[], Candidate | None]) -> Candidate | None:
+        """The region's slot read by :meth:`agree`, unless the strategy's own recovery (``own``: the
+        directory's) finds a newer state that verifies; a damaged region is named where nothing else
+        is found."""
+        assert self.ctx.directory is not None
+        chosen, self._chosen = self._chosen, None
+        if chosen is not None and chosen.step >= self.ctx.directory.newest_full_step():
+            return chosen
+        disk = own()
+        if disk is None and chosen is None and self.damaged is not None:
+            warnings.warn(f"the memory tier holds nothing to recover: {self.damaged}", stacklevel=3)
+        return chosen if disk is None or (chosen is not None and chosen.step > disk.step) else disk
+
+    def on_start(self, step: int) -> None:
+        assert self.ctx.directory is not None
+        if self.region is not None and self.region.access != "read":
+            self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
+            self._slot = self.region.next_slot()
+        self.last_persisted = min(step, self.ctx.directory.newest_full_step())
+        self.newest = step
+
+    # -- every checkpoint ----------------------------------------------------------------------
+
+    def write(self, step: int, source: HostBuffer | dict[str, torch.Tensor], skeleton: Any) -> tuple[int, float]:
+        """Copy the checkpoint of ``step`` (``source``: a host buffer or tensors) into the next slot
+        and commit it; start its persist where one is due. The bytes and the seconds it took."""
+        assert self.region is not None
+        t0 = time.perf_counter()
+        tensors = source.views if isinstance(source, HostBuffer) else source
+        layout, hint = self._layout(tensors, skeleton)
+        slot, self._slot = self._slot, 1 - self._slot
+        writer = self.region.begin(layout, hint, slot=slot)
+        keys = list(tensors)
+        with torch.no_grad():
+            torch._foreach_copy_([writer.views[k] for k in keys], [tensors[k] for k in keys])
+        self.region.commit(writer, step, skeleton)
+        self.newest, self._newest_skeleton = step, skeleton
+        assert self.ctx.catalog is not None
+        self.ctx.catalog.count_written_elsewhere(layout.nbytes)
+        self.ctx.in_memory(step)
+        self._marks.append(time.monotonic())
+        if self._persist_due(step):
+            self._persist(step, writer.views, skeleton)
+        return layout.nbytes, time.perf_counter() - t0
+
+    def _layout(self, tensors: dict[str, torch.Tensor], skeleton: Any) -> tuple[RegionLayout, int]:
+        """The slot's layout for ``tensors`` and about how many bytes its metadata needs, made once
+        per layout (no Python call per tensor to find it again)."""
+        values = tensors.values()
+        signature = (tuple(tensors), tuple(map(_DTYPE, values)), tuple(map(_SHAPE, values)))
+        found = self._layouts.get(signature)
+        if found is None:
+            found = RegionLayout.of(tensors), len(json.dumps(skeleton, default=str))
+            self._layouts = {signature: found}
+        return found
+
+    def interval(self) -> int:
+        """Steps between persists: ``persist_every``, or the one that keeps the disk busy ``busy``
+        of the time (1 until a write is measured; none until three checkpoints give the step's time)."""
+        if self.config.persist_every is not None:
+            return self.config.persist_every
+        if self._write_seconds is None:
+            return 1
+        gap = median_gap(list(self._marks))
+        if gap is None:
+            return 1 << 30
+        return busy_interval(self._write_seconds, gap / self.config.every, self.config.busy)
+
+    def _persist_due(self, step: int) -> bool:
+        writing = self._writing is not None and not self._writing.done()
+        return persist_due(step, self.last_persisted, self.interval(), fixed=self.config.persist_every is not None,
+                           writing=writing)
+
+    def _persist(self, step: int, views: dict[str, torch.Tensor], skeleton: Any) -> None:
+        """Copy the committed slot to the host buffer (waiting while the previous persist writes),
+        then write it to the directory on the tier's thread."""
+        self.last_persisted = step
+        buffer = self._staging.acquire(TensorLayout.of(views))
+        try:
+            keys = list(buffer.views)
+            with torch.no_grad():
+                torch._foreach_copy_([buffer.views[k] for k in keys], [views[k] for k in keys])
+        except BaseException:
+            self._staging.release(buffer)
+            raise
+        self._writing = self._writer.submit(f"write of the checkpoint at step {step} from the memory tier",
+                                            self._write, step, buffer, skeleton)
+
+    def _write(self, step: int, buffer: HostBuffer, skeleton: Any) -> None:
+        try:
+            t0 = time.perf_counter()
+            share = RankShare.of(buffer.views, set(), self.ctx.ranks, split=self.ctx.splits_replicated)
+            crash_point("tier.persist")
+            self.ctx.persist(step, buffer, skeleton, share=share, keep=self.config.keep, count=False)
+            self._write_seconds = time.perf_counter() - t0
+            self.persisted += 1
+        finally:
+            self._staging.release(buffer)
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        self._writer.drain()
+
+    def report(self) -> dict[str, int]:
+        """What a run summary says of the tier: its persist interval now, and the persists made."""
+        return {"persist_interval": self.interval(), "persisted": self.persisted}
+
+    def finish(self) -> None:
+        """A clean close: the newest slot is written to the directory if it is not there yet."""
+        self._writer.drain()
+        if self.region is None or self.newest <= self.last_persisted or self._newest_skeleton is None:
+            return
+        found = self.region.newest(warn=False)
+        if found is None or found[0].step != self.newest:
+            return
+        _, tensors, _ = found
+        self._persist(self.newest, tensors, self._newest_skeleton)
+        self._writer.drain()
+
+    def close(self, *, clean: bool = False) -> None:
+        """Release the region; after a clean close (``clean``: :meth:`finish` done) one in the default
+        place is deleted, its memory freed: the directory holds its newest checkpoint."""
+        self._writer.close()
+        if self.region is None:
+            return
+        self.region.close()
+        if clean and self.config.region is None and self.region.access != "read" and self.newest <= self.last_persisted:
+            self.path.unlink(missing_ok=True)
+            try:
+                self.path.parent.rmdir()  # (another rank's may still be there)
+            except OSError:
+                pass
+
+
+class FullState(Strategy):
+    """A strategy that writes the whole state: it takes ``memory=True`` (:class:`FullStateConfig`)."""
+
+    Config = FullStateConfig
+    config: FullStateConfig
+    tier: MemoryTier | None
+
+    def _make_tier(self) -> MemoryTier | None:
+        if not self.config.memory or self.ctx.directory is None:
+            return None
+        return MemoryTier(self.ctx, self.config, self.errors)
+
+    def _write_full(self, step: int, source: HostBuffer | dict[str, torch.Tensor], skeleton: Any, *,
+                    share: RankShare) -> tuple[int, float]:
+        """Write this rank's full checkpoint of ``step`` from ``source`` (a host buffer, or tensors):
+        to the memory tier where there is one, else to the directory (keeping the newest ``keep``);
+        the bytes written and the seconds it took. The caller releases ``source``."""
+        if self.tier is not None:
+            return self.tier.write(step, source, skeleton)
+        manifest, seconds = self.ctx.persist(step, source, skeleton, share=share, keep=self.config.keep)
+        return manifest.nbytes, seconds

@@ -1,0 +1,230 @@
+"""The memory tier of the strategies that write the whole state (``memory=True``): every checkpoint
+into a region in memory that outlives the training process, the directory every N steps.
+
+A killed training process loses at most one finished step, recovered from the region; a lost host
+(the region gone with its memory) at most N, recovered from the directory; the directory receives
+one checkpoint every N steps, N measured from the disk's writes unless given; a region of another
+run, or damaged, is refused or skipped by name and recovery falls back to the directory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from everystep._faults import arm, disarm
+from everystep.errors import CheckpointDirectoryError, ConfigError
+from everystep.eval.train import TrainConfig, run
+from everystep.storage.directory import CheckpointDirectory
+from everystep.storage.region import Region
+from everystep.storage.region_open import memory_path
+
+from .conftest import assert_recovered
+from .test_checkpointer import attach, live_hash, loop, make
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the memory tier lies in /dev/shm")
+
+FULL = ("full_sync", "checkfreq", "async", "checkflow", "gockpt", "gockpt_o")
+"""The strategies that write the whole state."""
+OPTIONS = {"gockpt": {"parts": 1, "reconstruct": "host"}, "gockpt_o": {"parts": 1, "reconstruct": "host"}}
+STEPS, PERSIST, SEED = 12, 4, 7
+
+
+@pytest.fixture
+def shm():
+    """A folder in memory standing for the host's: a host loss takes it."""
+    path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(TrainConfig(workload="mlp", strategy="none", steps=STEPS, seed=SEED, progress=False))
+
+
+def _options(strategy: str, shm: Path, **more) -> dict:
+    return {"memory": True, "region": f"{shm}/rank-{{rank}}.bin", "persist_every": PERSIST, **OPTIONS.get(strategy, {}),
+            **more}
+
+
+@pytest.mark.parametrize("strategy", FULL)
+def test_a_killed_training_process_recovers_from_memory_losing_at_most_one_step(tmp_path, shm, strategy, reference):
+    """Every step checkpointed, a SIGKILL at a random step: the restart reads the region, loses at
+    most one finished step, and ends bitwise where the uninterrupted run ends."""
+    fail = random.Random(strategy).randint(3, STEPS - 1)
+    s = run(TrainConfig(workload="mlp", strategy=strategy, steps=STEPS, seed=SEED, every=1, directory=str(tmp_path / "c"),
+                        fail_at=(fail,), progress=False, options=_options(strategy, shm)))
+    assert_recovered(s, sources={"memory"}, lose=1)
+    assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]
+
+
+@pytest.mark.parametrize("strategy", ["checkfreq", "full_sync", "checkflow", "gockpt"])
+def test_a_lost_host_recovers_from_the_directory_losing_at_most_n_steps(tmp_path, shm, strategy, reference):
+    """The host lost (the region in its memory gone, helper processes killed): the restart reads the
+    directory's newest checkpoint, persisted every N steps, and loses at most N finished steps."""
+    fail = random.Random(f"host/{strategy}").randint(PERSIST + 2, STEPS - 1)
+    s = run(TrainConfig(workload="mlp", strategy=strategy, steps=STEPS, seed=SEED, every=1, directory=str(tmp_path / "c"),
+                        fail_at=(fail,), fail_mode="hardware", progress=False, options=_options(strategy, shm)))
+    assert_recovered(s, sources={"disk"}, lose=PERSIST)
+    assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]
+
+
+def test_the_directory_receives_one_checkpoint_every_n_steps_and_the_last_at_a_clean_close(tmp_path, shm):
+    w = make("mlp", 0)
+    with attach(w, tmp_path / "c", "checkfreq", keep=100, memory=True,
+                      region=f"{shm}/rank-{{rank}}.bin", persist_every=3) as ckpt:
+        ckpt.restore()
+        loop(w, ckpt, 0, 10)
+        ckpt.wait()
+        tier = ckpt.strategy.tier
+        assert tier is not None and tier.persisted == 3 and ckpt.stats.last_memory_step == 9
+    directory = CheckpointDirectory.open(tmp_path / "c", access="read")
+    assert sorted(m.step for m in directory.fulls()) == [3, 6, 9, 10]  # and the last one at the close
+    assert tier.persisted == 4 and ckpt.stats.checkpoints == 10  # each one in memory
+
+
+def test_n_comes_from_the_measured_write_and_step_times(tmp_path, shm):
+    """A disk that takes 0.2 s a write under steps of a few milliseconds, busy at most a quarter of
+    the time: after the first write, which measures it, none until the close."""
+
+    def slow_disk() -> None:
+        time.sleep(0.2)
+
+    w = make("mlp", 0)
+    arm("tier.persist", action=slow_disk, repeat=True)
+    try:
+        with attach(w, tmp_path / "c", "checkfreq", keep=100, memory=True,
+                          region=f"{shm}/rank-{{rank}}.bin", busy=0.25) as ckpt:
+            ckpt.restore()
+            loop(w, ckpt, 0, 40)
+            ckpt.wait()
+            tier = ckpt.strategy.tier
+            step_seconds = 0.2 / (0.25 * tier.interval())
+            assert tier.interval() > 40 and step_seconds < 0.05  # (a step, as measured, of at most 50 ms)
+    finally:
+        disarm("tier.persist")
+    directory = CheckpointDirectory.open(tmp_path / "c", access="read")
+    assert sorted(m.step for m in directory.fulls()) == [1, 40]
+
+
+def _crashed(root: Path, w, steps: int, options: dict) -> dict[int, str]:
+    """Train ``steps`` steps and fail with an error (nothing persisted at the end, the region left as
+    a crash leaves it): each step's live state hash."""
+    hashes = {}
+    with pytest.raises(RuntimeError, match="training failed"):
+        with attach(w, root, **options) as ckpt:
+            ckpt.restore()
+            for t in range(1, steps + 1):
+                loop(w, ckpt, t - 1, t)
+                hashes[t] = live_hash(w, t)
+            ckpt.wait()
+            raise RuntimeError("training failed")
+    return hashes
+
+
+def test_recovery_takes_the_newest_of_memory_and_directory_and_is_bitwise(tmp_path, shm):
+    w = make("mlp", 0)
+    options = dict(strategy="checkfreq", memory=True, region=f"{shm}/rank-{{rank}}.bin", persist_every=4)
+    hashes = _crashed(tmp_path / "c", w, 7, options)  # slots of 5 and 6 in memory, step 4 on disk
+    w2 = make("mlp", 0)
+    with attach(w2, tmp_path / "c", **options) as again:
+        assert again.restore() == 6 and again.recovered.source == "memory"
+        assert live_hash(w2, 6) == hashes[6]
+        assert again.stats.last_durable_step == 4  # (what a host loss would leave)
+
+
+def test_a_damaged_region_is_skipped_by_name_and_the_directory_recovers(tmp_path, shm):
+    w = make("mlp", 0)
+    options = dict(strategy="checkfreq", memory=True, region=f"{shm}/rank-{{rank}}.bin", persist_every=2)
+    hashes = _crashed(tmp_path / "c", w, 6, options)  # slots of 4 and 5 in memory, step 4 on disk
+    region = Region.open(shm / "rank-0.bin", access="read")
+    try:
+        for slot in region.slots():  # a flipped byte in each slot's data
+            area_end = slot.area_offset + slot.area_nbytes
+            with open(shm / "rank-0.bin", "r+b") as f:
+                f.seek(area_end - 64)
+                byte = f.read(1)
+                f.seek(area_end - 64)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    finally:
+        region.close()
+    w2 = make("mlp", 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with attach(w2, tmp_path / "c", **options) as again:
+            assert again.restore() == 4 and again.recovered.source == "disk"
+            assert live_hash(w2, 4) == hashes[4]
+    assert any("rank-0.bin" in str(c.message) and "fails its checksum" in str(c.message) for c in caught), \
+        [str(c.message) for c in caught]
+
+
+def test_a_region_of_another_run_is_refused_and_left_as_it_is(tmp_path, shm):
+    w = make("mlp", 0)
+    region = f"{shm}/rank-{{rank}}.bin"
+    with attach(w, tmp_path / "a", "checkfreq", memory=True, region=region) as ckpt:
+        ckpt.restore()
+        loop(w, ckpt, 0, 2)
+    before = (shm / "rank-0.bin").read_bytes()
+    with pytest.raises(CheckpointDirectoryError, match="belongs to another checkpoint directory"):
+        attach(w, tmp_path / "b", "checkfreq", memory=True, region=region)
+    assert (shm / "rank-0.bin").read_bytes() == before
+
+
+def test_the_default_region_lies_in_memory_and_goes_at_a_clean_close(tmp_path):
+    w = make("mlp", 0)
+    path = memory_path(tmp_path / "c", None, 0, 1)
+    assert path.is_relative_to("/dev/shm") and f"everystep-{os.getuid()}" in str(path)
+    try:
+        with attach(w, tmp_path / "c", "full_sync", memory=True) as ckpt:
+            ckpt.restore()
+            loop(w, ckpt, 0, 3)
+            assert path.exists() and not ckpt.strategy.tier.region.flush  # in memory: nothing to flush
+        assert not path.exists()  # its newest checkpoint is in the directory
+        directory = CheckpointDirectory.open(tmp_path / "c", access="read")
+        assert directory.newest_full_step() == 3
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"persist_every": 3}, "configure the memory tier: give memory=True"),
+    ({"memory": True, "persist_every": 0}, "persist_every must be a positive number"),
+    ({"memory": True, "busy": 0}, "busy must be a share of the time"),
+    ({"memory": True, "persist": "process"}, "give one of them"),
+])
+def test_options_of_the_memory_tier_are_checked_by_name(tmp_path, options, match):
+    w = make("mlp", 0)
+    with pytest.raises(ConfigError, match=match):
+        attach(w, tmp_path / "c", "checkfreq", **options)
+
+
+def test_gockpt_refuses_the_memory_tier_where_it_writes_spread_checkpoints(tmp_path, shm):
+    w = make("mlp", 0)
+    with pytest.raises(ConfigError, match="writes spread checkpoints, and memory=True holds full ones"):
+        attach(w, tmp_path / "c", "gockpt", memory=True, reconstruct="device",
+                     region=f"{shm}/rank-{{rank}}.bin")
+    assert not list(shm.iterdir())  # nothing made
+
+
+def test_state_written_by_the_tier_holds_every_tensor_bitwise(tmp_path, shm):
+    """The slot and the checkpoint persisted from it are the live state of their step."""
+    w = make("mlp", 0)
+    with attach(w, tmp_path / "c", "checkfreq", memory=True,
+                      region=f"{shm}/rank-{{rank}}.bin", persist_every=2, final=False) as ckpt:
+        ckpt.restore()
+        loop(w, ckpt, 0, 2)
+        live = {k: v.clone() for k, v in w.model.state_dict().items()}
+        loop(w, ckpt, 2, 3)  # (S_2 is handed over once step 3 begins)
+        ckpt.wait()
+        found = ckpt.strategy.tier.region.newest()
+        assert found is not None and found[0].step == 2
+        assert all(torch.equal(found[1][f"/model/{k}"], v) for k, v in live.items())
