@@ -124,7 +124,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             every=args.every, repeats=args.repeats, threads=args.threads, seed=args.seed,
                             compress=args.compress, options=options, device=args.device,
                             scratch=args.scratch, in_backward=args.in_backward, trainer=args.trainer, nproc=args.nproc,
-                            parallel=args.parallel, remote=args.remote, peers=args.peers, samples=args.samples)
+                            parallel=args.parallel, remote=args.remote, peers=args.peers, samples=args.samples,
+                            memory=args.memory)
     if args.trainer:
         if args.region_layout or args.max_frequency or args.plot:
             raise ConfigError("--trainer takes none of --region-layout, --max-frequency, --plot")
@@ -195,6 +196,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if s.get("agent_seconds_per_step") is not None:
             print(f"{name}'s agent applied a step in {s['agent_seconds_per_step'] * 1e3:.1f} ms (median), against a "
                   f"training step of {s['mean_step_seconds'] * 1e3:.1f} ms")
+    for name, s in result["summary"].items():
+        if s.get("persist_interval") is not None:
+            print(f"{name}'s memory tier wrote the directory every {s['persist_interval']:.0f} step(s) (median; "
+                  f"{s['persisted']:.0f} writes a run)")
     if read := bench.recovery_reads(result["summary"]):
         print(f"recovery read (median; peak host memory above what the process held, most of the repeats): {read}")
     if "upload_throughput" in result:
@@ -388,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", action="store_true", help="also run each strategy that mirrors to peers with peers=True "
                    "(as STRATEGY+peers), each rank counted as a host of its own; the bytes each rank sends per step "
                    "are reported (needs --nproc 2 or more)")
+    b.add_argument("--memory", action="store_true", help="also run each strategy that writes the whole state with "
+                   "its memory tier (memory=True, as STRATEGY+memory): every checkpoint into memory, the directory at "
+                   "the interval the disk takes")
     b.add_argument("--scratch", default=None, help="where each run's checkpoint directory is made (default: the "
                    "temporary directory); /dev/shm keeps lightcheck's region in memory")
     b.add_argument("--in-backward", action="store_true", help="every run updates each layer during backward "

@@ -73,6 +73,9 @@ class BenchConfig:
     samples: int | None = None
     """Samples per step and rank (None: the workload's own batch): a larger batch is a longer step
     over the same state."""
+    memory: bool = False
+    """Each strategy that writes the whole state is also run with its memory tier (``memory=True``,
+    as ``<strategy>+memory``): every checkpoint into memory, the directory at the interval the disk takes."""
     peers: bool = False
     """Each strategy that mirrors to peers is also run with ``peers=True`` (as ``<strategy>+peers``),
     every rank counted as a host of its own, so that each mirrors its own part to another."""
@@ -107,6 +110,8 @@ class BenchConfig:
             self._add_remote()
         if self.peers:
             self._add_peers()
+        if self.memory:
+            self._add_memory()
 
     def _check_trainer(self) -> None:
         from .trainers import TRAINER_WORKLOADS, TRAINERS
@@ -145,6 +150,15 @@ class BenchConfig:
             mirroring = ", ".join(sorted(s for s, cls in STRATEGIES.items() if cls.mirrors_to_peers))
             raise ConfigError(f"--peers needs a strategy that mirrors to peers among --strategies ({mirroring})")
         self.strategies = (*self.strategies, *(f"{s}+peers" for s in able if f"{s}+peers" not in self.strategies))
+
+    def _add_memory(self) -> None:
+        able = [s for s in self.strategies if s in STRATEGIES and STRATEGIES[s].takes_memory]
+        if not able:
+            taking = ", ".join(sorted(s for s, cls in STRATEGIES.items() if cls.takes_memory))
+            raise ConfigError(f"--memory needs a strategy that writes the whole state among --strategies ({taking})")
+        if self.nproc != 1 or self.trainer is not None:
+            raise ConfigError("--memory runs one training process, without --trainer")
+        self.strategies = (*self.strategies, *(f"{s}+memory" for s in able if f"{s}+memory" not in self.strategies))
 
     def _check_ranks(self) -> None:
         """Several ranks, or a sharded layout: what each run can be, before any starts."""

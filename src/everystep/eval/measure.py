@@ -11,10 +11,12 @@ import uuid
 import json
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from ..checkpointer import Checkpointer
 from ..state import capture_rng, restore_rng
 from ..distributed import init_process_group
 from ..tree import flatten, state_error
+from ..storage.region_open import memory_path
 from ..strategies import STRATEGIES
 from .workloads import build, needs_ddp
 
@@ -51,6 +54,17 @@ def _scratch(spec: dict[str, Any]) -> Any:
     if "shared" in spec:
         return contextlib.nullcontext(spec["shared"])
     return tempfile.TemporaryDirectory(prefix="everystep-bench-", dir=spec.get("scratch"))
+
+
+@contextlib.contextmanager
+def _tier_removed(directory: str, name: str) -> Iterator[None]:
+    """A ``+memory`` run's memory tier in its default place is gone after the run, as its directory
+    (a run that failed leaves it, as a crash would)."""
+    try:
+        yield
+    finally:
+        if name.endswith("+memory"):
+            shutil.rmtree(memory_path(Path(directory), None, 0, 1).parent, ignore_errors=True)
 
 
 def _across_ranks(result: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +111,8 @@ def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[
     with _attach(fresh, directory, strategy, options, final=False) as again:
         recovered, extra = peak_during(again.restore)
         seconds = again.recovered.seconds if again.recovered else time.perf_counter() - t0
-        region = getattr(again.strategy, "region", None)
+        tier = again.strategy.tier
+        region = tier.region if tier is not None else getattr(again.strategy, "region", None)
         read = again.directory.catalog.bytes_read + (region.bytes_read if region is not None else 0)
     return seconds, recovered, fresh, again, {"recovery_bytes_read": read, "recovery_peak_extra_bytes": extra}
 
@@ -177,18 +192,22 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     init_process_group(one_process=needs_ddp(spec.get("compress")), device=spec.get("device", "cpu"))  # PowerSGD: DDP's hook
     name = spec["strategy"]
-    strategy = base_strategy(name)  # (+remote: the same strategy, uploading; +peers: mirroring)
+    strategy = base_strategy(name)  # (+remote: the same strategy, uploading; +peers: mirroring; +memory: its memory tier)
     if strategy not in STRATEGIES:  # a baseline: only its runs import DCP (a second of start-up)
         return measure_baseline(spec)
     steps, warmup = spec["steps"], spec["warmup"]
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
     if name.endswith("+peers"):
         options["peers"] = True
+    if name.endswith("+memory"):  # (in its default place, named: a clean close leaves it, to recover from)
+        options["memory"] = True
     if name.endswith("+remote"):
         # a prefix of the run's own (under several ranks, the name of the folder they share)
         options["remote"] = f"{spec['remote']}/{os.path.basename(spec['shared']) if 'shared' in spec else uuid.uuid4().hex[:12]}"
-    with _scratch(spec) as tmp:
+    with _scratch(spec) as tmp, _tier_removed(f"{tmp}/ckpt", name):
         directory = f"{tmp}/ckpt" if STRATEGIES[strategy].needs_store else None
+        if name.endswith("+memory"):
+            options["region"] = str(memory_path(Path(f"{tmp}/ckpt"), None, 0, 1).with_name("rank-{rank}.bin"))
         w = _build(spec, spec["seed"])
         times, lost_sw, lost_hw = [], [], []
         if torch.cuda.is_available():
@@ -215,6 +234,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             split = {**_split_bytes(ckpt, steps), **_checkflow_memory(ckpt.strategy)}
             live = _model_and_optimizer(w)
             memory, rng = None, None
+            tier = ckpt.strategy.tier.report() if ckpt.strategy.tier is not None else None
             if strategy == "lowdiff_plus":  # a software failure: the agent outlives the training process
                 ckpt._activity()  # S_steps is complete; hand it over as the next forward would
                 ckpt.wait()
@@ -248,6 +268,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             **split,
             **({"remote_step": ckpt.stats.last_remote_step} if name.endswith("+remote") else {}),
             **({"agent_seconds_per_step": ckpt.strategy.agent_seconds_per_step} if strategy == "lowdiff_plus" else {}),
+            **(tier or {}),
             **((ckpt.strategy.peer_traffic or {"peer_bytes_per_step": None}) if name.endswith("+peers") else {}),
         }
         if memory is not None:
@@ -265,6 +286,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             restore_rng(rng)
             result.update(_resume_check(fresh, after))
         elif directory is not None:
+            if tier is not None:  # the region outlives the training process: read from there, then the host lost
+                seconds, recovered, _, again, _ = _recover(spec, directory, strategy, options)
+                if recovered != steps or again.recovered is None or again.recovered.source != "memory":
+                    raise RuntimeError(f"recovered step {recovered} from {again.recovered}, expected {steps} from memory")
+                result["recovery_seconds_memory"] = seconds
+                Path(options["region"].replace("{rank}", "0")).unlink()
             seconds, recovered, fresh, again, io = _recover(spec, directory, strategy, options)
             result.update(io)
             from_region = again.recovered is not None and again.recovered.source == "region"  # lightcheck's memory

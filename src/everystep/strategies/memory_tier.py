@@ -37,7 +37,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -307,6 +307,7 @@ class FullState(Strategy):
     Config = FullStateConfig
     config: FullStateConfig
     tier: MemoryTier | None
+    takes_memory: ClassVar[bool] = True
 
     def _make_tier(self) -> MemoryTier | None:
         if not self.config.memory or self.ctx.directory is None:
