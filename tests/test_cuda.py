@@ -245,3 +245,51 @@ def test_checkfreq_with_a_writer_process_snapshots_into_registered_shared_memory
                           progress=False))
     assert got["losses"] == ref["losses"]
     assert got["final_state_sha256"] == ref["final_state_sha256"]
+
+
+@gpu
+@pytest.mark.parametrize("strategy, mode, source", [("checkfreq", "software", "memory"), ("async", "hardware", "disk"),
+                                                   ("checkflow", "software", "memory"), ("full_sync", "software", "memory")])
+def test_the_memory_tier_on_the_gpu_takes_each_snapshot_by_dma_and_recovers_bitwise(tmp_path, strategy, mode, source):
+    """``memory=True``: checkfreq's and async's snapshots go straight into the region's slot, registered
+    for DMA; the others copy their snapshot into it. A process crash recovers from the region, a host
+    loss (the region in /dev/shm gone) from the directory."""
+    steps = 10
+    ref = _reference(steps=steps)
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-")
+    try:
+        got = run(TrainConfig(workload="gpt2-tiny", strategy=strategy, steps=steps, directory=str(tmp_path / "c"),
+                              fail_at=(4, 8), fail_mode=mode, device="cuda", progress=False, every=1,
+                              options={"memory": True, "region": f"{shm}/rank-{{rank}}.bin", "persist_every": 2}))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert [r["source"] for r in got["recoveries"]] == [source] * 2
+    assert got["losses"] == ref["losses"]
+    assert got["final_state_sha256"] == ref["final_state_sha256"]
+
+
+@gpu
+def test_the_profile_counts_what_an_operator_allocates_and_frees_inside_it():
+    """An operator that allocates 64 MiB and frees it before it ends: the profile's bytes alive while
+    it runs include them (the allocator's peak between hooks), not only what is alive at its start."""
+    from everystep.capture.profile import profile_step
+
+    class Spike(torch.nn.Module):
+        def forward(self, x):
+            scratch = torch.empty(64 << 20, dtype=torch.uint8, device=x.device)
+            scratch.zero_()
+            del scratch
+            return x * 1.0
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), Spike(), torch.nn.Linear(64, 1)).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(8, 64, device="cuda")
+
+    def step():
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    profile = profile_step(model, optimizer, step)
+    assert max(profile.resident) >= torch.cuda.memory_allocated() + (64 << 20)

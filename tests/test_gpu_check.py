@@ -14,7 +14,8 @@ import torch
 
 from everystep.eval import gpu_check
 from everystep.eval.gpu_check import DRY, EVERY_STEP, SPREAD, Variant
-from everystep.eval.gpu_sizes import BOUND, BOUND_TARGETS, COMPRESSED, EVERY_STEP_TARGETS
+from everystep.eval.gpu_sizes import (BOUND, BOUND_MEMORY_TIER, BOUND_TARGETS, COMPRESSED, DEVICE_SNAPSHOT,
+                                      EVERY_STEP_TARGETS, MEMORY_TIER, REGIME)
 from everystep.eval.gpu_report import markdown
 from everystep.eval.interval_search import search_intervals, smallest_within
 from everystep.eval.machine import pcie_limit
@@ -40,7 +41,7 @@ def test_the_dry_run_reports_every_part_and_no_failure(dry):
     assert proc.returncode == 0, proc.stderr
     assert report["failures"] == []
     assert {name: p["status"] for name, p in report["parts"].items()} == dict.fromkeys(
-        ("tests", "bandwidth", "bench", "bound", "frequency", "memory"), "ran")
+        ("tests", "bandwidth", "bench", "bound", "frequency", "memory", "regime"), "ran")
     assert "1 failure" not in proc.stdout and "0 failure(s)" in proc.stdout
     m = report["machine"]
     assert m["torch"] == torch.__version__ and m["cpu_cores"] >= 1 and m["gpu"] is None
@@ -74,7 +75,8 @@ def test_the_dry_run_measures_the_copies_it_can_and_says_why_not_the_others(dry)
 def test_the_dry_run_benches_every_variant_interleaved_and_each_resumes_bitwise(dry):
     bench = dry[1]["parts"]["bench"]
     references = [f"none+{c}" for c in dict.fromkeys(COMPRESSED.values())]
-    labels = ["none", *references, *EVERY_STEP, *(f"{n}/{DRY.spread_every}" for n in SPREAD)]
+    labels = ["none", *references, *EVERY_STEP, *(f"{n}+memory" for n in MEMORY_TIER), DEVICE_SNAPSHOT,
+              *(f"{n}/{DRY.spread_every}" for n in SPREAD)]
     assert list(bench["summary"]) == labels and bench["rounds"] == DRY.repeats
     for label, s in bench["summary"].items():
         assert s["mean_step_seconds"] > 0
@@ -82,6 +84,10 @@ def test_the_dry_run_benches_every_variant_interleaved_and_each_resumes_bitwise(
             assert s["resumes_bitwise"] is True, label
     assert bench["summary"]["lowdiff_plus"]["recovery_seconds_memory"] > 0  # from its agent's memory
     assert bench["summary"]["lightcheck"]["recovery_seconds_memory"] > 0  # from its region
+    for name in MEMORY_TIER:  # from the memory tier's region, then from the directory
+        tiered = bench["summary"][f"{name}+memory"]
+        assert tiered["recovery_seconds_memory"] > 0 and tiered["recovery_seconds_disk"] > 0
+        assert tiered["persist_interval"] >= 1 and tiered["persisted"] >= 1
     spread = {r["strategy"]: r["every"] for r in bench["runs"]}
     assert spread["gockpt/3"] == 3 and spread["lightcheck"] == 1 and spread["lowdiff_plus"] is None
     timed = {r["strategy"]: len(r["step_seconds"]) for r in bench["runs"]}  # (after a first checkpoint)
@@ -105,7 +111,8 @@ def test_the_dry_run_benches_every_variant_interleaved_and_each_resumes_bitwise(
 def test_the_dry_run_takes_the_every_step_strategies_on_the_gpu_bound_workload_against_their_targets(dry):
     bound = dry[1]["parts"]["bound"]
     assert bound["workload"] == DRY.bound_workload and bound["rounds"] == DRY.repeats
-    assert list(bound["summary"]) == ["none", *(f"none+{c}" for c in dict.fromkeys(COMPRESSED.values())), *BOUND]
+    assert list(bound["summary"]) == ["none", *(f"none+{c}" for c in dict.fromkeys(COMPRESSED.values())), *BOUND,
+                                      *(f"{n}+memory" for n in BOUND_MEMORY_TIER)]
     assert {r["workload"] for r in bound["runs"]} == {DRY.bound_workload}
     assert {len(r["step_seconds"]) for r in bound["runs"]} == {DRY.bound_steps - DRY.bound_warmup}
     assert set(bound["targets"]) == set(BOUND_TARGETS)
@@ -126,6 +133,20 @@ def test_the_dry_run_searches_both_frequencies_and_reads_checkflows_memory(dry):
     mem = report["parts"]["memory"]
     assert mem["plan_feasible"] is True and mem["plan_peak_device_bytes"] > 0 and mem["planned_snapshot_bytes"] > 0
     assert mem["checkflow_peak_device_bytes"] is None and "no CUDA allocator" in mem["why_no_device_figures"]
+    assert mem["plan_over_run"] is None and mem["plan_met"] is None and mem["below_device_snapshot"] is None
+    assert bench[DEVICE_SNAPSHOT]["resumes_bitwise"] is True
+
+
+@dry_run
+def test_the_dry_run_measures_gockpt_every_k_steps_on_its_own_workload_against_async_o(dry):
+    regime = dry[1]["parts"]["regime"]
+    every = DRY.regime_every
+    assert list(regime["summary"]) == ["none", *(f"{n}/{every}" for n in REGIME)]
+    assert {r["workload"] for r in regime["runs"]} == {DRY.regime_workload}
+    assert {len(r["step_seconds"]) for r in regime["runs"]} == {DRY.regime_steps - DRY.regime_warmup}
+    for name in ("gockpt", "gockpt_o"):
+        g = regime["gockpt_stall_over_async_o"][name]
+        assert g["ratio"] is not None and g["met"] == (g["ratio"] <= g["target_at_most"])
 
 
 @dry_run
@@ -133,7 +154,7 @@ def test_the_markdown_report_has_a_section_for_each_part(dry):
     md = dry[2]
     for heading in ("# everystep gpu-check (dry run on the CPU)", "## tests/test_cuda.py", "## Device-to-host bandwidth",
                     "## Every step, and every K steps", "## Every step on a GPU-bound step (mlp)", "## Highest frequency within a 3.5% overhead budget",
-                    "## Checkflow's device memory", "## Failures"):
+                    "## Checkflow's device memory", "## GoCkpt where its copy spans several steps", "## Failures"):
         assert heading in md
     assert "| lightcheck |" in md and "| gockpt/3 |" in md and "None." in md.split("## Failures")[1]
 

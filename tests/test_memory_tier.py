@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -116,6 +117,30 @@ def test_n_comes_from_the_measured_write_and_step_times(tmp_path, shm):
     assert sorted(m.step for m in directory.fulls()) == [1, 40]
 
 
+def _slots(path: Path) -> list[int]:
+    """The complete slots of the region at ``path``, newest first."""
+    region = Region.open(path, access="read")
+    try:
+        return [s.slot for s in region.slots()]
+    finally:
+        region.close()
+
+
+def _flip(path: Path, slot: int) -> None:
+    """Flip a byte in the middle of the largest tensor of the region's ``slot``."""
+    region = Region.open(path, access="read")
+    try:
+        manifest = next(r.manifest for r in region.manifests() if r.manifest and r.manifest.meta["slot"] == slot)
+        offset, nbytes = region.object_location(max(manifest.objects.values(), key=lambda o: o.nbytes))
+    finally:
+        region.close()
+    with open(path, "r+b") as f:
+        f.seek(offset + nbytes // 2)
+        byte = f.read(1)
+        f.seek(offset + nbytes // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def _crashed(root: Path, w, steps: int, options: dict) -> dict[int, str]:
     """Train ``steps`` steps and fail with an error (nothing persisted at the end, the region left as
     a crash leaves it): each step's live state hash."""
@@ -146,17 +171,8 @@ def test_a_damaged_region_is_skipped_by_name_and_the_directory_recovers(tmp_path
     w = make("mlp", 0)
     options = dict(strategy="checkfreq", memory=True, region=f"{shm}/rank-{{rank}}.bin", persist_every=2)
     hashes = _crashed(tmp_path / "c", w, 6, options)  # slots of 4 and 5 in memory, step 4 on disk
-    region = Region.open(shm / "rank-0.bin", access="read")
-    try:
-        for slot in region.slots():  # a flipped byte in each slot's data
-            area_end = slot.area_offset + slot.area_nbytes
-            with open(shm / "rank-0.bin", "r+b") as f:
-                f.seek(area_end - 64)
-                byte = f.read(1)
-                f.seek(area_end - 64)
-                f.write(bytes([byte[0] ^ 0xFF]))
-    finally:
-        region.close()
+    for slot in _slots(shm / "rank-0.bin"):
+        _flip(shm / "rank-0.bin", slot)
     w2 = make("mlp", 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -182,7 +198,7 @@ def test_a_region_of_another_run_is_refused_and_left_as_it_is(tmp_path, shm):
 def test_the_default_region_lies_in_memory_and_goes_at_a_clean_close(tmp_path):
     w = make("mlp", 0)
     path = memory_path(tmp_path / "c", None, 0, 1)
-    assert path.is_relative_to("/dev/shm") and f"everystep-{os.getuid()}" in str(path)
+    assert path.is_relative_to("/dev/shm") and f"everystep-{os.geteuid()}" in str(path)
     try:
         with attach(w, tmp_path / "c", "full_sync", memory=True) as ckpt:
             ckpt.restore()
@@ -193,6 +209,22 @@ def test_the_default_region_lies_in_memory_and_goes_at_a_clean_close(tmp_path):
         assert directory.newest_full_step() == 3
     finally:
         shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def test_a_folder_of_memory_tiers_others_could_change_is_refused_by_name(tmp_path, shm, monkeypatch):
+    """The user's folder of memory tiers has a name known in advance: one that another user made, or
+    that others may write, is refused before anything is written there."""
+    from everystep.storage import region_open
+    from everystep.storage.region import UntrustedRegionError
+
+    monkeypatch.setattr(region_open, "MEMORY_ROOT", shm)
+    theirs = shm / f"everystep-{os.geteuid()}"
+    theirs.mkdir()
+    theirs.chmod(0o777)
+    w = make("mlp", 0)
+    with pytest.raises(UntrustedRegionError, match=f"{theirs}.*lets others replace the files in it"):
+        attach(w, tmp_path / "c", "checkfreq", memory=True)
+    assert not list(theirs.iterdir())
 
 
 @pytest.mark.parametrize("options, match", [
@@ -228,3 +260,25 @@ def test_state_written_by_the_tier_holds_every_tensor_bitwise(tmp_path, shm):
         found = ckpt.strategy.tier.region.newest()
         assert found is not None and found[0].step == 2
         assert all(torch.equal(found[1][f"/model/{k}"], v) for k, v in live.items())
+
+
+def test_inspect_and_verify_list_the_memory_tiers_slots_and_name_a_damaged_one(tmp_path, capsys):
+    from .conftest import call_cli
+
+    w = make("mlp", 0)
+    path = memory_path(tmp_path / "c", None, 0, 1)
+    try:
+        with pytest.raises(RuntimeError):
+            with attach(w, tmp_path / "c", "checkfreq", memory=True, persist_every=10) as ckpt:
+                ckpt.restore()
+                loop(w, ckpt, 0, 3)
+                ckpt.wait()
+                raise RuntimeError("training failed")  # the region stays, as a crash leaves it
+        code, listing, _ = call_cli(capsys, "inspect", str(tmp_path / "c"))
+        assert code == 0 and re.search(r"region\s+step\s+2\s.*valid", listing), listing
+        newest = _slots(path)[0]
+        _flip(path, newest)
+        code, out, _ = call_cli(capsys, "verify", str(tmp_path / "c"))
+        assert code == 1 and f"{path}:slot{newest}" in out and "fails its checksum" in out, out
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)

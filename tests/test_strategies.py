@@ -310,3 +310,32 @@ def test_a_restored_state_is_the_saved_one_whole_and_owned_by_the_users_objects(
         if step == 0 or strategy not in LOSSY:
             assert live_hash(w2, step) == hashes[step], f"restored at step {step}"
         assert state_hash(w2.data.state_dict()) == positions[step]  # lossy strategies too
+
+
+LOSES = {"full_sync": 1, "checkfreq": 2, "async": 2, "checkflow": 2, "gockpt": 3, "gockpt_o": 3, "lightcheck": 1,
+         "lowdiff_plus": 1, "naive_diff": 1}
+"""The most finished steps a crash of the training process loses with a checkpoint every step, as
+docs/strategies.md ("What a failure loses") says (``gockpt``: ``every=2``, ``parts=1``)."""
+
+
+@pytest.mark.parametrize("strategy", sorted(LOSES))
+def test_a_crash_loses_no_more_steps_than_the_documentation_says(tmp_path, strategy):
+    import random
+
+    fail = random.Random(f"loses/{strategy}").randint(5, 9)
+    every, options = (2, {"parts": 1}) if strategy.startswith("gockpt") else (None if strategy == "lowdiff_plus" else 1, {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        s = run(TrainConfig(workload="mlp", strategy=strategy, steps=10, seed=_kill_seed(fail), every=every,
+                            directory=str(tmp_path / "c"), fail_at=(fail,), progress=False, options=options))
+    assert_recovered(s, lose=LOSES[strategy])
+
+
+def test_checkfreq_snapshotting_on_the_device_first_lets_the_update_go_and_recovers_bitwise(tmp_path, references):
+    """``snapshot="device"`` (the baseline Checkflow compares its memory with): the update waits only
+    for the copy on the device; the host copy, made from it, still holds each step's state."""
+    ref = references[None]
+    s = run(TrainConfig(workload="mlp", strategy="checkfreq", steps=8, seed=_kill_seed(5), every=1,
+                        directory=str(tmp_path / "c"), fail_at=(5,), progress=False, options={"snapshot": "device"}))
+    assert_recovered(s, lose=LOSES["checkfreq"])
+    assert s["losses"] == ref["losses"] and s["final_state_sha256"] == ref["final_state_sha256"]

@@ -274,7 +274,8 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
             return 0
         sizes = gpu_check.GPU
     out = Path(args.out or ("bench-out/gpu-check" if args.dry_run else "docs/results"))
-    report, json_path, md_path = gpu_check.gpu_check(sizes, out, dry_run=args.dry_run, parts=args.parts,
+    parts = args.parts or (gpu_check.ALL_PARTS if args.dry_run else gpu_check.PARTS)
+    report, json_path, md_path = gpu_check.gpu_check(sizes, out, dry_run=args.dry_run, parts=parts,
                                                      say=lambda line: print(line, file=sys.stderr, flush=True))
     failed = report["failures"]
     print(f"gpu-check: {len(failed)} failure(s) in {report['seconds']:.0f} s; report {json_path} and {md_path}")
@@ -456,10 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "a minute (the report under bench-out/gpu-check)")
     g.add_argument("--out", metavar="DIR", help="where the report goes (default docs/results; bench-out/gpu-check "
                    "with --dry-run)")
-    g.add_argument("--parts", type=gpu_check_parts, default=("tests", "bandwidth", "bench", "bound", "frequency"),
-                   metavar="PARTS",
-                   help="comma-separated, some of tests,bandwidth,bench,bound,frequency (default all; memory comes "
-                   "with bench)")
+    g.add_argument("--parts", type=gpu_check_parts, default=None, metavar="PARTS",
+                   help="comma-separated, some of tests,bandwidth,bench,bound,frequency,regime (default all but regime, "
+                   "GoCkpt on a state that takes several steps to copy, a call of its own; --dry-run: all; memory "
+                   "comes with bench)")
     g.set_defaults(func=cmd_gpu_check)
 
     d = sub.add_parser("demo", help="train gpt2-tiny, kill it twice, recover, and compare with an uninterrupted run")

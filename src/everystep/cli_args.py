@@ -124,12 +124,12 @@ def strategy_option(text: str) -> tuple[tuple[str, str], Any]:
 
 
 def gpu_check_parts(text: str) -> tuple[str, ...]:
-    from .eval.gpu_check import PARTS
+    from .eval.gpu_sizes import ALL_PARTS
 
     chosen = comma_list(text)
-    unknown = [p for p in chosen if p not in PARTS]
+    unknown = [p for p in chosen if p not in ALL_PARTS]
     if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"expected some of {','.join(PARTS)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(ALL_PARTS)}; got {text!r}")
     return chosen
 
 

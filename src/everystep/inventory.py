@@ -9,7 +9,7 @@ from .errors import CorruptCheckpointError
 from .storage.base import Reader
 from .storage.directory import CheckpointDirectory
 from .recovery import read_full
-from .storage.region_open import open_region
+from .storage.region_open import memory_path, open_region
 
 __all__ = ["inspect_store", "verify_store", "region_rows"]
 
@@ -43,14 +43,22 @@ def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
 
 
 def region_rows(directory: CheckpointDirectory) -> list[dict[str, Any]]:
-    """lightcheck's regions of ``directory`` (where its run record says, else the default place):
-    one row per complete or damaged slot, verified (read as a reader reads, as a copy)."""
+    """lightcheck's regions and the memory tiers of ``directory`` (where its run record says, else
+    the default places): one row per complete or damaged slot, verified (read as a reader reads, as a copy)."""
     option = ((directory.marker.get("run") or {}).get("options") or {}).get("region")
+    world = int(directory.marker.get("world_size", 1))
     rows = []
-    for rank in range(int(directory.marker.get("world_size", 1))):
-        region = open_region(directory, option, rank=rank)
-        if region is None:
-            continue
+    for rank in range(world):
+        places = [option] if option is not None else [None, str(memory_path(directory.root, None, rank, world))]
+        for place in places:
+            rows += _slot_rows(directory, place, rank)
+    return rows
+
+
+def _slot_rows(directory: CheckpointDirectory, option: str | None, rank: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    region = open_region(directory, option, rank=rank)
+    if region is not None:
         try:
             complete = {s.slot: s for s in region.slots(warn=False)}
             for record in region.manifests():

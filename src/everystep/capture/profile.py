@@ -5,9 +5,12 @@ module's forward and each module's backward is an operator (a forward pre-hook; 
 module's output tensor, which fires as backward reaches the module), and the optimizer's step,
 when it updates everything at once, is the last one.
 For each operator: its time (on CUDA from events on the current stream, on the CPU from the clock),
-and the bytes alive on the device while it runs — parameters, optimizer state and gradients, plus
-the activations autograd has saved for backward and not yet freed (counted through
-``torch.autograd.graph.saved_tensors_hooks``, each storage once). For each parameter and optimizer
+and the bytes alive on the device while it runs — on CUDA the most the caching allocator held from
+its start to its end (``torch.cuda.max_memory_allocated``, its peak statistics reset at each
+operator, so that what an operator allocates and frees inside counts; after a profile the device's
+peak statistics start again from the profiled step's end); on the CPU the parameters, optimizer state
+and gradients, plus the activations autograd has saved for backward and not yet freed (counted
+through ``torch.autograd.graph.saved_tensors_hooks``, each storage once), as the operator starts. For each parameter and optimizer
 state tensor (named ``param/I`` and ``state/I/NAME``, I its index in the optimizer's groups): the
 operator that updates it — the optimizer's step, or, with an :class:`~everystep.OptimizerInBackward`,
 the backward of the module that owns the parameter. Scalar state (Adam's ``step``) is left out.
@@ -107,6 +110,8 @@ class _Recorder:
         self.cuda = any(p.is_cuda for p in model.parameters())
         self.marks: list[tuple[str, Any, int]] = []
         """(operator that starts here, a clock mark, bytes alive when it starts)."""
+        self.peaks: list[int] = []
+        """CUDA: at each mark, the most bytes allocated since the mark before (inside the operator that ends)."""
         self.saved: dict[int, int] = {}
         self.updated: dict[torch.Tensor, int] = {}
         self.weights = {local_shard(p).untyped_storage().data_ptr() for p in model.parameters()}
@@ -132,6 +137,8 @@ class _Recorder:
 
     def mark(self, name: str) -> None:
         if self.cuda:
+            self.peaks.append(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             clock: Any = event
@@ -166,6 +173,8 @@ class _Recorder:
         else:
             times = [b[1] - a[1] for a, b in zip(self.marks, self.marks[1:])]
         resident = [m[2] for m in self.marks[:-1]]
+        if self.cuda:  # the peak inside each operator (the first mark's peak is before the step)
+            resident = [max(alive, peak) for alive, peak in zip(resident, self.peaks[1:])]
         tensors = []
         index = 0
         for group in self.optimizer.param_groups:

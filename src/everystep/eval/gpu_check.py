@@ -10,7 +10,9 @@ to the next):
    process use) host memory, on the training stream with the GPU otherwise idle and on a side stream
    while matmuls run on the training stream, against the PCIe link's limit;
 3. ``bench``: :data:`EVERY_STEP` checkpointing every step (``lowdiff`` with top-k 1%, the paper's
-   setting, over a ``none`` that trains with the same compression), each against its target
+   setting, over a ``none`` that trains with the same compression), :data:`MEMORY_TIER` every step
+   with their memory tier (``NAME+memory``) and CheckFreq snapshotting on the device first
+   (:data:`DEVICE_SNAPSHOT`), each against its target
    (:data:`EVERY_STEP_TARGETS`) beside ``none``'s spread between rounds, and :data:`SPREAD` with a
    checkpoint every :attr:`Sizes.spread_every` steps (GoCkpt's copy spread over
    :attr:`Sizes.spread_parts`), all interleaved with one ``none`` reference, each run's resume
@@ -18,12 +20,14 @@ to the next):
    Async-O's (``checkfreq``: its snapshot overlaps the next forward and backward), the runs every K
    steps timed after the first two checkpoints (:attr:`Sizes.spread_warmup`: the host memory a
    strategy keeps is allocated once in a long run);
-4. ``bound``: :data:`BOUND` every step on the GPU-bound workload (:attr:`Sizes.bound_workload`),
+4. ``bound``: :data:`BOUND` and :data:`BOUND_MEMORY_TIER` (with its memory tier) every step on the
+   GPU-bound workload (:attr:`Sizes.bound_workload`),
    interleaved with ``none``, each against its target (:data:`BOUND_TARGETS`), beside ``none``'s spread;
 5. ``frequency``: the smallest checkpoint interval of ``lightcheck`` and of ``checkfreq`` within a
    3.5% overhead budget, searched from the every-step overheads over powers of two;
 6. ``memory``: Checkflow's peak device memory (``max_memory_allocated``) in the bench's runs against
-   its plan's, CheckFreq's and no checkpointing's.
+   its plan's (within :data:`PLAN_TARGET`), CheckFreq's, the device-snapshotting CheckFreq's (which it
+   should stay below) and no checkpointing's.
 
 The report is one JSON and one Markdown file, ``gpu_check_<device>_<date>``, with the machine, every
 figure and every failure with its traceback. A part that fails or runs out of its box is reported
@@ -54,11 +58,12 @@ from .bandwidth import measure_bandwidth
 from .machine import machine
 from .gpu_report import markdown
 from .interval_search import search_intervals, smallest_within
-from .gpu_rounds import Variant, bound_variants, exact, over_references, rounds, targets, variants
-from .gpu_sizes import (ASYNC_O, BOUND_TARGETS, DRY, EVERY_STEP, EVERY_STEP_TARGETS, GOCKPT_TARGETS, GPU,
-                        INTERRUPT_GRACE, LIGHTCHECK_TARGET, PARTS, SPREAD, Box, Sizes, failure)
+from .gpu_rounds import Variant, bound_variants, exact, over_references, regime_variants, rounds, targets, variants
+from .gpu_sizes import (ASYNC_O, BOUND_TARGETS, DEVICE_SNAPSHOT, DRY, EVERY_STEP, EVERY_STEP_TARGETS, GOCKPT_TARGETS, GPU,
+                        INTERRUPT_GRACE, LIGHTCHECK_TARGET, PARTS, ALL_PARTS, PLAN_TARGET, SPREAD, Box, Sizes, failure)
 
-__all__ = ["Sizes", "GPU", "DRY", "EVERY_STEP", "SPREAD", "gpu_check", "report_name", "no_gpu_reason"]
+__all__ = ["Sizes", "GPU", "DRY", "EVERY_STEP", "SPREAD", "PARTS", "ALL_PARTS", "gpu_check", "report_name",
+           "no_gpu_reason"]
 
 def no_gpu_reason() -> str | None:
     """Why this machine cannot run the GPU check (None: it can)."""
@@ -233,15 +238,32 @@ def run_bench_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: 
 
     chosen = variants(sizes)
     runs, done, summary = _measured(sizes, chosen, box, failures, "bench", say)
-    spread = sizes.spread_every
-    stall = {k: summary.get(f"{k}/{spread}", {}).get("stall_per_checkpoint_seconds") for k in (*GOCKPT_TARGETS, ASYNC_O)}
-    versus = {k: (stall[k] / stall[ASYNC_O] if stall[k] is not None and stall[ASYNC_O] else None) for k in GOCKPT_TARGETS}
     return {"variants": [asdict(v) for v in chosen], "rounds": done, "summary": summary,
             "reference_spread": reference_spread(runs), "targets": targets(summary, EVERY_STEP_TARGETS),
-            "gockpt_stall_over_async_o": {k: {"ratio": versus[k], "target_at_most": t,
-                                            "met": None if versus[k] is None else versus[k] <= t}
-                                        for k, t in GOCKPT_TARGETS.items()},
-            "runs": runs}
+            "gockpt_stall_over_async_o": _stall_over_async_o(summary, sizes.spread_every), "runs": runs}
+
+
+def run_regime_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None]
+                    ) -> dict[str, Any]:
+    """GoCkpt where it applies: :data:`REGIME` every ``regime_every`` steps on a workload whose state
+    takes several steps to copy, interleaved with ``none``; GoCkpt's and GoCkpt-O's stall per
+    checkpoint over Async-O's against the paper's bounds."""
+    from .bench import reference_spread
+
+    chosen = regime_variants(sizes)
+    runs, done, summary = _measured(sizes, chosen, box, failures, "regime", say)
+    return {"workload": sizes.regime_workload, "samples": sizes.regime_samples, "every": sizes.regime_every,
+            "variants": [asdict(v) for v in chosen], "rounds": done, "summary": summary,
+            "reference_spread": reference_spread(runs),
+            "gockpt_stall_over_async_o": _stall_over_async_o(summary, sizes.regime_every), "runs": runs}
+
+
+def _stall_over_async_o(summary: dict[str, dict[str, Any]], every: int) -> dict[str, dict[str, Any]]:
+    """GoCkpt's and GoCkpt-O's stall per checkpoint over Async-O's (runs labelled ``NAME/every``)."""
+    stall = {k: summary.get(f"{k}/{every}", {}).get("stall_per_checkpoint_seconds") for k in (*GOCKPT_TARGETS, ASYNC_O)}
+    versus = {k: (stall[k] / stall[ASYNC_O] if stall[k] is not None and stall[ASYNC_O] else None) for k in GOCKPT_TARGETS}
+    return {k: {"ratio": versus[k], "target_at_most": t, "met": None if versus[k] is None else versus[k] <= t}
+            for k, t in GOCKPT_TARGETS.items()}
 
 
 def run_bound_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None]) -> dict[str, Any]:
@@ -304,11 +326,19 @@ def memory_part(bench: dict[str, Any]) -> dict[str, Any]:
     if "checkflow" not in summary:
         raise EverystepError("the bench has no checkflow run to read its memory from")
     flow = summary["checkflow"]
+    run, plan = flow.get("peak_device_bytes"), flow.get("plan_peak_device_bytes")
+    device = summary.get(DEVICE_SNAPSHOT, {}).get("peak_device_bytes")
+    plan_over_run = plan / run if plan is not None and run else None
     return {
         "checkflow_peak_device_bytes": flow.get("peak_device_bytes"),
         "plan_peak_device_bytes": flow.get("plan_peak_device_bytes"),
         "plan_feasible": flow.get("plan_feasible"),
         "checkfreq_peak_device_bytes": summary.get("checkfreq", {}).get("peak_device_bytes"),
+        "device_snapshot_peak_device_bytes": device,
+        "plan_over_run": plan_over_run,
+        "plan_target": PLAN_TARGET,
+        "plan_met": None if plan_over_run is None else abs(plan_over_run - 1) <= PLAN_TARGET,
+        "below_device_snapshot": None if device is None or run is None else run < device,
         "none_peak_device_bytes": summary.get("none", {}).get("peak_device_bytes"),
         "planned_snapshot_bytes": flow.get("planned_snapshot_bytes"),
         "peak_snapshot_bytes": flow.get("peak_snapshot_bytes"),
@@ -337,6 +367,7 @@ def gpu_check(sizes: Sizes, out: Path, *, dry_run: bool, parts: tuple[str, ...] 
         ("bound", lambda box: run_bound_part(sizes, box, failures, say)),
         ("frequency", lambda box: run_frequency(sizes, report["parts"]["bench"], box, failures, say)),
         ("memory", lambda box: memory_part(report["parts"]["bench"])),
+        ("regime", lambda box: run_regime_part(sizes, box, failures, say)),
     ]
     spare = 0.0  # what the parts before left of their boxes goes to the next
     for name, step in steps:

@@ -35,7 +35,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f"| {p.get('failures', '–')} |")
     lines += _tests_md(parts.get("tests", {})) + _bandwidth_md(parts.get("bandwidth", {}), pcie)
     lines += _bench_md(parts.get("bench", {})) + _bound_md(parts.get("bound", {})) + _frequency_md(parts.get("frequency", {}))
-    lines += _memory_md(parts.get("memory", {}))
+    lines += _memory_md(parts.get("memory", {})) + _regime_md(parts.get("regime", {}))
     lines += ["", "## Failures", ""]
     if not report["failures"]:
         lines.append("None.")
@@ -81,13 +81,28 @@ def _bench_md(p: dict[str, Any]) -> list[str]:
     out = ["", "## Every step, and every K steps (`NAME/K`)", "", f"{p['rounds']} interleaved round(s); overhead: mean "
            "step time over the same round's `none` (for a strategy that trains with a gradient compression, the `none` "
            "that trains with it), minus one, median over rounds.", "",
-           markdown_table(p["summary"], p.get("reference_spread")), *_spread_md(p), *_targets_md(p), "",
-           "| GoCkpt stall per checkpoint over Async-O's (`checkfreq`) | ratio | paper's target | met |",
+           markdown_table(p["summary"], p.get("reference_spread")), *_spread_md(p), *_targets_md(p)]
+    return out + _stall_md(p["gockpt_stall_over_async_o"])
+
+
+def _stall_md(ratios: dict[str, dict[str, Any]]) -> list[str]:
+    out = ["", "| GoCkpt stall per checkpoint over Async-O's (`checkfreq`) | ratio | paper's target | met |",
            "|---|---|---|---|"]
-    for name, g in p["gockpt_stall_over_async_o"].items():
+    for name, g in ratios.items():
         met = {True: "yes", False: "no", None: "–"}[g["met"]]
         out.append(f"| {name} | {_num(g['ratio'], 100, 1, '%')} | ≤ {g['target_at_most']:.0%} | {met} |")
     return out
+
+
+def _regime_md(p: dict[str, Any]) -> list[str]:
+    if "summary" not in p:
+        return []
+    from .bench import markdown_table
+
+    samples = f", {p['samples']} sample(s) a step" if p.get("samples") else ""
+    return ["", f"## GoCkpt where its copy spans several steps ({p['workload']}{samples}, every {p['every']} steps)", "",
+            f"{p['rounds']} interleaved round(s), overhead as above.", "",
+            markdown_table(p["summary"], p.get("reference_spread")), *_spread_md(p), *_stall_md(p["gockpt_stall_over_async_o"])]
 
 
 def _bound_md(p: dict[str, Any]) -> list[str]:
@@ -136,11 +151,16 @@ def _memory_md(p: dict[str, Any]) -> list[str]:
     rows = [("checkflow, as run (max_memory_allocated)", p["checkflow_peak_device_bytes"]),
             ("checkflow, its plan", p["plan_peak_device_bytes"]),
             ("checkfreq (max_memory_allocated)", p["checkfreq_peak_device_bytes"]),
+            ("checkfreq snapshotting on the device first (max_memory_allocated)", p.get("device_snapshot_peak_device_bytes")),
             ("none (max_memory_allocated)", p["none_peak_device_bytes"]),
             ("checkflow's snapshots at once, planned", p["planned_snapshot_bytes"]),
             ("checkflow's snapshots at once, as run", p["peak_snapshot_bytes"])]
     out = ["", "## Checkflow's device memory", "", "| what | MiB |", "|---|---|"]
     out += [f"| {what} | {_num(v, 1 / MIB, 1)} |" for what, v in rows]
+    ratio, met = p.get("plan_over_run"), p.get("plan_met")
+    out += ["", f"Checkflow's plan over its run: {_num(ratio, 1, 2, '×')} (within {p.get('plan_target', 0):.0%}: "
+            f"{'met' if met else 'not met' if met is False else 'not measured'}); below the CheckFreq that snapshots "
+            f"on the device: {'yes' if p.get('below_device_snapshot') else 'no' if p.get('below_device_snapshot') is False else 'not measured'}."]
     if p.get("why_no_device_figures"):
         out += ["", p["why_no_device_figures"] + "."]
     return out

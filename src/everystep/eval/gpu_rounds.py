@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EverystepError
-from .gpu_sizes import BOUND, COMPRESSED, EVERY_STEP, SPREAD, Box, Sizes, failure
+from .gpu_sizes import (BOUND, BOUND_MEMORY_TIER, COMPRESSED, DEVICE_SNAPSHOT, EVERY_STEP, MEMORY_TIER, REGIME, SPREAD, Box,
+                        Sizes, failure)
 
-__all__ = ["Variant", "variants", "bound_variants", "over_references", "targets", "spec", "rounds", "exact"]
+__all__ = ["Variant", "variants", "bound_variants", "regime_variants", "over_references", "targets", "spec", "rounds", "exact"]
 
 
 @dataclass(frozen=True)
@@ -31,14 +32,18 @@ class Variant:
     steps: int | None = None
     """Steps of its runs, and the first ``warmup`` left out of the timing (None: the sizes')."""
     warmup: int | None = None
+    samples: int | None = None
+    """Samples a step (None: the workload's batch)."""
 
 
 def variants(sizes: Sizes) -> list[Variant]:
-    """``none``, :data:`EVERY_STEP` every step, :data:`SPREAD` every ``spread_every`` steps
-    (labelled ``NAME/K``), and a ``none`` with each compression a strategy reuses (``none+C``);
-    lightcheck's checkpoint directory, and so its region, in ``/dev/shm``."""
+    """``none``, :data:`EVERY_STEP` every step, :data:`MEMORY_TIER` every step with their memory tier
+    (``NAME+memory``), CheckFreq snapshotting on the device (:data:`DEVICE_SNAPSHOT`), :data:`SPREAD`
+    every ``spread_every`` steps (labelled ``NAME/K``), and a ``none`` with each compression a strategy
+    reuses (``none+C``); lightcheck's checkpoint directory, and so its region, in ``/dev/shm``."""
     found = [Variant("none", "none", None)] + _compressed_references()
-    found += [_every_step(name) for name in EVERY_STEP]
+    found += [_every_step(name) for name in EVERY_STEP] + [_memory_tier(name) for name in MEMORY_TIER]
+    found.append(Variant(DEVICE_SNAPSHOT, "checkfreq", 1, {"snapshot": "device"}))
     for name in SPREAD:
         options = {"parts": sizes.spread_parts} if name.startswith("gockpt") else {}
         found.append(Variant(f"{name}/{sizes.spread_every}", name, sizes.spread_every, options,
@@ -50,6 +55,7 @@ def bound_variants(sizes: Sizes) -> list[Variant]:
     """The ``bound`` part's: ``none`` (and its compressed twins) and :data:`BOUND` every step, on the
     GPU-bound workload."""
     chosen = [Variant("none", "none", None)] + _compressed_references() + [_every_step(name) for name in BOUND]
+    chosen += [_memory_tier(name) for name in BOUND_MEMORY_TIER]
     return [dataclasses.replace(v, workload=sizes.bound_workload, steps=sizes.bound_steps, warmup=sizes.bound_warmup)
             for v in chosen]
 
@@ -58,6 +64,19 @@ def _every_step(name: str) -> Variant:
     every = None if name == "lowdiff_plus" else 1  # lowdiff_plus: its replica every step, persisted at its own interval
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     return Variant(name, name, every, scratch=shm if name == "lightcheck" else None, compress=COMPRESSED.get(name))
+
+
+def regime_variants(sizes: Sizes) -> list[Variant]:
+    """The ``regime`` part's: ``none`` and :data:`REGIME` every ``regime_every`` steps (labelled
+    ``NAME/K``) on the workload whose copy spans several steps."""
+    every = sizes.regime_every
+    chosen = [Variant("none", "none", None)] + [Variant(f"{name}/{every}", name, every) for name in REGIME]
+    return [dataclasses.replace(v, workload=sizes.regime_workload, steps=sizes.regime_steps, warmup=sizes.regime_warmup,
+                                samples=sizes.regime_samples) for v in chosen]
+
+
+def _memory_tier(name: str) -> Variant:
+    return Variant(f"{name}+memory", name, 1, {"memory": True})
 
 
 def _compressed_references() -> list[Variant]:
@@ -94,7 +113,8 @@ def spec(sizes: Sizes, v: Variant, repeat: int, steps: int | None = None) -> dic
 
     cfg = BenchConfig(workload=v.workload or sizes.workload, strategies=(v.strategy,),
                       steps=steps or v.steps or sizes.steps, warmup=v.warmup or sizes.warmup, repeats=1,
-                      device=sizes.device, options={v.strategy: v.options}, scratch=v.scratch, compress=v.compress)
+                      device=sizes.device, options={v.strategy: v.options}, scratch=v.scratch, compress=v.compress,
+                      samples=v.samples)
     return run_spec(cfg, repeat, v.strategy, v.every)
 
 

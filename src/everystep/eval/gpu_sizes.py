@@ -8,7 +8,8 @@ import traceback
 from dataclasses import dataclass, field
 
 __all__ = ["Sizes", "GPU", "DRY", "EVERY_STEP", "SPREAD", "ASYNC_O", "GOCKPT_TARGETS", "LIGHTCHECK_TARGET", "PARTS",
-           "INTERRUPT_GRACE", "MIB", "COMPRESSED", "BOUND", "EVERY_STEP_TARGETS", "BOUND_TARGETS", "Box", "failure"]
+           "INTERRUPT_GRACE", "MIB", "COMPRESSED", "BOUND", "EVERY_STEP_TARGETS", "BOUND_TARGETS", "Box", "failure",
+           "MEMORY_TIER", "BOUND_MEMORY_TIER", "DEVICE_SNAPSHOT", "PLAN_TARGET", "ALL_PARTS", "REGIME"]
 
 EVERY_STEP = ("torch_save", "dcp_async", "checkfreq", "async", "lightcheck", "checkflow", "lowdiff_plus", "lowdiff")
 """Checkpointing every step (``lowdiff_plus``: its replica every step, persisted at its own interval;
@@ -18,9 +19,21 @@ COMPRESSED = {"lowdiff": "topk:0.01"}
 paper's setting): each one's overhead is over a ``none`` run with that compression (``none+topk:0.01``)."""
 BOUND = ("lightcheck", "lowdiff_plus", "lowdiff")
 """The strategies built to take every step, measured on the GPU-bound workload too."""
-EVERY_STEP_TARGETS = {"lightcheck": 0.10, "lowdiff_plus": 0.10, "lowdiff": 0.10}
+MEMORY_TIER = ("checkfreq", "checkflow")
+"""Strategies that write the whole state, measured every step with their memory tier too
+(``NAME+memory``: every checkpoint into a region in memory, the directory at the interval the disk takes)."""
+BOUND_MEMORY_TIER = ("checkfreq",)
+"""Those measured so on the GPU-bound workload too."""
+DEVICE_SNAPSHOT = "checkfreq/device"
+"""CheckFreq snapshotting on the device before copying out (``snapshot="device"``): the baseline
+Checkflow compares its device memory with."""
+PLAN_TARGET = 0.10
+"""Checkflow's planned peak device memory within this fraction of its run's (``max_memory_allocated``)."""
+EVERY_STEP_TARGETS = {"lightcheck": 0.10, "lowdiff_plus": 0.10, "lowdiff": 0.10,
+                      **{f"{name}+memory": 0.10 for name in MEMORY_TIER}}
 """The most each may cost every step on the short-step workload (gpt2-small)."""
-BOUND_TARGETS = {"lightcheck": 0.03, "lowdiff_plus": 0.05, "lowdiff": 0.03}
+BOUND_TARGETS = {"lightcheck": 0.03, "lowdiff_plus": 0.05, "lowdiff": 0.03,
+                 **{f"{name}+memory": 0.03 for name in BOUND_MEMORY_TIER}}
 """The most each may cost every step on the GPU-bound workload: LightCheck's paper ≤ 4%, LowDiff+'s
 5.1–7.2% without compression, LowDiff's 2.4–3.1%."""
 SPREAD = ("gockpt", "gockpt_o", "async", "checkfreq")
@@ -32,6 +45,12 @@ GOCKPT_TARGETS = {"gockpt": 0.42, "gockpt_o": 0.14}
 LIGHTCHECK_TARGET = 10.0
 """LightCheck's paper: more than 10× CheckFreq's checkpoint frequency within the overhead budget."""
 PARTS = ("tests", "bandwidth", "bench", "bound", "frequency")
+"""The parts one call runs by default (``memory`` is read from the bench's runs)."""
+ALL_PARTS = (*PARTS, "regime")
+"""With ``regime``, GoCkpt where its copy spans several steps: a call of its own (``--parts regime``)."""
+REGIME = ("gockpt", "gockpt_o", "checkfreq")
+"""GoCkpt, GoCkpt-O and Async-O (``checkfreq``) every :attr:`Sizes.regime_every` steps on
+:attr:`Sizes.regime_workload`, whose state takes several steps to copy."""
 INTERRUPT_GRACE = 20.0
 """Seconds pytest is given, interrupted at the end of its box, to report the tests that ran."""
 MIB = 2**20
@@ -63,6 +82,12 @@ class Sizes:
     """The GPU-bound workload of the ``bound`` part (:data:`BOUND` every step)."""
     bound_steps: int = 12
     bound_warmup: int = 4
+    regime_workload: str = "gpt2-medium"
+    """The ``regime`` part's: a state of 4 GiB (336M parameters with AdamW's state), several steps to copy."""
+    regime_samples: int | None = 1
+    """Its samples a step (None: the workload's batch): a short step, so that the copy spans several."""
+    regime_every: int = 50
+    """A checkpoint every this many steps, as GoCkpt's paper measures."""
     boxes: dict[str, float] = field(default_factory=dict)
     """Seconds each part may take (:data:`PARTS`); ``memory`` is read from the bench's runs."""
 
@@ -75,6 +100,16 @@ class Sizes:
         return 2 * self.spread_every + self.spread_parts + 1
 
     @property
+    def regime_warmup(self) -> int:
+        """The ``regime`` part's runs are timed after their first two checkpoints (K at most 7)."""
+        return 2 * self.regime_every + 8
+
+    @property
+    def regime_steps(self) -> int:
+        """Two intervals timed after the warm-up."""
+        return self.regime_warmup + 2 * self.regime_every
+
+    @property
     def spread_steps(self) -> int:
         """Steps of a run every :attr:`spread_every` steps: three intervals timed after the warm-up."""
         return self.spread_warmup + 3 * self.spread_every
@@ -82,7 +117,7 @@ class Sizes:
 
 GPU = Sizes(workload="gpt2-small", device="cuda", steps=25, warmup=5, repeats=3, spread_every=8, spread_parts=7,
             copy_bytes=256 * MIB, copies=5, frequency_cap=128, frequency_repeats=2, test_workers=4,
-            boxes={"tests": 100, "bandwidth": 25, "bench": 285, "bound": 100, "frequency": 40})
+            boxes={"tests": 100, "bandwidth": 25, "bench": 285, "bound": 100, "frequency": 40, "regime": 540})
 """On one H100: gpt2-small's 25 ms steps and 265 MiB of state. 550 s of boxes (what a part leaves of
 its box goes to the next), 9 minutes with the report. A round of the bench took about 125 s there
 before ``lowdiff`` and its compressed reference joined it (two more runs, about 15 s), so three
@@ -93,7 +128,8 @@ checkpoint every 128 steps (a probe trains 2 intervals: 261 steps, about 7 s): C
 265 MiB to a disk each time needs about that many steps of 25 ms to stay within 3.5%."""
 DRY = Sizes(workload="mlp", device="cpu", steps=8, warmup=2, repeats=1, spread_every=3, spread_parts=2,
             copy_bytes=4 * MIB, copies=3, frequency_cap=2, frequency_repeats=1, bound_workload="mlp", bound_steps=6,
-            bound_warmup=2, boxes={"tests": 120, "bandwidth": 30, "bench": 240, "bound": 120, "frequency": 120})
+            bound_warmup=2, regime_workload="mlp", regime_samples=None, regime_every=3,
+            boxes={"tests": 120, "bandwidth": 30, "bench": 240, "bound": 120, "frequency": 120, "regime": 120})
 """The same pipeline on the CPU with a tiny workload; every figure real, none meaningful."""
 
 

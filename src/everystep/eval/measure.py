@@ -57,13 +57,14 @@ def _scratch(spec: dict[str, Any]) -> Any:
 
 
 @contextlib.contextmanager
-def _tier_removed(directory: str, name: str) -> Iterator[None]:
-    """A ``+memory`` run's memory tier in its default place is gone after the run, as its directory
-    (a run that failed leaves it, as a crash would)."""
+def _tier_removed(directory: str, options: dict[str, Any]) -> Iterator[None]:
+    """A run's memory tier in its default place is gone after the run, as its directory (a run that
+    failed leaves it, as a crash would)."""
+    given = options.get("region")
     try:
         yield
     finally:
-        if name.endswith("+memory"):
+        if options.get("memory") and given is None:
             shutil.rmtree(memory_path(Path(directory), None, 0, 1).parent, ignore_errors=True)
 
 
@@ -199,14 +200,15 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
     if name.endswith("+peers"):
         options["peers"] = True
-    if name.endswith("+memory"):  # (in its default place, named: a clean close leaves it, to recover from)
+    if name.endswith("+memory"):
         options["memory"] = True
     if name.endswith("+remote"):
         # a prefix of the run's own (under several ranks, the name of the folder they share)
         options["remote"] = f"{spec['remote']}/{os.path.basename(spec['shared']) if 'shared' in spec else uuid.uuid4().hex[:12]}"
-    with _scratch(spec) as tmp, _tier_removed(f"{tmp}/ckpt", name):
+    with _scratch(spec) as tmp, _tier_removed(f"{tmp}/ckpt", options):
         directory = f"{tmp}/ckpt" if STRATEGIES[strategy].needs_store else None
-        if name.endswith("+memory"):
+        if options.get("memory") and options.get("region") is None:
+            # its default place, named: a clean close leaves it, to recover from
             options["region"] = str(memory_path(Path(f"{tmp}/ckpt"), None, 0, 1).with_name("rank-{rank}.bin"))
         w = _build(spec, spec["seed"])
         times, lost_sw, lost_hw = [], [], []

@@ -37,7 +37,7 @@ def memory_path(directory: Path, region: str | None, rank: int, world: int) -> P
     if region is not None:
         return region_path(directory, region, rank, world)
     name = hashlib.sha256(os.path.realpath(directory).encode()).hexdigest()[:16]
-    return MEMORY_ROOT / f"everystep-{os.getuid()}" / name / f"rank-{rank}.bin"
+    return MEMORY_ROOT / f"everystep-{os.geteuid()}" / name / f"rank-{rank}.bin"
 
 
 def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: bool | None = None,

@@ -26,6 +26,7 @@ from ..layout import TensorLayout
 from ..parallelism import SHARDED_LAYOUTS
 from ..storage.full import write_full
 from ..storage.sharded import RankShare
+from ..storage.region_map import SlotWriter
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .memory_tier import FullState, FullStateConfig
 
@@ -40,6 +41,12 @@ class CheckFreqConfig(FullStateConfig):
     """Where the snapshots are written: ``"thread"``, a thread of the training process, or
     ``"process"``, a writer process that maps the buffers (:mod:`everystep.agent.writer`; one
     process, checkpoints in everystep's own format)."""
+    snapshot: str = "host"
+    """``"host"``: the parameters and optimizer state are copied to host memory while the next step's
+    forward and backward run, and its update waits for that copy. ``"device"``: they are first copied
+    on the training device (as much device memory more as they take, kept from one checkpoint to the
+    next), so the update waits only for that copy, and the host copy is made from it — the CheckFreq
+    that Checkflow compares its device memory with."""
     writer_timeout: float = 600.0
     """``persist="process"``: seconds a write may go unanswered (a writer stopped or hung) before
     training fails with an error saying so."""
@@ -52,6 +59,8 @@ class CheckFreqConfig(FullStateConfig):
             raise ConfigError(f"buffers must be at least 1, got {self.buffers}")
         if self.persist not in ("thread", "process"):
             raise ConfigError(f"persist must be 'thread' or 'process', got {self.persist!r}")
+        if self.snapshot not in ("host", "device"):
+            raise ConfigError(f"snapshot must be 'host' or 'device', got {self.snapshot!r}")
         if self.persist == "process" and self.memory:
             raise ConfigError("persist='process' has a writer process write each snapshot to the directory, and "
                               "memory=True writes each one to the memory tier: give one of them")
@@ -95,6 +104,7 @@ class CheckFreq(FullState):
         self._snapshotter = Worker("everystep-snapshot", self.errors)
         self._persister = Worker("everystep-persist", self.errors)
         self._stream = self.ctx.copy_stream()
+        self._device_copies: dict[str, torch.Tensor] = {}
 
     def _on_state_ready(self, step: int, final: bool) -> None:
         if not self._due(step, final):
@@ -102,10 +112,13 @@ class CheckFreq(FullState):
         self._wait_snapshot()
         share, skeleton = self.ctx.full_share(step)
         tensors = share.local
-        buffer = self._pool.acquire(TensorLayout.of(tensors))
+        # with a memory tier, the snapshot goes straight into its slot (on CUDA by DMA into the mapping)
+        buffer = self.tier.begin(tensors, skeleton) if self.tier is not None else self._pool.acquire(TensorLayout.of(tensors))
         stable = self.ctx.stable_keys(tensors)
         volatile = snapshot_into(buffer, tensors, [k for k in tensors if k not in stable])
         stable_keys = [k for k in tensors if k in stable]
+        if self.config.snapshot == "device":  # the host copy is made from a copy on the device
+            tensors = {**tensors, **self._on_device(tensors, stable_keys)}
         staging = self._snapshotter.submit("snapshot", self._take_snapshot, buffer, tensors, stable_keys, volatile)
         self._persister.post(f"background write of the checkpoint at step {step}", self._persist, step, staging, buffer,
                              skeleton, share)
@@ -113,21 +126,36 @@ class CheckFreq(FullState):
         if final or not self.overlap:
             self._wait_snapshot()
 
+    def _on_device(self, tensors: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+        """``snapshot="device"``: ``keys`` of ``tensors`` copied on the training device (on its current
+        stream), into memory kept for the next checkpoint of the same layout."""
+        copies = self._device_copies
+        if copies.keys() != set(keys) or any(copies[k].shape != tensors[k].shape or copies[k].dtype != tensors[k].dtype
+                                             for k in keys):
+            copies = self._device_copies = {k: torch.empty_like(tensors[k]) for k in keys}
+        with torch.no_grad():
+            torch._foreach_copy_([copies[k] for k in keys], [tensors[k] for k in keys])
+        return copies
+
     def _take_snapshot(
-        self, buffer: HostBuffer, tensors: dict[str, torch.Tensor], keys: list[str], volatile: Any
+        self, buffer: HostBuffer | SlotWriter, tensors: dict[str, torch.Tensor], keys: list[str], volatile: Any
     ) -> None:
         event = snapshot_into(buffer, tensors, keys, stream=self._stream)
         for e in (volatile, event):
             if e is not None:
                 e.synchronize()
 
-    def _persist(self, step: int, staging: Future[Any], buffer: HostBuffer, skeleton: Any, share: RankShare) -> None:
+    def _persist(self, step: int, staging: Future[Any], buffer: HostBuffer | SlotWriter, skeleton: Any,
+                 share: RankShare) -> None:
         try:
             assert self.ctx.catalog is not None
             settled(staging)
             if staging.exception() is not None:
                 write_full(self.ctx.catalog, step, None, skeleton, share=share, error=staging.exception())  # raises, on every rank
-            if self._writer is not None:  # written, committed and retained there
+            if isinstance(buffer, SlotWriter):  # the snapshot is in the memory tier's slot
+                assert self.tier is not None
+                nbytes, seconds = self.tier.commit(buffer, step, skeleton)
+            elif self._writer is not None:  # written, committed and retained there
                 t0 = time.perf_counter()
                 nbytes = self._writer.write(step, buffer, skeleton).nbytes
                 seconds = time.perf_counter() - t0
@@ -137,7 +165,10 @@ class CheckFreq(FullState):
                 nbytes, seconds = self._write_full(step, buffer, skeleton, share=share)
             self.write_bandwidth = nbytes / max(seconds, 1e-9)
         finally:
-            self._pool.release(buffer)
+            if isinstance(buffer, HostBuffer):
+                self._pool.release(buffer)
+            elif staging.exception() is not None and self.tier is not None:
+                self.tier.abort()
 
     def _wait_snapshot(self) -> None:
         """Wait for the snapshot in flight (charged to ``snapshot_wait_seconds``); raise failures."""
@@ -149,7 +180,8 @@ class CheckFreq(FullState):
         self.errors.raise_pending()
 
     def _before_update(self, step: int) -> None:
-        self._wait_snapshot()
+        if self.config.snapshot == "host":  # ("device": the host copy reads the device's copy, not the state)
+            self._wait_snapshot()
 
     def _wait(self) -> None:
         settled(self._staging)

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import json
 import operator
+import threading
+from pathlib import Path
 import time
 import warnings
 from collections import deque
@@ -47,9 +49,11 @@ from ..errors import ConfigError
 from ..layout import TensorLayout
 from ..policy.interval import busy_interval, median_gap, persist_due
 from ..recovery import Candidate
-from ..storage.region import Region, UnreadableRegionError
-from ..storage.region_map import RegionLayout
-from ..storage.region_open import MEMORY_ROOT, memory_path, open_region
+from ..storage.region import Region, UnreadableRegionError, UntrustedRegionError
+from ..storage.region_map import RegionLayout, SlotWriter
+from ..files import untrusted_folder
+from ..storage import region_open
+from ..storage.region_open import memory_path, open_region
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool
 from ..tree import unflatten
@@ -96,6 +100,22 @@ class FullStateConfig(StrategyConfig):
                               "(each rank's whole state in its region, mirrored to a peer with peers=True)")
 
 
+def _own_folder(folder: Path) -> None:
+    """Make the user's folder of memory tiers (``/dev/shm/everystep-UID``), mode 0700, or refuse one
+    that another user could change (its name is known in advance: anyone may have made it)."""
+    if not region_open.MEMORY_ROOT.is_dir():
+        raise ConfigError(f"memory=True keeps its region in {region_open.MEMORY_ROOT}, which this machine lacks: "
+                          "give region= a path on a filesystem in memory (tmpfs)")
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    problem = untrusted_folder(folder)
+    if problem is not None:
+        raise UntrustedRegionError(f"the memory tier's folder {folder} cannot be trusted: {problem}; delete it, or give "
+                                   "region= a folder of your own")
+
+
 def region_candidates(region: Region, live: LiveShards, *, every: bool, source: str
                       ) -> tuple[dict[int, Candidate], str | None]:
     """The region's slots that verify, read as copies (the optimizer keeps what it loads), by step,
@@ -130,9 +150,8 @@ class MemoryTier:
         self.ctx, self.config = ctx, config
         config.check_job(ctx.ranks.world, ctx.full_format)
         self.path = memory_path(directory.root, config.region, ctx.ranks.rank, ctx.ranks.world)
-        if config.region is None and not MEMORY_ROOT.is_dir():
-            raise ConfigError(f"memory=True keeps its region in {MEMORY_ROOT}, which this machine lacks: give region= "
-                              "a path on a filesystem in memory (tmpfs)")
+        if config.region is None:
+            _own_folder(self.path.parent.parent)
         self.damaged: str | None = None
         """Why the region holds no checkpoint that verifies, where it holds a damaged one."""
         try:
@@ -140,7 +159,11 @@ class MemoryTier:
         except UnreadableRegionError as e:  # a reader's
             warnings.warn(f"skipping {e}", stacklevel=3)
             self.region, self.damaged = None, str(e)
-        self._slot = self.region.next_slot() if self.region is not None and directory.access != "read" else 0
+        self._idle = threading.Event()
+        """Set while no slot is being written: the other slot holds the newest complete checkpoint."""
+        self._idle.set()
+        self.registered: bool | None = None
+        """CUDA: whether the region's mapping is registered for DMA (False: copies through pageable memory)."""
         self._layouts: dict[Any, RegionLayout] = {}
         self._staging = HostBufferPool(1, pin=False)
         self._writer = Worker("everystep-tier-persist", errors)
@@ -183,7 +206,6 @@ class MemoryTier:
         assert self.ctx.directory is not None
         if self.region is not None and self.region.access != "read":
             self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
-            self._slot = self.region.next_slot()
         self.last_persisted = min(step, self.ctx.directory.newest_full_step())
         self.newest = step
 
@@ -191,25 +213,56 @@ class MemoryTier:
 
     def write(self, step: int, source: HostBuffer | dict[str, torch.Tensor], skeleton: Any) -> tuple[int, float]:
         """Copy the checkpoint of ``step`` (``source``: a host buffer or tensors) into the next slot
-        and commit it; start its persist where one is due. The bytes and the seconds it took."""
-        assert self.region is not None
+        and commit it (:meth:`begin`, a copy, :meth:`commit`). The bytes and the seconds it took."""
         t0 = time.perf_counter()
         tensors = source.views if isinstance(source, HostBuffer) else source
-        layout, hint = self._layout(tensors, skeleton)
-        slot, self._slot = self._slot, 1 - self._slot
-        writer = self.region.begin(layout, hint, slot=slot)
+        writer = self.begin(tensors, skeleton)
         keys = list(tensors)
         with torch.no_grad():
             torch._foreach_copy_([writer.views[k] for k in keys], [tensors[k] for k in keys])
-        self.region.commit(writer, step, skeleton)
+        nbytes, _ = self.commit(writer, step, skeleton)
+        return nbytes, time.perf_counter() - t0
+
+    def begin(self, tensors: dict[str, torch.Tensor], skeleton: Any) -> SlotWriter:
+        """The slot to copy a checkpoint of ``tensors`` into, marked *writing*: the one that does not
+        hold the newest complete checkpoint, once the commit before is done. Its ``views`` take the
+        copies (on CUDA by DMA: the mapping is registered where it can be); :meth:`commit` follows,
+        on any thread. (A strategy snapshotting straight into the region calls it for its buffer.)"""
+        assert self.region is not None
+        self._idle.wait()
+        layout, hint = self._layout(tensors, skeleton)
+        writer = self.region.begin(layout, hint)
+        self._idle.clear()
+        if self.ctx.device.type == "cuda":  # (each slot's area is registered once)
+            refused = self.region.register(writer)
+            if refused is not None and self.registered is None:
+                warnings.warn(f"the memory tier {self.region.path} cannot be pinned for the GPU's DMA ({refused}); its "
+                              "copies go through pageable memory", RuntimeWarning, stacklevel=3)
+            self.registered = refused is None
+        return writer
+
+    def abort(self) -> None:
+        """The slot :meth:`begin` gave will not be committed (its copy failed): it stays marked
+        *writing*, not a checkpoint, and the next :meth:`begin` may go on."""
+        self._idle.set()
+
+    def commit(self, writer: SlotWriter, step: int, skeleton: Any) -> tuple[int, float]:
+        """Commit the slot :meth:`begin` gave, its copies done, as the checkpoint of ``step``; start
+        its persist where one is due. The bytes and the seconds the commit took."""
+        assert self.region is not None
+        t0 = time.perf_counter()
+        try:
+            self.region.commit(writer, step, skeleton)
+        finally:
+            self._idle.set()
         self.newest, self._newest_skeleton = step, skeleton
         assert self.ctx.catalog is not None
-        self.ctx.catalog.count_written_elsewhere(layout.nbytes)
+        self.ctx.catalog.count_written_elsewhere(writer.layout.nbytes)
         self.ctx.in_memory(step)
         self._marks.append(time.monotonic())
         if self._persist_due(step):
             self._persist(step, writer.views, skeleton)
-        return layout.nbytes, time.perf_counter() - t0
+        return writer.layout.nbytes, time.perf_counter() - t0
 
     def _layout(self, tensors: dict[str, torch.Tensor], skeleton: Any) -> tuple[RegionLayout, int]:
         """The slot's layout for ``tensors`` and about how many bytes its metadata needs, made once
