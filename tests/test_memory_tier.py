@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from everystep import Checkpointer
 from everystep._faults import arm, disarm
 from everystep.errors import CheckpointDirectoryError, ConfigError
 from everystep.eval.train import TrainConfig, run
@@ -33,9 +34,11 @@ from .test_checkpointer import attach, live_hash, loop, make
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the memory tier lies in /dev/shm")
 
-FULL = ("full_sync", "checkfreq", "async", "checkflow", "gockpt", "gockpt_o")
-"""The strategies that write the whole state."""
-OPTIONS = {"gockpt": {"parts": 1, "reconstruct": "host"}, "gockpt_o": {"parts": 1, "reconstruct": "host"}}
+FULL = ("full_sync", "checkfreq", "async", "checkflow", "gockpt", "gockpt_o", "gockpt:device")
+"""The strategies that write the whole state (``gockpt:device``: its spread checkpoints, brought forward
+at recovery, in the memory tier)."""
+OPTIONS = {"gockpt": {"parts": 1, "reconstruct": "host"}, "gockpt_o": {"parts": 1, "reconstruct": "host"},
+           "gockpt:device": {"parts": 1, "reconstruct": "device"}}
 STEPS, PERSIST, SEED = 12, 4, 7
 
 
@@ -62,20 +65,23 @@ def test_a_killed_training_process_recovers_from_memory_losing_at_most_one_step(
     """Every step checkpointed, a SIGKILL at a random step: the restart reads the region, loses at
     most one finished step, and ends bitwise where the uninterrupted run ends."""
     fail = random.Random(strategy).randint(3, STEPS - 1)
-    s = run(TrainConfig(workload="mlp", strategy=strategy, steps=STEPS, seed=SEED, every=1, directory=str(tmp_path / "c"),
-                        fail_at=(fail,), progress=False, options=_options(strategy, shm)))
-    assert_recovered(s, sources={"memory"}, lose=1)
+    s = run(TrainConfig(workload="mlp", strategy=strategy.split(":")[0], steps=STEPS, seed=SEED, every=1,
+                        directory=str(tmp_path / "c"), fail_at=(fail,), progress=False, options=_options(strategy, shm)))
+    spread = strategy == "gockpt:device"  # (parts brought forward at recovery)
+    assert_recovered(s, sources={"memory (parts brought forward on cpu)" if spread else "memory"}, lose=1)
     assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]
 
 
-@pytest.mark.parametrize("strategy", ["checkfreq", "full_sync", "checkflow", "gockpt"])
+@pytest.mark.parametrize("strategy", ["checkfreq", "full_sync", "checkflow", "gockpt", "gockpt:device"])
 def test_a_lost_host_recovers_from_the_directory_losing_at_most_n_steps(tmp_path, shm, strategy, reference):
     """The host lost (the region in its memory gone, helper processes killed): the restart reads the
     directory's newest checkpoint, persisted every N steps, and loses at most N finished steps."""
     fail = random.Random(f"host/{strategy}").randint(PERSIST + 2, STEPS - 1)
-    s = run(TrainConfig(workload="mlp", strategy=strategy, steps=STEPS, seed=SEED, every=1, directory=str(tmp_path / "c"),
-                        fail_at=(fail,), fail_mode="hardware", progress=False, options=_options(strategy, shm)))
-    assert_recovered(s, sources={"disk"}, lose=PERSIST)
+    s = run(TrainConfig(workload="mlp", strategy=strategy.split(":")[0], steps=STEPS, seed=SEED, every=1,
+                        directory=str(tmp_path / "c"), fail_at=(fail,), fail_mode="hardware", progress=False,
+                        options=_options(strategy, shm)))
+    spread = strategy == "gockpt:device"  # (a spread checkpoint persisted, brought forward at recovery)
+    assert_recovered(s, sources={"disk (parts brought forward on cpu)" if spread else "disk"}, lose=PERSIST)
     assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]
 
 
@@ -239,10 +245,10 @@ def test_options_of_the_memory_tier_are_checked_by_name(tmp_path, options, match
         attach(w, tmp_path / "c", "checkfreq", **options)
 
 
-def test_gockpt_refuses_the_memory_tier_where_it_writes_spread_checkpoints(tmp_path, shm):
+def test_a_refused_option_makes_no_memory_tier(tmp_path, shm):
     w = make("mlp", 0)
-    with pytest.raises(ConfigError, match="writes spread checkpoints, and memory=True holds full ones"):
-        attach(w, tmp_path / "c", "gockpt", memory=True, reconstruct="device",
+    with pytest.raises(ConfigError, match="brings each part of a parameter forward on its own"):
+        Checkpointer(tmp_path / "c", w.model, torch.optim.LBFGS(w.model.parameters()), strategy="gockpt", memory=True,
                      region=f"{shm}/rank-{{rank}}.bin")
     assert not list(shm.iterdir())  # nothing made
 

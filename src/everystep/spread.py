@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from .storage.catalog import Catalog
     from .storage.directory import CheckpointDirectory
 
-__all__ = ["SPREAD_KIND", "write_spread", "read_spread", "bring_forward", "recover_spread"]
+__all__ = ["SPREAD_KIND", "write_spread", "spread_state", "commit_spread", "read_spread", "bring_forward",
+           "recover_spread"]
 
 
 def write_spread(catalog: "Catalog", step: int, state: dict[str, torch.Tensor], skeleton: Any, replicated: set[str], *,
@@ -37,15 +38,26 @@ def write_spread(catalog: "Catalog", step: int, state: dict[str, torch.Tensor], 
                  records: Sequence[tuple[dict[str, Any], dict[int, torch.Tensor]]], distributed: bool,
                  error: BaseException | None = None) -> None:
     """Commit S_step as a spread checkpoint, from every rank (a collective): ``state`` is S_step's flat
-    state, each part as it was copied at its own version; ``params`` the parameters cut into parts
-    (each with ``key``, ``group``, ``elementwise`` and ``whole``: its state tensors chunked with it, and
-    the others), ``copied`` each part's chunks (``index``, ``param``, ``start``, ``stop`` and ``state``,
-    the chunk's copy of the parameter's ``whole`` state), ``records`` each update after the copies
-    began: its step and group settings, and the gradients kept, by chunk index. ``error``: this rank
-    failed; nothing is committed and the failure is raised on every rank."""
+    state, each part as it was copied at its own version; the rest as :func:`spread_state` takes it.
+    ``error``: this rank failed; nothing is committed and the failure is raised on every rank."""
     if error is not None:
         commit_parts(catalog, "full", kind=SPREAD_KIND, step=step, chunks=None, share=RankShare({}, {}), meta={},
                      rank_meta={}, error=error)
+    tensors, description = spread_state(state, start=start, params=params, copied=copied, records=records)
+    if distributed:  # the gradients are the all-reduced ones, the same on every rank
+        replicated = replicated | {k for k in tensors if k.startswith("spread/")}
+    commit_spread(catalog, step, tensors, skeleton, description, replicated)
+
+
+def spread_state(state: dict[str, torch.Tensor], *, start: int, params: Sequence[Any], copied: Sequence[Sequence[Any]],
+                 records: Sequence[tuple[dict[str, Any], dict[int, torch.Tensor]]]
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A spread checkpoint's tensors and description: ``state`` (S_step's flat state, each part as it
+    was copied at its own version), ``params`` the parameters cut into parts (each with ``key``,
+    ``group``, ``elementwise`` and ``whole``: its state tensors chunked with it, and the others),
+    ``copied`` each part's chunks (``index``, ``param``, ``start``, ``stop`` and ``state``, the chunk's
+    copy of the parameter's ``whole`` state), ``records`` each update after the copies began: its step
+    and group settings, and the gradients kept, by chunk index."""
     tensors, scalars = dict(state), {}
     for c in (c for part in copied for c in part):
         for name, value in c.state.items():
@@ -58,16 +70,19 @@ def write_spread(catalog: "Catalog", step: int, state: dict[str, torch.Tensor], 
     for record, grads in records:
         kept.append({**record, "chunks": sorted(grads)})
         tensors.update({f"spread/grad/{record['step']}/{i}": g for i, g in grads.items()})
-    description = {
+    return tensors, {
         "start": start,
         "params": [{"key": p.key, "group": p.group, "elementwise": p.elementwise, "whole": p.whole} for p in params],
         "chunks": [[k, c.param, c.start, c.stop] for k, part in enumerate(copied) for c in part],
         "records": kept,
         "scalars": scalars,
     }
-    if distributed:  # the gradients are the all-reduced ones, the same on every rank
-        replicated = replicated | {k for k in tensors if k.startswith("spread/")}
-    commit_tensors(catalog, "full", kind=SPREAD_KIND, step=step, tensors=tensors, replicated=replicated, meta={},
+
+
+def commit_spread(catalog: "Catalog", step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
+                  description: dict[str, Any], replicated: set[str] | frozenset[str] = frozenset()) -> None:
+    """Commit what :func:`spread_state` made as the spread checkpoint of ``step``."""
+    commit_tensors(catalog, "full", kind=SPREAD_KIND, step=step, tensors=tensors, replicated=set(replicated), meta={},
                    rank_meta={"skeleton": skeleton, "spread": description})
 
 
@@ -86,7 +101,7 @@ def read_spread(directory: "CheckpointDirectory", manifest: Manifest) -> tuple[d
     return tree, tensors, description
 
 
-def bring_forward(optimizer: torch.optim.Optimizer, trained: dict[str, tuple[int, torch.Tensor]], manifest: Manifest,
+def bring_forward(optimizer: torch.optim.Optimizer, trained: dict[str, tuple[int, torch.Tensor]], step: int,
                   tree: dict[str, Any], tensors: dict[str, torch.Tensor], description: dict[str, Any]) -> str:
     """Apply the gradients a spread checkpoint holds to its parts, in ``tree`` (its state as
     copied, read from storage; the parts it trains moved to the training device): each chunk by
@@ -94,7 +109,7 @@ def bring_forward(optimizer: torch.optim.Optimizer, trained: dict[str, tuple[int
     settings. ``trained``: the live model's keys of the parameters ``optimizer`` trains, with each
     one's index in its state and the parameter. Raises :class:`CorruptCheckpointError` when a part
     brought forward disagrees with the state of the step. Returns the device."""
-    what = f"the spread checkpoint at step {manifest.step}"
+    what = f"the spread checkpoint at step {step}"
     params, held_states = [], []
     for d in description["params"]:
         found = trained.get(d["key"])
@@ -199,7 +214,7 @@ def _first_spread(directory: "CheckpointDirectory", optimizer: torch.optim.Optim
         try:
             tree, tensors, description = read_spread(directory, manifest)
             with malformed(f"the spread checkpoint at step {manifest.step}"):
-                device = bring_forward(optimizer, params, manifest, tree, tensors, description)
+                device = bring_forward(optimizer, params, manifest.step, tree, tensors, description)
         except CorruptCheckpointError as e:
             warnings.warn(f"skipping the spread checkpoint at step {manifest.step}: {e}", stacklevel=5)
             continue

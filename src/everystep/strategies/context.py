@@ -274,14 +274,14 @@ class StrategyContext:
         return persist_full(self.directory, step, chunks, skeleton, keep=keep, share=share, tensors=tensors,
                             format=self.full_format, committed=lambda s: self.record_durable(step, count=count, seconds=s))
 
-    def persist_record(self, step: int, write: Callable[[], object], *, keep: int) -> None:
+    def persist_record(self, step: int, write: Callable[[], object], *, keep: int, count: bool = True) -> None:
         """Persist a checkpoint of ``step`` that is not a full one (a differential, a spread
         checkpoint): ``write`` writes and commits it; then it is recorded (:meth:`record_durable`,
-        with the seconds it took) and retention keeps the newest ``keep`` points."""
+        with the seconds it took; ``count``: as a checkpoint) and retention keeps the newest ``keep`` points."""
         assert self.directory is not None
         t0 = time.perf_counter()
         write()
-        self.record_durable(step, seconds=time.perf_counter() - t0)
+        self.record_durable(step, count=count, seconds=time.perf_counter() - t0)
         self.directory.retain(keep)
 
     def record_durable(self, step: int, *, count: bool = True, seconds: float = 0.0) -> None:

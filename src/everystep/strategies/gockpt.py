@@ -30,21 +30,20 @@ from ..errors import ConfigError, EverystepError
 from ..policy.interval import due
 from ..policy.parts import MAX_PARTS, PartSplit, Unit, choose_parts
 from ..parallelism import SHARDED_LAYOUTS
-from ..recovery import Candidate
 from ..replay import optimizer_like, replay_step
 from ..state import group_scalars, local_optimizer
 from ..storage.full import write_full
-from ..spread import recover_spread, write_spread
+from ..spread import spread_state, write_spread
 from ..storage.sharded import RankShare
 from ..layout import TensorLayout
 from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
 from ..tree import local_shard
-from .memory_tier import FullState
+from .gockpt_recovery import SpreadRecovery
 from .gockpt_config import ELEMENTWISE, Chunk, GoCkptConfig, Param, Spread
 
 __all__ = ["GoCkpt", "GoCkptO", "GoCkptConfig"]
 
-class GoCkpt(FullState):
+class GoCkpt(SpreadRecovery):
     name: ClassVar[str] = "gockpt"
     sharded_layouts: ClassVar[frozenset[str]] = SHARDED_LAYOUTS
     other_world_size: ClassVar[bool] = True
@@ -84,9 +83,6 @@ class GoCkpt(FullState):
             raise ConfigError(f"strategy {self.name!r} with reconstruct='device' writes spread checkpoints in everystep's "
                               f"own format, which does not hold the shards of a job sharded with {self.ctx.layout}: "
                               "use reconstruct='host' (on the CPU), or checkfreq")
-        if self.on_device and self.config.memory:
-            raise ConfigError(f"strategy {self.name!r} with reconstruct='device' writes spread checkpoints, and memory=True "
-                              "holds full ones: use reconstruct='host' (on the CPU), or memory=False")
         self._stream = self.ctx.copy_stream()
         pin = self._stream is not None
         self._part_buffers = HostBufferPool(2, pin=pin)
@@ -439,10 +435,17 @@ class GoCkpt(FullState):
         failed = next((f.exception() for f in spread.gradient_copies if f.exception() is not None), None)
         if failed is None:
             crash_point("gockpt.reconstructed")
-        self.ctx.persist_record(step, functools.partial(
-            write_spread, self.ctx.catalog, step, {k: rest[k] if k in rest else spread.host[k] for k in live}, skeleton,
-            replicated, start=spread.start, params=spread.params, copied=spread.copied, records=spread.records,
-            distributed=self.ctx.ranks.distributed, error=failed), keep=self.config.keep)
+        state = {k: rest[k] if k in rest else spread.host[k] for k in live}
+        parts = {"start": spread.start, "params": spread.params, "copied": spread.copied, "records": spread.records}
+        if self.tier is not None:  # (one process) the parts, their gradients and the rest into a slot
+            if failed is not None:
+                raise failed
+            tensors, description = spread_state(state, **parts)
+            self.tier.write(step, tensors, skeleton, {"spread": description})
+            return
+        self.ctx.persist_record(step, functools.partial(write_spread, self.ctx.catalog, step, state, skeleton, replicated,
+                                                        distributed=self.ctx.ranks.distributed, error=failed, **parts),
+                                keep=self.config.keep)
 
     def _persist(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replicated: set[str],
                  sharded: dict[str, torch.Tensor]) -> None:
@@ -468,19 +471,6 @@ class GoCkpt(FullState):
             for event in spread.events:
                 event.synchronize()
             self._give_back(spread)
-
-    # -- recovery ------------------------------------------------------------------------------
-
-    def _recover(self) -> Candidate | None:
-        """The newest checkpoint that verifies, full or spread; a spread one's parts are brought
-        forward here, on the training device."""
-        assert self.ctx.directory is not None
-
-        def trained() -> dict[str, tuple[int, torch.Tensor]]:
-            live, _ = self.ctx.flatten_state(0)  # the live parameters' keys: the same for every candidate
-            return {p.key: (p.index, p.param) for p in self.ctx.optimizer_keys(live) if p.key is not None}
-
-        return recover_spread(self.ctx.directory, self.ctx.components.optimizer, trained, self.ctx.live_shards())
 
     # -- end -----------------------------------------------------------------------------------
 

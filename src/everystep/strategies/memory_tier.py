@@ -31,6 +31,7 @@ to peers).
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import threading
@@ -45,10 +46,11 @@ import torch
 
 from .._faults import crash_point
 from ..background import BackgroundErrors, Worker
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptCheckpointError
 from ..layout import TensorLayout
 from ..policy.interval import busy_interval, median_gap, persist_due
 from ..recovery import Candidate
+from ..spread import commit_spread
 from ..storage.region import Region, UnreadableRegionError, UntrustedRegionError
 from ..storage.region_map import RegionLayout, SlotWriter
 from ..files import untrusted_folder
@@ -116,11 +118,18 @@ def _own_folder(folder: Path) -> None:
                                    "region= a folder of your own")
 
 
-def region_candidates(region: Region, live: LiveShards, *, every: bool, source: str
+Finish = Callable[[Candidate, dict[str, torch.Tensor], dict[str, Any]], Candidate]
+"""What makes a slot's candidate the state to recover: given it, the slot's tensors and the meta it
+was committed with (GoCkpt: a spread checkpoint's parts brought forward); may raise
+:class:`~everystep.errors.CorruptCheckpointError`."""
+
+
+def region_candidates(region: Region, live: LiveShards, *, every: bool, source: str, finish: Finish | None = None
                       ) -> tuple[dict[int, Candidate], str | None]:
     """The region's slots that verify, read as copies (the optimizer keeps what it loads), by step,
     newest first — only the newest one unless ``every`` — each skipped one warned about; and, where
-    complete slots exist and none verifies, why the region holds nothing to recover."""
+    complete slots exist and none verifies, why the region holds nothing to recover. ``finish``:
+    applied to each candidate (:data:`Finish`)."""
     found: dict[int, Candidate] = {}
     t0 = time.perf_counter()
     complete = region.slots(warn=False)
@@ -132,6 +141,13 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
         as_shards(tensors, live)
         found[slot.step] = Candidate(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source=source,
                                      manifest=None, seconds=time.perf_counter() - t0)
+        if finish is not None:
+            try:
+                found[slot.step] = finish(found[slot.step], tensors, meta["meta"])
+            except CorruptCheckpointError as e:
+                del found[slot.step]
+                warnings.warn(f"skipping the region's slot of step {slot.step}: {e}", stacklevel=3)
+                continue
         if not every:
             break
         t0 = time.perf_counter()
@@ -144,10 +160,11 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
 class MemoryTier:
     """A strategy's memory tier (see the module docstring): made at attach when ``memory=True``."""
 
-    def __init__(self, ctx: StrategyContext, config: FullStateConfig, errors: BackgroundErrors) -> None:
+    def __init__(self, ctx: StrategyContext, config: FullStateConfig, errors: BackgroundErrors,
+                 finish: Finish | None = None) -> None:
         directory = ctx.directory
         assert directory is not None
-        self.ctx, self.config = ctx, config
+        self.ctx, self.config, self._finish = ctx, config, finish
         config.check_job(ctx.ranks.world, ctx.full_format)
         self.path = memory_path(directory.root, config.region, ctx.ranks.rank, ctx.ranks.world)
         if config.region is None:
@@ -178,6 +195,7 @@ class MemoryTier:
         self.newest = -1
         """The newest step committed in the region."""
         self._newest_skeleton: Any = None
+        self._newest_meta: dict[str, Any] = {}
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -185,7 +203,8 @@ class MemoryTier:
         """Read the region's newest slot that verifies (one process: nothing to agree on)."""
         if self.region is None:
             return
-        found, damaged = region_candidates(self.region, self.ctx.live_shards(), every=False, source="memory")
+        found, damaged = region_candidates(self.region, self.ctx.live_shards(), every=False, source="memory",
+                                           finish=self._finish)
         self.damaged = self.damaged or damaged
         self._chosen = next(iter(found.values()), None)
 
@@ -211,7 +230,8 @@ class MemoryTier:
 
     # -- every checkpoint ----------------------------------------------------------------------
 
-    def write(self, step: int, source: HostBuffer | dict[str, torch.Tensor], skeleton: Any) -> tuple[int, float]:
+    def write(self, step: int, source: HostBuffer | dict[str, torch.Tensor], skeleton: Any,
+              meta: dict[str, Any] | None = None) -> tuple[int, float]:
         """Copy the checkpoint of ``step`` (``source``: a host buffer or tensors) into the next slot
         and commit it (:meth:`begin`, a copy, :meth:`commit`). The bytes and the seconds it took."""
         t0 = time.perf_counter()
@@ -220,7 +240,7 @@ class MemoryTier:
         keys = list(tensors)
         with torch.no_grad():
             torch._foreach_copy_([writer.views[k] for k in keys], [tensors[k] for k in keys])
-        nbytes, _ = self.commit(writer, step, skeleton)
+        nbytes, _ = self.commit(writer, step, skeleton, meta)
         return nbytes, time.perf_counter() - t0
 
     def begin(self, tensors: dict[str, torch.Tensor], skeleton: Any) -> SlotWriter:
@@ -246,22 +266,24 @@ class MemoryTier:
         *writing*, not a checkpoint, and the next :meth:`begin` may go on."""
         self._idle.set()
 
-    def commit(self, writer: SlotWriter, step: int, skeleton: Any) -> tuple[int, float]:
-        """Commit the slot :meth:`begin` gave, its copies done, as the checkpoint of ``step``; start
-        its persist where one is due. The bytes and the seconds the commit took."""
+    def commit(self, writer: SlotWriter, step: int, skeleton: Any, meta: dict[str, Any] | None = None
+               ) -> tuple[int, float]:
+        """Commit the slot :meth:`begin` gave, its copies done, as the checkpoint of ``step`` (``meta``:
+        what the slot records beside it: a spread checkpoint's description); start its persist where
+        one is due. The bytes and the seconds the commit took."""
         assert self.region is not None
         t0 = time.perf_counter()
         try:
-            self.region.commit(writer, step, skeleton)
+            self.region.commit(writer, step, skeleton, meta)
         finally:
             self._idle.set()
-        self.newest, self._newest_skeleton = step, skeleton
+        self.newest, self._newest_skeleton, self._newest_meta = step, skeleton, meta or {}
         assert self.ctx.catalog is not None
         self.ctx.catalog.count_written_elsewhere(writer.layout.nbytes)
         self.ctx.in_memory(step)
         self._marks.append(time.monotonic())
         if self._persist_due(step):
-            self._persist(step, writer.views, skeleton)
+            self._persist(step, writer.views, skeleton, meta or {})
         return writer.layout.nbytes, time.perf_counter() - t0
 
     def _layout(self, tensors: dict[str, torch.Tensor], skeleton: Any) -> tuple[RegionLayout, int]:
@@ -292,7 +314,7 @@ class MemoryTier:
         return persist_due(step, self.last_persisted, self.interval(), fixed=self.config.persist_every is not None,
                            writing=writing)
 
-    def _persist(self, step: int, views: dict[str, torch.Tensor], skeleton: Any) -> None:
+    def _persist(self, step: int, views: dict[str, torch.Tensor], skeleton: Any, meta: dict[str, Any]) -> None:
         """Copy the committed slot to the host buffer (waiting while the previous persist writes),
         then write it to the directory on the tier's thread."""
         self.last_persisted = step
@@ -305,14 +327,19 @@ class MemoryTier:
             self._staging.release(buffer)
             raise
         self._writing = self._writer.submit(f"write of the checkpoint at step {step} from the memory tier",
-                                            self._write, step, buffer, skeleton)
+                                            self._write, step, buffer, skeleton, meta)
 
-    def _write(self, step: int, buffer: HostBuffer, skeleton: Any) -> None:
+    def _write(self, step: int, buffer: HostBuffer, skeleton: Any, meta: dict[str, Any]) -> None:
         try:
             t0 = time.perf_counter()
             share = RankShare.of(buffer.views, set(), self.ctx.ranks, split=self.ctx.splits_replicated)
             crash_point("tier.persist")
-            self.ctx.persist(step, buffer, skeleton, share=share, keep=self.config.keep, count=False)
+            if meta.get("spread") is not None:  # a spread checkpoint (GoCkpt's, brought forward at recovery)
+                assert self.ctx.catalog is not None
+                self.ctx.persist_record(step, functools.partial(commit_spread, self.ctx.catalog, step, dict(buffer.views),
+                                                                skeleton, meta["spread"]), keep=self.config.keep, count=False)
+            else:
+                self.ctx.persist(step, buffer, skeleton, share=share, keep=self.config.keep, count=False)
             self._write_seconds = time.perf_counter() - t0
             self.persisted += 1
         finally:
@@ -336,7 +363,7 @@ class MemoryTier:
         if found is None or found[0].step != self.newest:
             return
         _, tensors, _ = found
-        self._persist(self.newest, tensors, self._newest_skeleton)
+        self._persist(self.newest, tensors, self._newest_skeleton, self._newest_meta)
         self._writer.drain()
 
     def close(self, *, clean: bool = False) -> None:
@@ -365,7 +392,11 @@ class FullState(Strategy):
     def _make_tier(self) -> MemoryTier | None:
         if not self.config.memory or self.ctx.directory is None:
             return None
-        return MemoryTier(self.ctx, self.config, self.errors)
+        return MemoryTier(self.ctx, self.config, self.errors, finish=self._from_memory)
+
+    def _from_memory(self, candidate: Candidate, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Candidate:
+        """The state a slot of the memory tier recovers (:data:`Finish`): its candidate, as it is."""
+        return candidate
 
     def _write_full(self, step: int, source: HostBuffer | dict[str, torch.Tensor], skeleton: Any, *,
                     share: RankShare) -> tuple[int, float]:
