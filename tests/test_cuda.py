@@ -293,3 +293,20 @@ def test_the_profile_counts_what_an_operator_allocates_and_frees_inside_it():
     step()
     profile = profile_step(model, optimizer, step)
     assert max(profile.resident) >= torch.cuda.memory_allocated() + (64 << 20)
+
+
+@gpu
+def test_gockpt_on_the_gpu_keeps_its_spread_checkpoints_in_the_memory_tier_and_brings_them_forward_there(tmp_path):
+    steps = 14
+    ref = _reference(steps=steps)
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-")
+    try:
+        got = run(TrainConfig(workload="gpt2-tiny", strategy="gockpt", steps=steps, directory=str(tmp_path / "c"),
+                              fail_at=(9, 13), fail_mode="software", every=4, device="cuda", progress=False,
+                              options={"parts": 3, "chunk_bytes": 1 << 16, "memory": True,
+                                       "region": f"{shm}/rank-{{rank}}.bin", "persist_every": 2}))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert [r["source"] for r in got["recoveries"]] == ["memory (parts brought forward on cuda:0)"] * 2
+    assert got["losses"] == ref["losses"]
+    assert got["final_state_sha256"] == ref["final_state_sha256"]

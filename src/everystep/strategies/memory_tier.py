@@ -80,7 +80,7 @@ class FullStateConfig(StrategyConfig):
     persist_every: int | None = None
     """``memory=True``: write the newest checkpoint to the directory every this many steps; None:
     as often as keeps the disk busy ``busy`` of the time (measured)."""
-    busy: float = 0.5
+    busy: float = 0.25
     """``memory=True`` and ``persist_every=None``: the share of the time the directory's writes may take."""
 
     def __post_init__(self) -> None:
@@ -91,7 +91,7 @@ class FullStateConfig(StrategyConfig):
         if not 0 < self.busy <= 1:
             raise ConfigError(f"busy must be a share of the time in (0, 1], got {self.busy}")
         if not self.memory:
-            given = [name for name, default in (("region", None), ("persist_every", None), ("busy", 0.5))
+            given = [name for name, default in (("region", None), ("persist_every", None), ("busy", 0.25))
                      if getattr(self, name) != default]
             if given:
                 raise ConfigError(f"{', '.join(given)} configure the memory tier: give memory=True as well")
