@@ -143,6 +143,8 @@ def test_the_dry_run_measures_gockpt_every_k_steps_on_its_own_workload_against_a
     every = DRY.regime_every
     assert list(regime["summary"]) == ["none", *(f"{n}/{every}" for n in REGIME)]
     assert {r["workload"] for r in regime["runs"]} == {DRY.regime_workload}
+    assert all(v["options"] == {"memory": True} for v in regime["variants"] if v["strategy"] != "none")
+    assert all(regime["summary"][f"{n}/{every}"]["persisted"] >= 1 for n in REGIME)  # (the memory tier's)
     assert {len(r["step_seconds"]) for r in regime["runs"]} == {DRY.regime_steps - DRY.regime_warmup}
     for name in ("gockpt", "gockpt_o"):
         g = regime["gockpt_stall_over_async_o"][name]

@@ -288,3 +288,28 @@ def test_inspect_and_verify_list_the_memory_tiers_slots_and_name_a_damaged_one(t
         assert code == 1 and f"{path}:slot{newest}" in out and "fails its checksum" in out, out
     finally:
         shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def test_a_reader_recovers_from_the_memory_tier_and_changes_nothing(tmp_path, shm, monkeypatch):
+    from everystep.storage import region_open
+
+    from .conftest import files_of
+
+    monkeypatch.setattr(region_open, "MEMORY_ROOT", shm)  # (its default place, in a folder of the test's)
+    w = make("mlp", 0)
+    hashes = _crashed(tmp_path / "c", w, 5, dict(strategy="checkfreq", memory=True, persist_every=10))
+    before = files_of(shm), files_of(tmp_path / "c")
+    w2 = make("mlp", 0)
+    reader = CheckpointDirectory.open(tmp_path / "c", create=False, access="read")
+    with Checkpointer(reader, w2.model, w2.optimizer, scheduler=w2.scheduler, data=w2.data, strategy="checkfreq",
+                      memory=True, persist_every=10) as again:
+        assert again.restore() == 4 and again.recovered.source == "memory"  # (S_5 is handed over as step 6 begins)
+    assert live_hash(w2, 4) == hashes[4]
+    assert (files_of(shm), files_of(tmp_path / "c")) == before
+    empty = shm / "elsewhere"  # a memory with no tier of this directory: the reader makes no folder there
+    empty.mkdir()
+    monkeypatch.setattr(region_open, "MEMORY_ROOT", empty)
+    with Checkpointer(CheckpointDirectory.open(tmp_path / "c", create=False, access="read"), w2.model, w2.optimizer,
+                      scheduler=w2.scheduler, data=w2.data, strategy="checkfreq", memory=True) as again:
+        again.restore()
+    assert not list(empty.iterdir())

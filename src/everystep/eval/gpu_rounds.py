@@ -68,9 +68,11 @@ def _every_step(name: str) -> Variant:
 
 def regime_variants(sizes: Sizes) -> list[Variant]:
     """The ``regime`` part's: ``none`` and :data:`REGIME` every ``regime_every`` steps (labelled
-    ``NAME/K``) on the workload whose copy spans several steps."""
+    ``NAME/K``) on the workload whose copy spans several steps, each with its memory tier (GoCkpt's
+    spread checkpoints go there)."""
     every = sizes.regime_every
-    chosen = [Variant("none", "none", None)] + [Variant(f"{name}/{every}", name, every) for name in REGIME]
+    chosen = [Variant("none", "none", None)] + [Variant(f"{name}/{every}", name, every, {"memory": True})
+                                                 for name in REGIME]
     return [dataclasses.replace(v, workload=sizes.regime_workload, steps=sizes.regime_steps, warmup=sizes.regime_warmup,
                                 samples=sizes.regime_samples) for v in chosen]
 

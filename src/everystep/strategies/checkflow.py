@@ -98,6 +98,7 @@ class _Round:
 
     step: int
     buffer: HostBuffer
+    """Where S_step is taken: a host buffer, or the memory tier's slot (its ``views`` alike)."""
     tensors: dict[str, torch.Tensor]
     skeleton: Any
     shard: RankShare
@@ -181,7 +182,8 @@ class Checkflow(FullState):
             return
         share, skeleton = self.ctx.full_share(step)
         tensors = share.local
-        buffer = self._pool.acquire(TensorLayout.of(tensors))
+        # with a memory tier, S_step is taken straight into its slot (on CUDA by DMA into the mapping)
+        buffer = self.tier.begin(tensors, skeleton) if self.tier is not None else self._pool.acquire(TensorLayout.of(tensors))
         schedule = None if final else self._schedule
         covered = schedule.keys if schedule is not None else frozenset(self.ctx.stable_keys(tensors))
         snapshot_into(buffer, tensors, [k for k in tensors if k not in covered])  # what changes before the update
@@ -285,9 +287,13 @@ class Checkflow(FullState):
 
     def _persist(self, r: _Round) -> None:
         try:
-            self._write_full(r.step, r.buffer, r.skeleton, share=r.shard)
+            if self.tier is not None:
+                self.tier.commit(r.buffer, r.step, r.skeleton)  # type: ignore[arg-type]
+            else:
+                self._write_full(r.step, r.buffer, r.skeleton, share=r.shard)
         finally:
-            self._pool.release(r.buffer)
+            if self.tier is None:
+                self._pool.release(r.buffer)
 
     # -- planning ------------------------------------------------------------------------------
 

@@ -8,10 +8,13 @@ and the directory receives the newest complete slot every ``persist_every`` step
 often as keeps the disk busy ``busy`` of the time, from the measured write and the measured step,
 as the checkpoint agent decides its interval (:func:`~everystep.policy.interval.busy_interval`).
 
-The checkpoint of step t is copied into the slot that does not hold the newest complete one, its
-checksums computed by the region's hashing process, and its header committed last, on the thread
-that wrote to the directory before (a persist thread; ``full_sync``: the training thread). Slots
-are written one after the other on that thread, so one of them always holds a complete checkpoint.
+The checkpoint of step t goes into the slot that does not hold the newest complete one — taken
+straight into it by ``checkfreq``, ``async`` and ``checkflow`` (:meth:`MemoryTier.begin`; on CUDA by
+DMA into the mapping, registered with the driver), copied into it by the others
+(:meth:`MemoryTier.write`) — its checksums computed by the region's hashing process, and its header
+committed last, on the thread that wrote to the directory before (a persist thread; ``full_sync``:
+the training thread). A slot is begun only once the other's commit is done, so one of them always
+holds a complete checkpoint.
 A persist copies the committed slot to a host buffer and writes it from there on a thread of its
 own, so the region goes on; it never holds the region back. A persist due while the previous one
 still writes waits for it when ``persist_every`` is set, and comes at the first step after it
@@ -167,7 +170,7 @@ class MemoryTier:
         self.ctx, self.config, self._finish = ctx, config, finish
         config.check_job(ctx.ranks.world, ctx.full_format)
         self.path = memory_path(directory.root, config.region, ctx.ranks.rank, ctx.ranks.world)
-        if config.region is None:
+        if config.region is None and directory.access != "read":  # (a reader makes nothing)
             _own_folder(self.path.parent.parent)
         self.damaged: str | None = None
         """Why the region holds no checkpoint that verifies, where it holds a damaged one."""
@@ -181,7 +184,7 @@ class MemoryTier:
         self._idle.set()
         self.registered: bool | None = None
         """CUDA: whether the region's mapping is registered for DMA (False: copies through pageable memory)."""
-        self._layouts: dict[Any, RegionLayout] = {}
+        self._layouts: dict[Any, tuple[RegionLayout, int]] = {}
         self._staging = HostBufferPool(1, pin=False)
         self._writer = Worker("everystep-tier-persist", errors)
         self._writing: Any = None
@@ -238,8 +241,12 @@ class MemoryTier:
         tensors = source.views if isinstance(source, HostBuffer) else source
         writer = self.begin(tensors, skeleton)
         keys = list(tensors)
-        with torch.no_grad():
-            torch._foreach_copy_([writer.views[k] for k in keys], [tensors[k] for k in keys])
+        try:
+            with torch.no_grad():
+                torch._foreach_copy_([writer.views[k] for k in keys], [tensors[k] for k in keys])
+        except BaseException:
+            self.abort()
+            raise
         nbytes, _ = self.commit(writer, step, skeleton, meta)
         return nbytes, time.perf_counter() - t0
 
