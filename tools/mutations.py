@@ -91,6 +91,15 @@ MUTATIONS = (
                "tests/test_strategies.py::test_killed_runs_recover_the_uninterrupted_runs_state[checkfreq]"),
     ),
     Mutation(
+        name="memory-tier-unread",
+        what="recovery never takes the memory tier's slot: a killed process restarts from the directory",
+        path="src/everystep/strategies/memory_tier.py",
+        before="        self._chosen = next(iter(found.values()), None)",
+        after="        self._chosen = None",
+        tests=tuple(f"tests/test_memory_tier.py::test_a_killed_training_process_recovers_from_memory_losing_at_most_one_step[{name}]"
+                    for name in ("full_sync", "checkfreq", "async", "checkflow", "gockpt", "gockpt_o", "gockpt:device")),
+    ),
+    Mutation(
         name="checksum-ignored",
         what="a reader that ignores checksums: an object whose bytes changed is loaded",
         path="src/everystep/storage/base.py",
