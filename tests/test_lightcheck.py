@@ -187,6 +187,34 @@ def test_one_writer_per_region(tmp_path):
     region.close()
 
 
+def test_the_hashing_process_holds_no_lock_of_its_writer(tmp_path):
+    """``flock`` belongs to the open file: a hashing process that shared its writer's would keep the
+    region locked once its writer was gone (killed: its descriptor and mappings released), until its
+    own death a moment later, and a restarted writer would be refused meanwhile."""
+    import fcntl
+
+    path = tmp_path / "r.bin"
+    region = Region.open(path)
+    data = torch.arange(64, dtype=torch.uint8)
+    writer = region.begin(RegionLayout.of({"data": data}), 100)
+    writer.views["data"].copy_(data)
+    region.commit(writer, 1, {"step": 1})  # (its hashing process starts)
+    hasher = region._hasher
+    assert hasher is not None and hasher._process is not None and hasher._process.poll() is None
+    region._pool.shutdown()  # the writer gone, its hashing process alive:
+    for area in region._areas.values():
+        area.close()
+    region._headers.close()
+    os.close(region._fd)
+    probe = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (raises while anything holds the writer's lock)
+        assert hasher._process.poll() is None
+    finally:
+        os.close(probe)
+        hasher.close()
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return run(TrainConfig(workload="mlp", strategy="none", steps=STEPS, seed=3, progress=False))

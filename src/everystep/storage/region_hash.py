@@ -5,9 +5,11 @@ releases the interpreter's lock, but handing a few hundred tensors to a pool of 
 collecting their digests took about 2,600 Python calls a step on the training process's threads,
 each one the lock taken from the training thread. So a writer's :class:`~everystep.storage.region.Region`
 has a :class:`RegionHasher`: a child process in a fresh interpreter (never a fork of a process that
-may hold a CUDA context) that imports neither PyTorch nor the region, is given the region's file
-descriptor at its start, maps the slot's data section read-only and hashes it, large tensors on
-threads of its own. The commit thread sends one message and waits for one answer; the metadata and
+may hold a CUDA context) that imports neither PyTorch nor the region, is given a read-only descriptor
+of the region's file at its start — an open file of its own (:func:`reopened`), not the writer's,
+which holds the writer's ``flock``: a child sharing it would keep the region locked after its writer
+was killed, until its own death a moment later, and refuse the restarted writer — maps the slot's
+data section read-only and hashes it, large tensors on threads of its own. The commit thread sends one message and waits for one answer; the metadata and
 the header stay the region's, written in the training process, in the same order as before.
 
 The two talk over a socket pair made before the child starts, so nothing else can reach it.
@@ -30,18 +32,36 @@ from .._process import HelperClient, run_helper
 from ..errors import EverystepError
 from .base import checksum
 
-__all__ = ["RegionHasher", "PARALLEL_HASH", "hash_ranges"]
+__all__ = ["RegionHasher", "PARALLEL_HASH", "hash_ranges", "reopened"]
 
 _MAIN = "import sys; from everystep.storage.region_hash import main; sys.exit(main(sys.argv[1:]))"
 PARALLEL_HASH = 1 << 20
 """Tensors of at least this many bytes are hashed on threads of their own."""
 
 
+def reopened(fd: int, path: str) -> int:
+    """A read-only descriptor of the file open as ``fd``, an open file of its own (through
+    ``/proc/self/fd``, else ``path``, checked to be the same file): it holds none of ``fd``'s locks."""
+    want = os.fstat(fd)
+    for name in (f"/proc/self/fd/{fd}", path):
+        try:
+            mine = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        got = os.fstat(mine)
+        if (got.st_dev, got.st_ino) == (want.st_dev, want.st_ino):
+            return mine
+        os.close(mine)
+    raise EverystepError(f"{path} cannot be opened again, read-only, for its hashing process")
+
+
 class RegionHasher(HelperClient):
     """The training side: the hasher for the region file open as ``fd`` (:meth:`sums`; :meth:`close`
-    at the end), started at its first question."""
+    at the end), started at its first question. It is given a descriptor of its own (:func:`reopened`),
+    closed with it."""
 
     def __init__(self, fd: int, where: str) -> None:
+        fd = reopened(fd, where)
         self.fd, self.where = fd, where
         super().__init__(_MAIN, str(fd), pass_fds=(fd,), name=f"hashing a slot of {where}: the hashing process",
                          failure=EverystepError, stop_wait=10.0)
@@ -51,6 +71,14 @@ class RegionHasher(HelperClient):
 
     def _started(self) -> None:
         self._layout = None  # (a new hasher has been given no ranges)
+
+    def close(self, *, wait: bool = True) -> None:
+        try:
+            super().close(wait=wait)
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
     def sums(self, layout: object, ranges: list[tuple[int, int]], at: int, nbytes: int) -> list[str]:
         """The checksum of each of ``ranges`` of the data section that starts ``at`` bytes into the
