@@ -140,9 +140,6 @@ class Strategy:
     the directory's garbage, when it knows that process writes nothing."""
     needs_compression: ClassVar[bool] = False
     """It reuses the compressed gradients training produces: training needs a gradient compression."""
-    lags: ClassVar[int] = 0
-    """Steps after S_t is complete that its checkpoint is taken (Checkflow: 1, inside the next step),
-    which a failure before then loses on top of the step in progress."""
     takes_memory: ClassVar[bool] = False
     """It writes the whole state and takes ``memory=True`` (:mod:`everystep.strategies.memory_tier`)."""
     mirrors_to_peers: ClassVar[bool] = False

@@ -131,7 +131,6 @@ def _local_ranges(schedule: _Schedule, shard: RankShare) -> list[list[tuple[str,
 
 class Checkflow(FullState):
     name: ClassVar[str] = "checkflow"
-    lags: ClassVar[int] = 1
     sharded_layouts: ClassVar[frozenset[str]] = DTENSOR_LAYOUTS
     sharded_refusal: ClassVar[str] = "its profile reads the optimizer's state, which ZeRO-1 keeps in a local optimizer"
     other_world_size: ClassVar[bool] = True
