@@ -313,3 +313,26 @@ def test_a_reader_recovers_from_the_memory_tier_and_changes_nothing(tmp_path, sh
                       scheduler=w2.scheduler, data=w2.data, strategy="checkfreq", memory=True) as again:
         again.restore()
     assert not list(empty.iterdir())
+
+
+def test_a_listing_through_a_writable_directory_makes_no_region(tmp_path, shm, monkeypatch):
+    """``verify_store`` on a directory opened for writing (as a test or a tool may) lists the regions
+    that are there, and makes none: neither lightcheck's in the directory nor a memory tier in memory."""
+    from everystep.inventory import verify_store
+    from everystep.storage import region_open
+
+    from .conftest import files_of
+
+    monkeypatch.setattr(region_open, "MEMORY_ROOT", shm)
+    w = make("mlp", 0)
+    with attach(w, tmp_path / "c", "checkfreq") as ckpt:
+        ckpt.restore()
+        loop(w, ckpt, 0, 2)
+    before = files_of(tmp_path / "c")
+    store = CheckpointDirectory.open(tmp_path / "c")
+    try:
+        assert verify_store(store) == []
+    finally:
+        store.close()
+    assert not list(shm.iterdir())
+    assert set(files_of(tmp_path / "c")) <= set(before) | {"everystep.lock"}

@@ -57,7 +57,7 @@ def region_rows(directory: CheckpointDirectory) -> list[dict[str, Any]]:
 
 def _slot_rows(directory: CheckpointDirectory, option: str | None, rank: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    region = open_region(directory, option, rank=rank)
+    region = open_region(directory, option, rank=rank, read=True)  # (what is there: a listing makes nothing)
     if region is not None:
         try:
             complete = {s.slot: s for s in region.slots(warn=False)}

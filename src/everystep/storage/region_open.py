@@ -41,21 +41,22 @@ def memory_path(directory: Path, region: str | None, rank: int, world: int) -> P
 
 
 def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: bool | None = None,
-                rank: int | None = None) -> Region | None:
+                rank: int | None = None, read: bool = False) -> Region | None:
     """This rank's region of ``directory``: made if absent (a writer), or ``None`` for a reader
-    where there is none. A region records, when made, the token that its directory keeps in
-    ``region-r<rank>.owner``; a region that another directory made (a ``region=`` path given to two
-    runs in turn) is refused to a writer, nothing changed, and skipped with a warning by a reader.
-    ``rank``: a reader's choice of rank (default: this process's)."""
+    (``directory`` opened for reading, or ``read``) where there is none. A region records, when made,
+    the token that its directory keeps in ``region-r<rank>.owner``; a region that another directory
+    made (a ``region=`` path given to two runs in turn) is refused to a writer, nothing changed, and
+    skipped with a warning by a reader. ``rank``: a reader's choice of rank (default: this process's)."""
     if directory.remote:
         return None  # (a remote tier holds full checkpoints only; regions are the machine's)
     ranks = directory.ranks
     rank = ranks.rank if rank is None else rank
-    world = ranks.world if directory.access != "read" else int(directory.marker.get("world_size", ranks.world))
+    read = read or directory.access == "read"
+    world = ranks.world if not read else int(directory.marker.get("world_size", ranks.world))
     path = region_path(directory.root, region, rank, world)
     claim = directory.root / f"region-r{rank}.owner"
     token = claim.read_text().strip() if claim.exists() else None
-    if directory.access == "read":
+    if read:
         if not os.path.lexists(path):
             return None
         found = Region.open(path, access="read", ranks=ranks)
