@@ -336,3 +336,28 @@ def test_a_listing_through_a_writable_directory_makes_no_region(tmp_path, shm, m
         store.close()
     assert not list(shm.iterdir())
     assert set(files_of(tmp_path / "c")) <= set(before) | {"everystep.lock"}
+
+
+def test_a_clean_close_persists_the_step_restored_from_memory_and_leaves_no_region(tmp_path, shm, monkeypatch):
+    """Restored from the region past the directory's newest and closed at once: the close writes that
+    step to the directory before the region in its default place goes; a run that committed nothing
+    leaves no region either."""
+    from everystep.storage import region_open
+
+    monkeypatch.setattr(region_open, "MEMORY_ROOT", shm)
+    w = make("mlp", 0)
+    options = dict(strategy="checkfreq", memory=True, persist_every=10)
+    hashes = _crashed(tmp_path / "c", w, 5, options)  # slots of 3 and 4 in memory, step 1 on disk
+    path = memory_path(tmp_path / "c", None, 0, 1)
+    w2 = make("mlp", 0)
+    with attach(w2, tmp_path / "c", **options) as again:
+        assert again.restore() == 4 and again.recovered.source == "memory"
+    assert not path.exists()
+    assert CheckpointDirectory.open(tmp_path / "c", access="read").newest_full_step() == 4
+    w3 = make("mlp", 0)
+    with attach(w3, tmp_path / "c", **options) as third:
+        assert third.restore() == 4 and third.recovered.source == "disk"
+        assert live_hash(w3, 4) == hashes[4]
+    with attach(make("mlp", 0), tmp_path / "empty", **options) as nothing:  # (nothing trained, nothing kept)
+        nothing.restore()
+    assert not memory_path(tmp_path / "empty", None, 0, 1).exists()

@@ -197,8 +197,6 @@ class MemoryTier:
         """Checkpoints written to the directory by this tier."""
         self.newest = -1
         """The newest step committed in the region."""
-        self._newest_skeleton: Any = None
-        self._newest_meta: dict[str, Any] = {}
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -284,7 +282,7 @@ class MemoryTier:
             self.region.commit(writer, step, skeleton, meta)
         finally:
             self._idle.set()
-        self.newest, self._newest_skeleton, self._newest_meta = step, skeleton, meta or {}
+        self.newest = step
         assert self.ctx.catalog is not None
         self.ctx.catalog.count_written_elsewhere(writer.layout.nbytes)
         self.ctx.in_memory(step)
@@ -362,15 +360,16 @@ class MemoryTier:
         return {"persist_interval": self.interval(), "persisted": self.persisted}
 
     def finish(self) -> None:
-        """A clean close: the newest slot is written to the directory if it is not there yet."""
+        """A clean close: the region's newest slot that verifies is written to the directory if it
+        is not there yet (one this run committed, or the one it started from)."""
         self._writer.drain()
-        if self.region is None or self.newest <= self.last_persisted or self._newest_skeleton is None:
+        if self.region is None or self.region.access == "read":
             return
         found = self.region.newest(warn=False)
-        if found is None or found[0].step != self.newest:
+        if found is None or found[0].step <= self.last_persisted:
             return
-        _, tensors, _ = found
-        self._persist(self.newest, tensors, self._newest_skeleton, self._newest_meta)
+        slot, tensors, meta = found
+        self._persist(slot.step, tensors, meta["skeleton"], meta["meta"])
         self._writer.drain()
 
     def close(self, *, clean: bool = False) -> None:
@@ -379,8 +378,9 @@ class MemoryTier:
         self._writer.close()
         if self.region is None:
             return
+        newest = max((s.step for s in self.region.slots(warn=False)), default=-1)
         self.region.close()
-        if clean and self.config.region is None and self.region.access != "read" and self.newest <= self.last_persisted:
+        if clean and self.config.region is None and self.region.access != "read" and newest <= self.last_persisted:
             self.path.unlink(missing_ok=True)
             try:
                 self.path.parent.rmdir()  # (another rank's may still be there)
