@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +114,11 @@ class FullDisk:
             return os_write(fd, view)
 
         catalog.write_object, catalog.store._os_write = recording, failing
+
+
+@pytest.fixture
+def shm():
+    """A folder in memory (``/dev/shm``) standing for the host's: a host loss takes what lies there."""
+    path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

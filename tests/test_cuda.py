@@ -130,19 +130,15 @@ def test_the_replica_of_a_gpu_trained_model_is_rebased_and_its_final_checkpoint_
 
 @gpu
 @pytest.mark.parametrize("mode, source", [("software", "region"), ("hardware", "disk")])
-def test_lightcheck_trained_on_the_gpu_recovers_bitwise_from_its_region(tmp_path, mode, source):
+def test_lightcheck_trained_on_the_gpu_recovers_bitwise_from_its_region(tmp_path, shm, mode, source):
     """The region's mapping registered for DMA, the state copied on a side stream in one batched
     copy with its event (one per layer with updates in backward, below): the copies are of the state itself, so recovery is bitwise on the GPU too. The region lies in
     /dev/shm: a host loss takes it, and recovery reads the persisted checkpoint instead."""
     steps = 10
     ref = _reference(steps=steps)
-    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-")
-    try:
-        got = run(TrainConfig(workload="gpt2-tiny", strategy="lightcheck", steps=steps, directory=str(tmp_path / "c"),
-                              fail_at=(4, 8), fail_mode=mode, device="cuda", progress=False,
-                              options={"region": f"{shm}/rank-{{rank}}.bin", "persist_every": 2}))
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    got = run(TrainConfig(workload="gpt2-tiny", strategy="lightcheck", steps=steps, directory=str(tmp_path / "c"),
+                          fail_at=(4, 8), fail_mode=mode, device="cuda", progress=False,
+                          options={"region": f"{shm}/rank-{{rank}}.bin", "persist_every": 2}))
     assert [r["source"] for r in got["recoveries"]] == [source] * 2
     assert got["losses"] == ref["losses"]
     assert got["final_state_sha256"] == ref["final_state_sha256"]
@@ -250,19 +246,16 @@ def test_checkfreq_with_a_writer_process_snapshots_into_registered_shared_memory
 @gpu
 @pytest.mark.parametrize("strategy, mode, source", [("checkfreq", "software", "memory"), ("async", "hardware", "disk"),
                                                    ("checkflow", "software", "memory"), ("full_sync", "software", "memory")])
-def test_the_memory_tier_on_the_gpu_takes_each_snapshot_by_dma_and_recovers_bitwise(tmp_path, strategy, mode, source):
+def test_the_memory_tier_on_the_gpu_takes_each_snapshot_by_dma_and_recovers_bitwise(tmp_path, shm, strategy, mode,
+                                                                                     source):
     """``memory=True``: checkfreq's and async's snapshots go straight into the region's slot, registered
     for DMA; the others copy their snapshot into it. A process crash recovers from the region, a host
     loss (the region in /dev/shm gone) from the directory."""
     steps = 10
     ref = _reference(steps=steps)
-    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-")
-    try:
-        got = run(TrainConfig(workload="gpt2-tiny", strategy=strategy, steps=steps, directory=str(tmp_path / "c"),
-                              fail_at=(4, 8), fail_mode=mode, device="cuda", progress=False, every=1,
-                              options={"memory": True, "region": f"{shm}/rank-{{rank}}.bin", "persist_every": 2}))
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    got = run(TrainConfig(workload="gpt2-tiny", strategy=strategy, steps=steps, directory=str(tmp_path / "c"),
+                          fail_at=(4, 8), fail_mode=mode, device="cuda", progress=False, every=1,
+                          options={"memory": True, "region": f"{shm}/rank-{{rank}}.bin", "persist_every": 2}))
     assert [r["source"] for r in got["recoveries"]] == [source] * 2
     assert got["losses"] == ref["losses"]
     assert got["final_state_sha256"] == ref["final_state_sha256"]
@@ -296,17 +289,13 @@ def test_the_profile_counts_what_an_operator_allocates_and_frees_inside_it():
 
 
 @gpu
-def test_gockpt_on_the_gpu_keeps_its_spread_checkpoints_in_the_memory_tier_and_brings_them_forward_there(tmp_path):
+def test_gockpt_on_the_gpu_keeps_its_spread_checkpoints_in_the_memory_tier_and_brings_them_forward_there(tmp_path, shm):
     steps = 14
     ref = _reference(steps=steps)
-    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-")
-    try:
-        got = run(TrainConfig(workload="gpt2-tiny", strategy="gockpt", steps=steps, directory=str(tmp_path / "c"),
-                              fail_at=(9, 13), fail_mode="software", every=4, device="cuda", progress=False,
-                              options={"parts": 3, "chunk_bytes": 1 << 16, "memory": True,
-                                       "region": f"{shm}/rank-{{rank}}.bin", "persist_every": 2}))
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    got = run(TrainConfig(workload="gpt2-tiny", strategy="gockpt", steps=steps, directory=str(tmp_path / "c"),
+                          fail_at=(9, 13), fail_mode="software", every=4, device="cuda", progress=False,
+                          options={"parts": 3, "chunk_bytes": 1 << 16, "memory": True,
+                                   "region": f"{shm}/rank-{{rank}}.bin", "persist_every": 2}))
     assert [r["source"] for r in got["recoveries"]] == ["memory (parts brought forward on cuda:0)"] * 2
     assert got["losses"] == ref["losses"]
     assert got["final_state_sha256"] == ref["final_state_sha256"]

@@ -13,7 +13,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -40,14 +39,6 @@ at recovery, in the memory tier)."""
 OPTIONS = {"gockpt": {"parts": 1, "reconstruct": "host"}, "gockpt_o": {"parts": 1, "reconstruct": "host"},
            "gockpt:device": {"parts": 1, "reconstruct": "device"}}
 STEPS, PERSIST, SEED = 12, 4, 7
-
-
-@pytest.fixture
-def shm():
-    """A folder in memory standing for the host's: a host loss takes it."""
-    path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -195,8 +195,6 @@ class MemoryTier:
         """The newest step written to the directory (or found there at the start)."""
         self.persisted = 0
         """Checkpoints written to the directory by this tier."""
-        self.newest = -1
-        """The newest step committed in the region."""
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -227,7 +225,6 @@ class MemoryTier:
         if self.region is not None and self.region.access != "read":
             self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
         self.last_persisted = min(step, self.ctx.directory.newest_full_step())
-        self.newest = step
 
     # -- every checkpoint ----------------------------------------------------------------------
 
@@ -282,7 +279,6 @@ class MemoryTier:
             self.region.commit(writer, step, skeleton, meta)
         finally:
             self._idle.set()
-        self.newest = step
         assert self.ctx.catalog is not None
         self.ctx.catalog.count_written_elsewhere(writer.layout.nbytes)
         self.ctx.in_memory(step)
