@@ -293,7 +293,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 if recovered != steps or again.recovered is None or again.recovered.source != "memory":
                     raise RuntimeError(f"recovered step {recovered} from {again.recovered}, expected {steps} from memory")
                 result["recovery_seconds_memory"] = seconds
-                Path(options["region"].replace("{rank}", "0")).unlink()
+                memory_path(Path(directory), options["region"], 0, 1).unlink()  # (the host lost)
             seconds, recovered, fresh, again, io = _recover(spec, directory, strategy, options)
             result.update(io)
             from_region = again.recovered is not None and again.recovered.source == "region"  # lightcheck's memory
