@@ -153,6 +153,36 @@ def _crashed(root: Path, w, steps: int, options: dict) -> dict[int, str]:
     return hashes
 
 
+@pytest.mark.parametrize("strategy", ["lightcheck", "checkfreq", "gockpt:device"])
+def test_a_restore_from_memory_leaves_the_slot_as_it_was_and_the_live_objects_their_own_memory(tmp_path, shm,
+                                                                                               strategy):
+    """The region's writer verifies a slot where it lies and loads from it: whatever the live objects
+    keep is memory of their own (a view kept into the slot's mapping would keep the region open, and
+    the next run could not take it), writing into every tensor of theirs (as training does) leaves
+    the slot as it was, and the next restore reads the same state from it."""
+    name = strategy.split(":")[0]
+    options = {"every": 1, "region": f"{shm}/rank-{{rank}}.bin", "persist_every": 4} if name == "lightcheck" else \
+        {"every": 3, **_options(strategy, shm, parts=3)} if strategy == "gockpt:device" else \
+        {"every": 1, **_options(strategy, shm)}  # (gockpt: three parts, each brought forward by the updates after it)
+    hashes = _crashed(tmp_path / "c", make("mlp", 0), 7, {"strategy": name, **options})
+    restored = []
+    for _ in range(2):
+        w = make("mlp", 0)
+        with pytest.raises(RuntimeError, match="training failed"), warnings.catch_warnings():
+            warnings.simplefilter("error")  # (a slot skipped as damaged: a warning)
+            with attach(w, tmp_path / "c", strategy=name, **options) as again:
+                restored.append(step := again.restore())
+                assert step > 0 and again.recovered.source.startswith(("memory", "region"))
+                assert live_hash(w, step) == hashes[step]
+                with torch.no_grad():
+                    tensors = [*w.model.parameters(), *(v for state in w.optimizer.state.values()
+                                                        for v in state.values() if isinstance(v, torch.Tensor))]
+                    for t in tensors:
+                        t.add_(1)
+                raise RuntimeError("training failed")
+    assert restored[1] == restored[0]
+
+
 def test_recovery_takes_the_newest_of_memory_and_directory_and_is_bitwise(tmp_path, shm):
     w = make("mlp", 0)
     options = dict(strategy="checkfreq", memory=True, region=f"{shm}/rank-{{rank}}.bin", persist_every=4)

@@ -126,8 +126,8 @@ class TrainingComponents:
             tree["data"] = copy.deepcopy(self.data.state_dict())
         return tree
 
-    def restore(self, tree: dict[str, Any]) -> None:
-        """Load a captured state into the live objects.
+    def restore(self, tree: dict[str, Any], *, kept: bool = False) -> None:
+        """Load a captured state into the live objects (``kept``: as :meth:`_load`).
 
         IMPORTANT: everything is checked before anything is loaded — each shape, the optimizer's
         settings and state, the random generators' — and should a component's own
@@ -146,38 +146,50 @@ class TrainingComponents:
                     f"the checkpoint {have} {name} state but the Checkpointer {given}; "
                     f"attach the same components that wrote it"
                 )
-        before = self._saved()
+        plain = loads_plainly(self.module)
+        before = self._saved(model=not plain)
         try:
-            self._load(tree)
+            self._load(tree, kept=kept)
         except Exception as e:
             self._load(before)
             raise StateMismatchError(f"the checkpoint's state could not be loaded ({type(e).__name__}: {e}); the model, "
                                      "optimizer and other components are as they were") from e
 
-    def _saved(self) -> dict[str, Any]:
+    def _saved(self, *, model: bool = True) -> dict[str, Any]:
         """Every live object's state, to put back (:meth:`restore`): copies in host memory of what
-        loading overwrites in place — the model's tensors, any optimizer's but torch's own —, and
-        references to the tensors of an optimizer whose ``load_state_dict`` is torch's, which
-        replaces its state and groups without writing into the tensors they held."""
+        loading overwrites in place — the model's tensors (unless ``model`` is False: :meth:`_load`
+        loads the model last, and where it :func:`loads_plainly` nothing after the checks can make
+        its load fail), any optimizer's but torch's own —, and references to the tensors of an
+        optimizer whose ``load_state_dict`` is torch's, which replaces its state and groups without
+        writing into the tensors they held."""
         state = optimizer_state(self.optimizer)
-        saved: dict[str, Any] = {"model": _host_copy(self.module.state_dict()),
-                                 "optimizer": state if _replaces_state(self.optimizer) else _host_copy(state),
+        saved: dict[str, Any] = {"optimizer": state if _replaces_state(self.optimizer) else _host_copy(state),
                                  "rng": capture_rng()}
+        if model:
+            saved["model"] = _host_copy(self.module.state_dict())
         for name in self.OPTIONAL:
             component = getattr(self, name)
             if component is not None:
                 saved[name] = _host_copy(component.state_dict())
         return saved
 
-    def _load(self, tree: dict[str, Any]) -> None:
-        self.module.load_state_dict(tree["model"])
-        # (a shallow copy: ZeroRedundancyOptimizer's load_state_dict blanks the entries of other ranks' parameters)
-        self.optimizer.load_state_dict({**tree["optimizer"], "state": dict(tree["optimizer"]["state"])})
+    def _load(self, tree: dict[str, Any], *, kept: bool = False) -> None:
+        """Load ``tree`` into the live objects, the model last (if ``tree`` holds it). What the
+        optimizer keeps is its own unless ``kept``: a host tensor that is a view into a larger buffer
+        (a region's mapping) is copied; one that becomes a device tensor is copied there once, by the
+        optimizer's own load."""
+        state = dict(tree["optimizer"]["state"])  # (a copy: ZeroRedundancyOptimizer's load blanks other ranks' entries)
+        replaces = _replaces_state(self.optimizer)
+        self.optimizer.load_state_dict({**tree["optimizer"], "state": state if kept or replaces else owned(state)})
+        if replaces and not kept:
+            _own_host_state(self.optimizer)
         for name in self.OPTIONAL:
             component = getattr(self, name)
             if component is not None:
                 component.load_state_dict(owned(tree[name]))
         restore_rng(tree["rng"])
+        if "model" in tree:
+            self.module.load_state_dict(tree["model"])
 
     def end_state(self, boundary: dict[str, Any], step: int, *,
                   residuals: bool = True) -> tuple[dict[str, torch.Tensor], Any]:
@@ -233,6 +245,35 @@ class TrainingComponents:
             self._load(before)
             raise StateMismatchError(f"the end state could not be loaded ({type(e).__name__}: {e}); the model, "
                                      "optimizer and other components are as they were") from e
+
+
+def loads_plainly(module: torch.nn.Module) -> bool:
+    """Whether ``module.load_state_dict`` of a state that :func:`~everystep.state_checks.check_model`
+    passed cannot fail: torch's own load throughout (no override of ``load_state_dict``, of
+    ``_load_from_state_dict`` outside ``torch.nn``'s layers, or of the extra state; no load hook)
+    and plain tensors only (no DTensor or other subclass): it then copies each tensor into the one
+    of the same key and shape, which casts and never raises."""
+    if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
+        return False
+    for m in module.modules():
+        kind = type(m)
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks \
+                or not kind._load_from_state_dict.__module__.startswith("torch.nn.modules.") \
+                or kind.get_extra_state is not torch.nn.Module.get_extra_state:
+            return False
+        if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in (*m._parameters.values(), *m._buffers.values())
+               if t is not None):
+            return False
+    return True
+
+
+def _own_host_state(optimizer: torch.optim.Optimizer) -> None:
+    """Replace each host tensor of ``optimizer``'s state (torch's, after its ``load_state_dict``) that
+    is a view into a larger buffer with a copy of its own (:func:`owned`)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not owns_memory(value):
+                state[key] = owned(value)
 
 
 def _replaces_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -32,11 +32,11 @@ from .._process import HelperClient, run_helper
 from ..errors import EverystepError
 from .base import checksum
 
-__all__ = ["RegionHasher", "PARALLEL_HASH", "hash_ranges", "reopened"]
+__all__ = ["RegionHasher", "HASH_THREADS", "hash_ranges", "shared_out", "reopened"]
 
 _MAIN = "import sys; from everystep.storage.region_hash import main; sys.exit(main(sys.argv[1:]))"
-PARALLEL_HASH = 1 << 20
-"""Tensors of at least this many bytes are hashed on threads of their own."""
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
+"""The threads of a pool that hashes a slot (:func:`hash_ranges`), beside the thread that asks."""
 
 
 def reopened(fd: int, path: str) -> int:
@@ -103,7 +103,7 @@ class RegionHasher(HelperClient):
 def _serve(conn: connection.Connection, fd: int) -> None:
     layouts: dict[int, list[tuple[int, int]]] = {}
     mapped: tuple[int, int, mmap.mmap] | None = None
-    pool = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 2) - 1)), thread_name_prefix="everystep-region-hash")
+    pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="everystep-region-hash")
     try:
         while True:
             message = json.loads(conn.recv_bytes())
@@ -131,13 +131,34 @@ def _serve(conn: connection.Connection, fd: int) -> None:
             mapped[2].close()
 
 
+def shared_out(sizes: list[int], shares: int) -> list[list[int]]:
+    """The indices of ``sizes`` dealt into ``shares`` groups of about the same total, largest first
+    (each to the group that holds least so far): one group per thread."""
+    groups: list[list[int]] = [[] for _ in range(shares)]
+    loads = [0] * shares
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        least = loads.index(min(loads))
+        groups[least].append(i)
+        loads[least] += sizes[i]
+    return groups
+
+
 def hash_ranges(pool: ThreadPoolExecutor, data: memoryview, ranges: list[tuple[int, int]]) -> list[str]:
-    """The checksum of each ``(offset, nbytes)`` range of ``data``, in order: large ones on the
-    pool's threads (the hash releases the interpreter's lock), small ones here."""
+    """The checksum of each ``(offset, nbytes)`` range of ``data``, in order: the ranges shared out
+    by size between the threads of ``pool`` (:data:`HASH_THREADS` of them) and this one (the hash
+    releases the interpreter's lock)."""
     if any(o < 0 or n < 0 or o + n > len(data) for o, n in ranges):
         raise ValueError(f"a range lies outside the data section ({len(data)} bytes)")
-    futures = {i: pool.submit(checksum, data[o:o + n]) for i, (o, n) in enumerate(ranges) if n >= PARALLEL_HASH}
-    return [futures[i].result() if i in futures else checksum(data[o:o + n]) for i, (o, n) in enumerate(ranges)]
+
+    def run(group: list[int]) -> list[tuple[int, str]]:
+        return [(i, checksum(data[ranges[i][0]:ranges[i][0] + ranges[i][1]])) for i in group]
+
+    groups = shared_out([n for _, n in ranges], HASH_THREADS + 1)
+    futures = [pool.submit(run, g) for g in groups[1:] if g]
+    sums = dict(run(groups[0]))
+    for f in futures:
+        sums.update(f.result())
+    return [sums[i] for i in range(len(ranges))]
 
 
 def main(argv: list[str]) -> int:

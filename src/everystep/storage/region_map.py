@@ -18,6 +18,7 @@ import torch
 from .._memory import pin_in_place, unregister_host
 from ..layout import LayoutEntry
 from .base import checksum
+from .region_hash import HASH_THREADS, shared_out
 
 __all__ = ["ALIGN", "PAGE", "RegionLayout", "LayoutCodes", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up",
            "copied_out", "HASH_THREADS"]
@@ -28,10 +29,6 @@ PAGE = mmap.ALLOCATIONGRANULARITY
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.complex64, torch.complex128)}
-
-
-HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
-"""The threads of a region's pool, which hash (and copy out) what a reader reads."""
 
 
 def round_up(n: int, to: int) -> int:
@@ -136,13 +133,7 @@ def copied_out(pool: Executor, data: torch.Tensor, entries: Sequence[LayoutEntry
     """Each entry of ``data`` (a slot's data section, uint8) copied into a tensor of its own, and the
     checksum of that copy: the entries shared out by size between ``pool``'s threads and this one,
     each copied and hashed in turn (the hash while the copy is in cache; both release the GIL)."""
-    share = HASH_THREADS + 1
-    groups: list[list[LayoutEntry]] = [[] for _ in range(share)]
-    loads = [0] * share
-    for e in sorted(entries, key=lambda e: -e.nbytes):
-        i = loads.index(min(loads))
-        groups[i].append(e)
-        loads[i] += e.nbytes
+    groups = [[entries[i] for i in g] for g in shared_out([e.nbytes for e in entries], HASH_THREADS + 1)]
 
     def copy(group: list[LayoutEntry]) -> list[tuple[str, torch.Tensor, str]]:
         done = []

@@ -129,14 +129,19 @@ was committed with (GoCkpt: a spread checkpoint's parts brought forward); may ra
 
 def region_candidates(region: Region, live: LiveShards, *, every: bool, source: str, finish: Finish | None = None
                       ) -> tuple[dict[int, Candidate], str | None]:
-    """The region's slots that verify, read as copies (the optimizer keeps what it loads), by step,
-    newest first — only the newest one unless ``every`` — each skipped one warned about; and, where
-    complete slots exist and none verifies, why the region holds nothing to recover. ``finish``:
-    applied to each candidate (:data:`Finish`)."""
+    """The region's slots that verify, by step, newest first — only the newest one unless ``every``
+    — each skipped one warned about; and, where complete slots exist and none verifies, why the
+    region holds nothing to recover. ``finish``: applied to each candidate (:data:`Finish`).
+
+    The region's writer (which holds its lock: no other process rewrites a slot) verifies a slot
+    where it lies, and its candidate's tensors are views of the slot's private mapping (what is
+    written into them stays in this process), each copied once when loaded: into the live model, or
+    into memory of the optimizer's own (:meth:`~everystep.state.TrainingComponents.restore`). A
+    reader, and a sharded job (whose optimizer keeps DTensors), read copies."""
     found: dict[int, Candidate] = {}
     t0 = time.perf_counter()
     complete = region.slots(warn=False)
-    for slot, tensors, meta in region.verified(copy=True):
+    for slot, tensors, meta in region.verified(copy=len(live) > 0):
         if any(live.shapes.get(k, tuple(t.shape)) != tuple(t.shape) for k, t in tensors.items()):
             warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
                           "(written under another layout or world size)", stacklevel=3)
