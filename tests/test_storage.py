@@ -538,24 +538,38 @@ def test_a_tensor_file_whose_header_the_format_does_not_allow_is_refused(tmp_pat
         read_tensors(io.BytesIO(raw), len(raw), checksum(raw), what="object x")
 
 
-def test_a_tensor_file_read_once_is_refused_when_a_byte_changed_or_it_is_shorter_or_longer(tmp_path):
+@pytest.mark.parametrize("source", ["stream", "file"])
+def test_a_tensor_file_read_once_is_refused_when_a_byte_changed_or_it_is_shorter_or_longer(tmp_path, source):
+    """From a stream (read in turn) and from a file on disk (its two halves read at once), wherever
+    the byte that changed lies."""
     from everystep.storage.base import checksum
     from everystep.storage.tensorfile import read_tensors
 
+    def read(raw: bytes, size: int, digest: str):
+        if source == "stream":
+            return read_tensors(io.BytesIO(raw), size, digest, what="object x")
+        (tmp_path / "x").write_bytes(raw)
+        with open(tmp_path / "x", "rb", buffering=0) as f:
+            return read_tensors(f, size, digest, what="object x")
+
     good = bytes(b"".join(bytes(c) for c in tensor_chunks(TensorLayout.of(_EVERY_DTYPE), _EVERY_DTYPE)))
-    flipped = bytearray(good)
-    flipped[-5] ^= 1
-    with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
-        read_tensors(io.BytesIO(bytes(flipped)), len(good), checksum(good), what="object x")
-    with pytest.raises(CorruptCheckpointError, match="shorter than its manifest says"):
-        read_tensors(io.BytesIO(good[:-3]), len(good), checksum(good), what="object x")
-    with pytest.raises(CorruptCheckpointError, match="longer than its manifest says"):
-        read_tensors(io.BytesIO(good + b"x"), len(good), checksum(good), what="object x")
+    data = 8 + struct.unpack("<Q", good[:8])[0]
+    middle = data + (len(good) - data) // 2  # (where a file's two halves meet)
+    for at in (data, middle - 1, middle, len(good) - 1):
+        flipped = bytearray(good)
+        flipped[at] ^= 1
+        with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+            read(bytes(flipped), len(good), checksum(good))
+    wrong_size = "shorter than its manifest says" if source == "stream" else "not the .* bytes its manifest says"
+    with pytest.raises(CorruptCheckpointError, match=wrong_size):
+        read(good[:-3], len(good), checksum(good))
+    with pytest.raises(CorruptCheckpointError, match="longer than" if source == "stream" else wrong_size):
+        read(good + b"x", len(good), checksum(good))
     header_too_long = struct.pack("<Q", 1 << 40) + good[8:]
     with pytest.raises(CorruptCheckpointError, match="a header of"):
-        read_tensors(io.BytesIO(header_too_long), len(good), checksum(header_too_long), what="object x")
-    got = read_tensors(io.BytesIO(good), len(good), checksum(good), what="object x")
-    assert all(torch.equal(got[k], v) for k, v in _EVERY_DTYPE.items())
+        read(header_too_long, len(good), checksum(header_too_long))
+    got = read(good, len(good), checksum(good))
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in _EVERY_DTYPE.items())
 
 
 def test_corrupt_tensor_file_is_refused():
