@@ -78,12 +78,14 @@ def test_rng_capture_restores_every_generator():
     assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]
 
 
+@pytest.mark.parametrize("fails", ["data", "model"])
 @pytest.mark.parametrize("optimizer", ["adamw", "in_backward"])
-def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimizer):
-    """The data loader's own ``load_state_dict`` fails after the model and the optimizer are loaded:
-    the model's tensors, the optimizer's state and groups and the RNG are back as they were, bitwise
-    (the optimizer's from its own tensors, which loading replaced without writing into them; the
-    model's from a copy, since loading writes into its tensors)."""
+def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimizer, fails):
+    """A load fails part way — the data loader's own ``load_state_dict`` after the optimizer's, or a
+    hook of the model's after some of its layers are loaded (the model loads last): the model's
+    tensors, the optimizer's state and groups and the RNG are back as they were, bitwise (the
+    optimizer's from its own tensors, which loading replaced without writing into them; the model's
+    from a copy, taken where its load can fail: it writes into its tensors)."""
     from everystep.errors import StateMismatchError
     from everystep.eval.workloads import build
     from everystep.state import TrainingComponents
@@ -104,8 +106,16 @@ def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimi
             return w.data.state_dict()
 
         def load_state_dict(self, state):
-            if state != w.data.state_dict():  # (its own, put back, it takes)
+            if fails == "data" and state != w.data.state_dict():  # (its own, put back, it takes)
                 raise RuntimeError("this loader cannot take it")
+
+    def refuse(module, incompatible):
+        if not torch.equal(module.weight, last_weight):  # (its own, put back, it takes)
+            raise RuntimeError("this loader cannot take it")
+
+    last = [m for m in w.model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    last_weight = last.weight.detach().clone()
+    hook = last.register_load_state_dict_post_hook(refuse) if fails == "model" else None
 
     def live() -> str:
         return state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
@@ -117,5 +127,7 @@ def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimi
     with pytest.raises(StateMismatchError, match="this loader cannot take it.*as they were"):
         TrainingComponents(model=w.model, optimizer=w.optimizer, data=Refusing()).restore(tree)
     assert live() == before and state_hash(capture_rng()) == rng
+    if hook is not None:
+        hook.remove()
     TrainingComponents(model=w.model, optimizer=w.optimizer, data=w.data).restore({**tree, "data": w.data.state_dict()})
     assert live() == loaded

@@ -45,10 +45,6 @@ class Candidate:
     replay: Callable[[], tuple[int, str]] | None = None
     """A differential chain's: once ``tree`` is loaded, it moves the live objects forward through the
     chain and returns the step reached and the source to report."""
-    kept: bool = False
-    """Whether the optimizer may keep ``tree``'s tensors as its state though they are views into a
-    larger buffer (an agent's replica, handed over with them); else such a host tensor is copied
-    (:meth:`~everystep.state.TrainingComponents.restore`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +62,7 @@ def load(candidate: Candidate, components: TrainingComponents) -> Recovered:
     refuses (:meth:`~everystep.state.TrainingComponents.restore`) — then replay what it chains, and
     report what was recovered. The one place a recovered state enters the live objects."""
     t0 = time.perf_counter()
-    components.restore(candidate.tree, kept=candidate.kept)
+    components.restore(candidate.tree)
     step, source = candidate.step, candidate.source
     if candidate.replay is not None:
         step, source = candidate.replay()

@@ -126,8 +126,8 @@ class TrainingComponents:
             tree["data"] = copy.deepcopy(self.data.state_dict())
         return tree
 
-    def restore(self, tree: dict[str, Any], *, kept: bool = False) -> None:
-        """Load a captured state into the live objects (``kept``: as :meth:`_load`).
+    def restore(self, tree: dict[str, Any]) -> None:
+        """Load a captured state into the live objects.
 
         IMPORTANT: everything is checked before anything is loaded — each shape, the optimizer's
         settings and state, the random generators' — and should a component's own
@@ -149,7 +149,7 @@ class TrainingComponents:
         plain = loads_plainly(self.module)
         before = self._saved(model=not plain)
         try:
-            self._load(tree, kept=kept)
+            self._load(tree)
         except Exception as e:
             self._load(before)
             raise StateMismatchError(f"the checkpoint's state could not be loaded ({type(e).__name__}: {e}); the model, "
@@ -173,16 +173,10 @@ class TrainingComponents:
                 saved[name] = _host_copy(component.state_dict())
         return saved
 
-    def _load(self, tree: dict[str, Any], *, kept: bool = False) -> None:
-        """Load ``tree`` into the live objects, the model last (if ``tree`` holds it). What the
-        optimizer keeps is its own unless ``kept``: a host tensor that is a view into a larger buffer
-        (a region's mapping) is copied; one that becomes a device tensor is copied there once, by the
-        optimizer's own load."""
-        state = dict(tree["optimizer"]["state"])  # (a copy: ZeroRedundancyOptimizer's load blanks other ranks' entries)
-        replaces = _replaces_state(self.optimizer)
-        self.optimizer.load_state_dict({**tree["optimizer"], "state": state if kept or replaces else owned(state)})
-        if replaces and not kept:
-            _own_host_state(self.optimizer)
+    def _load(self, tree: dict[str, Any]) -> None:
+        """Load ``tree`` into the live objects, the model last (if ``tree`` holds it)."""
+        # (a shallow copy: ZeroRedundancyOptimizer's load_state_dict blanks the entries of other ranks' parameters)
+        self.optimizer.load_state_dict({**tree["optimizer"], "state": dict(tree["optimizer"]["state"])})
         for name in self.OPTIONAL:
             component = getattr(self, name)
             if component is not None:
@@ -265,15 +259,6 @@ def loads_plainly(module: torch.nn.Module) -> bool:
                if t is not None):
             return False
     return True
-
-
-def _own_host_state(optimizer: torch.optim.Optimizer) -> None:
-    """Replace each host tensor of ``optimizer``'s state (torch's, after its ``load_state_dict``) that
-    is a view into a larger buffer with a copy of its own (:func:`owned`)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not owns_memory(value):
-                state[key] = owned(value)
 
 
 def _replaces_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -68,7 +68,7 @@ from ..layout import LayoutEntry
 from ..tree import check_skeleton
 from .base import MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo, checksum, refuse_constant
 from .region_hash import RegionHasher, hash_ranges
-from .region_map import (HASH_THREADS, PAGE, Area, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter, copied_out,
+from .region_map import (HASH_THREADS, PAGE, Area, Copy, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter, copied_out,
                          on_volatile_memory, round_up)
 
 __all__ = ["Region", "UntrustedRegionError", "UnreadableRegionError", "RegionSlot", "SlotWriter"]
@@ -378,35 +378,35 @@ class Region:
             raise CorruptCheckpointError(f"{where}: unreadable metadata ({type(e).__name__}: {e})") from None
         return SlotMeta(where, area, meta, base, layout, sums)
 
-    def read_slot(self, slot: RegionSlot, *, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def read_slot(self, slot: RegionSlot, *, copy: Copy = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The slot's tensors and its metadata, after every checksum is verified; raises
         :class:`CorruptCheckpointError` naming the slot.
 
         The tensors are views of the mapping, valid while the slot is not rewritten: the region's
-        writer reads them so. ``copy``: each tensor is copied out into memory of its own and its
-        checksum verified on the copy (a slot rewritten meanwhile fails them, and :meth:`newest` sees
-        that its header changed): what a reader beside a live writer gets, and what is loaded."""
+        writer reads them so. ``copy`` (True, or a test of a tensor's key): each tensor (that passes)
+        is copied out into memory of its own and its checksum verified on the copy (a slot rewritten
+        meanwhile fails them, and :meth:`newest` sees that its header changed): what a reader beside
+        a live writer gets, and what a restore keeps."""
         m = self._metadata(slot)
         data = m.area.bytes[m.base:m.base + m.layout.nbytes]
         self.bytes_read += m.layout.nbytes
-        if copy:
-            tensors, got = copied_out(self._pool, data, m.layout.entries)
-        else:
-            view = memoryview(data.numpy()) if m.layout.nbytes else memoryview(b"")
-            got = dict(zip(m.sums, hash_ranges(self._pool, view, [(e.offset, e.nbytes) for e in m.layout.entries])))
-            tensors = {e.key: data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in m.layout.entries}
+        tensors, got = copied_out(self._pool, data, [e for e in m.layout.entries if copy is True or copy and copy(e.key)])
+        rest = [e for e in m.layout.entries if e.key not in tensors]
+        view = memoryview(data.numpy()) if m.layout.nbytes else memoryview(b"")
+        got.update(zip([e.key for e in rest], hash_ranges(self._pool, view, [(e.offset, e.nbytes) for e in rest])))
+        tensors.update((e.key, data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)) for e in rest)
         for e in m.layout.entries:
             if got[e.key] != m.sums[e.key]:
                 raise CorruptCheckpointError(f"{m.where}: tensor {e.key!r} fails its checksum")
         return tensors, m.meta
 
-    def verified(self, *, copy: bool = False, warn: bool = True
+    def verified(self, *, copy: Copy = False, warn: bool = True
                  ) -> Iterator[tuple[RegionSlot, dict[str, torch.Tensor], dict[str, Any]]]:
         """The complete slots that verify, newest first, each read as :meth:`read_slot` reads it;
         each one skipped is warned about (``warn``). A reader (``access="read"``) always gets copies
         (``copy``: the writer too), and a slot its writer rewrote while it was read is passed over
         without a warning."""
-        copy = copy or self.access == "read"
+        copy = True if self.access == "read" else copy
         for slot in self.slots(warn=warn):
             try:
                 tensors, meta = self.read_slot(slot, copy=copy)
@@ -420,7 +420,7 @@ class Region:
                 continue
             yield slot, tensors, meta
 
-    def newest(self, *, copy: bool = False, warn: bool = True
+    def newest(self, *, copy: Copy = False, warn: bool = True
                ) -> tuple[RegionSlot, dict[str, torch.Tensor], dict[str, Any]] | None:
         """The newest complete slot that verifies (see :meth:`verified`), or None."""
         return next(self.verified(copy=copy, warn=warn), None)

@@ -7,7 +7,7 @@ import json
 import math
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ from .base import checksum
 from .region_hash import HASH_THREADS, shared_out
 
 __all__ = ["ALIGN", "PAGE", "RegionLayout", "LayoutCodes", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up",
-           "copied_out", "HASH_THREADS"]
+           "copied_out", "Copy", "HASH_THREADS"]
 
 ALIGN = 128
 """Tensors of more than this many bytes start at multiples of it."""
@@ -126,6 +126,11 @@ class LayoutCodes:
     def of(cls, layout: RegionLayout) -> "LayoutCodes":
         return cls(layout, [e.key for e in layout.entries], [(e.offset, e.nbytes) for e in layout.entries],
                    json.dumps(layout.to_json(), separators=(",", ":")).encode())
+
+
+Copy = bool | Callable[[str], bool]
+"""Which of a slot's tensors a read copies out (:meth:`~everystep.storage.region.Region.read_slot`):
+all, none, or those whose key passes the test."""
 
 
 def copied_out(pool: Executor, data: torch.Tensor, entries: Sequence[LayoutEntry]

@@ -203,8 +203,7 @@ class LowDiffPlus(Strategy):
             return super()._recover()
         t0 = time.perf_counter()
         step, tree = self.session.fetch(target)
-        return Candidate(step=step, tree=tree, source="memory", manifest=None, seconds=time.perf_counter() - t0,
-                         kept=True)  # (the optimizer's state stays in the region handed over: Session.fetch)
+        return Candidate(step=step, tree=tree, source="memory", manifest=None, seconds=time.perf_counter() - t0)
 
     def _on_start(self, step: int) -> None:
         directory, ranks = self.ctx.directory, self.ctx.ranks

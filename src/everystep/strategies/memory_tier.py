@@ -133,15 +133,16 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
     — each skipped one warned about; and, where complete slots exist and none verifies, why the
     region holds nothing to recover. ``finish``: applied to each candidate (:data:`Finish`).
 
-    The region's writer (which holds its lock: no other process rewrites a slot) verifies a slot
-    where it lies, and its candidate's tensors are views of the slot's private mapping (what is
-    written into them stays in this process), each copied once when loaded: into the live model, or
-    into memory of the optimizer's own (:meth:`~everystep.state.TrainingComponents.restore`). A
-    reader, and a sharded job (whose optimizer keeps DTensors), read copies."""
+    What the live objects keep (the optimizer's state, the other components') is copied out of the
+    slot as it is hashed. The model's tensors, which a restore copies into the live model, are
+    views of the slot's private mapping (what is written into them stays in this process) verified
+    where they lie, by the region's writer, which holds its lock: no other process rewrites a slot.
+    A reader, and a sharded job (whose model holds DTensors), read copies of all."""
     found: dict[int, Candidate] = {}
     t0 = time.perf_counter()
     complete = region.slots(warn=False)
-    for slot, tensors, meta in region.verified(copy=len(live) > 0):
+    copy = True if len(live) else lambda key: not key.startswith("/model/")
+    for slot, tensors, meta in region.verified(copy=copy):
         if any(live.shapes.get(k, tuple(t.shape)) != tuple(t.shape) for k, t in tensors.items()):
             warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
                           "(written under another layout or world size)", stacklevel=3)
