@@ -10,6 +10,9 @@ Every job's failure goes to the :class:`BackgroundErrors` the worker was made wi
 it in the training thread once (the strategy's next call). A future also carries its job's
 failure, so that a job that depends on it can tell; waiting on it with :meth:`Worker.drain` or
 :func:`settled` does not raise it a second time.
+
+Work that several threads share at once — copies and hashes, which release the interpreter's lock —
+is dealt out to them by size (:func:`shared_out`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 from .errors import BackgroundWriteError
 
-__all__ = ["BackgroundErrors", "Worker", "settled"]
+__all__ = ["BackgroundErrors", "Worker", "settled", "shared_out"]
 
 
 class BackgroundErrors:
@@ -111,3 +114,15 @@ class Worker:
             finally:
                 self._jobs.task_done()
         self._jobs.task_done()
+
+
+def shared_out(sizes: list[int], shares: int) -> list[list[int]]:
+    """The indices of ``sizes`` dealt into ``shares`` groups of about the same total, largest first
+    (each to the group that holds least so far): one group per thread."""
+    groups: list[list[int]] = [[] for _ in range(shares)]
+    loads = [0] * shares
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        least = loads.index(min(loads))
+        groups[least].append(i)
+        loads[least] += sizes[i]
+    return groups

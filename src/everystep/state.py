@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import copy
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .background import shared_out
 from .errors import StateMismatchError
 from .optim import OptimizerInBackward
 from .rng import capture_rng, restore_rng
@@ -149,7 +151,7 @@ class TrainingComponents:
         plain = loads_plainly(self.module)
         before = self._saved(model=not plain)
         try:
-            self._load(tree)
+            self._load(tree, plain=plain)
         except Exception as e:
             self._load(before)
             raise StateMismatchError(f"the checkpoint's state could not be loaded ({type(e).__name__}: {e}); the model, "
@@ -173,8 +175,9 @@ class TrainingComponents:
                 saved[name] = _host_copy(component.state_dict())
         return saved
 
-    def _load(self, tree: dict[str, Any]) -> None:
-        """Load ``tree`` into the live objects, the model last (if ``tree`` holds it)."""
+    def _load(self, tree: dict[str, Any], *, plain: bool = False) -> None:
+        """Load ``tree`` into the live objects, the model last (if ``tree`` holds it; ``plain``: a
+        model that :func:`loads_plainly`, whose load is only copies)."""
         # (a shallow copy: ZeroRedundancyOptimizer's load_state_dict blanks the entries of other ranks' parameters)
         self.optimizer.load_state_dict({**tree["optimizer"], "state": dict(tree["optimizer"]["state"])})
         for name in self.OPTIONAL:
@@ -183,7 +186,11 @@ class TrainingComponents:
                 component.load_state_dict(owned(tree[name]))
         restore_rng(tree["rng"])
         if "model" in tree:
-            self.module.load_state_dict(tree["model"])
+            live = self.module.state_dict()
+            if plain and all(t.device.type == "cpu" for t in live.values()):
+                _copy_into(live, tree["model"])
+            else:
+                self.module.load_state_dict(tree["model"])
 
     def end_state(self, boundary: dict[str, Any], step: int, *,
                   residuals: bool = True) -> tuple[dict[str, torch.Tensor], Any]:
@@ -259,6 +266,23 @@ def loads_plainly(module: torch.nn.Module) -> bool:
                if t is not None):
             return False
     return True
+
+
+def _copy_into(live: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -> None:
+    """Torch's load of a model that :func:`loads_plainly`, on the host: each stored tensor copied
+    into the live one of its key (the tensor of two tied keys once), the copies shared out by size
+    between a thread of their own and this one (a copy releases the interpreter's lock)."""
+    targets = list({t.data_ptr(): (t, stored[k]) for k, t in live.items()}.values())
+    groups = shared_out([t.numel() * t.element_size() for t, _ in targets], 2)
+
+    def copy(group: list[int]) -> None:
+        for i in group:
+            targets[i][0].copy_(targets[i][1])
+
+    with ThreadPoolExecutor(1, thread_name_prefix="everystep-load") as helper:
+        other = helper.submit(copy, groups[1])
+        copy(groups[0])
+        other.result()
 
 
 def _replaces_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -29,10 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import connection
 
 from .._process import HelperClient, run_helper
+from ..background import shared_out
 from ..errors import EverystepError
 from .base import checksum
 
-__all__ = ["RegionHasher", "HASH_THREADS", "hash_ranges", "shared_out", "reopened"]
+__all__ = ["RegionHasher", "HASH_THREADS", "hash_ranges", "reopened"]
 
 _MAIN = "import sys; from everystep.storage.region_hash import main; sys.exit(main(sys.argv[1:]))"
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
@@ -129,18 +130,6 @@ def _serve(conn: connection.Connection, fd: int) -> None:
         pool.shutdown(wait=True)
         if mapped is not None:
             mapped[2].close()
-
-
-def shared_out(sizes: list[int], shares: int) -> list[list[int]]:
-    """The indices of ``sizes`` dealt into ``shares`` groups of about the same total, largest first
-    (each to the group that holds least so far): one group per thread."""
-    groups: list[list[int]] = [[] for _ in range(shares)]
-    loads = [0] * shares
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        least = loads.index(min(loads))
-        groups[least].append(i)
-        loads[least] += sizes[i]
-    return groups
 
 
 def hash_ranges(pool: ThreadPoolExecutor, data: memoryview, ranges: list[tuple[int, int]]) -> list[str]:

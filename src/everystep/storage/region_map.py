@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from .._memory import pin_in_place, unregister_host
+from ..background import shared_out
 from ..layout import LayoutEntry
 from .base import checksum
-from .region_hash import HASH_THREADS, shared_out
+from .region_hash import HASH_THREADS
 
 __all__ = ["ALIGN", "PAGE", "RegionLayout", "LayoutCodes", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up",
            "copied_out", "Copy", "HASH_THREADS"]
