@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import torch
 
 from everystep.demo import stalls
 from everystep.eval.bench import (BenchConfig, interleaved_order, markdown_table, reference_spread, run_bench,
@@ -52,14 +54,44 @@ def test_the_summary_gives_what_each_recovery_read_its_rate_and_its_memory_above
     from everystep.eval.bench import recovery_reads
 
     runs = [_run(r, "none", 0.010) for r in range(3)]
-    for r, (seconds, extra) in enumerate([(0.5, 300 << 20), (1.0, 100 << 20), (0.25, 200 << 20)]):
+    for r, (seconds, extra, mapped) in enumerate([(0.5, 300 << 20, 0), (1.0, 100 << 20, 90 << 20),
+                                                  (0.25, 200 << 20, 0)]):
         runs.append({**_run(r, "checkfreq", 0.011), "recovery_seconds_disk": seconds, "recovery_bytes_read": 10**9,
-                     "recovery_peak_extra_bytes": extra})
+                     "recovery_peak_extra_bytes": extra, "recovery_mapped_bytes": mapped})
+        runs.append({**_run(r, "lightcheck", 0.011), "recovery_seconds_memory": seconds, "recovery_bytes_read": 10**9,
+                     "recovery_peak_extra_bytes": extra + (100 << 20), "recovery_mapped_bytes": 150 << 20})
     summary = summarise(runs)
     assert summary["checkfreq"]["recovery_gb_per_s"] == pytest.approx(2.0)  # median of 2, 1 and 4 GB/s
     assert summary["checkfreq"]["recovery_peak_extra_bytes"] == 300 << 20  # the most of the repeats
+    assert summary["checkfreq"]["recovery_mapped_bytes"] == 0  # (that repeat's)
     assert summary["none"]["recovery_gb_per_s"] is None
-    assert recovery_reads(summary) == "checkfreq 954 MiB at 2.00 GB/s, +300 MiB"
+    assert recovery_reads(summary) == ("checkfreq 954 MiB at 2.00 GB/s, +300 MiB; "
+                                       "lightcheck 954 MiB at 2.00 GB/s, +400 MiB (150 MiB of it file pages mapped)")
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="Linux: the peak resident size is reset")
+def test_the_memory_a_restore_takes_tells_the_file_pages_it_maps_from_memory_of_its_own(tmp_path):
+    import mmap
+
+    from everystep.eval.measure import peak_during
+
+    size = 64 << 20
+    (tmp_path / "f").write_bytes(b"\1" * size)
+
+    def mapped():
+        with open(tmp_path / "f", "rb") as f:
+            m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+        sum(m[i] for i in range(0, size, mmap.PAGESIZE))  # (every page touched)
+        return m
+
+    def own():
+        return torch.ones(size, dtype=torch.uint8)
+
+    kept, extra, of_it = peak_during(mapped)
+    assert extra >= size * 0.9 and of_it >= size * 0.9
+    kept.close()
+    kept, extra, of_it = peak_during(own)
+    assert extra >= size * 0.9 and of_it < size * 0.1
 
 
 def test_the_demo_lists_each_strategy_s_wait_per_checkpoint_from_the_least_against_the_step():

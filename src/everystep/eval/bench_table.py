@@ -53,8 +53,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "recovery_seconds_memory": med("recovery_seconds_memory"),
             "recovery_bytes_read": med("recovery_bytes_read"),
             "recovery_gb_per_s": _rate(mine),
-            "recovery_peak_extra_bytes": max((r["recovery_peak_extra_bytes"] for r in mine
-                                              if r.get("recovery_peak_extra_bytes") is not None), default=None),
+            **_peak_extra(mine),
             "lost_steps_software": max(r["lost_steps_software"] for r in mine),
             "lost_steps_hardware": max(r["lost_steps_hardware"] for r in mine),
             "recovery_error": max((r.get("recovery_error") or 0.0) for r in mine) if mine[0].get("recovery_error") is not None else None,
@@ -134,6 +133,15 @@ def markdown_table(summary: dict[str, dict[str, Any]], spread: float | None = No
     return "\n".join(rows)
 
 
+def _peak_extra(runs: list[dict[str, Any]]) -> dict[str, int | None]:
+    """The most memory a restore took beyond what the process held, over the repeats, and how much of
+    it was file pages mapped (in that repeat)."""
+    measured = [r for r in runs if r.get("recovery_peak_extra_bytes") is not None]
+    most = max(measured, key=lambda r: r["recovery_peak_extra_bytes"], default={})
+    return {"recovery_peak_extra_bytes": most.get("recovery_peak_extra_bytes"),
+            "recovery_mapped_bytes": most.get("recovery_mapped_bytes")}
+
+
 def recovery_reads(summary: dict[str, dict[str, Any]]) -> str:
     """What each strategy's recovery read, how fast and with how much memory above what the process
     held, as a line (empty where no run counted its reads)."""
@@ -142,5 +150,7 @@ def recovery_reads(summary: dict[str, dict[str, Any]]) -> str:
         read, rate, extra = s.get("recovery_bytes_read"), s.get("recovery_gb_per_s"), s.get("recovery_peak_extra_bytes")
         if read or extra is not None:
             said = f"{read / 2**20:.0f} MiB at {rate:.2f} GB/s" if read and rate else "reads not counted"
-            parts.append(f"{name} {said}" + (f", +{extra / 2**20:.0f} MiB" if extra is not None else ""))
+            mapped = s.get("recovery_mapped_bytes")
+            of_it = f" ({mapped / 2**20:.0f} MiB of it file pages mapped)" if mapped and mapped >= 2**20 else ""
+            parts.append(f"{name} {said}" + (f", +{extra / 2**20:.0f} MiB{of_it}" if extra is not None else ""))
     return "; ".join(parts)
