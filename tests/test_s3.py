@@ -201,6 +201,7 @@ warnings.simplefilter("always")
 ckpt = Checkpointer(local, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=strategy,
                     remote=url or None, remote_every=2, remote_lease=1.5, **options)
 start = ckpt.restore()
+read = ckpt.directory.catalog.bytes_read  # (what the restore read from the local directory)
 for step in range(start + 1, steps + 1):
     w.loss(w.data.next()).backward()
     w.update()
@@ -216,7 +217,7 @@ for step in range(start + 1, steps + 1):
             os.killpg(0, signal.SIGKILL)
 ckpt.close()
 with open(f"{local}.r{rank}.json", "w") as f:
-    json.dump({"start": start, "source": ckpt.recovered.source if ckpt.recovered else None,
+    json.dump({"start": start, "source": ckpt.recovered.source if ckpt.recovered else None, "read": read,
                "remote_step": ckpt.stats.last_remote_step, "up": ckpt.remote.bytes_up if url else 0,
                "down": ckpt.remote.bytes_down if url else 0,
                "warned": [str(x.message) for x in caught if issubclass(x.category, RuntimeWarning)],
@@ -288,6 +289,8 @@ def test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwis
         assert (mine["source"], mine["start"]) == ("remote", newest)  # the newest checkpoint uploaded before the loss
         assert mine["hash"] == theirs["hash"]  # I1: bitwise the uninterrupted run, on every rank
         assert mine["remote_step"] == steps  # its final checkpoint uploaded as it closed
+    if (strategy, nproc) == ("checkfreq", 1):  # the state read from what was downloaded, not again from the disk
+        assert resumed[0]["read"] == 0
     assert len({r["start"] for r in resumed}) == 1
     for moved in ("down", "up"):  # each rank moved its share, the largest objects first to the least loaded
         shares = [r[moved] for r in resumed]

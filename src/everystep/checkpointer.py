@@ -107,9 +107,8 @@ class Checkpointer:
         every, keep, **options: the strategy's configuration, when given by name; ``None`` keeps the
             strategy's default (every step for full_sync and checkfreq, 50 for the differential ones).
         final: write a last checkpoint at a clean :meth:`close` if the last step has none.
-        deadline: a Unix time by which the job ends (PyRecover's time-aware exit; see
-            :meth:`should_stop`); ``k1``, ``k2``: the buffer kept before it, in longest steps and
-            longest checkpoints.
+        deadline: a Unix time by which the job ends (PyRecover's time-aware exit; see :meth:`should_stop`);
+            ``k1``, ``k2``: the buffer kept before it, in longest steps and longest checkpoints.
         stop_signals: signals that ask for a stop at the next :meth:`should_stop` (a preemption
             notice such as ``signal.SIGTERM`` or ``signal.SIGUSR1``); handlers are installed
             while the Checkpointer is open, and a second signal of a kind acts as before.
@@ -291,6 +290,7 @@ class Checkpointer:
                     error = e
             if waves > 1:
                 self.ranks.barrier("control")
+        self.directory.forget_read_ahead()  # (a pulled state the restore did not take)
         if error is not None:
             raise error
         if found is not None:

@@ -134,8 +134,9 @@ def markdown_table(summary: dict[str, dict[str, Any]], spread: float | None = No
 
 
 def _peak_extra(runs: list[dict[str, Any]]) -> dict[str, int | None]:
-    """The most memory a restore took beyond what the process held, over the repeats, and how much of
-    it was file pages mapped (in that repeat)."""
+    """The most memory a restore took beyond what the process held, over the repeats, and the bytes of
+    a region's slots it mapped in that repeat (pages in memory before the restore, resident while
+    mapped: counted in the peak)."""
     measured = [r for r in runs if r.get("recovery_peak_extra_bytes") is not None]
     most = max(measured, key=lambda r: r["recovery_peak_extra_bytes"], default={})
     return {"recovery_peak_extra_bytes": most.get("recovery_peak_extra_bytes"),
@@ -151,6 +152,6 @@ def recovery_reads(summary: dict[str, dict[str, Any]]) -> str:
         if read or extra is not None:
             said = f"{read / 2**20:.0f} MiB at {rate:.2f} GB/s" if read and rate else "reads not counted"
             mapped = s.get("recovery_mapped_bytes")
-            of_it = f" ({mapped / 2**20:.0f} MiB of it file pages mapped)" if mapped and mapped >= 2**20 else ""
+            of_it = f" ({mapped / 2**20:.0f} MiB of it the region's pages mapped)" if mapped and mapped >= 2**20 else ""
             parts.append(f"{name} {said}" + (f", +{extra / 2**20:.0f} MiB{of_it}" if extra is not None else ""))
     return "; ".join(parts)

@@ -110,38 +110,37 @@ def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[
     options = {k: v for k, v in options.items() if k != "remote"}  # (recovery from this machine's tiers)
     t0 = time.perf_counter()
     with _attach(fresh, directory, strategy, options, final=False) as again:
-        recovered, extra, mapped = peak_during(again.restore)
+        recovered, extra = peak_during(again.restore)
         seconds = again.recovered.seconds if again.recovered else time.perf_counter() - t0
         tier = again.strategy.tier
         region = tier.region if tier is not None else getattr(again.strategy, "region", None)
-        read = again.directory.catalog.bytes_read + (region.bytes_read if region is not None else 0)
+        mapped = region.bytes_read if region is not None else 0  # (its slots' pages, resident while mapped)
+        read = again.directory.catalog.bytes_read + mapped
     return seconds, recovered, fresh, again, {"recovery_bytes_read": read, "recovery_peak_extra_bytes": extra,
                                               "recovery_mapped_bytes": mapped}
 
 
-def peak_during(call: Any) -> tuple[Any, int | None, int | None]:
-    """``call()``'s result, the most host memory the process held during it beyond what it held
-    before (Linux: its peak resident size reset first, ``/proc/self/clear_refs``), and how much of
-    that is file pages it mapped and still maps after it (a region's slot, in memory already: no
-    memory of the process's own); None where that cannot be read."""
-    def status(*fields: str) -> int | None:
+def peak_during(call: Any) -> tuple[Any, int | None]:
+    """``call()``'s result, and the most host memory the process held during it beyond what it held
+    before (Linux: its peak resident size reset first, ``/proc/self/clear_refs``); None where that
+    cannot be read."""
+    def status(field: str) -> int | None:
         try:
             with open("/proc/self/status") as f:
-                found = [int(line.split()[1]) * 1024 for line in f if line.split(":")[0] in fields]
+                line = next((line for line in f if line.startswith(field + ":")), None)
         except OSError:
             return None
-        return sum(found) if len(found) == len(fields) else None
+        return int(line.split()[1]) * 1024 if line else None
 
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # (the peak resident size starts again from the current one)
-        before, mapped = status("VmRSS"), status("RssFile", "RssShmem")
+        before = status("VmRSS")
     except OSError:
-        before = mapped = None
+        before = None
     result = call()
-    peak, now = (status("VmHWM"), status("RssFile", "RssShmem")) if before is not None else (None, None)
-    extra = max(0, peak - before) if peak is not None and before is not None else None
-    return result, extra, (min(extra or 0, max(0, now - mapped)) if now is not None and mapped is not None else None)
+    peak = status("VmHWM") if before is not None else None
+    return result, (max(0, peak - before) if peak is not None and before is not None else None)
 
 
 def _step(w: Any, before_update: Any = None) -> torch.Tensor:
@@ -344,7 +343,7 @@ def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
         after = _train_on(w)
         fresh = _build(spec, spec["seed"])
         t0 = time.perf_counter()
-        recovered, extra, mapped = peak_during(lambda: baseline.load(fresh))
+        recovered, extra = peak_during(lambda: baseline.load(fresh))
         seconds = time.perf_counter() - t0
         if recovered != steps:
             raise RuntimeError(f"{spec['strategy']} recovered step {recovered}, expected {steps}")
@@ -357,7 +356,7 @@ def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
             "peak_device_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
             "lost_steps_software": max(lost), "lost_steps_hardware": max(lost),
             "recovery_seconds_disk": seconds, "recovery_seconds_memory": None, "recovery_bytes_read": None,
-            "recovery_peak_extra_bytes": extra, "recovery_mapped_bytes": mapped,
+            "recovery_peak_extra_bytes": extra, "recovery_mapped_bytes": 0,
             "recovery_error": state_error(_model_and_optimizer(fresh), live), "replay_seconds": None,
             **_resume_check(fresh, after),
         })

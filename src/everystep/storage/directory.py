@@ -140,6 +140,25 @@ class CheckpointDirectory:
         self.created = False
         """Whether :meth:`open` made this directory an everystep directory (see :meth:`undo_create`)."""
         self._marker_unwritten = False
+        self._read_ahead: tuple[str, Any] | None = None
+
+    def read_ahead(self, name: str, state: Any) -> None:
+        """Keep the state just read of the checkpoint ``name`` (a pull's, read from what it
+        downloaded) for the next read of it (:meth:`take_read_ahead`), which then reads nothing."""
+        self._read_ahead = (name, state)
+
+    def take_read_ahead(self, name: str) -> Any:
+        """The state :meth:`read_ahead` keeps of the checkpoint ``name``, once (None if none); what
+        is kept of another checkpoint stays."""
+        kept = self._read_ahead
+        if kept is None or kept[0] != name:
+            return None
+        self._read_ahead = None
+        return kept[1]
+
+    def forget_read_ahead(self) -> None:
+        """Drop what :meth:`read_ahead` keeps (a restore that took another state)."""
+        self._read_ahead = None
 
     @property
     def root(self) -> Path:

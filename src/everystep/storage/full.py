@@ -12,7 +12,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..tree import unflatten
-from .base import Manifest, malformed
+from .base import Manifest, Reader, malformed
 from .catalog import Catalog
 
 from .sharded import RankShare, commit_parts, read_parts
@@ -69,12 +69,18 @@ def persist_full(directory: "CheckpointDirectory", step: int, chunks: Iterable[m
     return manifest, seconds
 
 
-def read_state(directory: "CheckpointDirectory", manifest: Manifest, *,
-               shards: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+def read_state(directory: "CheckpointDirectory", manifest: Manifest, *, shards: Mapping[str, torch.Tensor] | None = None,
+               reader: Reader | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """Read and verify a checkpoint that holds a whole state (a full one, or GoCkpt's spread one):
     its state tree, all its tensors (the tree's and any others) and its meta. ``shards``: a sharded
-    job's live DTensors by key (:func:`~everystep.storage.sharded.read_parts`); None: a replicated job's."""
-    tensors, meta = read_parts(directory.catalog, manifest, full_format=directory.full_format, shards=shards)
+    job's live DTensors by key (:func:`~everystep.storage.sharded.read_parts`); None: a replicated job's.
+    ``reader``: where its objects are read (default: the directory's catalog, unless the directory
+    keeps the state read ahead: :meth:`~everystep.storage.directory.CheckpointDirectory.read_ahead`)."""
+    if reader is None:
+        ahead = directory.take_read_ahead(manifest.name)
+        if ahead is not None and not shards:  # (read as a replicated job's)
+            return ahead  # type: ignore[no-any-return]
+    tensors, meta = read_parts(reader or directory.catalog, manifest, full_format=directory.full_format, shards=shards)
     if "skeleton" not in meta:
         raise CorruptCheckpointError(f"manifest {manifest.name} lacks the skeleton of its state tree")
     with malformed(f"checkpoint {manifest.name}"):

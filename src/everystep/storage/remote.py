@@ -75,6 +75,21 @@ FOLLOW_TIMEOUT = 7 * 86400.0
 uploads can be an hour apart (Young/Daly's interval), and rank 0 says when the job closes."""
 
 
+class _Downloaded:
+    """The local directory's catalog, but for the objects a pull downloaded, read from the bytes
+    downloaded (verified on the way down): a :class:`~everystep.storage.base.Reader`."""
+
+    def __init__(self, catalog: Catalog, data: dict[str, tuple[ObjectInfo, bytearray]]) -> None:
+        self._catalog, self._data = catalog, data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._catalog, name)
+
+    def read_object(self, info: ObjectInfo) -> bytearray:
+        found = self._data.get(info.name)
+        return found[1] if found is not None and found[0] == info else self._catalog.read_object(info)
+
+
 class RemoteTier:
     """Uploads ``directory``'s full checkpoints to ``url`` and brings them back (see the module docstring)."""
 
@@ -203,7 +218,7 @@ class RemoteTier:
             bad = None
             if self.lead:
                 try:
-                    bad = self._malformed(manifest)
+                    bad = self._malformed(manifest, data)
                     if bad is None:
                         self.directory.catalog.commit(manifest)
                 except BaseException as e:
@@ -218,16 +233,19 @@ class RemoteTier:
                               f"state ({bad}); trying the one before", RuntimeWarning, stacklevel=2)
         return None
 
-    def _malformed(self, manifest: Manifest) -> str | None:
+    def _malformed(self, manifest: Manifest, data: dict[str, tuple[ObjectInfo, bytearray]]) -> str | None:
         """Why the pulled checkpoint, its objects in the local directory and not yet committed there,
         does not read as a state (its checksums prove only that its bytes are the ones it names), or
-        None. A checkpoint in DCP's format is read by every rank together at restore, not here."""
+        None. It is read from ``data``, what this rank downloaded (the other ranks' shares from the
+        directory), and the directory keeps the state for the restore, which reads nothing again.
+        A checkpoint in DCP's format is read by every rank together at restore, not here."""
         if manifest.meta.get("format") == "dcp":
             return None
         try:
-            read_state(self.directory, manifest)
+            state = read_state(self.directory, manifest, reader=_Downloaded(self.directory.catalog, data))
         except CorruptCheckpointError as e:
             return str(e)
+        self.directory.read_ahead(manifest.name, state)
         return None
 
     def _new_object(self, info: ObjectInfo) -> bytearray:
