@@ -67,8 +67,8 @@ from ..files import untrusted_file, untrusted_folder
 from ..layout import LayoutEntry
 from ..tree import check_skeleton
 from .base import MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo, checksum, refuse_constant
-from .region_hash import RegionHasher, hash_ranges
-from .region_map import (HASH_THREADS, PAGE, Area, Copy, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter, copied_out,
+from .region_hash import RegionHasher
+from .region_map import (HASH_THREADS, PAGE, Area, Copy, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter, read_out,
                          on_volatile_memory, round_up)
 
 __all__ = ["Region", "UntrustedRegionError", "UnreadableRegionError", "RegionSlot", "SlotWriter"]
@@ -390,11 +390,7 @@ class Region:
         m = self._metadata(slot)
         data = m.area.bytes[m.base:m.base + m.layout.nbytes]
         self.bytes_read += m.layout.nbytes
-        tensors, got = copied_out(self._pool, data, [e for e in m.layout.entries if copy is True or copy and copy(e.key)])
-        rest = [e for e in m.layout.entries if e.key not in tensors]
-        view = memoryview(data.numpy()) if m.layout.nbytes else memoryview(b"")
-        got.update(zip([e.key for e in rest], hash_ranges(self._pool, view, [(e.offset, e.nbytes) for e in rest])))
-        tensors.update((e.key, data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)) for e in rest)
+        tensors, got = read_out(self._pool, data, m.layout.entries, copy)
         for e in m.layout.entries:
             if got[e.key] != m.sums[e.key]:
                 raise CorruptCheckpointError(f"{m.where}: tensor {e.key!r} fails its checksum")

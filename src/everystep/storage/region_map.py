@@ -22,7 +22,7 @@ from .base import checksum
 from .region_hash import HASH_THREADS
 
 __all__ = ["ALIGN", "PAGE", "RegionLayout", "LayoutCodes", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up",
-           "copied_out", "Copy", "HASH_THREADS"]
+           "read_out", "Copy", "HASH_THREADS"]
 
 ALIGN = 128
 """Tensors of more than this many bytes start at multiples of it."""
@@ -134,28 +134,35 @@ Copy = bool | Callable[[str], bool]
 all, none, or those whose key passes the test."""
 
 
-def copied_out(pool: Executor, data: torch.Tensor, entries: Sequence[LayoutEntry]
-               ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Each entry of ``data`` (a slot's data section, uint8) copied into a tensor of its own, and the
-    checksum of that copy: the entries shared out by size between ``pool``'s threads and this one,
-    each copied and hashed in turn (the hash while the copy is in cache; both release the GIL).
+def read_out(pool: Executor, data: torch.Tensor, entries: Sequence[LayoutEntry], copy: Copy
+             ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Each entry of ``data`` (a slot's data section, uint8) and its checksum: copied into a tensor
+    of its own and hashed on the copy (while it is in cache) where ``copy`` says so (True, or a test
+    of its key), else a view of ``data`` hashed where it lies. The entries are shared out by the
+    work they take between ``pool``'s threads and this one (a copy and a hash release the GIL).
 
-    IMPORTANT: the tensors are allocated here, not on the pool's threads: there glibc takes them from
+    IMPORTANT: the copies are allocated here, not on the pool's threads: there glibc takes them from
     a heap of the thread's own, and filling memory so taken ran up to ten times slower (a restore
     of gpt2-small's 281 MB took 250–350 ms instead of 55 in one run of three)."""
-    tensors = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries}
-    groups = [[entries[i] for i in g] for g in shared_out([e.nbytes for e in entries], HASH_THREADS + 1)]
+    copied = {e.key for e in entries if copy is True or copy and copy(e.key)}
+    tensors = {e.key: torch.empty(e.shape, dtype=e.dtype) if e.key in copied
+               else data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in entries}
+    flat = memoryview(data.numpy()) if len(data) else memoryview(b"")
+    groups = shared_out([e.nbytes * (3 if e.key in copied else 1) for e in entries], HASH_THREADS + 1)  # (a copy: ~3 hashes)
 
-    def copy(group: list[LayoutEntry]) -> list[tuple[str, str]]:
+    def run(group: list[int]) -> list[tuple[str, str]]:
         done = []
-        for e in group:
-            raw = tensors[e.key].view(-1).view(torch.uint8) if e.nbytes else torch.empty(0, dtype=torch.uint8)
-            raw.copy_(data[e.offset:e.offset + e.nbytes])
-            done.append((e.key, checksum(memoryview(raw.numpy()))))
+        for e in (entries[i] for i in group):
+            if e.key in copied and e.nbytes:
+                raw = tensors[e.key].view(-1).view(torch.uint8)
+                raw.copy_(data[e.offset:e.offset + e.nbytes])
+                done.append((e.key, checksum(memoryview(raw.numpy()))))
+            else:
+                done.append((e.key, checksum(flat[e.offset:e.offset + e.nbytes])))
         return done
 
-    futures = [pool.submit(copy, g) for g in groups[1:] if g]
-    done = copy(groups[0]) + [item for f in futures for item in f.result()]
+    futures = [pool.submit(run, g) for g in groups[1:] if g]
+    done = run(groups[0]) + [item for f in futures for item in f.result()]
     return tensors, dict(done)
 
 

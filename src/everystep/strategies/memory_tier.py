@@ -147,7 +147,8 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
             warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
                           "(written under another layout or world size)", stacklevel=3)
             continue
-        as_shards(tensors, live)
+        if len(live):  # (no live DTensor: nothing to place)
+            as_shards(tensors, live)
         found[slot.step] = Candidate(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source=source,
                                      manifest=None, seconds=time.perf_counter() - t0)
         if finish is not None:
