@@ -100,6 +100,24 @@ MUTATIONS = (
                     for name in ("full_sync", "checkfreq", "async", "checkflow", "gockpt", "gockpt_o", "gockpt:device")),
     ),
     Mutation(
+        name="slot-views-kept",
+        what="a restore from a region's slot hands the live objects views of the slot: the optimizer keeps them",
+        path="src/everystep/strategies/memory_tier.py",
+        before='    copy = True if len(live) else lambda key: not key.startswith("/model/")',
+        after="    copy = bool(len(live))",
+        tests=tuple("tests/test_memory_tier.py::test_a_restore_from_memory_leaves_the_slot_as_it_was_and_the_live_objects_"
+                    f"their_own_memory[{name}]" for name in ("lightcheck", "checkfreq", "gockpt:device")),
+    ),
+    Mutation(
+        name="model-unsaved",
+        what="no copy of the model is kept to put back, even where its load can fail (a load hook)",
+        path="src/everystep/state.py",
+        before="        before = self._saved(model=not plain)",
+        after="        before = self._saved(model=False)",
+        tests=tuple(f"tests/test_state.py::test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was[{o}-model]"
+                    for o in ("adamw", "in_backward")),
+    ),
+    Mutation(
         name="checksum-ignored",
         what="a reader that ignores checksums: an object whose bytes changed is loaded",
         path="src/everystep/storage/base.py",
