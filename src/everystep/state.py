@@ -272,7 +272,7 @@ def _copy_into(live: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -
     """Torch's load of a model that :func:`loads_plainly`, on the host: each stored tensor copied
     into the live one of its key (the tensor of two tied keys once), the copies shared out by size
     between a thread of their own and this one (a copy releases the interpreter's lock)."""
-    targets = list({t.data_ptr(): (t, stored[k]) for k, t in live.items()}.values())
+    targets = list({(t.data_ptr(), t.dtype, t.shape, t.stride()): (t, stored[k]) for k, t in live.items()}.values())
     groups = shared_out([t.numel() * t.element_size() for t, _ in targets], 2)
 
     def copy(group: list[int]) -> None:
