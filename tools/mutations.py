@@ -42,6 +42,11 @@ class Mutation:
     tests: tuple[str, ...]
 
 
+def cases(test: str, *ids: str) -> tuple[str, ...]:
+    """The node ids of ``test`` with each of the parameter ``ids``."""
+    return tuple(f"{test}[{i}]" for i in ids)
+
+
 KILLS = (
     "tests/test_strategies.py::test_killed_runs_recover_the_uninterrupted_runs_state",
     "tests/test_distributed.py::test_a_killed_rank_and_the_restarted_job_recover_bitwise",
@@ -96,8 +101,8 @@ MUTATIONS = (
         path="src/everystep/strategies/memory_tier.py",
         before="        self._chosen = next(iter(found.values()), None)",
         after="        self._chosen = None",
-        tests=tuple(f"tests/test_memory_tier.py::test_a_killed_training_process_recovers_from_memory_losing_at_most_one_step[{name}]"
-                    for name in ("full_sync", "checkfreq", "async", "checkflow", "gockpt", "gockpt_o", "gockpt:device")),
+        tests=cases("tests/test_memory_tier.py::test_a_killed_training_process_recovers_from_memory_losing_at_most_one_step",
+                    "full_sync", "checkfreq", "async", "checkflow", "gockpt", "gockpt_o", "gockpt:device"),
     ),
     Mutation(
         name="slot-views-kept",
@@ -105,8 +110,8 @@ MUTATIONS = (
         path="src/everystep/strategies/memory_tier.py",
         before='    copy = True if len(live) else lambda key: not key.startswith("/model/")',
         after="    copy = bool(len(live))",
-        tests=tuple("tests/test_memory_tier.py::test_a_restore_from_memory_leaves_the_slot_as_it_was_and_the_live_objects_"
-                    f"their_own_memory[{name}]" for name in ("lightcheck", "checkfreq", "gockpt:device")),
+        tests=cases("tests/test_memory_tier.py::test_a_restore_from_memory_leaves_the_slot_as_it_was_and_the_live_objects_"
+                    "their_own_memory", "lightcheck", "checkfreq", "gockpt:device"),
     ),
     Mutation(
         name="model-unsaved",
@@ -114,8 +119,8 @@ MUTATIONS = (
         path="src/everystep/state.py",
         before="        before = self._saved(model=not plain)",
         after="        before = self._saved(model=False)",
-        tests=tuple(f"tests/test_state.py::test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was[{o}-model]"
-                    for o in ("adamw", "in_backward")),
+        tests=cases("tests/test_state.py::test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was",
+                    "adamw-model", "in_backward-model"),
     ),
     Mutation(
         name="checksum-ignored",
@@ -123,10 +128,11 @@ MUTATIONS = (
         path="src/everystep/storage/base.py",
         before='    if f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}" != expected:',
         after="    if False:",
-        tests=tuple(f"tests/test_strategies.py::test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before_it[{name}]"
-                    for name in ("async", "checkflow", "checkfreq", "full_sync", "gockpt", "gockpt_o", "lowdiff",
-                                 "lowdiff_plus", "naive_diff"))  # (lightcheck's region has checks of its own)
-        + ("tests/test_storage.py::test_flipped_byte_and_truncation_are_detected", "tests/test_storage.py::test_every_store_detects_a_flipped_byte_in_an_object[catalog]",),
+        tests=cases("tests/test_strategies.py::test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before_it",
+                    "async", "checkflow", "checkfreq", "full_sync", "gockpt", "gockpt_o", "lowdiff", "lowdiff_plus",
+                    "naive_diff")  # (lightcheck's region has checks of its own)
+        + ("tests/test_storage.py::test_flipped_byte_and_truncation_are_detected",
+           "tests/test_storage.py::test_every_store_detects_a_flipped_byte_in_an_object[catalog]"),
     ),
     Mutation(
         name="manifest-first",

@@ -12,20 +12,20 @@ failure, so that a job that depends on it can tell; waiting on it with :meth:`Wo
 :func:`settled` does not raise it a second time.
 
 Work that several threads share at once — copies and hashes, which release the interpreter's lock —
-is dealt out to them by size (:func:`shared_out`).
+is dealt out to them by size (:func:`in_shares`).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, wait
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, wait
+from typing import Any, TypeVar
 
 from .errors import BackgroundWriteError
 
-__all__ = ["BackgroundErrors", "Worker", "settled", "shared_out"]
+__all__ = ["BackgroundErrors", "Worker", "settled", "in_shares"]
 
 
 class BackgroundErrors:
@@ -116,13 +116,25 @@ class Worker:
         self._jobs.task_done()
 
 
-def shared_out(sizes: list[int], shares: int) -> list[list[int]]:
-    """The indices of ``sizes`` dealt into ``shares`` groups of about the same total, largest first
-    (each to the group that holds least so far): one group per thread."""
+T = TypeVar("T")
+
+
+def in_shares(pool: Executor, sizes: Sequence[int], work: Callable[[int], T], shares: int) -> list[T]:
+    """``work(i)`` for each index ``i`` of ``sizes``, the indices dealt into ``shares`` groups of about
+    the same total size (largest first, each to the group that holds least so far), one group on this
+    thread and each other on one of ``pool``'s; the results in the order of ``sizes``."""
     groups: list[list[int]] = [[] for _ in range(shares)]
     loads = [0] * shares
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         least = loads.index(min(loads))
         groups[least].append(i)
         loads[least] += sizes[i]
-    return groups
+
+    def run(group: list[int]) -> list[tuple[int, T]]:
+        return [(i, work(i)) for i in group]
+
+    futures = [pool.submit(run, g) for g in groups[1:] if g]
+    done = dict(run(groups[0]))
+    for f in futures:
+        done.update(f.result())
+    return [done[i] for i in range(len(sizes))]

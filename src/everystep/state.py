@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .background import shared_out
+from .background import in_shares
 from .errors import StateMismatchError
 from .optim import OptimizerInBackward
 from .rng import capture_rng, restore_rng
@@ -273,16 +273,9 @@ def _copy_into(live: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -
     into the live one of its key (the tensor of two tied keys once), the copies shared out by size
     between a thread of their own and this one (a copy releases the interpreter's lock)."""
     targets = list({(t.data_ptr(), t.dtype, t.shape, t.stride()): (t, stored[k]) for k, t in live.items()}.values())
-    groups = shared_out([t.numel() * t.element_size() for t, _ in targets], 2)
-
-    def copy(group: list[int]) -> None:
-        for i in group:
-            targets[i][0].copy_(targets[i][1])
-
     with ThreadPoolExecutor(1, thread_name_prefix="everystep-load") as helper:
-        other = helper.submit(copy, groups[1])
-        copy(groups[0])
-        other.result()
+        in_shares(helper, [t.numel() * t.element_size() for t, _ in targets],
+                  lambda i: targets[i][0].copy_(targets[i][1]), 2)
 
 
 def _replaces_state(optimizer: torch.optim.Optimizer) -> bool:

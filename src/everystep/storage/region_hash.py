@@ -9,8 +9,9 @@ may hold a CUDA context) that imports neither PyTorch nor the region, is given a
 of the region's file at its start — an open file of its own (:func:`reopened`), not the writer's,
 which holds the writer's ``flock``: a child sharing it would keep the region locked after its writer
 was killed, until its own death a moment later, and refuse the restarted writer — maps the slot's
-data section read-only and hashes it, large tensors on threads of its own. The commit thread sends one message and waits for one answer; the metadata and
-the header stay the region's, written in the training process, in the same order as before.
+data section read-only and hashes it, large tensors on threads of its own. The commit thread sends
+one message and waits for one answer; the metadata and the header stay the region's, written in the
+training process, in the same order as before.
 
 The two talk over a socket pair made before the child starts, so nothing else can reach it.
 Messages are JSON (never pickle): training → hasher ``{"layout": id, "at": offset, "nbytes": n}``
@@ -29,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import connection
 
 from .._process import HelperClient, run_helper
-from ..background import shared_out
+from ..background import in_shares
 from ..errors import EverystepError
 from .base import checksum
 
@@ -139,15 +140,8 @@ def hash_ranges(pool: ThreadPoolExecutor, data: memoryview, ranges: list[tuple[i
     if any(o < 0 or n < 0 or o + n > len(data) for o, n in ranges):
         raise ValueError(f"a range lies outside the data section ({len(data)} bytes)")
 
-    def run(group: list[int]) -> list[tuple[int, str]]:
-        return [(i, checksum(data[ranges[i][0]:ranges[i][0] + ranges[i][1]])) for i in group]
-
-    groups = shared_out([n for _, n in ranges], HASH_THREADS + 1)
-    futures = [pool.submit(run, g) for g in groups[1:] if g]
-    sums = dict(run(groups[0]))
-    for f in futures:
-        sums.update(f.result())
-    return [sums[i] for i in range(len(ranges))]
+    return in_shares(pool, [n for _, n in ranges], lambda i: checksum(data[ranges[i][0]:ranges[i][0] + ranges[i][1]]),
+                     HASH_THREADS + 1)
 
 
 def main(argv: list[str]) -> int:

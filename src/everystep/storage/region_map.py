@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._memory import pin_in_place, unregister_host
-from ..background import shared_out
+from ..background import in_shares
 from ..layout import LayoutEntry
 from .base import checksum
 from .region_hash import HASH_THREADS
@@ -148,22 +148,18 @@ def read_out(pool: Executor, data: torch.Tensor, entries: Sequence[LayoutEntry],
     tensors = {e.key: torch.empty(e.shape, dtype=e.dtype) if e.key in copied
                else data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in entries}
     flat = memoryview(data.numpy()) if len(data) else memoryview(b"")
-    groups = shared_out([e.nbytes * (3 if e.key in copied else 1) for e in entries], HASH_THREADS + 1)  # (a copy: ~3 hashes)
 
-    def run(group: list[int]) -> list[tuple[str, str]]:
-        done = []
-        for e in (entries[i] for i in group):
-            if e.key in copied and e.nbytes:
-                raw = tensors[e.key].view(-1).view(torch.uint8)
-                raw.copy_(data[e.offset:e.offset + e.nbytes])
-                done.append((e.key, checksum(memoryview(raw.numpy()))))
-            else:
-                done.append((e.key, checksum(flat[e.offset:e.offset + e.nbytes])))
-        return done
+    def one(i: int) -> str:
+        e = entries[i]
+        if e.key in copied and e.nbytes:
+            raw = tensors[e.key].view(-1).view(torch.uint8)
+            raw.copy_(data[e.offset:e.offset + e.nbytes])
+            return checksum(memoryview(raw.numpy()))
+        return checksum(flat[e.offset:e.offset + e.nbytes])
 
-    futures = [pool.submit(run, g) for g in groups[1:] if g]
-    done = run(groups[0]) + [item for f in futures for item in f.result()]
-    return tensors, dict(done)
+    work = [e.nbytes * (3 if e.key in copied else 1) for e in entries]  # (a copy takes about three hashes)
+    sums = in_shares(pool, work, one, HASH_THREADS + 1)
+    return tensors, {e.key: digest for e, digest in zip(entries, sums)}
 
 
 class Area:
