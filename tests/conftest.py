@@ -3,16 +3,21 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from everystep.distributed import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
+S3_SECRET = "everystep-test-secret-key"
 
 
 LONG_FIRST = (
@@ -122,3 +127,47 @@ def shm():
     path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A moto S3 server in a process of its own; the environment a job reaching it would have."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "log"  # (a file: a pipe nobody reads fills, and the server stops)
+    with log.open("w") as err:  # (the server has its own copy of the descriptor)
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+    deadline = time.monotonic() + 60
+    while True:  # until it accepts connections (it says nothing on a pipe when it does)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                pytest.fail(f"the S3 server (moto) did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": S3_SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def bucket(server, request):
+    import boto3
+
+    import hashlib
+
+    name = "b-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]  # one per test (and parameter)
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name

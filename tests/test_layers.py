@@ -33,7 +33,7 @@ FORBIDDEN = {
     "optim": {"storage", "transport", "strategies", "agent", "eval", "checkpointer", "recovery", "cli", "integrations"},
     "integrations": {"storage", "transport", "strategies", "agent", "eval", "recovery", "cli"},
     **dict.fromkeys(("_faults", "_lazy", "_memory", "_process", "errors", "files", "tree", "units", "distributed",
-                     "state", "state_checks", "rng", "parallelism", "stopping", "peers"), TOP),
+                     "state", "state_checks", "rng", "parallelism", "stopping", "peers", "arguments"), TOP),
     "plan": TOP - {"plan"},
     "inventory": TOP - {"inventory"},
     "checkpointer": TOP - {"checkpointer", "strategies"},

@@ -37,7 +37,6 @@ from everystep.storage.tensorfile import buffer_chunks
 
 from .conftest import ROOT, FullDisk, files_of
 from .forked import run_script
-from .test_s3 import server  # noqa: F401 (the S3 server the s3 store reaches)
 
 def _s3(where: Path | str, access: str = "write") -> S3Store:
     """An S3Store for ``where``: a bucket of its own for a new path (made here), or a store's URL."""

@@ -57,6 +57,7 @@ KILLS = (
     "tests/test_sharded.py::test_hsdp_on_four_ranks_killed_and_restarted_recovers_bitwise",
     "tests/test_s3.py::test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise",
     "tests/test_peers.py::test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise",
+    "tests/test_node_local.py::test_hosts_restarted_in_place_resume_from_their_own_disks_bitwise",
 )
 """The kill-and-resume tests of the shared suites, the two-rank jobs, the sharded layouts, the
 remote tier and the peers: each must fail when recovery recovers nothing."""
@@ -150,6 +151,32 @@ MUTATIONS = (
         ),
         tests=("tests/test_storage.py::test_a_full_checkpoint_killed_in_the_middle_of_its_write_commits_nothing",
                "tests/test_cli.py::test_crash_inside_a_write_leaves_the_previous_checkpoint"),
+    ),
+    Mutation(
+        name="one-host-commits",
+        what="under node-local disks only rank 0's host records each commit",
+        path="src/everystep/storage/sharded.py",
+        before="    if catalog.leads:  # (every host's first rank",
+        after="    if catalog.ranks.rank == 0:  # (every host's first rank",
+        tests=("tests/test_node_local.py::test_hosts_restarted_in_place_resume_from_their_own_disks_bitwise",
+               "tests/test_node_local.py::test_a_crash_between_one_hosts_part_and_its_manifest_resumes_every_rank_"
+               "from_the_step_before"),
+    ),
+    Mutation(
+        name="read-own-disk-only",
+        what="under node-local disks each rank reads a checkpoint from its own host's disk alone",
+        path="src/everystep/recovery.py",
+        before="    if directory.catalog.hosts is None:\n        return read_state(",
+        after="    if True:\n        return read_state(",
+        tests=("tests/test_node_local.py::test_hosts_restarted_in_place_resume_from_their_own_disks_bitwise",),
+    ),
+    Mutation(
+        name="replaced-host-from-zero",
+        what="a replaced host that nothing can supply starts the job from step 0, not refused",
+        path="src/everystep/storage/hosts.py",
+        before="    if having:\n",
+        after="    if False:\n",
+        tests=("tests/test_node_local.py::test_a_replaced_host_with_neither_peers_nor_remote_is_refused_in_one_message",),
     ),
 )
 

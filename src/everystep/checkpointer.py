@@ -17,7 +17,6 @@ Step boundaries come from the optimizer's step hooks (see :mod:`everystep.captur
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import warnings
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .arguments import check_arguments
 from .capture import StepHooks
 from .distributed import Ranks, sample_digests
 from .errors import (
@@ -39,6 +39,7 @@ from .errors import (
 from .optim import OptimizerInBackward
 from .parallelism import restart_rounding, sharded_layout
 from .recovery import Recovered, load
+from .storage import hosts
 from .storage.remote import RemoteTier
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
@@ -63,30 +64,6 @@ def _refuse(strategy: Strategy, layout: str | None, full_format: str | None) -> 
             "DistributedDataParallel"
         raise ConfigError(f"strategy {strategy.name!r} cannot checkpoint a job sharded with {layout}: {why}; nothing "
                           f"was written — {instead}")
-
-
-def _check_arguments(*, model: Any, optimizer: Any, final: Any, deadline: Any, k1: Any, k2: Any, stop_signals: Any,
-                     stagger: Any, full_format: Any, **stateful: Any) -> None:
-    """Raise TypeError naming the first argument of the Checkpointer that has a wrong type."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    for name, value in stateful.items():
-        if value is not None and not isinstance(value, Stateful):
-            raise TypeError(f"{name} must have state_dict() and load_state_dict(); got {type(value).__name__}")
-    if not isinstance(final, bool):
-        raise TypeError(f"final must be True or False, got {final!r}")
-    for name, value in (("deadline", deadline), ("k1", k1), ("k2", k2)):
-        if (value is not None or name != "deadline") and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                                            or not math.isfinite(value)):
-            raise TypeError(f"{name} must be a finite number{' or None' if name == 'deadline' else ''}, got {value!r}")
-    if isinstance(stop_signals, (str, bytes)) or not all(isinstance(s, int) for s in stop_signals):
-        raise TypeError(f"stop_signals must be a sequence of signal numbers (signal.SIGTERM, …), got {stop_signals!r}")
-    if stagger is not None and (isinstance(stagger, bool) or not isinstance(stagger, int)):
-        raise TypeError(f"stagger must be a whole number of ranks or None, got {stagger!r}")
-    if full_format is not None and not isinstance(full_format, str):
-        raise TypeError(f"full_format must be 'safetensors', 'dcp' or None, got {full_format!r}")
 
 
 class Checkpointer:
@@ -165,7 +142,7 @@ class Checkpointer:
         **options: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
-        _check_arguments(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data,
+        check_arguments(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data,
                          compression=compression, final=final, deadline=deadline, k1=k1, k2=k2,
                          stop_signals=stop_signals, stagger=stagger, full_format=full_format)
         if full_format not in ("safetensors", "dcp", None):
@@ -233,7 +210,7 @@ class Checkpointer:
         directory, model, optimizer, scaler = (self.directory, self.components.model, self.components.optimizer,
                                                self.components.scaler)
         if directory is not None and directory.access == "write" and not self.strategy.shares_store:
-            if self.ranks.rank == 0:
+            if directory.catalog.leads:
                 directory.collect_garbage()  # nothing else writes here: what a crash left is garbage
             self.ranks.barrier("control")
         self.stop_reason: str | None = None
@@ -273,6 +250,7 @@ class Checkpointer:
             self.strategy.on_start(0)
             return 0
         found, t0 = None, 0.0
+        held = hosts.agree(self.directory.catalog) if self.directory.catalog.hosts is not None else None  # (node-local disks)
         pulled = self.remote.pull() if self.remote is not None and self.directory.access != "read" else None
         agreeing = time.perf_counter()
         self.strategy.agree_restore()  # collective: before the staggered waves, every rank at once
@@ -293,6 +271,8 @@ class Checkpointer:
         self.directory.forget_read_ahead()  # (a pulled state the restore did not take)
         if error is not None:
             raise error
+        if self.ranks.distributed:  # every rank from the same step, or none
+            hosts.check_restored(self.directory.catalog, found.step if found is not None else 0, held)
         if found is not None:
             self.step = found.step  # (from memory, the directory holds an older one, or none)
             self.stats.last_durable_step = max(self.directory.newest_full_step(), 0) if found.source == "memory" else found.step

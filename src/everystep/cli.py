@@ -89,7 +89,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("  no checkpoints")
     for r in rows:
         status = "valid" if r["valid"] else f"INVALID: {r['reason']}"
-        print(f"  {r['kind']:>6} step {r['step']:>8}  {r['bytes'] / 2**20:10.2f} MiB  {status}")
+        print(f"  {r['kind']:>6} step {r['step']:>8}  {r['bytes'] / 2**20:10.2f} MiB  {status}"
+              + (f"  [{r['where']}]" if r.get("where") else ""))
     _write_json(args.json, {"directory": str(store.root), "checkpoints": rows})
     return 0
 

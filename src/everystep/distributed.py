@@ -114,13 +114,35 @@ class Ranks:
         if self.distributed and name not in self.groups:
             self.groups[name] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
-    def owners(self, sizes: dict[str, int]) -> dict[str, int]:
+    def send_bytes(self, channel: str, data: bytes | bytearray | memoryview | None, to: int) -> None:
+        """Send ``data`` to rank ``to`` over the channel's group (None: say that there is nothing to
+        send); the rank calls :meth:`recv_bytes` at the same point of its own sequence."""
+        group = self.groups[channel]
+        size = -1 if data is None else memoryview(data).nbytes
+        dist.send(torch.tensor([size], dtype=torch.int64), dist.get_global_rank(group, to), group=group)
+        if size > 0:
+            dist.send(torch.frombuffer(data, dtype=torch.uint8), dist.get_global_rank(group, to), group=group)
+
+    def recv_bytes(self, channel: str, source: int) -> bytearray | None:
+        """What rank ``source`` sends with :meth:`send_bytes` (None where it had nothing to send)."""
+        group = self.groups[channel]
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, dist.get_global_rank(group, source), group=group)
+        if size.item() < 0:
+            return None
+        data = bytearray(int(size.item()))
+        if data:
+            dist.recv(torch.frombuffer(data, dtype=torch.uint8), dist.get_global_rank(group, source), group=group)
+        return data
+
+    def owners(self, sizes: dict[str, int], able: dict[str, list[int]] | None = None) -> dict[str, int]:
         """The rank that handles each item of ``sizes`` (bytes by name): the largest first, each to
-        the rank with the fewest bytes so far — the same answer on every rank."""
+        the rank with the fewest bytes so far (of the ranks ``able`` names for it, where it names
+        any) — the same answer on every rank."""
         load = [0] * self.world
         owners = {}
         for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
-            rank = min(range(self.world), key=lambda r: (load[r], r))
+            rank = min((able or {}).get(key) or range(self.world), key=lambda r: (load[r], r))
             owners[key] = rank
             load[rank] += max(sizes[key], 1)
         return owners

@@ -8,6 +8,7 @@ from typing import Any
 from .errors import CorruptCheckpointError
 from .storage.base import Reader
 from .storage.directory import CheckpointDirectory
+from .storage.hosts import elsewhere
 from .recovery import read_full
 from .storage.region_open import memory_path, open_region
 
@@ -15,7 +16,9 @@ __all__ = ["inspect_store", "verify_store", "region_rows"]
 
 
 def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
-    """One row per manifest, oldest step first: kind, step, bytes, valid, reason."""
+    """One row per manifest, oldest step first: kind, step, bytes, valid, reason; and ``where``, for a
+    checkpoint written to node-local directories (:func:`~everystep.storage.hosts.elsewhere`): of
+    such a checkpoint only the parts this directory holds are read, each object verified."""
     rows = []
     catalog = directory.catalog
     for record in catalog.manifests():
@@ -25,7 +28,10 @@ def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
             continue
         row = {"name": m.name, "kind": m.kind, "step": m.step, "bytes": m.nbytes, "valid": True, "reason": None}
         reasons: list[str] = []
-        if m.kind != "full":
+        away = elsewhere(m, catalog)
+        if away is not None:  # each host's own directory: what is here is verified, the rest is named
+            reasons, row["where"] = _read_each(catalog, m, skip=set(away[0])), away[1]
+        elif m.kind != "full":
             reasons = _read_each(catalog, m)
         else:
             try:
@@ -83,10 +89,13 @@ def _slot_rows(directory: CheckpointDirectory, option: str | None, rank: int) ->
     return rows
 
 
-def _read_each(catalog: Reader, manifest: Any) -> list[str]:
-    """Read and check every object of ``manifest``; the reasons of those that fail."""
+def _read_each(catalog: Reader, manifest: Any, skip: set[str] = set()) -> list[str]:
+    """Read and check every object of ``manifest`` (but those named in ``skip``); the reasons of
+    those that fail."""
     reasons = []
     for info in manifest.objects.values():
+        if info.name in skip:
+            continue
         try:
             catalog.read_object(info)
         except CorruptCheckpointError as e:

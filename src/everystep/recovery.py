@@ -24,7 +24,8 @@ from .storage.base import Manifest, Reader, malformed
 from .storage.directory import CheckpointDirectory
 from .state import TrainingComponents
 from .tree import unflatten
-from .storage.full import read_state
+from .storage import hosts
+from .storage.full import read_state, read_state_together
 from .storage.sharded import read_parts
 
 __all__ = ["Candidate", "Recovered", "load", "Link", "read_full", "read_state", "latest_full", "recover",
@@ -76,8 +77,12 @@ Shards = Mapping[str, torch.Tensor] | None
 
 
 def read_full(directory: CheckpointDirectory, manifest: Manifest, *, shards: Shards = None) -> dict[str, Any]:
-    """Read, verify and rebuild the state tree of a full checkpoint (``shards``: as :func:`read_state`)."""
-    return read_state(directory, manifest, shards=shards)[0]
+    """Read, verify and rebuild the state tree of a full checkpoint (``shards``: as :func:`read_state`).
+    Under node-local disks every rank reads it at once, and all fail if one does
+    (:func:`~everystep.storage.full.read_state_together`)."""
+    if directory.catalog.hosts is None:
+        return read_state(directory, manifest, shards=shards)[0]
+    return read_state_together(directory, manifest, shards)[0]
 
 
 def latest_full(directory: CheckpointDirectory, *, shards: Shards = None) -> tuple[Manifest, dict[str, Any]] | None:
@@ -118,7 +123,10 @@ def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]
         except CorruptCheckpointError as e:
             if not directory.catalog.committed(manifest.name):
                 return _DISCARDED
-            skipped.append((f"skipping the checkpoint at step {manifest.step}: {e}", f"step {manifest.step}: {e}"))
+            away = hosts.elsewhere(manifest, directory.catalog) if directory.catalog.hosts is None else None
+            why = f"{e} ({away[1]}: to read it whole here, copy every host's objects/ into one directory)" \
+                if away is not None and away[0] else str(e)  # (one host's directory, read alone)
+            skipped.append((f"skipping the checkpoint at step {manifest.step}: {why}", f"step {manifest.step}: {why}"))
     return None
 
 
@@ -198,11 +206,21 @@ def recover_chain(directory: CheckpointDirectory, components: TrainingComponents
         return None
     full, tree = found
 
+    reader: Reader | None = directory.catalog
+    if directory.catalog.hosts is not None:  # every rank takes the chain's parts from the hosts at once
+        links = [r.manifest for r in directory.catalog.manifests()
+                 if r.manifest is not None and r.manifest.kind == kind and r.manifest.meta.get("base") == full.step]
+        try:
+            reader = hosts.gather(directory.catalog, links)
+        except CorruptCheckpointError as e:
+            warnings.warn(f"the differential chain from step {full.step} is not read: {e}", stacklevel=2)
+            reader = None
+
     def replay() -> tuple[int, str]:
         applied: list[Link] = []
 
         def tracked() -> Iterator[Link]:
-            for link in chain(directory.catalog, full, kind, components.check_end_state):
+            for link in chain(reader, full, kind, components.check_end_state) if reader is not None else ():
                 yield link
                 applied.append(link)  # reached only once ``apply`` asks for the next link, or at the end
 

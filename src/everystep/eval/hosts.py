@@ -50,11 +50,12 @@ def rank_main(argv: list[str]) -> None:
 
     phases["imported"] = time.time()
     p = argparse.ArgumentParser(prog="everystep.eval.hosts rank")
-    for name in ("shared", "scratch", "strategy", "workload", "parallel"):
+    for name in ("directory", "results", "scratch", "strategy", "workload", "parallel"):
         p.add_argument(name)
     for name in ("steps", "persist_every"):
         p.add_argument(name, type=int)
     p.add_argument("peers", choices=("0", "1"))
+    p.add_argument("remote", nargs="?")
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
     phases["grouped"] = time.time()
@@ -63,14 +64,18 @@ def rank_main(argv: list[str]) -> None:
     phases["built"] = time.time()
     if a.strategy == "lightcheck":
         options = {"region": os.path.join(a.scratch, "region-{rank}.bin"), "persist_every": a.persist_every}
-    else:  # lowdiff_plus: its agents keep the state in their memory and persist it
+    else:  # lowdiff_plus: its agents keep the state in their memory and persist it; checkfreq: its every
         options = {"every": a.persist_every}
-    ckpt = Checkpointer(a.shared, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=a.strategy,
-                        peers=a.peers == "1", **options)
-    start = ckpt.restore()
-    phases["restored"] = time.time()
-    found = ckpt.recovered
-    with open(os.path.join(a.scratch, f"events-{os.getpid()}.jsonl"), "a") as log:
+    if a.peers == "1":
+        options["peers"] = True
+    if a.remote:
+        options.update(remote=a.remote, remote_every=1)
+    ckpt = Checkpointer(a.directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=a.strategy,
+                        **options)
+    with ckpt, open(os.path.join(a.scratch, f"events-{os.getpid()}.jsonl"), "a") as log:
+        start = ckpt.restore()
+        phases["restored"] = time.time()
+        found = ckpt.recovered
         log.write(json.dumps({"rank": rank, "start": start, "source": found.source if found else None,
                               "restore_seconds": found.seconds if found else None,
                               "read_bytes": ckpt.directory.catalog.bytes_read, "at": time.time(),
@@ -82,9 +87,8 @@ def rank_main(argv: list[str]) -> None:
             w.update()
             log.write(json.dumps({"rank": rank, "step": step, "loss": loss.item(), "at": time.time()}) + "\n")
             log.flush()
-    ckpt.close()
     final = {"step": a.steps, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
-    with open(os.path.join(a.shared, f"final-r{rank}.json"), "w") as f:
+    with open(os.path.join(a.results, f"final-r{rank}.json"), "w") as f:
         json.dump({"hash": training_state_hash(final)}, f)
     dist.destroy_process_group()
 
@@ -97,17 +101,26 @@ PHASES = {"started": "the process started", "imported": "torch imported", "group
 
 class TwoHosts:
     """Two hosts of ``local`` ranks each, one job: a torchrun per host, the rendezvous store held by
-    this process."""
+    this process. The checkpoint directory is shared by both, or with ``node_local`` each host's own
+    (``disk{index}-{n}``: a host restarted in place keeps its disk, a replaced one gets an empty one);
+    ``remote``: an ``s3://`` URL the job uploads every full checkpoint to."""
 
     def __init__(self, tmp: Path, *, local: int, strategy: str, steps: int, workload: str = "gpt2-tiny",
-                 parallel: str = "ddp", persist_every: int = 1000, peers: bool = True) -> None:
+                 parallel: str = "ddp", persist_every: int = 1000, peers: bool = True, node_local: bool = False,
+                 remote: str | None = None, max_restarts: int = 20) -> None:
         import torch.distributed as dist
 
         from ..distributed import free_port
 
-        self.tmp, self.local, self.steps = tmp, local, steps
-        self.args = [strategy, workload, parallel, str(steps), str(persist_every), "1" if peers else "0"]
+        self.tmp, self.local, self.steps, self.node_local = tmp, local, steps, node_local
+        self.args = [strategy, workload, parallel, str(steps), str(persist_every), "1" if peers else "0", *filter(None, [remote])]
         self.shared = tmp / "shared"
+        self.results = tmp / "results"
+        self.results.mkdir()
+        self.disks = [self.shared] * 2 if not node_local else [tmp / "disk0-0", tmp / "disk1-0"]
+        self.max_restarts = max_restarts
+        self.rdzv_id = "job"
+        """The rendezvous of the hosts started from here on (a job that ended closed its own)."""
         self.port = free_port()
         self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
         self.hosts: list[tuple[subprocess.Popen[bytes], Path, float]] = []
@@ -115,23 +128,27 @@ class TwoHosts:
         for index in range(2):
             self.start(index)
 
-    def start(self, index: int) -> None:
-        """Start host ``index`` (again: a replacement, with an empty scratch directory)."""
+    def start(self, index: int, *, replace: bool = False, env: dict[str, str] | None = None) -> None:
+        """Start host ``index`` (again: with an empty scratch directory; ``replace``: a new machine,
+        its node-local disk empty too), ``env`` added to its environment."""
+        if replace and self.node_local:
+            self.disks[index] = self.tmp / f"disk{index}-{len(self.scratches)}"
         scratch = self.tmp / f"host{index}-{len(self.scratches)}"
         scratch.mkdir()
         self.scratches.append(scratch)
         src = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
+        env = {**os.environ, **(env or {}),
+               "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": "1", _TAG: str(scratch),  # (what runs on this host: its checkpoint agents too)
                "EVERYSTEP_HOST": scratch.name,  # (the machine's name is every host's here)
                # Each rendezvous round makes its own store: with torch 2.13 a survivor that keeps the
                # first round's never learns the new round's address, and the re-rendezvous hangs.
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(self.local),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "job",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.rdzv_id,
                "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120",
-               "--max-restarts", "20", "--monitor-interval", "0.1",
-               "-m", "everystep.eval.hosts", "rank", str(self.shared), str(scratch), *self.args]
+               "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1",
+               "-m", "everystep.eval.hosts", "rank", str(self.disks[index]), str(self.results), str(scratch), *self.args]
         with open(f"{scratch}.log", "w") as out:
             proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
         entry = (proc, scratch, time.time())
@@ -151,6 +168,12 @@ class TwoHosts:
     def newest_step(self) -> int:
         return max((e["step"] for e in self.events() if "step" in e), default=0)
 
+    def newest_committed(self) -> int:
+        """The newest full checkpoint that every host's directory has committed (-1: none)."""
+        steps = [{int(p.name[5:17]) for p in (disk / "manifests").glob("full-????????????.json")} if disk.is_dir() else set()
+                 for disk in set(self.disks)]
+        return max(set.intersection(*steps), default=-1)
+
     def lose(self, index: int) -> None:
         """SIGKILL host ``index``: its torchrun, every process under it and every process started
         there that left it (a checkpoint agent outlives the training process that started it)."""
@@ -168,7 +191,12 @@ class TwoHosts:
     def wait(self, timeout: float) -> None:
         for proc, scratch, _ in self.hosts:
             if proc.wait(timeout) != 0:
-                raise RuntimeError(f"host {scratch.name} failed:\n" + Path(f"{scratch}.log").read_text()[-4000:])
+                raise RuntimeError(f"host {scratch.name} failed:\n" + self.log(scratch))
+
+    @staticmethod
+    def log(scratch: Path) -> str:
+        """The end of what a host's torchrun and ranks printed."""
+        return Path(f"{scratch}.log").read_text()[-4000:]
 
     def close(self) -> None:
         for index, (proc, _, _) in enumerate(self.hosts):
@@ -224,16 +252,20 @@ class HostLoss:
     bytes of checkpoint objects it read from storage)."""
     first_step_after: float | None = None
     """Seconds from the replacements' start to the first step any rank finished after it."""
+    on_disk: int = -1
+    """The newest full checkpoint every host's directory had committed when the hosts were lost."""
 
     @property
     def resumed(self) -> int | None:
         return min((s["start"] for s in self.starts), default=None)
 
 
-def lose_hosts(job: TwoHosts, plan: list[tuple[int, tuple[int, ...]]], *, timeout: float = 300) -> list[HostLoss]:
+def lose_hosts(job: TwoHosts, plan: list[tuple[int, tuple[int, ...]]], *, timeout: float = 300,
+               replace: bool = False) -> list[HostLoss]:
     """Run ``job`` to its end, losing at each ``(step, hosts)`` of ``plan`` those hosts once some
-    rank has finished ``step``, and starting their replacements at once. Each loss comes at least two
-    steps after the restart from the one before (a replacement is not lost before it started)."""
+    rank has finished ``step``, and starting them again at once (``replace``: as new machines, their
+    node-local disks empty). Each loss comes at least two steps after the restart from the one
+    before (a replacement is not lost before it started)."""
     losses: list[HostLoss] = []
     try:
         for target, victims in plan:
@@ -244,11 +276,11 @@ def lose_hosts(job: TwoHosts, plan: list[tuple[int, tuple[int, ...]]], *, timeou
                 time.sleep(0.02)
             for index in victims:
                 job.lose(index)
-            reached = job.newest_step()
+            reached, on_disk = job.newest_step(), job.newest_committed()
             replaced = time.time()
             for index in victims:
-                job.start(index)
-            losses.append(HostLoss(reached, tuple(victims), replaced))
+                job.start(index, replace=replace)
+            losses.append(HostLoss(reached, tuple(victims), replaced, on_disk=on_disk))
         job.wait(timeout)
     finally:
         job.close()
@@ -270,7 +302,7 @@ def rank0_losses(job: TwoHosts) -> list[float]:
 
 
 def final_hashes(job: TwoHosts) -> list[str]:
-    return [json.loads((job.shared / f"final-r{r}.json").read_text())["hash"] for r in range(2 * job.local)]
+    return [json.loads((job.results / f"final-r{r}.json").read_text())["hash"] for r in range(2 * job.local)]
 
 
 def _measure(args: argparse.Namespace) -> None:

@@ -17,6 +17,7 @@ since it asks of a store only that each put be atomic and durable.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -43,11 +44,16 @@ from .base import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Catalog", "OBJECTS", "MANIFESTS"]
+__all__ = ["Catalog", "Supplemented", "OBJECTS", "MANIFESTS", "PINNED"]
 
 T = TypeVar("T")
 OBJECTS = "objects/"
 MANIFESTS = "manifests/"
+PINNED = "pinned.json"
+"""The checkpoints retention keeps beside the newest: the one the remote tier is uploading
+(:meth:`CheckpointDirectory.pin <everystep.storage.directory.CheckpointDirectory.pin>`). A file,
+because retention runs in several processes (the persist thread's, a writer's, an agent's), and
+each reads it."""
 
 
 def _manifest_key(name: str) -> str:
@@ -74,6 +80,13 @@ class Catalog:
         self._bytes_read = 0
         self._parsed: dict[str, tuple[str, ManifestRecord]] = {}
         """Each manifest as last parsed or committed, with its value's version."""
+        self.hosts: tuple[tuple[int, ...], ...] | None = None
+        """Where the job's ranks keep their own directories (node-local disks,
+        :mod:`~everystep.storage.hosts`): the ranks of each, rank 0's first; None: one directory for all."""
+        self._hidden: set[str] = set()
+        self.job_pins: list[str] = []
+        """Under node-local disks: the checkpoints rank 0 had pinned at the newest commit (its
+        directory's :meth:`pinned`), which retention keeps here too."""
 
     @property
     def root(self) -> Path:
@@ -87,6 +100,39 @@ class Catalog:
         """Raise :class:`ReadOnlyStoreError` if the store was opened for reading."""
         if self.access == "read":
             raise ReadOnlyStoreError(f"{self.root} was opened for reading; nothing may be written or deleted there")
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        """The ranks that keep their parts in this catalog's directory (every rank where it is shared)."""
+        if self.hosts is None:
+            return tuple(range(self.ranks.world))
+        return next(g for g in self.hosts if self.ranks.rank in g)
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank commits manifests and deletes here: rank 0, or the first rank of its
+        host where each host keeps its own directory."""
+        return self.ranks.rank == self.group[0]
+
+    def hide(self, names: set[str]) -> None:
+        """Leave the manifests ``names`` out of :meth:`manifests` (node-local disks: checkpoints that
+        not every host holds), until one of them is committed again."""
+        self._hidden = set(names)
+
+    @property
+    def hidden(self) -> frozenset[str]:
+        """What :meth:`hide` leaves out."""
+        return frozenset(self._hidden)
+
+    def pinned(self) -> list[str]:
+        """The checkpoints retention keeps beside the newest here (``pinned.json``, see
+        :meth:`CheckpointDirectory.pin <everystep.storage.directory.CheckpointDirectory.pin>`)."""
+        try:
+            found = json.loads(bytes(self.store.get(PINNED)))
+        except (FileNotFoundError, ValueError):
+            return []
+        names = found.get("manifests") if isinstance(found, dict) else None
+        return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
     def where(self, key: str) -> str:
         """A key as messages name it."""
@@ -149,6 +195,7 @@ class Catalog:
         crash_point("store.commit.before_manifest")
         key = _manifest_key(manifest.name)
         self.store.put(key, self._counted([manifest.to_bytes()], None))
+        self._hidden.discard(manifest.name)
         # the writer lists the manifests after each checkpoint (retention): its own need no re-reading
         version = self.store.list(key).get(key)
         if version is not None:  # (None: already discarded by another writer thread's retention)
@@ -200,6 +247,8 @@ class Catalog:
             if "/" in filename or not filename.endswith(".json"):
                 continue
             name = filename[: -len(".json")]
+            if name in self._hidden:
+                continue
             known = self._parsed.get(name)
             if known is not None and known[0] == version:
                 record = known[1]
@@ -280,3 +329,27 @@ class Catalog:
             raise ValueError(f"{token!r} is not a leftover of the store at {self.root}")
         self.store.delete(token)
         return token
+
+
+class Supplemented:
+    """A catalog, but for the objects ``data`` holds (by name: their info and bytes, verified
+    already), read from those bytes: a :class:`~everystep.storage.base.Reader` over what a pull
+    downloaded, or what other hosts sent (:func:`~everystep.storage.hosts.gather`)."""
+
+    def __init__(self, catalog: Catalog, data: dict[str, tuple[ObjectInfo, bytearray]]) -> None:
+        self._catalog, self._data = catalog, data
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._catalog, name)
+
+    def read_object(self, info: ObjectInfo) -> bytearray:
+        found = self._data.get(info.name)
+        return found[1] if found is not None and found[0] == info else self._catalog.read_object(info)
+
+    def read_tensors(self, info: ObjectInfo) -> "dict[str, torch.Tensor]":
+        found = self._data.get(info.name)
+        if found is None or found[0] != info:
+            return self._catalog.read_tensors(info)
+        from .tensorfile import load_tensors
+
+        return load_tensors(found[1], what=f"object {info.name}")

@@ -30,21 +30,18 @@ from pathlib import Path
 from typing import Any
 
 from ..distributed import Ranks
-from ..errors import CheckpointDirectoryError, DirectoryInUseError
+from ..errors import CheckpointDirectoryError
 from .base import Access, Manifest, ManifestRecord, checksum
 from .location import is_remote, open_remote
-from .catalog import MANIFESTS, OBJECTS, Catalog
+from .catalog import MANIFESTS, OBJECTS, PINNED, Catalog
+from .dirlock import LOCK, DirectoryLock, owner_pid
+from .hosts import PROBE, Hosts, agree_markers, discard_hidden, probe
 from .local import LocalStore, fsync_dir
 from .retention import plan_retention
 
 __all__ = ["CheckpointDirectory", "MARKER", "LOCK", "FORMAT_VERSION", "marker_bytes", "parse_marker", "collect_garbage"]
 
 MARKER = "everystep.json"
-LOCK = "everystep.lock"
-PINNED = "pinned.json"
-"""The checkpoints retention keeps beside the newest: the one the remote tier is uploading
-(:meth:`CheckpointDirectory.pin`). A file, because retention runs in several processes (the persist
-thread's, a writer's, an agent's), and each reads it."""
 FORMAT_VERSION = 2
 """Version 2 markers carry a checksum; version 1 (no checksum) is still read."""
 _OWN_NAME = r"[a-z]+-\d{12}(?:-r\d+)?"
@@ -84,58 +81,13 @@ def marker_bytes_ok(marker: dict[str, Any]) -> bool | None:
     return json.loads(marker_bytes(marker))["checksum"] == marker["checksum"]
 
 
-class _Lock:
-    """``everystep.lock``: an advisory lock the kernel releases when its holder dies."""
-
-    def __init__(self, root: Path) -> None:
-        self.fd = -1
-        self.path = path = root / LOCK
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            try:
-                self.fd, self.created = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
-            except FileExistsError:
-                self.fd, self.created = os.open(path, flags), False
-        except OSError as e:
-            raise CheckpointDirectoryError(f"cannot open {path} to take the directory for writing: "
-                                           f"{e.strerror or e}") from None
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = _owner_pid(self.fd)
-            os.close(self.fd)
-            self.fd = -1
-            raise DirectoryInUseError.of(root, pid, f"it holds {LOCK}: wait for it to end, or read it with recover, "
-                                         "inspect or verify, or choose another directory") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, json.dumps({"pid": os.getpid()}).encode(), 0)
-
-    def release(self, *, remove: bool = False) -> None:
-        """Release the lock; with ``remove``, also delete the lock file if this lock created it."""
-        if remove and self.created and self.fd >= 0:
-            self.path.unlink(missing_ok=True)  # while still held: no other process holds this file
-        if self.fd >= 0:
-            os.close(self.fd)  # closing the only descriptor releases the flock
-            self.fd = -1
-
-    def __del__(self) -> None:
-        self.release()  # a store dropped without close() gives the directory up, as a dead process does
-
-
-def _owner_pid(fd: int) -> int | None:
-    try:
-        return int(json.loads(os.pread(fd, 4096, 0))["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 class CheckpointDirectory:
     """An everystep checkpoint directory, opened for one kind of access (see the module docstring)."""
 
     def __init__(self, catalog: Catalog, marker: dict[str, Any]) -> None:
         self.catalog = catalog
         self.marker = marker
-        self._owner: _Lock | None = None
+        self._owner: DirectoryLock | None = None
         self._retention_lock = threading.Lock()
         self.created = False
         """Whether :meth:`open` made this directory an everystep directory (see :meth:`undo_create`)."""
@@ -197,7 +149,9 @@ class CheckpointDirectory:
         """Open a checkpoint directory, creating it when ``create`` and it is absent or empty (its full
         checkpoints in ``new_full_format`` unless ``extra["full_format"]`` asks for one).
 
-        Refuses a directory that holds anything but an everystep checkpoint, or one written by
+        Under several ranks writing, whether every rank sees one directory or each host its own
+        (node-local disks) is found out first (:mod:`~everystep.storage.hosts`). Refuses a directory
+        that holds anything but an everystep checkpoint, or one written by
         another strategy (``None`` accepts any) or, unless ``other_world``, another world size, or
         (``extra["full_format"]``) for another full-checkpoint format. With ``access="write"`` the
         directory is taken for writing (rank 0 holds its lock until :meth:`close`), and refused
@@ -214,6 +168,10 @@ class CheckpointDirectory:
         if path.exists() and not path.is_dir():
             raise CheckpointDirectoryError(f"{path} is a file, not a checkpoint directory")
         marker_path = path / MARKER
+        if ranks.distributed and access == "write":  # (a reader changes nothing: it takes the directory as shared)
+            hosts = probe(path, ranks, create=create)
+            if hosts is not None:
+                return cls._open_node_local(path, marker_path, hosts, strategy, ranks, create, extra, other_world)
         if ranks.rank != 0:
             ranks.barrier("control")  # rank 0 has created or checked the directory
             return cls(Catalog(LocalStore(path, access=access), ranks), cls._read_marker(marker_path))
@@ -222,6 +180,35 @@ class CheckpointDirectory:
                                       other_world, access, new_full_format)
         finally:
             ranks.barrier("control")
+
+    @classmethod
+    def _open_node_local(cls, path: Path, marker_path: Path, hosts: Hosts, strategy: str | None, ranks: Ranks,
+                         create: bool, extra: dict[str, Any] | None, other_world: bool) -> "CheckpointDirectory":
+        """Open ``path`` for writing on every host at once (collective): each host's first rank
+        creates or checks its own directory and takes its lock, as rank 0 does a shared one, once the
+        hosts' markers agree (:func:`~everystep.storage.hosts.agree_markers`)."""
+        lead = ranks.rank == next(g for g in hosts if ranks.rank in g)[0]
+        marker, error, directory = None, None, None
+        try:
+            marker = cls._read_marker(marker_path) if lead and marker_path.exists() else None
+        except BaseException as e:  # (raised on every rank by the exchange)
+            error = e
+        full_format = agree_markers(path, hosts, ranks, marker, error, (extra or {}).get("full_format"))
+        try:
+            if lead:
+                directory = cls._open_as_rank0(path, marker_path, strategy, ranks, create, extra, other_world, "write",
+                                               full_format)
+        except BaseException as e:
+            error = e
+        try:
+            ranks.exchange("control", {}, error, f"opening {path} on every host")
+            directory = directory or cls(Catalog(LocalStore(path), ranks), cls._read_marker(marker_path))
+        except BaseException:
+            if directory is not None:
+                directory.close()
+            raise
+        directory.catalog.hosts = hosts
+        return directory
 
     @property
     def remote(self) -> bool:
@@ -267,12 +254,12 @@ class CheckpointDirectory:
         return directory
 
     @staticmethod
-    def _take(path: Path) -> _Lock:
+    def _take(path: Path) -> DirectoryLock:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointDirectoryError(f"cannot create the checkpoint directory {path}: {e.strerror or e}") from None
-        return _Lock(path)
+        return DirectoryLock(path)
 
     @staticmethod
     def owner(root: str | os.PathLike[str]) -> int | None:
@@ -289,14 +276,15 @@ class CheckpointDirectory:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return _owner_pid(fd) or 0
+            return owner_pid(fd) or 0
         finally:
             os.close(fd)
         return None
 
     @staticmethod
     def _refuse_foreign(path: Path) -> None:
-        found = sorted(p.name for p in path.iterdir() if p.name != LOCK) if path.is_dir() else []
+        found = sorted(p.name for p in path.iterdir() if p.name != LOCK and not p.name.startswith(PROBE)) \
+            if path.is_dir() else []
         if found:
             raise CheckpointDirectoryError(
                 f"{path} is not empty and is not an everystep checkpoint directory (found: {', '.join(found[:5])}); "
@@ -371,7 +359,10 @@ class CheckpointDirectory:
 
     def write_marker(self) -> None:
         """Write what :meth:`open` changed of the marker (the world size of a job that carries the
-        checkpoints to another), once training starts from what the directory holds."""
+        checkpoints to another), once training starts from what the directory holds; under
+        node-local disks, discard what not every host holds (:func:`~everystep.storage.hosts.discard_hidden`)."""
+        for name in discard_hidden(self.catalog):
+            log.warning("discarded %s from %s: not every host's directory holds it", name, self.root)
         if self._marker_unwritten:
             self.put_file(MARKER, marker_bytes(self.marker))
             self._marker_unwritten = False
@@ -386,7 +377,7 @@ class CheckpointDirectory:
     def undo_create(self) -> None:
         """Make a directory this store just created, and that holds no checkpoint yet, plain again
         (a constructor that failed after opening it leaves it as it found it)."""
-        if not self.created or self.access != "write" or self.ranks.rank != 0:
+        if not self.created or self.access != "write" or not self.catalog.leads:
             return
         if self.catalog.object_names() or self.catalog.manifests():
             return
@@ -414,10 +405,11 @@ class CheckpointDirectory:
         call it; one plans and deletes at a time.
 
         IMPORTANT: call only after the newest checkpoint is committed, so that deleting an older
-        one never leaves fewer recoverable points than before. Only rank 0 deletes.
+        one never leaves fewer recoverable points than before. Only rank 0 deletes (each host's
+        first rank in its own directory, under node-local disks).
         """
         self.catalog.check_writable()
-        if self.ranks.rank != 0:
+        if not self.catalog.leads:
             return []
         with self._retention_lock:
             committed = [r.manifest for r in self.catalog.manifests() if r.manifest is not None]
@@ -450,13 +442,9 @@ class CheckpointDirectory:
             return newest[0]
 
     def _pinned(self) -> list[str]:
-        """The names :meth:`pin` gave (none when the file is missing or not its own JSON)."""
-        try:
-            found = json.loads(bytes(self.catalog.store.get(PINNED)))
-        except (FileNotFoundError, ValueError):
-            return []
-        names = found.get("manifests") if isinstance(found, dict) else None
-        return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+        """The names :meth:`pin` gave here, and under node-local disks those rank 0 had pinned at the
+        newest commit."""
+        return self.catalog.pinned() + self.catalog.job_pins
 
     def collect_garbage(self) -> list[str]:
         """Delete what a crash left: everystep's own temporaries, its own objects that no manifest
@@ -468,7 +456,7 @@ class CheckpointDirectory:
         if self.access != "write":
             self.catalog.check_writable()
             return []
-        if self._pinned():
+        if self.catalog.pinned():
             self.pin([])
         return collect_garbage(self.catalog)
 

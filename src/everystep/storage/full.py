@@ -13,6 +13,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..tree import unflatten
 from .base import Manifest, Reader, malformed
+from . import hosts
 from .catalog import Catalog
 
 from .sharded import RankShare, commit_parts, read_parts
@@ -20,7 +21,7 @@ from .sharded import RankShare, commit_parts, read_parts
 if TYPE_CHECKING:
     from .directory import CheckpointDirectory
 
-__all__ = ["write_full", "persist_full", "read_state"]
+__all__ = ["write_full", "persist_full", "read_state", "read_state_together"]
 
 _WHOLE = RankShare({}, {})
 
@@ -88,3 +89,19 @@ def read_state(directory: "CheckpointDirectory", manifest: Manifest, *, shards: 
         if not isinstance(tree, dict) or tree.get("step") != manifest.step:
             raise ValueError(f"it holds step {tree.get('step') if isinstance(tree, dict) else None}, not {manifest.step}")
     return tree, tensors, meta
+
+
+def read_state_together(directory: "CheckpointDirectory", manifest: Manifest, shards: Mapping[str, torch.Tensor] | None = None
+                        ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """:func:`read_state` on every rank at once, under node-local directories: each part a rank reads
+    from the host that holds it (:func:`~everystep.storage.hosts.gather`); raises
+    :class:`CorruptCheckpointError` on every rank where it fails on any."""
+    reader = hosts.gather(directory.catalog, [manifest], shards)
+    error, found = None, None
+    try:
+        found = read_state(directory, manifest, shards=shards, reader=reader)
+    except CorruptCheckpointError as e:
+        error = e
+    hosts.read_together(directory.catalog, error)
+    assert found is not None
+    return found

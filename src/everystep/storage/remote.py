@@ -55,9 +55,9 @@ from ..policy.interval import median_gap
 from ..policy.young_daly import young_daly_interval
 from ..distributed import Ranks
 from .base import ConditionalStore, Manifest, ObjectInfo
-from .catalog import Catalog
+from .catalog import Catalog, Supplemented
 from .retention import plan_retention
-from .full import read_state
+from .full import read_state, read_state_together
 from .directory import MARKER, collect_garbage, marker_bytes, parse_marker
 from .location import is_remote, open_remote
 from .remote_lock import LOCK_KEY, RemoteLock, check_conditional_writes
@@ -73,21 +73,6 @@ _SAME_JOB = ("strategy", "full_format", "world_size")
 FOLLOW_TIMEOUT = 7 * 86400.0
 """Seconds a rank following rank 0's uploads waits for the next one (the ``remote`` channel's timeout):
 uploads can be an hour apart (Young/Daly's interval), and rank 0 says when the job closes."""
-
-
-class _Downloaded:
-    """The local directory's catalog, but for the objects a pull downloaded, read from the bytes
-    downloaded (verified on the way down): a :class:`~everystep.storage.base.Reader`."""
-
-    def __init__(self, catalog: Catalog, data: dict[str, tuple[ObjectInfo, bytearray]]) -> None:
-        self._catalog, self._data = catalog, data
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._catalog, name)
-
-    def read_object(self, info: ObjectInfo) -> bytearray:
-        found = self._data.get(info.name)
-        return found[1] if found is not None and found[0] == info else self._catalog.read_object(info)
 
 
 class RemoteTier:
@@ -209,29 +194,43 @@ class RemoteTier:
                                   "trying the one before", RuntimeWarning, stacklevel=2)
                 continue
             what = f"the download of step {step} from {self.url}"
+            catalog, written = self.directory.catalog, []
             try:
                 for info, value in data.values():
-                    self.directory.catalog.put_object(info, value)
+                    if not catalog.has_object(info.name):  # (else the same object, verified: _new_object)
+                        catalog.put_object(info, value)
+                        written.append(info.name)
             except BaseException as e:
                 error = e
             self.ranks.exchange("control", {}, error, what)  # every rank's share in the local directory
-            bad = None
-            if self.lead:
-                try:
-                    bad = self._malformed(manifest, data)
-                    if bad is None:
-                        self.directory.catalog.commit(manifest)
-                except BaseException as e:
-                    error = e
-            bad = self.ranks.exchange("control", {"bad": bad}, error, what)[0]["bad"]  # (before any rank restores)
+            bad = self._check_pulled(manifest, data, what)
             if bad is None:
                 return step
-            for name in data:  # each rank its own share: nothing of it stays in the local directory
-                self.directory.catalog.delete_object(name)
+            for name in written:  # each rank its own share: nothing of it stays in the local directory
+                catalog.delete_object(name)
             if self.lead:
                 warnings.warn(f"the remote checkpoint of step {step} at {self.url} verifies but does not read as a "
                               f"state ({bad}); trying the one before", RuntimeWarning, stacklevel=2)
         return None
+
+    def _check_pulled(self, manifest: Manifest, data: dict[str, tuple[ObjectInfo, bytearray]], what: str) -> str | None:
+        """Why the pulled checkpoint does not read as a state (:meth:`_malformed`), or None, once it is
+        committed locally (every rank learns which). Under node-local disks every rank reads it, its
+        parts from the hosts that hold them, and each host's leader commits it in its own directory."""
+        node_local, error, bad = self.directory.catalog.hosts is not None, None, None
+        if self.lead or node_local:
+            try:
+                bad = self._malformed(manifest, data)
+            except BaseException as e:
+                error = e
+        if node_local:
+            bad = next((r["bad"] for r in self.ranks.exchange("control", {"bad": bad}, error, what) if r["bad"]), None)
+        try:
+            if bad is None and self.directory.catalog.leads:
+                self.directory.catalog.commit(manifest)
+        except BaseException as e:
+            error = e
+        return self.ranks.exchange("control", {"bad": bad}, error, what)[0]["bad"]  # (before any rank restores)
 
     def _malformed(self, manifest: Manifest, data: dict[str, tuple[ObjectInfo, bytearray]]) -> str | None:
         """Why the pulled checkpoint, its objects in the local directory and not yet committed there,
@@ -242,7 +241,10 @@ class RemoteTier:
         if manifest.meta.get("format") == "dcp":
             return None
         try:
-            state = read_state(self.directory, manifest, reader=_Downloaded(self.directory.catalog, data))
+            if self.directory.catalog.hosts is not None:  # (collective: every rank reads its state, kept for nothing)
+                read_state_together(self.directory, manifest)
+                return None
+            state = read_state(self.directory, manifest, reader=Supplemented(self.directory.catalog, data))
         except CorruptCheckpointError as e:
             return str(e)
         self.directory.read_ahead(manifest.name, state)
@@ -252,18 +254,33 @@ class RemoteTier:
         """The verified bytes of a remote object the local directory does not hold.
 
         IMPORTANT: a pull never writes over a local object: one of that name is another checkpoint's
-        (garbage collection removed what no manifest names before the pull)."""
+        (garbage collection removed what no manifest names before the pull) — unless it is this one,
+        verified against ``info`` (a checkpoint that not every host's directory holds, under
+        node-local disks), which is read from there and not downloaded."""
         if self.directory.catalog.has_object(info.name):
-            raise CorruptCheckpointError(f"its object {info.name} exists in the local directory {self.directory.root}, "
-                                         "which a pull never writes over")
+            try:
+                return self.directory.catalog.read_object(info)
+            except CorruptCheckpointError:
+                raise CorruptCheckpointError(f"its object {info.name} exists in the local directory {self.directory.root} "
+                                             "with other bytes, which a pull never writes over") from None
         return self.catalog.read_object(info)
 
-    def _share(self, manifest: Manifest) -> list[ObjectInfo]:
-        """The objects of ``manifest`` this rank moves: all of them in a job of one process."""
+    def _share(self, manifest: Manifest, held: list[list[str]] | None = None) -> list[ObjectInfo]:
+        """The objects of ``manifest`` this rank moves: all of them in a job of one process. Under
+        node-local disks a rank uploads only what its host holds (``held``: the names each rank's
+        host holds), and downloads its own part (rank r's ``tensors-rr``), which its host keeps."""
         infos = list(manifest.objects.values())
         if not self.ranks.distributed:
             return infos
-        owners = self.ranks.owners({info.name: info.nbytes for info in infos})
+        able: dict[str, list[int]] = {}
+        if held is not None:
+            able = {info.name: [r for r, names in enumerate(held) if info.name in names] for info in infos}
+            if lost := sorted(name for name, ranks in able.items() if not ranks):
+                raise CorruptCheckpointError(f"its objects {', '.join(lost)} are on no host's disk")
+        elif self.directory.catalog.hosts is not None:
+            able = {info.name: [int(key[len("tensors-r"):])] for key, info in manifest.objects.items()
+                    if key.startswith("tensors-r") and int(key[len("tensors-r"):]) < self.ranks.world}
+        owners = self.ranks.owners({info.name: info.nbytes for info in infos}, able)
         return [info for info in infos if owners[info.name] == self.ranks.rank]
 
     def _fulls(self) -> list[Any]:
@@ -337,9 +354,13 @@ class RemoteTier:
         """One upload, on every rank: its share of the objects, each verified on the way out; rank 0
         puts the manifest once every share is durable (raised on every rank if any failed)."""
         error: BaseException | None = None
+        held = None
+        if self.directory.catalog.hosts is not None:  # each rank uploads what its host's disk holds
+            catalog = self.directory.catalog
+            held = self.ranks.all_gather("remote", [o.name for o in manifest.objects.values() if catalog.has_object(o.name)])
         try:
             assert self._uploader is not None
-            if share := self._share(manifest):
+            if share := self._share(manifest, held):
                 self.bytes_up += self._uploader.put(share)  # each object verified on the way out
         except (EverystepError, OSError) as e:
             error = e

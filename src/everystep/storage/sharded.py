@@ -9,7 +9,9 @@ own key) and its own per-rank tensors. So each rank writes about 1/world of the 
 
 Commit (:func:`commit_parts`): every rank writes its object (durable, invisible), then all ranks
 exchange what they wrote over the channel's own group; rank 0 commits one manifest naming every
-part only when every part was written. A single process writes the plain one-object format.
+part only when every part was written — under node-local disks (:mod:`~everystep.storage.hosts`)
+each host's first rank commits it in its own directory. A single process writes the plain
+one-object format.
 
 Manifest of a checkpoint written by W > 1 ranks::
 
@@ -38,7 +40,7 @@ from ..parallelism import ShardBox, shard_box, shard_like
 from .tensorfile import load_tensors, tensor_chunks
 from ..tree import OPTIMIZER_STATE, merged_meta
 
-__all__ = ["RankShare", "commit_parts", "commit_tensors", "commit_written", "read_parts", "write_part"]
+__all__ = ["RankShare", "commit_parts", "commit_tensors", "commit_written", "parts_read", "read_parts", "write_part"]
 
 
 @dataclass(frozen=True)
@@ -192,15 +194,19 @@ def commit_written(
         catalog.commit(manifest)
         return manifest
     report = {"info": info.to_json() if info else None, "pieces": pieces, "boxes": boxes or {}, "meta": rank_meta}
+    if catalog.hosts is not None and ranks.rank == 0:
+        report["pins"] = catalog.pinned()  # (what rank 0's remote uploads: kept on every host)
     parts = ranks.exchange(channel, report, error, f"the {kind} checkpoint of step {step}")
     manifest = Manifest(
         kind=kind, step=step, requires=requires,
         objects={f"tensors-r{r}": ObjectInfo.from_json(p["info"]) for r, p in enumerate(parts)},
         meta={**meta, "world_size": ranks.world,
+              **({"hosts": [list(g) for g in catalog.hosts]} if catalog.hosts is not None else {}),
               "parts": [{"pieces": p["pieces"], **({"boxes": p["boxes"]} if p["boxes"] else {}), "meta": p["meta"]}
                         for p in parts]},
     )
-    if ranks.rank == 0:
+    if catalog.leads:  # (every host's first rank, in its own directory, under node-local disks)
+        catalog.job_pins = parts[0].get("pins", [])
         catalog.commit(manifest)
     return manifest
 
@@ -227,11 +233,24 @@ def commit_tensors(
 
 
 def _read_tensors(reader: Reader, info: ObjectInfo) -> dict[str, torch.Tensor]:
-    """An object's tensors, each byte read once where ``reader`` is a catalog
-    (:meth:`Catalog.read_tensors`)."""
-    if isinstance(reader, Catalog):
-        return reader.read_tensors(info)
+    """An object's tensors, each byte read once where ``reader`` reads tensors itself (a catalog:
+    :meth:`Catalog.read_tensors`)."""
+    read = getattr(reader, "read_tensors", None)
+    if read is not None:
+        return read(info)
     return load_tensors(reader.read_object(info), what=f"object {info.name}")
+
+
+def parts_read(manifest: Manifest, rank: int, world: int, shards: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+    """The objects (keys of ``manifest.objects``) that rank ``rank`` of a job of ``world`` reads of
+    the checkpoint (:func:`read_parts`; ``shards`` as there)."""
+    if "parts" not in manifest.meta:
+        return list(manifest.objects)
+    with malformed(f"checkpoint {manifest.name}"):
+        parts = _check_parts(manifest.meta["parts"])
+    mine, other_world, boxes = rank % len(parts), len(parts) != world, _Boxes(shards or {})
+    return [f"tensors-r{r}" for r, part in enumerate(parts)
+            if r == mine or part["pieces"] or other_world or boxes.wants(part.get("boxes", {}))]
 
 
 def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safetensors",
@@ -262,8 +281,8 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
         if info is None:
             raise CorruptCheckpointError(f"{what} lacks its tensor object")
         return _as_shards(_read_tensors(catalog, info), shards), manifest.meta
-    with malformed(what):
-        parts = _check_parts(manifest.meta["parts"])
+    read = set(parts_read(manifest, catalog.ranks.rank, catalog.ranks.world, shards))
+    parts = manifest.meta["parts"]  # (checked by parts_read)
     world = len(parts)
     mine = catalog.ranks.rank % world
     other_world = world != catalog.ranks.world
@@ -271,7 +290,7 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
     tensors: dict[str, torch.Tensor] = {}
     flat: dict[str, torch.Tensor] = {}
     for r, part in enumerate(parts):
-        if r != mine and not part["pieces"] and not other_world and not boxes.wants(part.get("boxes", {})):
+        if f"tensors-r{r}" not in read:
             continue  # (a sharded job's part that holds nothing this rank reads)
         info = manifest.objects.get(f"tensors-r{r}")
         if info is None:

@@ -180,7 +180,7 @@ class LowDiffPlus(Strategy):
         views = ranks.all_gather("control", {"agent": self.session.link is not None, "reachable": reachable, "disk": on_disk})
         # What a crash left is garbage once no agent writes: in one process, when there is no agent;
         # under several ranks, always (an agent finishes its writes before it answers hello).
-        if ranks.rank == 0 and (ranks.distributed or not any(v["agent"] for v in views)):
+        if directory.catalog.leads and (ranks.distributed or not any(v["agent"] for v in views)):
             directory.collect_garbage()
         ranks.barrier("control")
         if team is not None:

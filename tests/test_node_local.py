@@ -1,0 +1,251 @@
+"""Node-local checkpoint directories: two hosts on loopback, each a ``torchrun`` of its own with its own
+directory standing for its own disk (:mod:`everystep.eval.hosts`), no directory that both see. Hosts
+are lost (SIGKILLed with every process they started) at steps drawn from the seed and restarted in
+place (their disks kept) or replaced (an empty disk); every rank resumes from the same step, bitwise,
+or the job refuses to start with one message."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from everystep.eval.hosts import TwoHosts, final_hashes, lose_hosts, rank0_losses
+from everystep.eval.train import TrainConfig, run
+from everystep.storage.base import Manifest
+from everystep.storage.hosts import hosts_of
+from everystep.errors import CheckpointDirectoryError
+
+LONG = pytest.mark.long
+
+
+def _reference(steps: int, local: int, parallel: str = "ddp") -> dict:
+    return run(TrainConfig(workload="gpt2-tiny", strategy="none", steps=steps, nproc=2 * local, max_nproc=4,
+                           parallel=parallel, progress=False))
+
+
+def _assert_bitwise(job: TwoHosts, reference: dict) -> None:
+    assert rank0_losses(job) == reference["losses"]
+    assert final_hashes(job) == reference["rank_state_sha256"]
+
+
+def _manifests(disk: Path) -> dict[str, Manifest]:
+    return {p.stem: Manifest.from_bytes(p.read_bytes(), name=p.stem) for p in (disk / "manifests").glob("*.json")}
+
+
+def _assert_each_disk_holds_its_own_parts(job: TwoHosts) -> None:
+    """Every host's directory commits the same checkpoints, and holds of each the parts of the ranks
+    that were on that host when it was written: one host's ranks each, the two hosts between them all."""
+    first, second = (_manifests(disk) for disk in job.disks)
+    assert first.keys() == second.keys() and first
+    for name, manifest in first.items():
+        groups = [set(g) for g in manifest.meta["hosts"]]
+        held = [{int(key[len("tensors-r"):]) for key, info in manifest.objects.items()
+                 if (disk / "objects" / info.name).exists()} for disk in job.disks]
+        assert held[0] in groups and held[1] in groups and held[0] | held[1] == set(range(2 * job.local)), (name, held)
+        assert not held[0] & held[1], (name, held)
+
+
+def _assert_verify_reads_each_disks_own_parts(job: TwoHosts, capsys) -> None:
+    """``verify`` on each host's directory verifies the parts it holds and says where the others are;
+    a byte flipped in one of its parts, and a part removed, are named."""
+    from .conftest import call_cli
+
+    for disk in job.disks:
+        code, out, _ = call_cli(capsys, "inspect", str(disk))
+        assert code == 0 and "INVALID" not in out and "node-local (2 hosts): the parts of ranks" in out, out
+        assert call_cli(capsys, "verify", str(disk))[0] == 0
+        code, _, err = call_cli(capsys, "recover", "--dir", str(disk))  # a whole state: every host's parts
+        assert code == 2 and "copy every host's objects/ into one directory" in err, err
+    merged = job.tmp / "merged"
+    shutil.copytree(job.disks[0], merged)
+    for part in (job.disks[1] / "objects").glob("full-*"):
+        shutil.copy(part, merged / "objects")
+    code, out, _ = call_cli(capsys, "recover", "--dir", str(merged))
+    assert code == 0 and out.startswith(f"step {job.steps}, state sha256"), out
+    parts = sorted((job.disks[1] / "objects").glob("full-*.safetensors"))
+    data = bytearray(parts[-1].read_bytes())
+    data[-1] ^= 1
+    parts[-1].write_bytes(data)
+    parts[0].unlink()
+    code, out, _ = call_cli(capsys, "verify", str(job.disks[1]))
+    assert code == 1 and f"{parts[-1].name} fails its checksum" in out and f"{parts[0].name} is missing" in out, out
+    assert call_cli(capsys, "verify", str(job.disks[0]))[0] == 0  # (the other host's own parts are whole)
+
+
+def _starts_agree(loss) -> None:
+    """Every rank of the job restarted from one step (each restart logs its rank's start)."""
+    assert len(loss.starts) == 2 * loss_local(loss), loss.starts
+    assert len({s["start"] for s in loss.starts}) == 1, loss.starts
+
+
+def loss_local(loss) -> int:
+    return len(loss.starts) // 2
+
+
+def _plan(steps: int, losses: int, seed: int, hosts: tuple[int, ...] | None = None) -> list[tuple[int, tuple[int, ...]]]:
+    rng = random.Random(seed)
+    return [(4 + (i + 1) * (steps - 8) // (losses + 1) + rng.randint(-2, 2), hosts or (rng.randrange(2),))
+            for i in range(losses)]
+
+
+@pytest.mark.parametrize("strategy, parallel, local", [
+    ("checkfreq", "ddp", 1),
+    pytest.param("checkfreq", "fsdp", 1, marks=LONG), pytest.param("checkfreq", "ddp", 2, marks=LONG),
+    pytest.param("lightcheck", "ddp", 1, marks=LONG), pytest.param("lightcheck", "fsdp", 1, marks=LONG),
+    pytest.param("lowdiff_plus", "ddp", 1, marks=LONG), pytest.param("lowdiff_plus", "fsdp", 1, marks=LONG),
+    pytest.param("lightcheck", "ddp", 2, marks=LONG),
+])
+def test_hosts_restarted_in_place_resume_from_their_own_disks_bitwise(tmp_path, capsys, strategy, parallel, local):
+    """Both hosts lost at once, twice, and restarted with their disks (their memory lost): every rank
+    resumes from the newest full checkpoint, read from its own host's disk and the parts the other
+    host sends, bitwise; each directory holds only its own ranks' parts."""
+    steps = 16
+    reference = _reference(steps, local, parallel)
+    job = TwoHosts(tmp_path, local=local, strategy=strategy, steps=steps, parallel=parallel, persist_every=1,
+                   peers=False, node_local=True)
+    losses = lose_hosts(job, _plan(steps, 2, seed=3, hosts=(0, 1)))
+    for loss in losses:
+        _starts_agree(loss)
+        assert {s["source"] for s in loss.starts} == {"disk"}, loss.starts
+        assert loss.resumed == loss.on_disk > 0, loss  # (lowdiff_plus: its agents' newest persisted)
+    _assert_bitwise(job, reference)
+    _assert_each_disk_holds_its_own_parts(job)
+    _assert_verify_reads_each_disks_own_parts(job, capsys)
+
+
+@pytest.mark.parametrize("seen, expected", [
+    ([[0, 1], [0, 1]], None),
+    ([[0], [1]], ((0,), (1,))),
+    ([[0, 1], [0, 1], [2, 3], [2, 3]], ((0, 1), (2, 3))),
+    ([[0, 2], [1], [0, 2]], ((0, 2), (1,))),
+])
+def test_the_ranks_that_see_each_others_probes_share_a_directory(seen, expected):
+    assert hosts_of(seen, "/ckpt") == expected
+
+
+@pytest.mark.parametrize("seen", [[[0, 1], [1]], [[1], [0, 1]], [[0, 1], [1, 2], [1, 2]]])
+def test_ranks_that_see_each_other_inconsistently_are_refused(seen):
+    with pytest.raises(CheckpointDirectoryError, match="inconsistently"):
+        hosts_of(seen, "/ckpt")
+
+
+def _wait_for(condition, what: str, timeout: float = 180.0) -> None:
+    """Poll ``condition`` until it holds (what a test waits for: a host's log, a step reached)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_a_replaced_host_takes_its_state_from_its_peers_memory(tmp_path):
+    """lightcheck with peers: a host replaced (its memory and its disk empty) after the survivor's disk
+    holds full checkpoints; the job resumes from the peers' memory, newer than the disk, bitwise; the
+    survivor's checkpoints that the new disk lacks are discarded, and both disks then hold every new one."""
+    steps = 16
+    reference = _reference(steps, 1)
+    job = TwoHosts(tmp_path, local=1, strategy="lightcheck", steps=steps, persist_every=3, node_local=True)
+    (loss,) = lose_hosts(job, [(8, (1,))], replace=True)
+    _starts_agree(loss)
+    assert any(s["source"].startswith("peer memory") for s in loss.starts), loss.starts
+    assert loss.resumed >= loss.reached - 2, loss
+    _assert_bitwise(job, reference)
+    _assert_each_disk_holds_its_own_parts(job)
+
+
+@LONG
+def test_a_replaced_host_takes_its_parts_from_the_remote(tmp_path, bucket, monkeypatch):
+    """checkfreq without peers, uploading as often as it can: a host replaced with an empty disk once the
+    remote holds a checkpoint; every rank resumes from the newest checkpoint the remote holds (each rank
+    downloads its own part), bitwise. Each commit is slowed down (0.2 s), so that training is still
+    running when the first upload (a process started, then the objects) is up."""
+    import boto3
+
+    monkeypatch.setenv("EVERYSTEP_DELAY", "store.commit.before_manifest:1+=0.2")
+    steps = 40
+    reference = _reference(steps, 1)
+
+    job = TwoHosts(tmp_path, local=1, strategy="checkfreq", steps=steps, persist_every=1, peers=False, node_local=True,
+                   remote=f"s3://{bucket}/job")
+    try:
+        def uploaded() -> list[str]:
+            return [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix="job/manifests/")
+                    .get("Contents", [])]
+
+        _wait_for(lambda: job.newest_step() >= 6 and uploaded(), "an upload, and step 6")
+        job.lose(0)
+        assert job.hosts[1][0].poll() is None, "the job ended before the host was lost"
+        newest = max(int(key.split("-")[1][:12]) for key in uploaded())
+        replaced = time.time()
+        job.start(0, replace=True)
+        job.wait(300)
+    finally:
+        job.close()
+    starts = [e for e in job.events() if "start" in e and e["at"] >= replaced]
+    assert [(e["start"], e["source"]) for e in starts] == [(newest, "remote")] * 2, (newest, starts)
+    _assert_bitwise(job, reference)
+    _assert_each_disk_holds_its_own_parts(job)
+
+
+def test_a_replaced_host_with_neither_peers_nor_remote_is_refused_in_one_message(tmp_path):
+    """checkfreq, node-local disks, no peers, no remote: a host replaced with an empty disk holds none of
+    the survivor's checkpoints; no rank starts from step 0, every rank says what is missing, and the
+    survivor's disk is left as it was."""
+    job = TwoHosts(tmp_path, local=1, strategy="checkfreq", steps=40, persist_every=1, peers=False, node_local=True,
+                   max_restarts=1)
+    try:
+        _wait_for(lambda: job.newest_step() >= 5, "step 5")
+        job.lose(1)
+        before = sorted(p.name for p in (job.disks[0] / "manifests").iterdir())
+        replaced = time.time()
+        job.start(1, replace=True)
+        said = "no step to restore that every host can load"
+        _wait_for(lambda: all(said in TwoHosts.log(s) for _, s, _ in job.hosts), "both hosts to refuse")
+    finally:
+        job.close()
+    assert not [e for e in job.events() if "start" in e and e["at"] >= replaced]  # no rank started training
+    assert sorted(p.name for p in (job.disks[0] / "manifests").iterdir()) == before
+    for _, scratch, _ in job.hosts:
+        assert "(peers=True) or a remote tier (remote=)" in TwoHosts.log(scratch)
+
+
+def test_a_crash_between_one_hosts_part_and_its_manifest_resumes_every_rank_from_the_step_before(tmp_path,
+                                                                                              monkeypatch):
+    """Rank 1 is killed in the commit of the 6th checkpoint it takes part in, after every part was written
+    and rank 0's host committed it, before its own host's manifest: the job ends. Restarted in place,
+    the hosts agree on the newest step both committed, resume from it bitwise, and rank 0's host
+    discards the checkpoint the other lacks."""
+    steps = 14
+    reference = _reference(steps, 1)
+    monkeypatch.setenv("EVERYSTEP_CRASH", "store.commit.before_manifest:6@1")
+    job = TwoHosts(tmp_path, local=1, strategy="checkfreq", steps=steps, persist_every=1, peers=False,
+                   node_local=True, max_restarts=0)
+    try:
+        _wait_for(lambda: all(p.poll() is not None for p, _, _ in job.hosts), "the job to end")
+        ahead = {p.name for p in (job.disks[0] / "manifests").iterdir()} - \
+            {p.name for p in (job.disks[1] / "manifests").iterdir()}
+        assert len(ahead) == 1, ahead  # (one host committed the step, the other did not)
+        monkeypatch.delenv("EVERYSTEP_CRASH")
+        job.max_restarts, job.rdzv_id = 20, "job-again"
+        restart = len(job.scratches)
+        for index in range(2):
+            job.start(index)
+        job.wait(300)
+    finally:
+        job.close()
+    step = int(ahead.pop().split("-")[1].split(".")[0])
+    starts = [e for s in job.scratches[restart:] for e in _events(s) if "start" in e]
+    assert sorted(e["start"] for e in starts) == [step - 1, step - 1], (step, starts)
+    assert all(e["source"] == "disk" for e in starts), starts
+    _assert_bitwise(job, reference)
+    _assert_each_disk_holds_its_own_parts(job)
+
+
+def _events(scratch: Path) -> list[dict]:
+    return [json.loads(line) for p in scratch.glob("events-*.jsonl") for line in p.read_text().splitlines()
+            if line.endswith("}")]
