@@ -4,6 +4,7 @@ documented call, and the losses and final state equal the uninterrupted run's bi
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -62,6 +63,52 @@ def test_killed_and_resumed_equals_the_trainer_alone(tmp_path, trainer, strategy
     assert set(losses) == set(ref_losses)
     assert {k: v for k, v in losses.items() if v != ref_losses[k]} == {}
     assert final == ref_final
+
+
+def launch(*args: str, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+    """``trainer_runs.py ARGS --ranks N`` under torchrun, N ranks on loopback, no restart: a rank that
+    dies ends the job."""
+    from everystep.distributed import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--max-restarts", "0",
+               "--master-port", str(free_port()), str(RUNS), *args, "--ranks", str(ranks)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(RUNS.parents[1] / "src"), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+LONG = pytest.mark.long
+
+
+@pytest.mark.parametrize("trainer, layout, strategy, kill_at, resumes", [
+    ("lightning", "ddp", "checkfreq", 6, (4, 5, 6)), ("transformers", "ddp", "checkfreq", 6, (4, 5, 6)),
+    pytest.param("lightning", "ddp", "lowdiff_plus", 10, (9, 10), marks=LONG),
+    pytest.param("transformers", "ddp", "lowdiff_plus", 10, (9, 10), marks=LONG),
+    pytest.param("lightning", "fsdp", "checkfreq", 6, (4, 5, 6), marks=LONG),
+    pytest.param("lightning", "fsdp", "lowdiff_plus", 10, (9, 10), marks=LONG),
+    pytest.param("lightning", "fsdp", "lightcheck", 10, (9, 10), marks=LONG),
+])
+def test_two_ranks_killed_and_launched_again_equal_the_trainer_alone(tmp_path, trainer, layout, strategy, kill_at,
+                                                                     resumes):
+    """Two ranks (gloo, the CPU) under torchrun — Lightning's DDPStrategy, or its ModelParallelStrategy
+    with FSDP2 (each layer and the model ``fully_shard``-ed in ``configure_model``), each rank a slice of
+    the ResumableSampler's permutation; the Trainer's own DDP, its loader sharded by Accelerate —; rank
+    0 SIGKILLed during step kill_at + 1, which ends the job; the same launch again resumes every rank
+    from one step, and the losses after it and the final state are bitwise those of the trainer alone
+    (launched first, the same ranks)."""
+    out, ref = tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
+    given = ("--strategy", strategy, "--layout", layout)
+    first = launch(trainer, str(tmp_path / "run"), str(out), *given, "--kill-at", str(kill_at), "--reference", str(ref))
+    assert first.returncode != 0 and "Signal 9 (SIGKILL) received" in first.stderr, first.stderr[-3000:]
+    second = launch(trainer, str(tmp_path / "run"), str(out), *given)
+    assert second.returncode == 0, second.stderr[-4000:]
+    runs = [(read(Path(f"{out}-r{r}")), read(Path(f"{ref}-r{r}"))) for r in range(2)]
+    assert runs[0][0][0][1] == runs[1][0][0][1] and runs[0][0][0][1] in resumes, [run[0][0] for run in runs]
+    for (resumed, losses, final), (_, ref_losses, ref_final) in runs:
+        assert resumed[0] == 0 and len(resumed) == 2, resumed
+        assert set(losses) == set(ref_losses)
+        assert {k: v for k, v in losses.items() if v != ref_losses[k]} == {}
+        assert final == ref_final
 
 
 def readme_example(name: str) -> str:
@@ -195,18 +242,20 @@ def test_a_trainer_resumed_where_training_ended_trains_no_further(tmp_path):
 
 
 @IN_PROCESS
-def test_the_lightning_callback_refuses_several_processes_naming_what_checkpoints_them(tmp_path):
-    # The refusal comes first in fit's start, from the Trainer's world size alone: a Trainer of two
-    # devices is stood in for by that one attribute (the callback reads nothing else before refusing).
+def test_the_lightning_callback_refuses_fsdp1_before_anything_is_written(tmp_path):
+    # The refusal comes first in fit's start, from the Trainer's strategy and world size alone: a Trainer
+    # of two devices with FSDPStrategy (which Lightning makes on GPUs only) is stood in for by those two.
     from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
 
     from everystep.errors import ConfigError
     from everystep.integrations.lightning import EverystepCallback
 
     callback = EverystepCallback(tmp_path / "c")
-    with pytest.raises(ConfigError, match=r"this Trainer has 2: .*ModelParallelStrategy's FSDP2.*everystep.Checkpointer "
-                                          r"in a training loop.*FSDP2, HSDP and TP shards with full_sync, checkfreq"):
-        callback.on_fit_start(SimpleNamespace(world_size=2), None)
+    with pytest.raises(ConfigError, match=r"DDPStrategy's replicas and ModelParallelStrategy's FSDP2 and TP shards "
+                                          r"under several processes, not FSDPStrategy's layout"):
+        callback.on_fit_start(SimpleNamespace(world_size=2, strategy=FSDPStrategy()), None)
     assert not (tmp_path / "c").exists()
 
 
@@ -217,7 +266,32 @@ def test_the_everystep_trainer_refuses_fsdp_naming_what_checkpoints_fsdp2(tmp_pa
 
     trainer, _ = tiny_trainer(tmp_path, EverystepTrainer)
     trainer.is_fsdp_enabled = True  # what the Trainer sets from TrainingArguments(fsdp=...) under several processes
-    with pytest.raises(ConfigError, match=r"this run has FSDP: .*everystep.Checkpointer in a training loop.*FSDP2 "
-                                          r"shards \(fully_shard\) with full_sync, checkfreq or async"):
+    with pytest.raises(ConfigError, match=r"not the Trainer's FSDP .*everystep.Checkpointer in a training loop "
+                                          r"\(fully_shard\), or Lightning's ModelParallelStrategy"):
         trainer.train()
     assert not (tmp_path / "ckpt").exists()
+
+
+@IN_PROCESS
+def test_layouts_the_integrations_do_not_serve_are_refused_before_training():
+    """Each with one message naming the layout and what to use."""
+    from types import SimpleNamespace
+
+    import lightning as L
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from everystep.errors import ConfigError
+    from everystep.integrations.lightning import _check_layout
+    from everystep.integrations.transformers import _check_layout as check_trainer
+
+    for start in ("ddp_spawn", "ddp_fork"):
+        with pytest.raises(ConfigError, match=f"start_method='{start.split('_')[1]}'"):
+            _check_layout(L.Trainer(accelerator="cpu", devices=2, strategy=start, logger=False))
+    _check_layout(L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False))  # (served)
+    with pytest.raises(ConfigError, match="not FSDPStrategy's layout: use one of those"):
+        _check_layout(SimpleNamespace(strategy=FSDPStrategy(), world_size=2))  # (FSDP1: a GPU's Trainer)
+    with pytest.raises(ConfigError, match="does not checkpoint DeepSpeed"):
+        check_trainer(SimpleNamespace(world_size=2), deepspeed=True, fsdp=False)
+    with pytest.raises(ConfigError, match="not the Trainer's FSDP"):
+        check_trainer(SimpleNamespace(world_size=2), deepspeed=False, fsdp=True)
+    check_trainer(SimpleNamespace(world_size=2), deepspeed=False, fsdp=False)  # (DDP: served)

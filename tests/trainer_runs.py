@@ -2,6 +2,7 @@
 kill-and-resume tests (run as a script, in a process of its own).
 
     python tests/trainer_runs.py {lightning,transformers} DIR OUT --strategy S [--kill-at K,L,...] [--reference REF]
+    torchrun --nproc-per-node 2 tests/trainer_runs.py lightning DIR OUT --ranks 2 ...   # DDP, gloo
 
 Each run appends the step it resumed from (``{"resumed": N}``), then each micro-batch's loss, to OUT
 (a JSON line, written before the next one, so a killed run leaves the lines of what it finished); the
@@ -76,7 +77,8 @@ def run_lightning(a: argparse.Namespace, strategy: str | None, out: str) -> None
 
     from everystep.integrations.lightning import EverystepCallback, ResumableSampler
 
-    kill = Killer(a.kill_at if strategy else None, out)
+    rank = int(os.environ.get("RANK", "0"))
+    kill = Killer(a.kill_at if strategy and rank == 0 else None, out)  # (torchrun then ends the other ranks)
 
     class LanguageModel(L.LightningModule):
         def __init__(self) -> None:
@@ -94,6 +96,15 @@ def run_lightning(a: argparse.Namespace, strategy: str | None, out: str) -> None
         def on_train_start(self) -> None:
             _record(out, {"resumed": callback.resumed_step if callback else 0})
 
+        def configure_model(self) -> None:
+            if a.layout == "fsdp":  # FSDP2: each layer's parameters, then the rest, sharded over the ranks
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for layer in [*self.model.transformer.encoder.layers, *self.model.transformer.decoder.layers]:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
+
         def configure_optimizers(self) -> Any:
             opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
@@ -103,10 +114,18 @@ def run_lightning(a: argparse.Namespace, strategy: str | None, out: str) -> None
     dataset = TensorDataset(_tokens(40, 16, 64))
     sampler = ResumableSampler(dataset, seed=1)
     callback = None if strategy is None else EverystepCallback(a.dir, strategy=strategy, every=1, sampler=sampler)
+    several = {}
+    if a.ranks > 1:  # under torchrun: DDP (or FSDP2) on gloo, each rank a slice of the sampler's permutation
+        from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+        several = {"strategy": DDPStrategy(process_group_backend="gloo") if a.layout == "ddp" else
+                   ModelParallelStrategy(data_parallel_size=a.ranks, tensor_parallel_size=1),
+                   "use_distributed_sampler": False}
     trainer = L.Trainer(max_steps=a.steps, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=1.0,
                         callbacks=[callback] if callback else [],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1)
+                        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=a.ranks,
+                        **several)
     model = LanguageModel()
     trainer.fit(model, DataLoader(dataset, batch_size=4, sampler=sampler))
     _record(out, {"final": everystep.state_hash({"model": model.state_dict(),
@@ -120,21 +139,21 @@ def run_transformers(a: argparse.Namespace, strategy: str | None, out: str) -> N
     from everystep.integrations.transformers import EverystepCallback, EverystepTrainer
 
     logging.set_verbosity_error()
-    kill = Killer(a.kill_at if strategy else None, out)
+    kill = Killer(a.kill_at if strategy and int(os.environ.get("RANK", "0")) == 0 else None, out)
 
     class Resumed(TrainerCallback):
         def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
             _record(out, {"resumed": callback.resumed_step if callback else 0})
 
     class Recording(Trainer if strategy is None else EverystepTrainer):  # type: ignore[misc]
-        micro = 0
+        step, micro = 0, 0  # (the step being trained, and its micro-batch: an epoch's last step may have fewer)
 
         def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             loss = super().compute_loss(model, inputs, *args, **kwargs)
             step = self.state.global_step + 1
+            self.step, self.micro = step, self.micro + 1 if step == self.step else 0
             kill(step, (self.micro + 1) % ACCUMULATE == 0)
-            _record(out, {"step": step, "batch": self.micro % ACCUMULATE, "loss": loss.item()})
-            self.micro += 1
+            _record(out, {"step": step, "batch": self.micro, "loss": loss.item()})
             return loss
 
     tokens = _tokens(40, 16, 64)
@@ -144,7 +163,7 @@ def run_transformers(a: argparse.Namespace, strategy: str | None, out: str) -> N
     args = TrainingArguments(output_dir=os.path.join(a.dir, "hf"), max_steps=a.steps, per_device_train_batch_size=4,
                              gradient_accumulation_steps=ACCUMULATE, learning_rate=3e-3, warmup_steps=2,
                              max_grad_norm=1.0, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                             logging_steps=1000, disable_tqdm=True)
+                             logging_steps=1000, disable_tqdm=True, **({"ddp_backend": "gloo"} if a.ranks > 1 else {}))
     callback = None if strategy is None else EverystepCallback(os.path.join(a.dir, "ckpt"), strategy=strategy, every=1)
     set_seed(0)
     trainer = Recording(model=GPT2LMHeadModel(config), args=args, train_dataset=dataset,
@@ -164,8 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kill-at")
     p.add_argument("--reference")
     p.add_argument("--until-done", action="store_true")
+    p.add_argument("--ranks", type=int, default=1, help="ranks (run under torchrun with as many): each records to "
+                   "OUT and REF with -r<rank> appended")
+    p.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp", help="under several ranks: DDP, or (Lightning) "
+                   "FSDP2 through ModelParallelStrategy")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
+    if a.ranks > 1:
+        suffix = f"-r{os.environ['RANK']}"
+        a.out, a.reference = a.out + suffix, a.reference and a.reference + suffix
     run = {"lightning": run_lightning, "transformers": run_transformers}[a.trainer]
     if not a.until_done:
         if a.reference:

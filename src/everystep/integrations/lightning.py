@@ -19,7 +19,14 @@ loader from the epoch's start), and a point at most one step old whatever the st
 loop counters (global step, epoch, batch index) are restored as Lightning's own mid-epoch checkpoint
 holds them, so ``max_steps``, accumulation and step-interval schedulers go on where they stopped.
 
-Scope: one process, one optimizer, automatic optimization. Bit-exact resume also needs the data to
+Under several processes: ``DDPStrategy`` (the ranks started by ``torchrun`` or by ``strategy="ddp"``'s
+own launcher; ``ddp_spawn`` and ``ddp_fork`` are refused) and ``ModelParallelStrategy`` (FSDP2 and TP
+shards, with the strategies the Checkpointer checkpoints them with); make the Trainer with
+``use_distributed_sampler=False``, so that each rank iterates its slice of the
+:class:`ResumableSampler` (``DistributedSampler``'s semantics). Every rank resumes from the same step
+(the ranks agree through the Checkpointer). ``FSDPStrategy`` (FSDP1) and DeepSpeed are refused.
+
+Scope: one optimizer, automatic optimization. Bit-exact resume also needs the data to
 draw no randomness from torch's global generator outside the training step: a validation
 ``DataLoader`` should be given its own ``generator=`` (each ``iter()`` of a loader without one draws
 from the global generator), and random augmentations in loader workers are seeded from that draw.
@@ -51,31 +58,50 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     (``sampler=``): on resume the callback sets the epoch and the first sample, and the next pass over
     the loader starts there. Lightning calls :meth:`set_epoch` at each epoch's start.
 
+    Under several processes (``DDPStrategy``; the Trainer made with ``use_distributed_sampler=False``,
+    so that Lightning does not wrap it) it has ``DistributedSampler``'s semantics: the permutation is
+    padded with its first indices to a multiple of the world size, and rank r takes every world-th
+    index from the r-th; its length and position count this rank's samples.
+
     Args:
         data_source: the dataset, or its length.
         shuffle: a new permutation each epoch (``torch.randperm`` from a generator seeded with
             ``seed + epoch``); ``False``: the dataset's order.
         seed: the permutations' seed.
+        num_replicas, rank: the ranks that share the epoch, and this one's; ``None``: torch.distributed's
+            when it is initialised at the first pass (Lightning initialises it in ``fit``), else one.
     """
 
-    def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, data_source: Sized | int, *, shuffle: bool = True, seed: int = 0,
+                 num_replicas: int | None = None, rank: int | None = None) -> None:
         self.length = data_source if isinstance(data_source, int) else len(data_source)
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
         self._start = 0
+        self.num_replicas, self.rank = num_replicas, rank
+        if (num_replicas is None) != (rank is None) or (num_replicas is not None and not 0 <= rank < num_replicas):
+            raise ValueError(f"num_replicas and rank go together, 0 <= rank < num_replicas; got {num_replicas}, {rank}")
+
+    def _ranks(self) -> tuple[int, int]:
+        if self.num_replicas is not None and self.rank is not None:
+            return self.num_replicas, self.rank
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size(), torch.distributed.get_rank()
+        return 1, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def resume(self, epoch: int, start: int) -> None:
-        """The next pass is over ``epoch``, from its ``start``-th sample (passes after it from 0)."""
-        if not 0 <= start <= self.length:
-            raise ValueError(f"start must be within the epoch's {self.length} samples, got {start}")
+        """The next pass is over ``epoch``, from this rank's ``start``-th sample (passes after it from 0)."""
+        if not 0 <= start <= len(self):
+            raise ValueError(f"start must be within the epoch's {len(self)} samples, got {start}")
         self.epoch, self._start = epoch, start
 
     def __len__(self) -> int:
-        return self.length
+        world, _ = self._ranks()
+        return -(-self.length // world)
 
     def __iter__(self) -> Iterator[int]:
         start, self._start = self._start, 0
@@ -83,6 +109,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             order = torch.randperm(self.length, generator=torch.Generator().manual_seed(self.seed + self.epoch))
         else:
             order = torch.arange(self.length)
+        world, rank = self._ranks()
+        if world > 1:  # (DistributedSampler's: padded to a multiple of the world size, then strided)
+            padded = len(self) * world
+            order = torch.cat([order, order[: padded - self.length]]) if padded > self.length else order
+            order = order[rank:padded:world]
         return iter(order[start:].tolist())
 
 
@@ -128,6 +159,26 @@ class _LoopPosition:
         self.loaded = copy.deepcopy(state)
 
 
+def _check_layout(trainer: pl.Trainer) -> None:
+    """Refuse, before training, a Lightning strategy the callback cannot serve, naming it and what to use."""
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    strategy = trainer.strategy
+    if trainer.world_size == 1 and not isinstance(strategy, DDPStrategy) or isinstance(strategy, ModelParallelStrategy):
+        return  # (ModelParallelStrategy's FSDP2 and TP: the Checkpointer refuses a strategy that cannot shard)
+    name = type(strategy).__name__
+    if not isinstance(strategy, DDPStrategy):
+        raise ConfigError(f"EverystepCallback checkpoints DDPStrategy's replicas and ModelParallelStrategy's FSDP2 "
+                          f"and TP shards under several processes, not {name}'s layout: use one of those, or "
+                          "everystep.Checkpointer in a training loop")
+    if getattr(strategy, "_start_method", "popen") != "popen":
+        raise ConfigError(f"EverystepCallback under DDPStrategy needs ranks that run the script themselves (torchrun, "
+                          f"or strategy='ddp', whose launcher starts the script again per rank), not "
+                          f"start_method={strategy._start_method!r} ('ddp_spawn', 'ddp_fork'): fit then trains in "
+                          "processes of its own, each with a copy of the callback, and the callback the script "
+                          "holds never learns the step resumed from nor closes a checkpointer")
+
+
 class EverystepCallback(pl.Callback):
     """Checkpoints a Lightning run with an everystep strategy and resumes it from the newest
     recoverable point when ``fit`` starts.
@@ -157,11 +208,7 @@ class EverystepCallback(pl.Callback):
         self._rng_after_restore: dict[str, Any] | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.world_size > 1:
-            raise ConfigError(f"EverystepCallback runs in one process; this Trainer has {trainer.world_size}: under "
-                              "several (DDPStrategy, or ModelParallelStrategy's FSDP2 and tensor parallelism), use "
-                              "everystep.Checkpointer in a training loop, which checkpoints DDP replicas with any "
-                              "strategy and FSDP2, HSDP and TP shards with full_sync, checkfreq or async")
+        _check_layout(trainer)
         if not pl_module.automatic_optimization:
             raise ConfigError("EverystepCallback needs automatic optimization (automatic_optimization = True)")
         if len(trainer.optimizers) != 1:
@@ -200,7 +247,8 @@ class EverystepCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.sampler is not None and self._loader_sampler(trainer) is not self.sampler:
             raise ConfigError("the sampler given to EverystepCallback is not the train DataLoader's: pass the same "
-                              "ResumableSampler to both")
+                              "ResumableSampler to both (under several processes, with the Trainer made with "
+                              "use_distributed_sampler=False, so that Lightning does not replace it)")
         if self._rng_after_restore is not None:
             restore_rng(self._rng_after_restore)
             self._rng_after_restore = None

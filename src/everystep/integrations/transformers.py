@@ -22,7 +22,9 @@ checkpoint that does not verify, and its newest point is at most one step old.
 
 What resume leaves out: ``TrainerState``'s history (``log_history``, ``total_flos``, best metric),
 which logging and reporting keep; the loss logged at the first logging step after resume covers
-only the steps trained since. Scope: one process, no DeepSpeed or FSDP; tested on the CPU.
+only the steps trained since. Scope: one process, or DistributedDataParallel under ``torchrun`` (each
+rank resumes from the same step: the ranks agree through the Checkpointer); no DeepSpeed, no FSDP;
+tested on the CPU (gloo).
 """
 
 from __future__ import annotations
@@ -55,6 +57,22 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def _check_layout(args: Any, *, deepspeed: bool, fsdp: bool) -> None:
+    """Refuse, before training, a layout the integration does not serve, naming it and what to use:
+    one process, or DistributedDataParallel under ``torchrun`` (``accelerate launch``) are served."""
+    if deepspeed:
+        raise ConfigError("everystep's Trainer integration does not checkpoint DeepSpeed: its engine keeps the "
+                          "optimizer's state partitioned in its own structures, which torch's optimizer state_dict "
+                          "does not hold; train with DistributedDataParallel (torchrun, no deepspeed=) or use "
+                          "DeepSpeed's own checkpoints")
+    if fsdp:
+        raise ConfigError("everystep's Trainer integration checkpoints one process or DistributedDataParallel "
+                          f"({args.world_size} processes here), not the Trainer's FSDP (which Accelerate runs on GPUs "
+                          "only, where the integration is not tested yet): for FSDP2 shards use everystep.Checkpointer "
+                          "in a training loop (fully_shard), or Lightning's ModelParallelStrategy with everystep's "
+                          "callback")
 
 
 class EverystepCallback(TrainerCallback):
@@ -104,9 +122,7 @@ class EverystepCallback(TrainerCallback):
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self._open:  # EverystepTrainer opened it
             return
-        if args.world_size > 1:
-            raise ConfigError("EverystepCallback runs in one process; under several, use everystep.Checkpointer in "
-                              "the training loop")
+        _check_layout(args, deepspeed=bool(getattr(args, "deepspeed", None)), fsdp=bool(getattr(args, "fsdp", None)))
         if args.fp16:
             raise ConfigError("with fp16 the GradScaler is training state a callback cannot reach: use "
                               "everystep.integrations.transformers.EverystepTrainer")
@@ -141,15 +157,7 @@ class EverystepTrainer(Trainer):
         if resume_from_checkpoint:
             raise ConfigError("EverystepTrainer resumes from its EverystepCallback's directory: call train() without "
                               "resume_from_checkpoint")
-        if self.args.world_size > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            given = ", ".join(what for what, on in ((f"{self.args.world_size} processes", self.args.world_size > 1),
-                                                   ("DeepSpeed", self.is_deepspeed_enabled),
-                                                   ("FSDP", self.is_fsdp_enabled)) if on)
-            raise ConfigError(f"EverystepTrainer runs in one process, without DeepSpeed or FSDP; this run has {given}: "
-                              "under several processes use everystep.Checkpointer in a training loop, which "
-                              "checkpoints DistributedDataParallel replicas with any strategy and FSDP2 shards "
-                              "(fully_shard) with full_sync, checkfreq or async; DeepSpeed's and FSDP1's sharded "
-                              "state it does not checkpoint")
+        _check_layout(self.args, deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)
         self._resume, self._rng = None, None
         try:
             return super().train(None, *args, **kwargs)
