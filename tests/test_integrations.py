@@ -80,28 +80,7 @@ def launch(*args: str, ranks: int = 2) -> subprocess.CompletedProcess[str]:
 LONG = pytest.mark.long
 
 
-@pytest.mark.parametrize("trainer, layout, strategy, kill_at, resumes", [
-    ("lightning", "ddp", "checkfreq", 6, (4, 5, 6)), ("transformers", "ddp", "checkfreq", 6, (4, 5, 6)),
-    pytest.param("lightning", "ddp", "lowdiff_plus", 10, (9, 10), marks=LONG),
-    pytest.param("transformers", "ddp", "lowdiff_plus", 10, (9, 10), marks=LONG),
-    pytest.param("lightning", "fsdp", "checkfreq", 6, (4, 5, 6), marks=LONG),
-    pytest.param("lightning", "fsdp", "lowdiff_plus", 10, (9, 10), marks=LONG),
-    pytest.param("lightning", "fsdp", "lightcheck", 10, (9, 10), marks=LONG),
-])
-def test_two_ranks_killed_and_launched_again_equal_the_trainer_alone(tmp_path, trainer, layout, strategy, kill_at,
-                                                                     resumes):
-    """Two ranks (gloo, the CPU) under torchrun — Lightning's DDPStrategy, or its ModelParallelStrategy
-    with FSDP2 (each layer and the model ``fully_shard``-ed in ``configure_model``), each rank a slice of
-    the ResumableSampler's permutation; the Trainer's own DDP, its loader sharded by Accelerate —; rank
-    0 SIGKILLed during step kill_at + 1, which ends the job; the same launch again resumes every rank
-    from one step, and the losses after it and the final state are bitwise those of the trainer alone
-    (launched first, the same ranks)."""
-    out, ref = tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
-    given = ("--strategy", strategy, "--layout", layout)
-    first = launch(trainer, str(tmp_path / "run"), str(out), *given, "--kill-at", str(kill_at), "--reference", str(ref))
-    assert first.returncode != 0 and "Signal 9 (SIGKILL) received" in first.stderr, first.stderr[-3000:]
-    second = launch(trainer, str(tmp_path / "run"), str(out), *given)
-    assert second.returncode == 0, second.stderr[-4000:]
+def _assert_every_rank_equals_the_trainer_alone(out: Path, ref: Path, resumes: tuple[int, ...]) -> None:
     runs = [(read(Path(f"{out}-r{r}")), read(Path(f"{ref}-r{r}"))) for r in range(2)]
     assert runs[0][0][0][1] == runs[1][0][0][1] and runs[0][0][0][1] in resumes, [run[0][0] for run in runs]
     for (resumed, losses, final), (_, ref_losses, ref_final) in runs:
@@ -109,6 +88,45 @@ def test_two_ranks_killed_and_launched_again_equal_the_trainer_alone(tmp_path, t
         assert set(losses) == set(ref_losses)
         assert {k: v for k, v in losses.items() if v != ref_losses[k]} == {}
         assert final == ref_final
+
+
+@pytest.mark.parametrize("trainer, layout, strategy, kill_at, resumes", [
+    ("lightning", "ddp", "checkfreq", 6, (4, 5, 6)), ("transformers", "ddp", "checkfreq", 6, (4, 5, 6)),
+    ("lightning", "fsdp", "lightcheck", 10, (9, 10)),
+    pytest.param("lightning", "ddp", "lowdiff_plus", 10, (9, 10), marks=LONG),
+    pytest.param("transformers", "ddp", "lowdiff_plus", 10, (9, 10), marks=LONG),
+    pytest.param("lightning", "fsdp", "checkfreq", 6, (4, 5, 6), marks=LONG),
+    pytest.param("lightning", "fsdp", "lowdiff_plus", 10, (9, 10), marks=LONG),
+])
+def test_two_ranks_killed_and_launched_again_equal_the_trainer_alone(tmp_path, trainer, layout, strategy, kill_at,
+                                                                     resumes):
+    """Two ranks (gloo, the CPU) — Lightning's DDPStrategy, or its ModelParallelStrategy with FSDP2
+    (each layer and the model ``fully_shard``-ed in ``configure_model``), each rank a slice of the
+    ResumableSampler's permutation; the Trainer's own DDP, its loader sharded by Accelerate —; rank 0
+    SIGKILLed during step kill_at + 1, and the other rank with it, as torchrun ends a job; the same job
+    again resumes every rank from one step, and the losses after it and the final state are bitwise
+    those of the trainer alone (trained first, by the same ranks). Each job's ranks are forked from one
+    process that imported the trainer (``--until-done``)."""
+    out, ref = tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
+    command = [sys.executable, str(RUNS), trainer, str(tmp_path / "run"), str(out), "--strategy", strategy, "--layout",
+               layout, "--kill-at", str(kill_at), "--reference", str(ref), "--ranks", "2", "--until-done"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    codes = json.loads(done.stdout.strip().splitlines()[-1])  # (rank 1 ends of its peer's loss, or is killed)
+    assert len(codes) == 2 and codes[0][0] == -signal.SIGKILL and codes[0][1] != 0 and codes[1] == [0, 0], codes
+    _assert_every_rank_equals_the_trainer_alone(out, ref, resumes)
+
+
+@LONG
+@pytest.mark.parametrize("trainer", ["lightning", "transformers"])
+def test_two_ranks_under_torchrun_killed_and_launched_again_equal_the_trainer_alone(tmp_path, trainer):
+    """As above, each job launched by torchrun (no restart: rank 0's death ends it), as a user runs it."""
+    out, ref = tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
+    first = launch(trainer, str(tmp_path / "run"), str(out), "--kill-at", "6", "--reference", str(ref))
+    assert first.returncode != 0 and "Signal 9 (SIGKILL) received" in first.stderr, first.stderr[-3000:]
+    second = launch(trainer, str(tmp_path / "run"), str(out))
+    assert second.returncode == 0, second.stderr[-4000:]
+    _assert_every_rank_equals_the_trainer_alone(out, ref, (4, 5, 6))
 
 
 def readme_example(name: str) -> str:

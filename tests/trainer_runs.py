@@ -3,6 +3,7 @@ kill-and-resume tests (run as a script, in a process of its own).
 
     python tests/trainer_runs.py {lightning,transformers} DIR OUT --strategy S [--kill-at K,L,...] [--reference REF]
     torchrun --nproc-per-node 2 tests/trainer_runs.py lightning DIR OUT --ranks 2 ...   # DDP, gloo
+    python tests/trainer_runs.py lightning DIR OUT --ranks 2 --until-done ...           # the same, forked
 
 Each run appends the step it resumed from (``{"resumed": N}``), then each micro-batch's loss, to OUT
 (a JSON line, written before the next one, so a killed run leaves the lines of what it finished); the
@@ -183,42 +184,64 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kill-at")
     p.add_argument("--reference")
     p.add_argument("--until-done", action="store_true")
-    p.add_argument("--ranks", type=int, default=1, help="ranks (run under torchrun with as many): each records to "
-                   "OUT and REF with -r<rank> appended")
+    p.add_argument("--ranks", type=int, default=1, help="ranks: under torchrun with as many, or forked here with "
+                   "--until-done; each records to OUT and REF with -r<rank> appended")
     p.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp", help="under several ranks: DDP, or (Lightning) "
                    "FSDP2 through ModelParallelStrategy")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    if a.ranks > 1:
-        suffix = f"-r{os.environ['RANK']}"
-        a.out, a.reference = a.out + suffix, a.reference and a.reference + suffix
     run = {"lightning": run_lightning, "transformers": run_transformers}[a.trainer]
     if not a.until_done:
+        if a.ranks > 1:  # (a rank of torchrun's)
+            _rank_files(a, int(os.environ["RANK"]))
         if a.reference:
             run(a, None, a.reference)
         run(a, a.strategy, a.out)
         return
     # The trainer is imported once, here; each run is a child forked from this process (a fresh
-    # process in all but the imports), killed or not, and the next resumes where it died.
+    # process in all but the imports), killed or not, and the next resumes where it died. Under
+    # several ranks each run is a job of as many children, on loopback; when one dies of a signal
+    # the others are SIGKILLed, as torchrun ends a job whose rank failed.
     importlib.import_module("lightning.pytorch.demos" if a.trainer == "lightning" else "transformers.trainer")
     importlib.import_module(f"everystep.integrations.{a.trainer}")
-    codes: list[int] = []
-    while len(codes) < 4 and (not codes or codes[-1] == -signal.SIGKILL):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                if a.reference and not codes:
-                    run(a, None, a.reference)
-                run(a, a.strategy, a.out)
-                code = 0
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-    print(json.dumps(codes))
+    from everystep.distributed import free_port
 
+    codes: list[list[int]] = []
+    while len(codes) < 4 and (not codes or -signal.SIGKILL in codes[-1]):
+        environment = {"WORLD_SIZE": str(a.ranks), "LOCAL_WORLD_SIZE": str(a.ranks), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port()), "TORCHELASTIC_RUN_ID": f"run-{len(codes)}"}
+        pids = []
+        for rank in range(a.ranks):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    if a.ranks > 1:
+                        os.environ.update(environment, RANK=str(rank), LOCAL_RANK=str(rank))
+                        _rank_files(a, rank)
+                    if a.reference and not codes:
+                        run(a, None, a.reference)
+                    run(a, a.strategy, a.out)
+                    code = 0
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            pids.append(pid)
+        ended: dict[int, int] = {}
+        while len(ended) < len(pids):
+            pid, status = os.wait()
+            ended[pid] = os.waitstatus_to_exitcode(status)
+            if ended[pid] < 0:
+                for other in set(pids) - set(ended):
+                    os.kill(other, signal.SIGKILL)
+        codes.append([ended[pid] for pid in pids])
+    print(json.dumps(codes if a.ranks > 1 else [c for c, in codes]))
+
+
+def _rank_files(a: argparse.Namespace, rank: int) -> None:
+    """Under several ranks each records to OUT and REF with ``-r<rank>`` appended."""
+    a.out, a.reference = f"{a.out}-r{rank}", a.reference and f"{a.reference}-r{rank}"
 
 if __name__ == "__main__":
     sys.exit(main())
