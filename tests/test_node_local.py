@@ -143,13 +143,17 @@ def _wait_for(condition, what: str, timeout: float = 180.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_replaced_host_takes_its_state_from_its_peers_memory(tmp_path):
-    """lightcheck with peers: a host replaced (its memory and its disk empty) after the survivor's disk
-    holds full checkpoints; the job resumes from the peers' memory, newer than the disk, bitwise; the
-    survivor's checkpoints that the new disk lacks are discarded, and both disks then hold every new one."""
+@pytest.mark.parametrize("strategy, parallel", [
+    ("lightcheck", "ddp"), pytest.param("lightcheck", "fsdp", marks=LONG), pytest.param("lowdiff_plus", "ddp", marks=LONG),
+    pytest.param("lowdiff_plus", "fsdp", marks=LONG),
+])
+def test_a_replaced_host_takes_its_state_from_its_peers_memory(tmp_path, strategy, parallel):
+    """With peers: a host replaced (its memory and its disk empty) after the survivor's disk holds full
+    checkpoints; the job resumes from the peers' memory, newer than the disk, bitwise; the survivor's
+    checkpoints that the new disk lacks are discarded, and both disks then hold every new one."""
     steps = 16
-    reference = _reference(steps, 1)
-    job = TwoHosts(tmp_path, local=1, strategy="lightcheck", steps=steps, persist_every=3, node_local=True)
+    reference = _reference(steps, 1, parallel)
+    job = TwoHosts(tmp_path, local=1, strategy=strategy, steps=steps, parallel=parallel, persist_every=3, node_local=True)
     (loss,) = lose_hosts(job, [(8, (1,))], replace=True)
     _starts_agree(loss)
     assert any(s["source"].startswith("peer memory") for s in loss.starts), loss.starts
@@ -159,7 +163,8 @@ def test_a_replaced_host_takes_its_state_from_its_peers_memory(tmp_path):
 
 
 @LONG
-def test_a_replaced_host_takes_its_parts_from_the_remote(tmp_path, bucket, monkeypatch):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_replaced_host_takes_its_parts_from_the_remote(tmp_path, bucket, monkeypatch, parallel):
     """checkfreq without peers, uploading as often as it can: a host replaced with an empty disk once the
     remote holds a checkpoint; every rank resumes from the newest checkpoint the remote holds (each rank
     downloads its own part), bitwise. Each commit is slowed down (0.2 s), so that training is still
@@ -168,10 +173,9 @@ def test_a_replaced_host_takes_its_parts_from_the_remote(tmp_path, bucket, monke
 
     monkeypatch.setenv("EVERYSTEP_DELAY", "store.commit.before_manifest:1+=0.2")
     steps = 40
-    reference = _reference(steps, 1)
-
-    job = TwoHosts(tmp_path, local=1, strategy="checkfreq", steps=steps, persist_every=1, peers=False, node_local=True,
-                   remote=f"s3://{bucket}/job")
+    reference = _reference(steps, 1, parallel)
+    job = TwoHosts(tmp_path, local=1, strategy="checkfreq", steps=steps, parallel=parallel, persist_every=1, peers=False,
+                   node_local=True, remote=f"s3://{bucket}/job")
     try:
         def uploaded() -> list[str]:
             return [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix="job/manifests/")
