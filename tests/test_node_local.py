@@ -220,6 +220,7 @@ def test_a_replaced_host_with_neither_peers_nor_remote_is_refused_in_one_message
         assert "(peers=True) or a remote tier (remote=)" in TwoHosts.log(scratch)
 
 
+@LONG
 def test_a_crash_between_one_hosts_part_and_its_manifest_resumes_every_rank_from_the_step_before(tmp_path,
                                                                                               monkeypatch):
     """Rank 1 is killed in the commit of the 6th checkpoint it takes part in, after every part was written
