@@ -24,8 +24,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not long" tests
 
 # The runs at an issue's acceptance scale (marked `long`): hosts lost again and again, four ranks, a
-# lost machine of two ranks. Each restart starts interpreters anew, seconds of CPU apiece: about 5
-# minutes on two cores, 11 tests.
+# lost machine of two ranks, node-local disks, the trainers on two ranks. Each restart starts
+# interpreters anew, seconds of CPU apiece: about 10 minutes on two cores, 30 tests.
 test-long: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m long tests
 

@@ -22,10 +22,6 @@ S3_SECRET = "everystep-test-secret-key"
 
 LONG_FIRST = (
     "test_gpu_check.py::test_the_dry_run",
-    "test_node_local.py::test_hosts_restarted_in_place",
-    "test_peers.py::test_a_host_lost_again_and_again",
-    "test_node_local.py::test_a_replaced_host_with_neither",
-    "test_integrations.py::test_two_ranks_killed",
     "test_lowdiff_plus.py::test_sigkill_at_20_instants",
     "test_bench.py::test_peers_run_in_the_same_comparison",
     "test_integrations.py::test_killed_and_resumed",
