@@ -163,7 +163,7 @@ MUTATIONS = (
     Mutation(
         name="read-own-disk-only",
         what="under node-local disks each rank reads a checkpoint from its own host's disk alone",
-        path="src/everystep/recovery.py",
+        path="src/everystep/storage/full.py",
         before="    if directory.catalog.hosts is None:\n        return read_state(",
         after="    if True:\n        return read_state(",
         tests=("tests/test_node_local.py::test_hosts_restarted_in_place_resume_from_their_own_disks_bitwise",),

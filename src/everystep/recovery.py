@@ -80,8 +80,6 @@ def read_full(directory: CheckpointDirectory, manifest: Manifest, *, shards: Sha
     """Read, verify and rebuild the state tree of a full checkpoint (``shards``: as :func:`read_state`).
     Under node-local disks every rank reads it at once, and all fail if one does
     (:func:`~everystep.storage.full.read_state_together`)."""
-    if directory.catalog.hosts is None:
-        return read_state(directory, manifest, shards=shards)[0]
     return read_state_together(directory, manifest, shards)[0]
 
 

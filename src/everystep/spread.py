@@ -19,7 +19,7 @@ import torch
 
 from .errors import CorruptCheckpointError, NoValidCheckpointError
 from .recovery import Candidate, Shards, recover
-from .storage.full import read_state
+from .storage.full import read_state_together
 from .replay import optimizer_like, replay_step
 from .storage.base import Manifest, malformed
 from .storage.retention import SPREAD_KIND
@@ -89,12 +89,7 @@ def commit_spread(catalog: "Catalog", step: int, tensors: dict[str, torch.Tensor
 def read_spread(directory: "CheckpointDirectory", manifest: Manifest) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """A spread checkpoint's state tree (its parts as copied), all its tensors, and its description;
     CorruptCheckpointError when it does not verify (on every rank at once under node-local disks)."""
-    if directory.catalog.hosts is not None:
-        from .storage.full import read_state_together
-
-        tree, tensors, meta = read_state_together(directory, manifest)
-    else:
-        tree, tensors, meta = read_state(directory, manifest)
+    tree, tensors, meta = read_state_together(directory, manifest)
     if "spread" not in meta:
         raise CorruptCheckpointError(f"checkpoint {manifest.name}: lacks spread")
     description = meta["spread"]

@@ -93,9 +93,14 @@ def read_state(directory: "CheckpointDirectory", manifest: Manifest, *, shards: 
 
 def read_state_together(directory: "CheckpointDirectory", manifest: Manifest, shards: Mapping[str, torch.Tensor] | None = None
                         ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """:func:`read_state` on every rank at once, under node-local directories: each part a rank reads
-    from the host that holds it (:func:`~everystep.storage.hosts.gather`); raises
+    """:func:`read_state`, and under node-local directories on every rank at once: each part a rank
+    reads from the host that holds it (:func:`~everystep.storage.hosts.gather`), or none where every
+    rank keeps the state read ahead (a pull read it so, and every rank took part); raises
     :class:`CorruptCheckpointError` on every rank where it fails on any."""
+    if directory.catalog.hosts is None:
+        return read_state(directory, manifest, shards=shards)
+    if not shards and (ahead := directory.take_read_ahead(manifest.name)) is not None:
+        return ahead  # type: ignore[no-any-return]
     reader = hosts.gather(directory.catalog, [manifest], shards)
     error, found = None, None
     try:

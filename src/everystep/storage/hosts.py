@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, NoValidCheckpointError, StateMismatchError
-from .base import Manifest, Reader, check_object, checksum
+from .base import Manifest, Reader, check_digest, check_object, checksum, new_hasher
 from .catalog import Catalog, Supplemented
 from .sharded import parts_read
 
@@ -139,8 +139,7 @@ def agree(catalog: Catalog) -> dict[str, Any]:
     usable = {name for name in common if set(hosts[0][name]["objects"]) <= holding}
     catalog.hide(set(views[catalog.group[0]]) - usable)
     return {"hosts": [{"ranks": list(g), "fulls": sorted(v["step"] for v in h.values() if v["full"])}
-                      for g, h in zip(catalog.hosts, hosts)],
-            "usable": sorted(hosts[0][name]["step"] for name in usable if hosts[0][name]["full"])}
+                      for g, h in zip(catalog.hosts, hosts)]}
 
 
 def gather(catalog: Catalog, manifests: list[Manifest], shards: Mapping[str, "torch.Tensor"] | None = None) -> Reader:
@@ -184,8 +183,9 @@ def gather(catalog: Catalog, manifests: list[Manifest], shards: Mapping[str, "to
                 if got is None:
                     raise CorruptCheckpointError(f"object {where}: it does not verify there")
                 check_object(infos[name], where, len(got))
-                if checksum(got) != infos[name].checksum:
-                    raise CorruptCheckpointError(f"object {where} fails its checksum on arrival")
+                hasher = new_hasher()
+                hasher.update(got)
+                check_digest(hasher, infos[name].checksum, f"object {where}, on arrival,")
                 received[name] = (infos[name], got)
             except CorruptCheckpointError as e:
                 error = e

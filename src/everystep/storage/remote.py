@@ -58,6 +58,7 @@ from .base import ConditionalStore, Manifest, ObjectInfo
 from .catalog import Catalog, Supplemented
 from .retention import plan_retention
 from .full import read_state, read_state_together
+from .sharded import part_rank
 from .directory import MARKER, collect_garbage, marker_bytes, parse_marker
 from .location import is_remote, open_remote
 from .remote_lock import LOCK_KEY, RemoteLock, check_conditional_writes
@@ -241,10 +242,10 @@ class RemoteTier:
         if manifest.meta.get("format") == "dcp":
             return None
         try:
-            if self.directory.catalog.hosts is not None:  # (collective: every rank reads its state, kept for nothing)
-                read_state_together(self.directory, manifest)
-                return None
-            state = read_state(self.directory, manifest, reader=Supplemented(self.directory.catalog, data))
+            if self.directory.catalog.hosts is not None:  # (collective: every rank reads its state, and keeps it)
+                state = read_state_together(self.directory, manifest)
+            else:
+                state = read_state(self.directory, manifest, reader=Supplemented(self.directory.catalog, data))
         except CorruptCheckpointError as e:
             return str(e)
         self.directory.read_ahead(manifest.name, state)
@@ -278,8 +279,8 @@ class RemoteTier:
             if lost := sorted(name for name, ranks in able.items() if not ranks):
                 raise CorruptCheckpointError(f"its objects {', '.join(lost)} are on no host's disk")
         elif self.directory.catalog.hosts is not None:
-            able = {info.name: [int(key[len("tensors-r"):])] for key, info in manifest.objects.items()
-                    if key.startswith("tensors-r") and int(key[len("tensors-r"):]) < self.ranks.world}
+            able = {info.name: [rank] for key, info in manifest.objects.items()
+                    if (rank := part_rank(key)) is not None and rank < self.ranks.world}
         owners = self.ranks.owners({info.name: info.nbytes for info in infos}, able)
         return [info for info in infos if owners[info.name] == self.ranks.rank]
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -40,7 +41,7 @@ from ..parallelism import ShardBox, shard_box, shard_like
 from .tensorfile import load_tensors, tensor_chunks
 from ..tree import OPTIMIZER_STATE, merged_meta
 
-__all__ = ["RankShare", "commit_parts", "commit_tensors", "commit_written", "parts_read", "read_parts", "write_part"]
+__all__ = ["RankShare", "commit_parts", "commit_tensors", "commit_written", "part_rank", "parts_read", "read_parts", "write_part"]
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,15 @@ def _read_tensors(reader: Reader, info: ObjectInfo) -> dict[str, torch.Tensor]:
     if read is not None:
         return read(info)
     return load_tensors(reader.read_object(info), what=f"object {info.name}")
+
+
+def part_rank(key: str) -> int | None:
+    """The rank whose part a manifest's object key names (``tensors-r3``: 3), or None for another key."""
+    found = _PART_KEY.fullmatch(key)
+    return int(found[1]) if found else None
+
+
+_PART_KEY = re.compile(r"tensors-r(\d{1,7})")
 
 
 def parts_read(manifest: Manifest, rank: int, world: int, shards: Mapping[str, torch.Tensor] | None = None) -> list[str]:
