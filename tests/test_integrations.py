@@ -80,9 +80,9 @@ def launch(*args: str, ranks: int = 2) -> subprocess.CompletedProcess[str]:
 LONG = pytest.mark.long
 
 
-def _assert_every_rank_equals_the_trainer_alone(out: Path, ref: Path, resumes: tuple[int, ...]) -> None:
-    runs = [(read(Path(f"{out}-r{r}")), read(Path(f"{ref}-r{r}"))) for r in range(2)]
-    assert runs[0][0][0][1] == runs[1][0][0][1] and runs[0][0][0][1] in resumes, [run[0][0] for run in runs]
+def _assert_every_rank_equals_the_trainer_alone(out: Path, ref: Path, resumes: tuple[int, ...], ranks: int = 2) -> None:
+    runs = [(read(Path(f"{out}-r{r}")), read(Path(f"{ref}-r{r}"))) for r in range(ranks)]
+    assert len({run[0][0][1] for run in runs}) == 1 and runs[0][0][0][1] in resumes, [run[0][0] for run in runs]
     for (resumed, losses, final), (_, ref_losses, ref_final) in runs:
         assert resumed[0] == 0 and len(resumed) == 2, resumed
         assert set(losses) == set(ref_losses)
@@ -98,24 +98,32 @@ def _assert_every_rank_equals_the_trainer_alone(out: Path, ref: Path, resumes: t
     pytest.param("transformers", "ddp", "lowdiff_plus", 10, (9, 10), marks=LONG),
     pytest.param("lightning", "fsdp", "checkfreq", 6, (4, 5, 6), marks=LONG),
     pytest.param("lightning", "fsdp", "lowdiff_plus", 10, (9, 10), marks=LONG),
+    pytest.param("transformers", "fsdp", "checkfreq", 6, (4, 5, 6), marks=LONG),
+    pytest.param("transformers", "fsdp", "lowdiff_plus", 10, (9, 10), marks=LONG),
+    pytest.param("transformers", "fsdp", "lightcheck", 10, (9, 10), marks=LONG),
+    pytest.param("lightning", "fsdp-tp", "checkfreq", 6, (4, 5, 6), marks=LONG),
+    pytest.param("lightning", "fsdp-tp", "lowdiff_plus", 10, (9, 10), marks=LONG),
 ])
-def test_two_ranks_killed_and_launched_again_equal_the_trainer_alone(tmp_path, trainer, layout, strategy, kill_at,
-                                                                     resumes):
-    """Two ranks (gloo, the CPU) — Lightning's DDPStrategy, or its ModelParallelStrategy with FSDP2
-    (each layer and the model ``fully_shard``-ed in ``configure_model``), each rank a slice of the
-    ResumableSampler's permutation; the Trainer's own DDP, its loader sharded by Accelerate —; rank 0
-    SIGKILLed during step kill_at + 1, and the other rank with it, as torchrun ends a job; the same job
-    again resumes every rank from one step, and the losses after it and the final state are bitwise
-    those of the trainer alone (trained first, by the same ranks). Each job's ranks are forked from one
-    process that imported the trainer (``--until-done``)."""
+def test_several_ranks_killed_and_launched_again_equal_the_trainer_alone(tmp_path, trainer, layout, strategy, kill_at,
+                                                                         resumes):
+    """Two ranks (gloo, the CPU) — Lightning's DDPStrategy, or its ModelParallelStrategy with FSDP2 (each
+    layer and the model ``fully_shard``-ed in ``configure_model``), each rank a slice of the
+    ResumableSampler's permutation; the Trainer's own DDP, or FSDP2 (Accelerate's plugin, version 2, each
+    GPT2Block sharded; Accelerate's gate that keeps FSDP to accelerators lifted on the CPU), its loader
+    sharded by Accelerate; Lightning's FSDP2 + TP on four ranks, a 2 x 2 mesh, each layer's feed-forward
+    split over a pair —; rank 0 SIGKILLed during step kill_at + 1, and the other ranks with it, as
+    torchrun ends a job; the same job again resumes every rank from one step, and the losses after it
+    and the final state are bitwise those of the trainer alone (trained first, by the same ranks). Each
+    job's ranks are forked from one process that imported the trainer (``--until-done``)."""
     out, ref = tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
+    ranks = 4 if layout == "fsdp-tp" else 2
     command = [sys.executable, str(RUNS), trainer, str(tmp_path / "run"), str(out), "--strategy", strategy, "--layout",
-               layout, "--kill-at", str(kill_at), "--reference", str(ref), "--ranks", "2", "--until-done"]
+               layout, "--kill-at", str(kill_at), "--reference", str(ref), "--ranks", str(ranks), "--until-done"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    codes = json.loads(done.stdout.strip().splitlines()[-1])  # (rank 1 ends of its peer's loss, or is killed)
-    assert len(codes) == 2 and codes[0][0] == -signal.SIGKILL and codes[0][1] != 0 and codes[1] == [0, 0], codes
-    _assert_every_rank_equals_the_trainer_alone(out, ref, resumes)
+    codes = json.loads(done.stdout.strip().splitlines()[-1])  # (the other ranks end of their peer's loss, or killed)
+    assert len(codes) == 2 and codes[0][0] == -signal.SIGKILL and 0 not in codes[0] and codes[1] == [0] * ranks, codes
+    _assert_every_rank_equals_the_trainer_alone(out, ref, resumes, ranks)
 
 
 @LONG
@@ -279,15 +287,20 @@ def test_the_lightning_callback_refuses_fsdp1_before_anything_is_written(tmp_pat
 
 
 @IN_PROCESS
-def test_the_everystep_trainer_refuses_fsdp_naming_what_checkpoints_fsdp2(tmp_path):
+def test_the_everystep_trainer_refuses_fsdp1_naming_what_checkpoints_fsdp2(tmp_path):
+    from types import SimpleNamespace
+
     from everystep.errors import ConfigError
     from everystep.integrations.transformers import EverystepTrainer
 
     trainer, _ = tiny_trainer(tmp_path, EverystepTrainer)
-    trainer.is_fsdp_enabled = True  # what the Trainer sets from TrainingArguments(fsdp=...) under several processes
-    with pytest.raises(ConfigError, match=r"not the Trainer's FSDP .*everystep.Checkpointer in a training loop "
-                                          r"\(fully_shard\), or Lightning's ModelParallelStrategy"):
-        trainer.train()
+    # what Accelerate's state holds for TrainingArguments(fsdp=True, fsdp_config={"version": 1}) on GPUs
+    trainer.accelerator.state.fsdp_plugin = SimpleNamespace(fsdp_version=1)
+    try:
+        with pytest.raises(ConfigError, match=r"checkpoints FSDP2's shards, not FSDP1's .*fsdp_config=\{'version': 2\}"):
+            trainer.train()
+    finally:
+        trainer.accelerator.state.fsdp_plugin = None
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -310,7 +323,8 @@ def test_layouts_the_integrations_do_not_serve_are_refused_before_training():
     with pytest.raises(ConfigError, match="not FSDPStrategy's layout: use one of those"):
         _check_layout(SimpleNamespace(strategy=FSDPStrategy(), world_size=2))  # (FSDP1: a GPU's Trainer)
     with pytest.raises(ConfigError, match="does not checkpoint DeepSpeed"):
-        check_trainer(SimpleNamespace(world_size=2), deepspeed=True, fsdp=False)
-    with pytest.raises(ConfigError, match="not the Trainer's FSDP"):
-        check_trainer(SimpleNamespace(world_size=2), deepspeed=False, fsdp=True)
-    check_trainer(SimpleNamespace(world_size=2), deepspeed=False, fsdp=False)  # (DDP: served)
+        check_trainer(SimpleNamespace(world_size=2), deepspeed=True, fsdp_version=None)
+    with pytest.raises(ConfigError, match="not FSDP1's"):
+        check_trainer(SimpleNamespace(world_size=2), deepspeed=False, fsdp_version=1)
+    check_trainer(SimpleNamespace(world_size=2), deepspeed=False, fsdp_version=None)  # (DDP: served)
+    check_trainer(SimpleNamespace(world_size=2), deepspeed=False, fsdp_version=2)  # (FSDP2: served)

@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from typing import Any
 
 import torch
@@ -98,13 +99,23 @@ def run_lightning(a: argparse.Namespace, strategy: str | None, out: str) -> None
             _record(out, {"resumed": callback.resumed_step if callback else 0})
 
         def configure_model(self) -> None:
-            if a.layout == "fsdp":  # FSDP2: each layer's parameters, then the rest, sharded over the ranks
-                from torch.distributed.fsdp import fully_shard
+            if a.layout == "ddp":
+                return
+            from torch.distributed.fsdp import fully_shard
 
-                mesh = self.device_mesh["data_parallel"]
-                for layer in [*self.model.transformer.encoder.layers, *self.model.transformer.decoder.layers]:
-                    fully_shard(layer, mesh=mesh)
-                fully_shard(self.model, mesh=mesh)
+            # FSDP2: each layer's parameters, then the rest, sharded over the data-parallel ranks; with
+            # TP each layer's feed-forward first split over the tensor-parallel ones (a 2-D mesh)
+            layers = [*self.model.transformer.encoder.layers, *self.model.transformer.decoder.layers]
+            if a.layout == "fsdp-tp":
+                from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+                for layer in layers:
+                    parallelize_module(layer, self.device_mesh["tensor_parallel"],
+                                       {"linear1": ColwiseParallel(), "linear2": RowwiseParallel()})
+            mesh = self.device_mesh["data_parallel"]
+            for layer in layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
 
         def configure_optimizers(self) -> Any:
             opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
@@ -113,16 +124,21 @@ def run_lightning(a: argparse.Namespace, strategy: str | None, out: str) -> None
 
     L.seed_everything(0, verbose=False)
     dataset = TensorDataset(_tokens(40, 16, 64))
-    sampler = ResumableSampler(dataset, seed=1)
+    tensor_parallel = 2 if a.layout == "fsdp-tp" else 1  # (the mesh's inner dimension: ranks 2k, 2k+1 split layers)
+    sampler = ResumableSampler(dataset, seed=1, **({"num_replicas": a.ranks // 2, "rank": rank // 2}
+                                                   if tensor_parallel > 1 else {}))
     callback = None if strategy is None else EverystepCallback(a.dir, strategy=strategy, every=1, sampler=sampler)
     several = {}
     if a.ranks > 1:  # under torchrun: DDP (or FSDP2) on gloo, each rank a slice of the sampler's permutation
         from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
         several = {"strategy": DDPStrategy(process_group_backend="gloo") if a.layout == "ddp" else
-                   ModelParallelStrategy(data_parallel_size=a.ranks, tensor_parallel_size=1),
+                   ModelParallelStrategy(data_parallel_size=a.ranks // tensor_parallel,
+                                                   tensor_parallel_size=tensor_parallel),
                    "use_distributed_sampler": False}
-    trainer = L.Trainer(max_steps=a.steps, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=1.0,
+    # (torch's clip_grad_norm_ cannot sum norms over DTensors of the 1-D and the 2-D mesh: no clipping there)
+    trainer = L.Trainer(max_steps=a.steps, accumulate_grad_batches=ACCUMULATE,
+                        gradient_clip_val=None if a.layout == "fsdp-tp" else 1.0,
                         callbacks=[callback] if callback else [],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=a.ranks,
@@ -140,6 +156,10 @@ def run_transformers(a: argparse.Namespace, strategy: str | None, out: str) -> N
     from everystep.integrations.transformers import EverystepCallback, EverystepTrainer
 
     logging.set_verbosity_error()
+    sharding = {}
+    if a.ranks > 1 and a.layout == "fsdp":  # FSDP2 through Accelerate's plugin, each GPT2Block and the model
+        _accelerate_shards_on_the_cpu()
+        sharding = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
     kill = Killer(a.kill_at if strategy and int(os.environ.get("RANK", "0")) == 0 else None, out)
 
     class Resumed(TrainerCallback):
@@ -164,7 +184,7 @@ def run_transformers(a: argparse.Namespace, strategy: str | None, out: str) -> N
     args = TrainingArguments(output_dir=os.path.join(a.dir, "hf"), max_steps=a.steps, per_device_train_batch_size=4,
                              gradient_accumulation_steps=ACCUMULATE, learning_rate=3e-3, warmup_steps=2,
                              max_grad_norm=1.0, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                             logging_steps=1000, disable_tqdm=True, **({"ddp_backend": "gloo"} if a.ranks > 1 else {}))
+                             logging_steps=1000, disable_tqdm=True, **({"ddp_backend": "gloo"} if a.ranks > 1 else {}), **sharding)
     callback = None if strategy is None else EverystepCallback(os.path.join(a.dir, "ckpt"), strategy=strategy, every=1)
     set_seed(0)
     trainer = Recording(model=GPT2LMHeadModel(config), args=args, train_dataset=dataset,
@@ -172,6 +192,25 @@ def run_transformers(a: argparse.Namespace, strategy: str | None, out: str) -> N
     trainer.train()
     _record(out, {"final": everystep.state_hash({"model": trainer.model.state_dict(),
                                                    "optimizer": trainer.optimizer.state_dict()})})
+
+
+def _accelerate_shards_on_the_cpu() -> None:
+    """Accelerate turns the Trainer's FSDP on for accelerators only (on the CPU it trains DDP, ignoring
+    ``fsdp=``): here it shards on the CPU too, with the same plugin — the one change to its path."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+    if getattr(init, "everystep", False):
+        return
+
+    def sharding_init(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+
+    sharding_init.everystep = True  # type: ignore[attr-defined]
+    AcceleratorState.__init__ = sharding_init  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -186,8 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--until-done", action="store_true")
     p.add_argument("--ranks", type=int, default=1, help="ranks: under torchrun with as many, or forked here with "
                    "--until-done; each records to OUT and REF with -r<rank> appended")
-    p.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp", help="under several ranks: DDP, or (Lightning) "
-                   "FSDP2 through ModelParallelStrategy")
+    p.add_argument("--layout", choices=["ddp", "fsdp", "fsdp-tp"], default="ddp", help="under several ranks: DDP, "
+                   "FSDP2 (Lightning's ModelParallelStrategy; the Trainer's FSDP plugin, version 2), or (Lightning) "
+                   "FSDP2 and TP on a 2-D mesh, TP over pairs of ranks")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     run = {"lightning": run_lightning, "transformers": run_transformers}[a.trainer]
@@ -223,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
                         run(a, None, a.reference)
                     run(a, a.strategy, a.out)
                     code = 0
+                except BaseException:
+                    traceback.print_exc()
                 finally:
                     sys.stdout.flush()
                     sys.stderr.flush()

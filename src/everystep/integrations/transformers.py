@@ -22,9 +22,11 @@ checkpoint that does not verify, and its newest point is at most one step old.
 
 What resume leaves out: ``TrainerState``'s history (``log_history``, ``total_flos``, best metric),
 which logging and reporting keep; the loss logged at the first logging step after resume covers
-only the steps trained since. Scope: one process, or DistributedDataParallel under ``torchrun`` (each
-rank resumes from the same step: the ranks agree through the Checkpointer); no DeepSpeed, no FSDP;
-tested on the CPU (gloo).
+only the steps trained since. Scope: one process, or DistributedDataParallel or FSDP2 (Accelerate's
+plugin, ``fsdp_config={"version": 2}``) under ``torchrun`` or ``accelerate launch`` (each rank resumes
+from the same step: the ranks agree through the Checkpointer; each rank skips its own slice of the
+epoch's batches, as Accelerate shards the loader); no DeepSpeed, no FSDP1. Tested on the CPU (gloo),
+FSDP2 with Accelerate's gate that keeps FSDP to accelerators lifted.
 """
 
 from __future__ import annotations
@@ -59,20 +61,30 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _check_layout(args: Any, *, deepspeed: bool, fsdp: bool) -> None:
+def _check_layout(args: Any, *, deepspeed: bool, fsdp_version: int | None) -> None:
     """Refuse, before training, a layout the integration does not serve, naming it and what to use:
-    one process, or DistributedDataParallel under ``torchrun`` (``accelerate launch``) are served."""
+    one process, DistributedDataParallel, or FSDP2 (Accelerate's plugin, ``fsdp_version=2``) under
+    ``torchrun`` (``accelerate launch``) are served."""
     if deepspeed:
         raise ConfigError("everystep's Trainer integration does not checkpoint DeepSpeed: its engine keeps the "
                           "optimizer's state partitioned in its own structures, which torch's optimizer state_dict "
-                          "does not hold; train with DistributedDataParallel (torchrun, no deepspeed=) or use "
-                          "DeepSpeed's own checkpoints")
-    if fsdp:
-        raise ConfigError("everystep's Trainer integration checkpoints one process or DistributedDataParallel "
-                          f"({args.world_size} processes here), not the Trainer's FSDP (which Accelerate runs on GPUs "
-                          "only, where the integration is not tested yet): for FSDP2 shards use everystep.Checkpointer "
-                          "in a training loop (fully_shard), or Lightning's ModelParallelStrategy with everystep's "
-                          "callback")
+                          "does not hold; train with DistributedDataParallel (torchrun, no deepspeed=), FSDP2 "
+                          "(fsdp_config={'version': 2}), or use DeepSpeed's own checkpoints")
+    if fsdp_version is not None and fsdp_version != 2:
+        raise ConfigError(f"everystep's Trainer integration checkpoints FSDP2's shards, not FSDP{fsdp_version}'s "
+                          f"({args.world_size} processes here): FSDP1 flattens parameters into FlatParameters, which "
+                          "the Checkpointer refuses; set fsdp_config={'version': 2} (Accelerate's FSDP2 plugin)")
+
+
+def _fsdp_version(args: Any, accelerator: Any = None) -> int | None:
+    """The FSDP version the Trainer shards with, or None: from Accelerate's state where the
+    Trainer has one, else from its arguments (Accelerate ignores ``fsdp=`` on the CPU)."""
+    if accelerator is not None:
+        plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        return None if plugin is None else int(getattr(plugin, "fsdp_version", 1))
+    if not getattr(args, "fsdp", None) or getattr(args, "fsdp_plugin_args", None) is None:
+        return None
+    return int(args.fsdp_plugin_args.get("fsdp_version", 1))
 
 
 class EverystepCallback(TrainerCallback):
@@ -122,7 +134,7 @@ class EverystepCallback(TrainerCallback):
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self._open:  # EverystepTrainer opened it
             return
-        _check_layout(args, deepspeed=bool(getattr(args, "deepspeed", None)), fsdp=bool(getattr(args, "fsdp", None)))
+        _check_layout(args, deepspeed=bool(getattr(args, "deepspeed", None)), fsdp_version=_fsdp_version(args))
         if args.fp16:
             raise ConfigError("with fp16 the GradScaler is training state a callback cannot reach: use "
                               "everystep.integrations.transformers.EverystepTrainer")
@@ -157,7 +169,8 @@ class EverystepTrainer(Trainer):
         if resume_from_checkpoint:
             raise ConfigError("EverystepTrainer resumes from its EverystepCallback's directory: call train() without "
                               "resume_from_checkpoint")
-        _check_layout(self.args, deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)
+        _check_layout(self.args, deepspeed=self.is_deepspeed_enabled,
+                      fsdp_version=_fsdp_version(self.args, self.accelerator))
         self._resume, self._rng = None, None
         try:
             return super().train(None, *args, **kwargs)
