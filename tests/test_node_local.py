@@ -7,7 +7,9 @@ or the job refuses to start with one message."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -256,3 +258,81 @@ def test_a_crash_between_one_hosts_part_and_its_manifest_resumes_every_rank_from
 def _events(scratch: Path) -> list[dict]:
     return [json.loads(line) for p in scratch.glob("events-*.jsonl") for line in p.read_text().splitlines()
             if line.endswith("}")]
+
+
+_TWO_DISKS = """
+import sys, warnings, torch, torch.distributed as dist
+from everystep import Checkpointer
+from everystep.distributed import Ranks
+from everystep.errors import DirectoryInUseError
+from everystep.storage.directory import CheckpointDirectory
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+disk = sys.argv[1] + f"/host{rank}"  # (each rank a host of its own, its directory its own disk)
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 16)
+optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with Checkpointer(disk, model, optimizer, strategy="full_sync", every=1, keep=2) as ckpt:
+        start = ckpt.restore()
+        print(f"rank {rank} restored {start}")
+        if sys.argv[2] == "tamper":
+            for w in caught:
+                print(f"rank {rank} warned: {w.message}")
+        else:
+            for step in range(start + 1, 4):
+                model(torch.ones(2, 16)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            try:  # a second writer of this host's directory, while the job holds it
+                CheckpointDirectory.open(disk, ranks=Ranks(), other_world=True)
+            except DirectoryInUseError as e:
+                print(f"rank {rank} second writer: {e}")
+            reader = CheckpointDirectory.open(disk, ranks=Ranks(), other_world=True, access="read")
+            print(f"rank {rank} reader sees {sorted(r.manifest.step for r in reader.catalog.manifests())}")
+"""
+
+_TAMPER = """
+from everystep.distributed import Ranks
+send = Ranks.send_bytes
+def flipping(self, channel, data, to, _sent=[]):
+    if data is not None and not _sent:  # the first part sent, one byte flipped on its way
+        _sent.append(True)
+        data = bytearray(data)
+        data[len(data) // 2] ^= 1
+    send(self, channel, data, to)
+Ranks.send_bytes = flipping
+"""
+
+
+def test_a_part_changed_on_its_way_between_hosts_is_refused_and_the_step_before_restored(tmp_path):
+    """I8 and I9 under node-local disks, two hosts of one rank each (forked, gloo): a second writer
+    of a host's directory is refused while the job holds it, and a reader beside it sees every
+    checkpoint; on restore each rank reads the other host's part through the other rank, and where
+    the first part sent has a byte changed on the way, the receiver refuses it, every rank passes
+    over that step and both restore the one before."""
+    first = _two_hosts(_TWO_DISKS, tmp_path, "train")
+    for rank in (0, 1):
+        assert f"rank {rank} restored 0" in first
+        assert re.search(rf"rank {rank} second writer: .*host{rank} is in use: process \d+ is writing checkpoints there", first), first
+        assert f"rank {rank} reader sees [1, 2]" in first, first  # (step 3's: written as the job closes)
+    again = _two_hosts(_TAMPER + _TWO_DISKS, tmp_path, "tamper")
+    assert "rank 0 restored 2" in again and "rank 1 restored 2" in again, again
+    for rank in (0, 1):  # (rank 1 learns it from rank 0, which received it)
+        assert re.search(rf"rank {rank} warned: skipping the checkpoint at step 3: .*on arrival, fails its checksum",
+                         again), again
+
+
+def _two_hosts(script: str, tmp_path: Path, *args: str) -> str:
+    """The output of a job of two ranks running ``script`` with ``tmp_path`` and ``args``, each rank
+    forked from the tests' zygote."""
+    from everystep.distributed import free_port
+
+    from .forked import start_script, wait_all
+
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [start_script(script, str(tmp_path), *args, env={**env, "RANK": str(r)}) for r in range(2)]
+    done = wait_all(ranks, 120)
+    assert all(d.returncode == 0 for d in done), "".join(d.stdout for d in done)
+    return "".join(d.stdout for d in done)

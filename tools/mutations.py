@@ -176,6 +176,15 @@ MUTATIONS = (
         after="    if False:\n",
         tests=("tests/test_node_local.py::test_a_replaced_host_with_neither_peers_nor_remote_is_refused_in_one_message",),
     ),
+    Mutation(
+        name="arrival-unchecked",
+        what="under node-local disks a part another host sends is taken without checking its checksum",
+        path="src/everystep/storage/hosts.py",
+        before='                check_digest(hasher, infos[name].checksum, f"object {where}, on arrival,")\n',
+        after="",
+        tests=("tests/test_node_local.py::test_a_part_changed_on_its_way_between_hosts_is_refused_and_the_step_before_"
+               "restored",),
+    ),
 )
 
 
