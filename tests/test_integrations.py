@@ -305,7 +305,7 @@ def test_the_everystep_trainer_refuses_fsdp1_naming_what_checkpoints_fsdp2(tmp_p
 
 
 @IN_PROCESS
-def test_layouts_the_integrations_do_not_serve_are_refused_before_training():
+def test_layouts_the_integrations_do_not_serve_are_refused_before_training(tmp_path):
     """Each with one message naming the layout and what to use."""
     from types import SimpleNamespace
 
@@ -328,3 +328,13 @@ def test_layouts_the_integrations_do_not_serve_are_refused_before_training():
         check_trainer(SimpleNamespace(world_size=2), deepspeed=False, fsdp_version=1)
     check_trainer(SimpleNamespace(world_size=2), deepspeed=False, fsdp_version=None)  # (DDP: served)
     check_trainer(SimpleNamespace(world_size=2), deepspeed=False, fsdp_version=2)  # (FSDP2: served)
+    from transformers import TrainingArguments
+
+    from everystep.integrations.transformers import _fsdp_version
+
+    def arguments(**given):  # (what a plain Trainer's callback reads the layout from)
+        return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **given)
+
+    assert _fsdp_version(arguments()) is None
+    assert _fsdp_version(arguments(fsdp=True, fsdp_config={"version": 2})) == 2
+    assert _fsdp_version(arguments(fsdp=True, fsdp_config={"version": 1})) == 1
