@@ -103,6 +103,7 @@ def _assert_every_rank_equals_the_trainer_alone(out: Path, ref: Path, resumes: t
     pytest.param("transformers", "fsdp", "lightcheck", 10, (9, 10), marks=LONG),
     pytest.param("lightning", "fsdp-tp", "checkfreq", 6, (4, 5, 6), marks=LONG),
     pytest.param("lightning", "fsdp-tp", "lowdiff_plus", 10, (9, 10), marks=LONG),
+    pytest.param("lightning", "fsdp-tp", "lightcheck", 10, (9, 10), marks=LONG),
 ])
 def test_several_ranks_killed_and_launched_again_equal_the_trainer_alone(tmp_path, trainer, layout, strategy, kill_at,
                                                                          resumes):
