@@ -24,7 +24,7 @@ from everystep.eval.workloads import build
 from everystep.state import TrainingComponents
 from everystep.tree import state_hash
 from everystep.storage import CheckpointDirectory
-from everystep.storage.base import Manifest, ObjectInfo, checksum
+from everystep.storage.base import checksum
 from everystep.storage.region import Region, UntrustedRegionError
 
 from .conftest import files_of

@@ -298,7 +298,7 @@ def test_the_everystep_trainer_refuses_fsdp1_naming_what_checkpoints_fsdp2(tmp_p
     # what Accelerate's state holds for TrainingArguments(fsdp=True, fsdp_config={"version": 1}) on GPUs
     trainer.accelerator.state.fsdp_plugin = SimpleNamespace(fsdp_version=1)
     try:
-        with pytest.raises(ConfigError, match=r"checkpoints FSDP2's shards, not FSDP1's .*fsdp_config=\{'version': 2\}"):
+        with pytest.raises(ConfigError, match=r"FSDP2's shards, not FSDP1's .*fsdp_config=\{'version': 2\}"):
             trainer.train()
     finally:
         trainer.accelerator.state.fsdp_plugin = None

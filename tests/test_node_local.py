@@ -297,7 +297,7 @@ _TAMPER = """
 from everystep.distributed import Ranks
 send = Ranks.send_bytes
 def flipping(self, channel, data, to, _sent=[]):
-    if data is not None and not _sent:  # the first part sent, one byte flipped on its way
+    if data is not None and not _sent:  # this rank's first part sent, one byte flipped on its way
         _sent.append(True)
         data = bytearray(data)
         data[len(data) // 2] ^= 1
@@ -310,16 +310,17 @@ def test_a_part_changed_on_its_way_between_hosts_is_refused_and_the_step_before_
     """I8 and I9 under node-local disks, two hosts of one rank each (forked, gloo): a second writer
     of a host's directory is refused while the job holds it, and a reader beside it sees every
     checkpoint; on restore each rank reads the other host's part through the other rank, and where
-    the first part sent has a byte changed on the way, the receiver refuses it, every rank passes
-    over that step and both restore the one before."""
+    the first part each sends has a byte changed on the way, the receivers refuse them, every rank
+    passes over that step and both restore the one before."""
     first = _two_hosts(_TWO_DISKS, tmp_path, "train")
     for rank in (0, 1):
         assert f"rank {rank} restored 0" in first
-        assert re.search(rf"rank {rank} second writer: .*host{rank} is in use: process \d+ is writing checkpoints there", first), first
+        in_use = rf"rank {rank} second writer: .*host{rank} is in use: process \d+ is writing checkpoints there"
+        assert re.search(in_use, first), first
         assert f"rank {rank} reader sees [1, 2]" in first, first  # (step 3's: written as the job closes)
     again = _two_hosts(_TAMPER + _TWO_DISKS, tmp_path, "tamper")
     assert "rank 0 restored 2" in again and "rank 1 restored 2" in again, again
-    for rank in (0, 1):  # (rank 1 learns it from rank 0, which received it)
+    for rank in (0, 1):  # (each rank's first part sent was changed: each receiver refuses one, and learns of the other)
         assert re.search(rf"rank {rank} warned: skipping the checkpoint at step 3: .*on arrival, fails its checksum",
                          again), again
 

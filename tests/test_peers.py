@@ -149,8 +149,6 @@ def test_a_state_from_a_peer_is_checked_before_it_is_used():
 
 def _replica_of(model, optimizer, step):
     """An agent's replica of ``model`` and ``optimizer`` at ``step``, in a region of its own."""
-    import torch
-
     from everystep.agent.replica import Replica, optimizer_class_path
     from everystep.layout import TensorLayout
     from everystep.transport.shared import SharedRegion

@@ -184,7 +184,8 @@ def run_transformers(a: argparse.Namespace, strategy: str | None, out: str) -> N
     args = TrainingArguments(output_dir=os.path.join(a.dir, "hf"), max_steps=a.steps, per_device_train_batch_size=4,
                              gradient_accumulation_steps=ACCUMULATE, learning_rate=3e-3, warmup_steps=2,
                              max_grad_norm=1.0, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                             logging_steps=1000, disable_tqdm=True, **({"ddp_backend": "gloo"} if a.ranks > 1 else {}), **sharding)
+                             logging_steps=1000, disable_tqdm=True, **({"ddp_backend": "gloo"} if a.ranks > 1 else {}),
+                             **sharding)
     callback = None if strategy is None else EverystepCallback(os.path.join(a.dir, "ckpt"), strategy=strategy, every=1)
     set_seed(0)
     trainer = Recording(model=GPT2LMHeadModel(config), args=args, train_dataset=dataset,
