@@ -19,7 +19,7 @@ import pytest
 from everystep.eval.hosts import TwoHosts, final_hashes, lose_hosts, rank0_losses
 from everystep.eval.train import TrainConfig, run
 from everystep.storage.base import Manifest
-from everystep.storage.hosts import hosts_of
+from everystep.storage.hosts import hosts_of, readers_hosts
 from everystep.errors import CheckpointDirectoryError
 
 LONG = pytest.mark.long
@@ -129,6 +129,13 @@ def test_hosts_restarted_in_place_resume_from_their_own_disks_bitwise(tmp_path, 
 ])
 def test_the_ranks_that_see_each_others_probes_share_a_directory(seen, expected):
     assert hosts_of(seen, "/ckpt") == expected
+
+
+@pytest.mark.parametrize("listings, expected", [
+    (["a", "a"], None), (["a", "b"], ((0,), (1,))), (["b", "a", "b", "a"], ((0, 2), (1, 3))),
+])
+def test_readers_whose_directories_list_the_same_read_as_one_host(listings, expected):
+    assert readers_hosts(listings) == expected
 
 
 @pytest.mark.parametrize("seen", [[[0, 1], [1]], [[1], [0, 1]], [[0, 1], [1, 2], [1, 2]]])
@@ -262,7 +269,7 @@ def _events(scratch: Path) -> list[dict]:
 
 _TWO_DISKS = """
 import sys, warnings, torch, torch.distributed as dist
-from everystep import Checkpointer
+from everystep import Checkpointer, state_hash
 from everystep.distributed import Ranks
 from everystep.errors import DirectoryInUseError
 from everystep.storage.directory import CheckpointDirectory
@@ -272,6 +279,11 @@ disk = sys.argv[1] + f"/host{rank}"  # (each rank a host of its own, its directo
 torch.manual_seed(0)
 model = torch.nn.Linear(16, 16)
 optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+state = lambda: state_hash({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+if sys.argv[2] == "read":  # every rank reads through a store opened for reading: nothing written
+    store = CheckpointDirectory.open(disk, ranks=Ranks.detect(), access="read")
+    print(f"rank {rank} restored {Checkpointer(store, model, optimizer, strategy='full_sync').restore()}, {state()}")
+    sys.exit()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with Checkpointer(disk, model, optimizer, strategy="full_sync", every=1, keep=2) as ckpt:
@@ -291,6 +303,7 @@ with warnings.catch_warnings(record=True) as caught:
                 print(f"rank {rank} second writer: {e}")
             reader = CheckpointDirectory.open(disk, ranks=Ranks(), other_world=True, access="read")
             print(f"rank {rank} reader sees {sorted(r.manifest.step for r in reader.catalog.manifests())}")
+print(f"rank {rank} ended at {state()}")
 """
 
 _TAMPER = """
@@ -309,7 +322,8 @@ Ranks.send_bytes = flipping
 def test_a_part_changed_on_its_way_between_hosts_is_refused_and_the_step_before_restored(tmp_path):
     """I8 and I9 under node-local disks, two hosts of one rank each (forked, gloo): a second writer
     of a host's directory is refused while the job holds it, and a reader beside it sees every
-    checkpoint; on restore each rank reads the other host's part through the other rank, and where
+    checkpoint; a job whose ranks open their disks for reading restores the newest state, bitwise,
+    writing nothing; on restore each rank reads the other host's part through the other rank, and where
     the first part each sends has a byte changed on the way, the receivers refuse them, every rank
     passes over that step and both restore the one before."""
     first = _two_hosts(_TWO_DISKS, tmp_path, "train")
@@ -318,6 +332,12 @@ def test_a_part_changed_on_its_way_between_hosts_is_refused_and_the_step_before_
         in_use = rf"rank {rank} second writer: .*host{rank} is in use: process \d+ is writing checkpoints there"
         assert re.search(in_use, first), first
         assert f"rank {rank} reader sees [1, 2]" in first, first  # (step 3's: written as the job closes)
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    read = _two_hosts(_TWO_DISKS, tmp_path, "read")
+    for rank in (0, 1):  # each rank reads its host's part and is sent the other's; nothing is written
+        ended = re.search(rf"rank {rank} ended at (\w+)", first).group(1)
+        assert f"rank {rank} restored 3, {ended}" in read, read
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == files
     again = _two_hosts(_TAMPER + _TWO_DISKS, tmp_path, "tamper")
     assert "rank 0 restored 2" in again and "rank 1 restored 2" in again, again
     for rank in (0, 1):  # (each rank's first part sent was changed: each receiver refuses one, and learns of the other)

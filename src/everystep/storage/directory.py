@@ -35,7 +35,7 @@ from .base import Access, Manifest, ManifestRecord, checksum
 from .location import is_remote, open_remote
 from .catalog import MANIFESTS, OBJECTS, PINNED, Catalog
 from .dirlock import LOCK, DirectoryLock, owner_pid
-from .hosts import PROBE, Hosts, agree_markers, discard_hidden, probe
+from .hosts import PROBE, Hosts, agree_markers, discard_hidden, listing, probe, readers_hosts
 from .local import LocalStore, fsync_dir
 from .retention import plan_retention
 
@@ -168,10 +168,12 @@ class CheckpointDirectory:
         if path.exists() and not path.is_dir():
             raise CheckpointDirectoryError(f"{path} is a file, not a checkpoint directory")
         marker_path = path / MARKER
-        if ranks.distributed and access == "write":  # (a reader changes nothing: it takes the directory as shared)
+        if ranks.distributed and access == "write":
             hosts = probe(path, ranks, create=create)
             if hosts is not None:
                 return cls._open_node_local(path, marker_path, hosts, strategy, ranks, create, extra, other_world)
+        if ranks.distributed and access == "read":  # (a reader changes nothing: no probe, no barrier to create)
+            return cls._open_reading(path, marker_path, strategy, ranks, extra, other_world)
         if ranks.rank != 0:
             ranks.barrier("control")  # rank 0 has created or checked the directory
             return cls(Catalog(LocalStore(path, access=access), ranks), cls._read_marker(marker_path))
@@ -208,6 +210,24 @@ class CheckpointDirectory:
                 directory.close()
             raise
         directory.catalog.hosts = hosts
+        return directory
+
+    @classmethod
+    def _open_reading(cls, path: Path, marker_path: Path, strategy: str | None, ranks: Ranks,
+                      extra: dict[str, Any] | None, other_world: bool) -> "CheckpointDirectory":
+        """Open ``path`` for reading on every rank at once (collective), each rank checking its own:
+        ranks whose directories list different checkpoints or objects (each host's own disk) read as
+        under node-local directories (:func:`~everystep.storage.hosts.readers_hosts`)."""
+        directory, error, listed = None, None, None
+        try:
+            directory = cls._open_as_rank0(path, marker_path, strategy, ranks, False, extra, other_world, "read",
+                                           "safetensors")
+            listed = listing(directory.catalog)
+        except BaseException as e:  # (raised on every rank by the exchange)
+            error = e
+        reports = ranks.exchange("control", {"listing": listed}, error, f"opening {path} for reading on every rank")
+        assert directory is not None
+        directory.catalog.hosts = readers_hosts([r["listing"] for r in reports])
         return directory
 
     @property

@@ -28,10 +28,15 @@ Under node-local directories:
 
 Only full checkpoints in everystep's own format (``safetensors``) are written so: DCP's metadata is
 written by one rank, which one host alone would hold.
+
+A job of several ranks that opens its directories for reading writes nothing, not even a probe:
+the ranks whose directories list the same checkpoints and objects read as one host
+(:func:`readers_hosts`), and read as above.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from pathlib import Path
@@ -40,14 +45,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, NoValidCheckpointError, StateMismatchError
 from .base import Manifest, Reader, check_digest, check_object, checksum, new_hasher
-from .catalog import Catalog, Supplemented
+from .catalog import MANIFESTS, Catalog, Supplemented
 from .sharded import parts_read
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PROBE", "Hosts", "probe", "hosts_of", "agree_markers", "agree", "gather", "read_together",
-           "check_restored", "discard_hidden", "elsewhere"]
+__all__ = ["PROBE", "Hosts", "probe", "hosts_of", "listing", "readers_hosts", "agree_markers", "agree", "gather",
+           "read_together", "check_restored", "discard_hidden", "elsewhere"]
 
 Hosts = tuple[tuple[int, ...], ...]
 """The ranks of each host (of each directory), each in order, the host of rank 0 first."""
@@ -95,6 +100,24 @@ def hosts_of(seen_by: list[list[int]], path: Path | str) -> Hosts | None:
                 + (f", rank {odd} those of {seen_by[odd]}" if odd is not None else "")
                 + " — it must be one directory that every rank sees, or each host's own")
     return tuple(sorted({tuple(seen) for seen in seen_by}))
+
+
+def listing(catalog: Catalog) -> str:
+    """What ``catalog``'s directory lists, as one digest: its manifests' and its objects' names."""
+    names = [sorted(catalog.store.list(MANIFESTS)), catalog.object_names()]
+    return checksum(json.dumps(names).encode())
+
+
+def readers_hosts(listings: list[str]) -> Hosts | None:
+    """For a reader of several ranks, which writes nothing (no probe): the ranks whose directories
+    list the same manifests and objects (``listings``, each rank's :func:`listing`) read as one
+    host; None where every rank's lists the same. Each host's own disk holds its own ranks' parts,
+    so the hosts' listings differ; ranks that list the same read alike, whether or not they share
+    one directory (a directory listed while its writer commits may be taken for several: each rank
+    then reads what its listing holds and is sent the rest, as under node-local disks)."""
+    if len(set(listings)) == 1:
+        return None
+    return tuple(sorted(tuple(r for r, seen in enumerate(listings) if seen == digest) for digest in set(listings)))
 
 
 def agree_markers(path: Path, hosts: Hosts, ranks: Ranks, marker: dict[str, Any] | None, error: BaseException | None,
