@@ -323,6 +323,11 @@ def test_layouts_the_integrations_do_not_serve_are_refused_before_training(tmp_p
     _check_layout(L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False))  # (served)
     with pytest.raises(ConfigError, match="not FSDPStrategy's layout: use one of those"):
         _check_layout(SimpleNamespace(strategy=FSDPStrategy(), world_size=2))  # (FSDP1: a GPU's Trainer)
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    for world in (1, 2):  # (a subclass of DDPStrategy; made without its __init__, which needs deepspeed installed)
+        with pytest.raises(ConfigError, match="does not checkpoint DeepSpeedStrategy's layout"):
+            _check_layout(SimpleNamespace(strategy=DeepSpeedStrategy.__new__(DeepSpeedStrategy), world_size=world))
     with pytest.raises(ConfigError, match="does not checkpoint DeepSpeed"):
         check_trainer(SimpleNamespace(world_size=2), deepspeed=True, fsdp_version=None)
     with pytest.raises(ConfigError, match="not FSDP1's"):

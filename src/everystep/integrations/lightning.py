@@ -24,7 +24,7 @@ own launcher; ``ddp_spawn`` and ``ddp_fork`` are refused) and ``ModelParallelStr
 shards, with the strategies the Checkpointer checkpoints them with); make the Trainer with
 ``use_distributed_sampler=False``, so that each rank iterates its slice of the
 :class:`ResumableSampler` (``DistributedSampler``'s semantics). Every rank resumes from the same step
-(the ranks agree through the Checkpointer). ``FSDPStrategy`` (FSDP1) and DeepSpeed are refused.
+(the ranks agree through the Checkpointer). ``FSDPStrategy`` (FSDP1), DeepSpeed and XLA are refused.
 
 Scope: one optimizer, automatic optimization. Bit-exact resume also needs the data to
 draw no randomness from torch's global generator outside the training step: a validation
@@ -161,9 +161,13 @@ class _LoopPosition:
 
 def _check_layout(trainer: pl.Trainer) -> None:
     """Refuse, before training, a Lightning strategy the callback cannot serve, naming it and what to use."""
-    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, XLAStrategy
 
     strategy = trainer.strategy
+    if isinstance(strategy, (DeepSpeedStrategy, XLAStrategy)):  # (DDPStrategy's subclasses, of other layouts)
+        raise ConfigError(f"EverystepCallback does not checkpoint {type(strategy).__name__}'s layout: its engine keeps "
+                          "the model's and the optimizer's state in structures of its own; use DDPStrategy or "
+                          "ModelParallelStrategy (FSDP2, TP), or the strategy's own checkpoints")
     if trainer.world_size == 1 and not isinstance(strategy, DDPStrategy) or isinstance(strategy, ModelParallelStrategy):
         return  # (ModelParallelStrategy's FSDP2 and TP: the Checkpointer refuses a strategy that cannot shard)
     name = type(strategy).__name__
