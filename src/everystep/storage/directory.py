@@ -20,7 +20,6 @@ Objects and manifests are read and written through ``directory.catalog``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ from ..errors import CheckpointDirectoryError
 from .base import Access, Manifest, ManifestRecord, checksum
 from .location import is_remote, open_remote
 from .catalog import MANIFESTS, OBJECTS, PINNED, Catalog
-from .dirlock import LOCK, DirectoryLock, owner_pid
+from .dirlock import LOCK, DirectoryLock, holder
 from .hosts import PROBE, Hosts, agree_markers, discard_hidden, listing, probe, readers_hosts
 from .local import LocalStore, fsync_dir
 from .retention import plan_retention
@@ -289,17 +288,7 @@ class CheckpointDirectory:
             from .remote_lock import LOCK_KEY
 
             return None if open_remote(str(root), access="read").age(LOCK_KEY) is None else 0
-        try:
-            fd = os.open(Path(root) / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return owner_pid(fd) or 0
-        finally:
-            os.close(fd)
-        return None
+        return holder(Path(root))
 
     @staticmethod
     def _refuse_foreign(path: Path) -> None:

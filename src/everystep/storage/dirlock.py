@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import CheckpointDirectoryError, DirectoryInUseError
 
-__all__ = ["LOCK", "DirectoryLock", "owner_pid"]
+__all__ = ["LOCK", "DirectoryLock", "holder", "owner_pid"]
 
 LOCK = "everystep.lock"
 
@@ -57,3 +57,19 @@ def owner_pid(fd: int) -> int | None:
         return int(json.loads(os.pread(fd, 4096, 0))["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def holder(root: Path) -> int | None:
+    """The pid of the process that holds ``root``'s lock (0 if it cannot be told), or None when no
+    process does. Creates nothing: a reader may ask."""
+    try:
+        fd = os.open(root / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return owner_pid(fd) or 0
+    finally:
+        os.close(fd)
+    return None
