@@ -129,12 +129,12 @@ def run_lightning(a: argparse.Namespace, strategy: str | None, out: str) -> None
                                                    if tensor_parallel > 1 else {}))
     callback = None if strategy is None else EverystepCallback(a.dir, strategy=strategy, every=1, sampler=sampler)
     several = {}
-    if a.ranks > 1:  # under torchrun: DDP (or FSDP2) on gloo, each rank a slice of the sampler's permutation
+    if a.ranks > 1:  # DDP, FSDP2 or FSDP2 + TP on gloo, each data-parallel rank a slice of the sampler's permutation
         from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
         several = {"strategy": DDPStrategy(process_group_backend="gloo") if a.layout == "ddp" else
                    ModelParallelStrategy(data_parallel_size=a.ranks // tensor_parallel,
-                                                   tensor_parallel_size=tensor_parallel),
+                                         tensor_parallel_size=tensor_parallel),
                    "use_distributed_sampler": False}
     # (torch's clip_grad_norm_ cannot sum norms over DTensors of the 1-D and the 2-D mesh: no clipping there)
     trainer = L.Trainer(max_steps=a.steps, accumulate_grad_batches=ACCUMULATE,
@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
                    "FSDP2 (Lightning's ModelParallelStrategy; the Trainer's FSDP plugin, version 2), or (Lightning) "
                    "FSDP2 and TP on a 2-D mesh, TP over pairs of ranks")
     a = p.parse_args(argv)
+    if a.layout == "fsdp-tp" and a.trainer != "lightning":
+        p.error("--layout fsdp-tp: Lightning's only")
     torch.set_num_threads(1)
     run = {"lightning": run_lightning, "transformers": run_transformers}[a.trainer]
     if not a.until_done:
