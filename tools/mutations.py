@@ -178,9 +178,9 @@ MUTATIONS = (
     ),
     Mutation(
         name="arrival-unchecked",
-        what="under node-local disks a part another host sends is taken without checking its checksum",
+        what="under node-local disks a part another host sends is taken without checking its size and checksum",
         path="src/everystep/storage/hosts.py",
-        before='                check_digest(hasher, infos[name].checksum, f"object {where}, on arrival,")\n',
+        before='                check_bytes(infos[name], got, where, what=f"object {where}, on arrival,")\n',
         after="",
         tests=("tests/test_node_local.py::test_a_part_changed_on_its_way_between_hosts_is_refused_and_the_step_before_"
                "restored",),

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["malformed", "MALFORMED", "refuse_constant", "ObjectInfo", "Manifest", "check_object_name", "check_manifest_name",
            "manifest_name", "MAX_STEP", "ManifestRecord", "Store", "Reader", "Access", "new_hasher", "checksum", "CHECKSUM_ALGORITHM",
-           "read_verified", "open_object", "check_object", "check_digest"]
+           "read_verified", "open_object", "check_object", "check_bytes", "check_digest"]
 
 Access = Literal["write", "shared", "read"]
 """``write``: the directory's one writer; ``shared``: a process writing on the writer's behalf (its
@@ -178,11 +178,17 @@ def read_verified(store: "Store", key: str, info: ObjectInfo, where: str) -> byt
     """The bytes of the object ``info`` describes, ``key`` in ``store``, once their size and checksum
     are verified; :class:`CorruptCheckpointError` naming ``where`` when it is missing or they differ."""
     data = open_object(lambda: store.get(key, limit=info.nbytes), info, where)
+    check_bytes(info, data, where)
+    return data
+
+
+def check_bytes(info: ObjectInfo, data: bytes | bytearray | memoryview, where: str, *, what: str | None = None) -> None:
+    """Raise :class:`CorruptCheckpointError` naming ``where`` (the checksum's failure: ``what``, by
+    default ``object {where}``) unless ``data`` is the object ``info`` describes, its size and checksum."""
     check_object(info, where, len(data))
     hasher = new_hasher()
     hasher.update(data)
-    check_digest(hasher, info.checksum, f"object {where}")
-    return data
+    check_digest(hasher, info.checksum, what or f"object {where}")
 
 
 def check_digest(hasher: "xxhash.xxh3_128", expected: str, what: str) -> None:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, NoValidCheckpointError, StateMismatchError
-from .base import Manifest, Reader, check_digest, check_object, checksum, new_hasher
+from .base import Manifest, Reader, check_bytes, checksum
 from .catalog import MANIFESTS, Catalog, Supplemented
 from .sharded import parts_read
 
@@ -205,10 +205,7 @@ def gather(catalog: Catalog, manifests: list[Manifest], shards: Mapping[str, "to
             try:
                 if got is None:
                     raise CorruptCheckpointError(f"object {where}: it does not verify there")
-                check_object(infos[name], where, len(got))
-                hasher = new_hasher()
-                hasher.update(got)
-                check_digest(hasher, infos[name].checksum, f"object {where}, on arrival,")
+                check_bytes(infos[name], got, where, what=f"object {where}, on arrival,")
                 received[name] = (infos[name], got)
             except CorruptCheckpointError as e:
                 error = e
