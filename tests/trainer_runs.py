@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import sys
-import traceback
 from typing import Any
 
 import torch
@@ -248,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     importlib.import_module("lightning.pytorch.demos" if a.trainer == "lightning" else "transformers.trainer")
     importlib.import_module(f"everystep.integrations.{a.trainer}")
     from everystep.distributed import free_port
+    from everystep.eval.zygote import exit_after
 
     codes: list[list[int]] = []
     while len(codes) < 4 and (not codes or -signal.SIGKILL in codes[-1]):
@@ -257,21 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         for rank in range(a.ranks):
             pid = os.fork()
             if pid == 0:
-                code = 1
-                try:
-                    if a.ranks > 1:
-                        os.environ.update(environment, RANK=str(rank), LOCAL_RANK=str(rank))
-                        _rank_files(a, rank)
-                    if a.reference and not codes:
-                        run(a, None, a.reference)
-                    run(a, a.strategy, a.out)
-                    code = 0
-                except BaseException:
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
+                exit_after(lambda: _one_run(a, run, rank, environment, first=not codes))
             pids.append(pid)
         ended: dict[int, int] = {}
         while len(ended) < len(pids):
@@ -282,6 +268,18 @@ def main(argv: list[str] | None = None) -> None:
                     os.kill(other, signal.SIGKILL)
         codes.append([ended[pid] for pid in pids])
     print(json.dumps(codes if a.ranks > 1 else [c for c, in codes]))
+
+
+def _one_run(a: argparse.Namespace, run: Any, rank: int, environment: dict[str, str], *, first: bool) -> int:
+    """A forked child's run: as rank ``rank`` of ``a.ranks`` (``environment`` its job's), the
+    reference first on the first run."""
+    if a.ranks > 1:
+        os.environ.update(environment, RANK=str(rank), LOCAL_RANK=str(rank))
+        _rank_files(a, rank)
+    if a.reference and first:
+        run(a, None, a.reference)
+    run(a, a.strategy, a.out)
+    return 0
 
 
 def _rank_files(a: argparse.Namespace, rank: int) -> None:

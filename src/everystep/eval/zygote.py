@@ -31,12 +31,12 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from .._process import die_with
 from ..errors import EverystepError
 
-__all__ = ["Zygote", "Forked", "start_ranks", "shared", "report_entry"]
+__all__ = ["Zygote", "Forked", "start_ranks", "shared", "report_entry", "exit_after"]
 
 
 class Forked:
@@ -229,8 +229,7 @@ def report_entry(measure: Callable[[dict[str, Any]], dict[str, Any]], argv: list
 
 def _child(request: dict[str, Any], inherited: list[int], entry: Callable[[list[str]], int]) -> None:
     """In the forked child: become a rank's process and run it; never returns."""
-    code = 1
-    try:
+    def become() -> int:
         os.setsid()
         for fd in inherited:
             os.close(fd)
@@ -242,7 +241,18 @@ def _child(request: dict[str, Any], inherited: list[int], entry: Callable[[list[
         from .._faults import arm_from_environment
 
         arm_from_environment()  # read at import, in the zygote's environment: this rank's is another
-        code = entry(request["argv"])
+        return entry(request["argv"])
+
+    exit_after(become)
+
+
+def exit_after(work: Callable[[], int]) -> NoReturn:
+    """In a forked child: ``work()``, then end the process with its return code (a ``SystemExit``'s
+    code; 1, its traceback printed, for any other exception), the output flushed, without running
+    the parent's exit handlers."""
+    code = 1
+    try:
+        code = work()
     except SystemExit as e:
         code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:
