@@ -197,6 +197,9 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
         def settle(step: int) -> None:  # the kill planned in this step is armed after a commit
             ckpt.wait()
             journal.write(event="settled", step=step, **_recoverable_steps(ckpt))
+            # every rank has recorded what it saw recoverable before the victim can die (and the
+            # supervisor end the others, whose record the summary takes the least of)
+            ckpt.ranks.barrier("control")
 
         inject = Injector(plan, rank, settle=settle)
         bar = tqdm(total=cfg.steps, initial=start, unit="step", disable=None if cfg.progress and rank == 0 else True,
