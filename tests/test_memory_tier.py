@@ -63,6 +63,17 @@ def test_a_killed_training_process_recovers_from_memory_losing_at_most_one_step(
     assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]
 
 
+def test_a_spread_checkpoint_of_many_chunks_fits_its_slot_and_recovers_bitwise(tmp_path, shm, reference):
+    """GoCkpt's copy spread over three steps in chunks of 256 bytes: the slot's metadata holds the
+    description of every chunk (tens of kilobytes, beside a skeleton of a few hundred bytes), and the
+    restart brings the parts forward from it."""
+    s = run(TrainConfig(workload="mlp", strategy="gockpt", steps=STEPS, seed=SEED, every=4, directory=str(tmp_path / "c"),
+                        fail_at=(10,), progress=False,
+                        options=_options("gockpt:device", shm, parts=3, chunk_bytes=256, persist_every=2)))
+    assert_recovered(s, sources={"memory (parts brought forward on cpu)"}, lose=4)
+    assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]
+
+
 @pytest.mark.parametrize("strategy", ["checkfreq", "full_sync", "checkflow", "gockpt", "gockpt:device"])
 def test_a_lost_host_recovers_from_the_directory_losing_at_most_n_steps(tmp_path, shm, strategy, reference):
     """The host lost (the region in its memory gone, helper processes killed): the restart reads the

@@ -241,7 +241,7 @@ class MemoryTier:
         and commit it (:meth:`begin`, a copy, :meth:`commit`). The bytes and the seconds it took."""
         t0 = time.perf_counter()
         tensors = source.views if isinstance(source, HostBuffer) else source
-        writer = self.begin(tensors, skeleton)
+        writer = self.begin(tensors, skeleton, meta)
         keys = list(tensors)
         try:
             with torch.no_grad():
@@ -252,14 +252,17 @@ class MemoryTier:
         nbytes, _ = self.commit(writer, step, skeleton, meta)
         return nbytes, time.perf_counter() - t0
 
-    def begin(self, tensors: dict[str, torch.Tensor], skeleton: Any) -> SlotWriter:
+    def begin(self, tensors: dict[str, torch.Tensor], skeleton: Any, meta: dict[str, Any] | None = None) -> SlotWriter:
         """The slot to copy a checkpoint of ``tensors`` into, marked *writing*: the one that does not
         hold the newest complete checkpoint, once the commit before is done. Its ``views`` take the
         copies (on CUDA by DMA: the mapping is registered where it can be); :meth:`commit` follows,
-        on any thread. (A strategy snapshotting straight into the region calls it for its buffer.)"""
+        on any thread, with the same ``meta`` (its size is room in the slot's metadata). (A strategy
+        snapshotting straight into the region calls it for its buffer.)"""
         assert self.region is not None
         self._idle.wait()
         layout, hint = self._layout(tensors, skeleton)
+        if meta:  # (a spread checkpoint's description: tens of kilobytes where the parts are many chunks)
+            hint += len(json.dumps(meta, default=str))
         writer = self.region.begin(layout, hint)
         self._idle.clear()
         if self.ctx.device.type == "cuda":  # (each slot's area is registered once)
