@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from everystep import Checkpointer, _faults
 from everystep.eval.train import TrainConfig, run
@@ -481,3 +483,57 @@ def test_a_region_made_for_another_directory_is_refused_and_left_as_it_is(tmp_pa
     assert (tmp_path / "shared-region.bin").read_bytes() == before
     with Checkpointer(tmp_path / "a", w2.model, w2.optimizer, strategy="lightcheck", region=region, final=False) as again:
         assert again.restore() == 1 and again.recovered.source == "region"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0, 1, 7, ALIGN // 4, ALIGN + 4, 3 * ALIGN, 40 * ALIGN]), min_size=1, max_size=6),
+                min_size=1, max_size=6), st.integers(1, 6))
+def test_the_slot_is_hashed_in_parts_each_after_every_copy_it_needs(units, count):
+    """Units of tensors of any sizes (small ones, which the layout puts last, among them): the parts
+    cover the layout's entries in order, the pieces are the copy order, each unit ends in a piece
+    that says so, and a part is counted in only after the copy of every one of its entries."""
+    from everystep.strategies.lightcheck_copy import hash_parts
+
+    tensors, named = {}, []
+    for u, sizes in enumerate(units):
+        keys = [f"u{u}/t{i}" for i in range(len(sizes))]
+        tensors.update({k: torch.zeros(n, dtype=torch.uint8) for k, n in zip(keys, sizes)})
+        named.append((f"u{u}", keys))
+    layout = RegionLayout.of(tensors, [k for _, keys in named for k in keys])
+    parts, pieces = hash_parts(named, layout, count)
+    assert len(parts) <= count and parts[0][0] == 0 and parts[-1][1] == len(layout.entries)
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(parts, parts[1:]))
+    assert [k for _, keys, _, _ in pieces for k in keys] == [k for _, keys in named for k in keys]
+    assert [u for u, _, ends, _ in pieces if ends] == list(range(len(named)))
+    copied: set[str] = set()
+    counted = 0
+    for _, keys, _, parts_in in pieces:
+        copied.update(keys)
+        assert parts_in >= counted
+        counted = parts_in
+        assert all(e.key in copied for first, stop in parts[:parts_in] for e in layout.entries[first:stop])
+    assert counted == len(parts)
+
+
+def test_a_slot_hashed_part_by_part_has_the_checksums_of_the_whole(tmp_path):
+    """The hashing process asked for the parts in turn gives each tensor the checksum it gives when
+    asked for the whole slot."""
+    from everystep.strategies.lightcheck_copy import hash_parts
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"t{i}": torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
+               for i, n in enumerate([5000, 17, 90000, 3, 4096, 70000])}
+    layout = RegionLayout.of(tensors)
+    store = Region.open(tmp_path / "r.bin")
+    try:
+        writer = store.begin(layout, 100)
+        for k, t in tensors.items():
+            writer.views[k].copy_(t)
+        parts, _ = hash_parts([("all", list(tensors))], layout, 3)
+        assert len(parts) == 3
+        together: dict[str, str] = {}
+        for part in parts:
+            together.update(store.checksums(writer, part))
+        assert together == store.checksums(writer) and len(together) == len(tensors)
+    finally:
+        store.close()

@@ -12,6 +12,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -273,6 +274,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             **split,
             **({"remote_step": ckpt.stats.last_remote_step} if name.endswith("+remote") else {}),
             **({"agent_seconds_per_step": ckpt.strategy.agent_seconds_per_step} if strategy == "lowdiff_plus" else {}),
+            **(_copy_and_hash(ckpt.strategy) if strategy == "lightcheck" else {}),
             **(tier or {}),
             **((ckpt.strategy.peer_traffic or {"peer_bytes_per_step": None}) if name.endswith("+peers") else {}),
         }
@@ -371,3 +373,10 @@ def forked(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     print(json.dumps(measure(json.loads(sys.argv[1]))))
+
+
+def _copy_and_hash(strategy: Any) -> dict[str, float | None]:
+    """LightCheck's median time per checkpoint to copy the state (CUDA: on the device) and to have its
+    checksums (the commit thread's wait for the copies and the hash)."""
+    return {"copy_seconds": statistics.median(strategy.copy_seconds) if strategy.copy_seconds else None,
+            "hash_seconds": statistics.median(strategy.hash_seconds) if strategy.hash_seconds else None}

@@ -293,14 +293,16 @@ class Region:
             return "it lies on a filesystem that writes its pages back, whose shared mappings Linux does not pin"
         return None if writer.area.register() else writer.area.refused
 
-    def checksums(self, writer: SlotWriter) -> dict[str, str]:
-        """Each tensor's checksum, computed by the region's hashing process
+    def checksums(self, writer: SlotWriter, part: tuple[int, int] | None = None) -> dict[str, str]:
+        """Each tensor's checksum (those of the layout's entries ``first`` to ``stop`` for ``part``:
+        the rest may still be being copied), computed by the region's hashing process
         (:mod:`~everystep.storage.region_hash`): the training process's threads only wait for it."""
         codes, area = self._codes_of(writer.layout), writer.area
         if self._hasher is None:
             self._hasher = RegionHasher(self._fd, str(self.path))
-        return dict(zip(codes.keys, self._hasher.sums(codes, codes.ranges, area.offset + area.meta_nbytes,
-                                                      codes.layout.nbytes)))
+        keys = codes.keys if part is None else codes.keys[part[0]:part[1]]
+        return dict(zip(keys, self._hasher.sums(codes, codes.ranges, area.offset + area.meta_nbytes,
+                                                codes.layout.nbytes, part)))
 
     def _codes_of(self, layout: RegionLayout) -> LayoutCodes:
         if self._codes is None or self._codes.layout is not layout:

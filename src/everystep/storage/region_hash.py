@@ -16,8 +16,9 @@ training process, in the same order as before.
 The two talk over a socket pair made before the child starts, so nothing else can reach it.
 Messages are JSON (never pickle): training → hasher ``{"layout": id, "at": offset, "nbytes": n}``
 with ``"ranges": [[offset, nbytes], ...]`` the first time a layout is used (offsets in the data
-section, which starts ``at`` bytes into the file), or ``{"close": true}``; hasher → training
-``{"sums": [checksum, ...]}`` in the order of the ranges, or ``{"error": message}``. The child dies
+section, which starts ``at`` bytes into the file) and ``"part": [first, stop]`` where only those
+ranges are to be hashed (a slot hashed part by part as its copies land), or ``{"close": true}``;
+hasher → training ``{"sums": [checksum, ...]}`` in the order of the ranges, or ``{"error": message}``. The child dies
 with its parent (``PR_SET_PDEATHSIG``); one that died is started again at the next commit.
 """
 
@@ -37,8 +38,11 @@ from .base import checksum
 __all__ = ["RegionHasher", "HASH_THREADS", "hash_ranges", "reopened"]
 
 _MAIN = "import sys; from everystep.storage.region_hash import main; sys.exit(main(sys.argv[1:]))"
-HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
-"""The threads of a pool that hashes a slot (:func:`hash_ranges`), beside the thread that asks."""
+HASH_THREADS = max(1, min(12, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2)
+                            * 3 // 4))
+"""The threads of a pool that hashes a slot (:func:`hash_ranges`), beside the thread that asks: half
+the cores this process may run on, up to 8 (one on two cores; on a GPU's host, whose cores the step
+leaves idle, a slot of 4 GB is hashed at the memory's speed, not one core's)."""
 
 
 def reopened(fd: int, path: str) -> int:
@@ -82,13 +86,17 @@ class RegionHasher(HelperClient):
                 os.close(self.fd)
                 self.fd = -1
 
-    def sums(self, layout: object, ranges: list[tuple[int, int]], at: int, nbytes: int) -> list[str]:
-        """The checksum of each of ``ranges`` of the data section that starts ``at`` bytes into the
-        file and holds ``nbytes``: ``layout`` names the ranges (the same object, the same ranges).
-        Raises :class:`EverystepError` when the hasher failed or is gone (started again next time)."""
+    def sums(self, layout: object, ranges: list[tuple[int, int]], at: int, nbytes: int,
+             part: tuple[int, int] | None = None) -> list[str]:
+        """The checksum of each of ``ranges`` (``ranges[first:stop]`` for ``part``) of the data
+        section that starts ``at`` bytes into the file and holds ``nbytes``: ``layout`` names the
+        ranges (the same object, the same ranges). Raises :class:`EverystepError` when the hasher
+        failed or is gone (started again next time)."""
 
         def message() -> dict[str, object]:  # (made once the hasher runs: a new one is sent the ranges)
             said: dict[str, object] = {"at": at, "nbytes": nbytes}
+            if part is not None:
+                said["part"] = list(part)
             if layout is not self._layout:
                 self._layouts += 1
                 said["ranges"] = ranges
@@ -102,9 +110,14 @@ class RegionHasher(HelperClient):
         return list(answer["sums"])
 
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
 def _serve(conn: connection.Connection, fd: int) -> None:
     layouts: dict[int, list[tuple[int, int]]] = {}
-    mapped: tuple[int, int, mmap.mmap] | None = None
+    # The data sections asked about, mapped: the two slots' alternate, and a section mapped again at
+    # each commit had its page tables filled again (on a GPU's host, a tenth of a second a step for 4 GB)
+    mapped: dict[tuple[int, int], mmap.mmap] = {}
     pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="everystep-region-hash")
     try:
         while True:
@@ -115,13 +128,14 @@ def _serve(conn: connection.Connection, fd: int) -> None:
                 if "ranges" in message:
                     layouts = {message["layout"]: [(int(o), int(n)) for o, n in message["ranges"]]}
                 ranges, at, nbytes = layouts[message["layout"]], int(message["at"]), int(message["nbytes"])
-                if mapped is None or mapped[:2] != (at, nbytes):
-                    if mapped is not None:
-                        mapped[2].close()
-                        mapped = None
-                    if nbytes:
-                        mapped = (at, nbytes, mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=at))
-                with memoryview(mapped[2]) if mapped is not None else memoryview(b"") as data:
+                if "part" in message:
+                    first, stop = map(int, message["part"])
+                    ranges = ranges[first:stop]
+                if nbytes and (at, nbytes) not in mapped:
+                    while len(mapped) >= 2:  # (a slot's area moved or grew: its old mapping goes)
+                        mapped.pop(next(iter(mapped))).close()
+                    mapped[at, nbytes] = mmap.mmap(fd, nbytes, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ, offset=at)
+                with memoryview(mapped[at, nbytes]) if nbytes else memoryview(b"") as data:
                     sums = hash_ranges(pool, data, ranges)
             except Exception as e:  # (sent whole to the commit, which raises it)
                 conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
@@ -129,8 +143,8 @@ def _serve(conn: connection.Connection, fd: int) -> None:
             conn.send_bytes(json.dumps({"sums": sums}).encode())
     finally:
         pool.shutdown(wait=True)
-        if mapped is not None:
-            mapped[2].close()
+        for m in mapped.values():
+            m.close()
 
 
 def hash_ranges(pool: ThreadPoolExecutor, data: memoryview, ranges: list[tuple[int, int]]) -> list[str]:

@@ -111,6 +111,9 @@ class LightCheck(Strategy):
         """Seconds the updates waited for each layer's copy (CPU; on CUDA the wait is on the GPU)."""
         self.copy_seconds: list[float] = []
         """CUDA: per checkpoint, the device time from S_t ready to its last copy done."""
+        self.hash_seconds: list[float] = []
+        """Per checkpoint, the commit thread's time from its start to the last part's checksums
+        (on CUDA the copies' time it overlaps included)."""
         self.registered: bool | None = None
         """CUDA: whether the region's mapping is registered for DMA (False: copies through pageable memory)."""
         self.commit_wait_seconds = 0.0
@@ -237,7 +240,7 @@ class LightCheck(Strategy):
             keys = [k for _, unit in units for k in unit]
             hint = len(json.dumps(skeleton, default=str))
             replicated = frozenset(self.ctx.replicated_keys(tensors, sharded=sharded))
-            found = CopyOrder(units, index, RegionLayout.of(tensors, keys), replicated, hint, sharded)
+            found = CopyOrder.of(units, index, RegionLayout.of(tensors, keys), replicated, hint, sharded)
             self._orders = {signature: found}
         return found
 
@@ -329,28 +332,42 @@ class LightCheck(Strategy):
         self.registered = refused is None
         stream = self._stream
         stream.wait_event(copy.ready)
-        half = len(order.units) // 2
+        half, previous = len(order.units) // 2, -1
         with torch.no_grad(), torch.cuda.stream(stream):
-            for i, (_, keys) in enumerate(order.units):
-                if i == half:
+            # Each unit's copies, cut where a part of the slot's hashing ends: an event after each unit
+            # (the updates wait on it) and after each part (the commit thread hashes the part once it is in)
+            for u, keys, unit_ends, parts_in in order.pieces:
+                if u == half and u != previous:
                     crash_point("store.object.mid_write")
+                previous = u
                 torch._foreach_copy_([writer.views[k] for k in keys], [tensors[k] for k in keys], non_blocking=True)
-                event = torch.cuda.Event(enable_timing=True) if len(copy.events) == len(order.units) - 1 \
-                    else torch.cuda.Event()
+                if not unit_ends and parts_in == len(copy.part_events):
+                    continue
+                last = unit_ends and len(copy.events) == len(order.units) - 1
+                event = torch.cuda.Event(enable_timing=last)
                 event.record(stream)
-                copy.events.append(event)
-                copy.progress.advance()
+                copy.part_events.extend([event] * (parts_in - len(copy.part_events)))
+                if unit_ends:
+                    copy.events.append(event)
+                    copy.progress.advance()
 
     def _commit(self, copy: Copy, writer: SlotWriter, skeleton: Any, order: CopyOrder) -> None:
         """Commit thread: wait for the copies, then checksums, metadata, header. (``copy`` holds the
         frozen copies the side stream reads until its events are done.)"""
+        if not copy.events:
+            settled(copy.future)
+        assert self.region is not None
+        sums: dict[str, str] = {}
+        t0 = time.perf_counter()
+        for i, part in enumerate(order.parts):  # (on CUDA each part once its copies are in, the rest still moving)
+            if i < len(copy.part_events):
+                copy.part_events[i].synchronize()
+            sums.update(self.region.checksums(writer, part))
+        self.hash_seconds.append(time.perf_counter() - t0)
         if copy.events:
             copy.events[-1].synchronize()
             self.copy_seconds.append(copy.ready.elapsed_time(copy.events[-1]) / 1e3)
-        else:
-            settled(copy.future)
-        assert self.region is not None
-        self.region.commit(writer, copy.step, skeleton)
+        self.region.commit(writer, copy.step, skeleton, checksums=sums)
         if self.peers is not None:  # off the training path: the slot is not reused until it is done
             self._mirrored = self.peers.submit(copy.step, functools.partial(
                 self.peers.own_part, copy.step, writer.views, skeleton, order.replicated))

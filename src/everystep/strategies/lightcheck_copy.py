@@ -14,7 +14,7 @@ import torch
 from ..storage.region_map import RegionLayout
 from ..tree import local_shard
 
-__all__ = ["Copy", "Progress", "CopyOrder"]
+__all__ = ["Copy", "Progress", "CopyOrder", "HASH_PARTS", "hash_parts"]
 
 
 @dataclass(eq=False)
@@ -30,6 +30,8 @@ class Copy:
     """CPU: how many units' copies are in the slot."""
     events: list[Any] = field(default_factory=list)
     """CUDA: one event per unit, recorded on the copy stream."""
+    part_events: list[Any] = field(default_factory=list)
+    """CUDA: one event per part of :attr:`CopyOrder.parts`, after which its copies are in the slot."""
     future: Future[Any] | None = None
     """Done once every copy is in the slot (CPU) or issued (CUDA)."""
     commit: Future[Any] | None = None
@@ -95,3 +97,51 @@ class CopyOrder:
     meta_hint: int
     sharded: dict[str, torch.Tensor]
     """Keys whose tensor is this rank's shard of a DTensor, with the live DTensor (its placements)."""
+    parts: list[tuple[int, int]]
+    """The slot hashed in parts, each once its copies are in: ``(first, stop)`` entries of ``layout``."""
+    pieces: list[tuple[int, list[str], bool, int]]
+    """The copy order cut where a part's copies end: ``(unit position, keys, whether the unit ends
+    with it, how many parts are in once it is)``."""
+
+    @classmethod
+    def of(cls, units: list[tuple[str, list[str]]], index: dict[int, int], layout: RegionLayout,
+           replicated: frozenset[str], meta_hint: int, sharded: dict[str, torch.Tensor]) -> "CopyOrder":
+        parts, pieces = hash_parts(units, layout)
+        return cls(units, index, layout, replicated, meta_hint, sharded, parts, pieces)
+
+
+HASH_PARTS = 4
+"""The parts a slot's checksums are computed in: on CUDA each part is hashed as soon as its copies
+are in, while the copy stream moves the next (the hash no longer waits for the whole copy)."""
+
+
+def hash_parts(units: list[tuple[str, list[str]]], layout: RegionLayout, count: int = HASH_PARTS
+               ) -> tuple[list[tuple[int, int]], list[tuple[int, list[str], bool, int]]]:
+    """``layout``'s entries cut into up to ``count`` runs of about equal bytes, and the copy order of
+    ``units`` cut into pieces after the last copy each run needs (the layout puts the small tensors
+    last, so a run's last copy is the latest, in copy order, of its entries)."""
+    entries = layout.entries
+    total, done, stops = sum(e.nbytes for e in entries), 0, []
+    for i, e in enumerate(entries[:-1]):
+        done += e.nbytes
+        if len(stops) < count - 1 and done * count >= total * (len(stops) + 1):
+            stops.append(i + 1)
+    stops.append(len(entries))
+    at = {k: j for j, k in enumerate(k for _, keys in units for k in keys)}
+    ends, last, i = [], -1, 0
+    for stop in stops:
+        for e in entries[i:stop]:
+            last = max(last, at[e.key])
+        ends.append(last)
+        i = stop
+    pieces: list[tuple[int, list[str], bool, int]] = []
+    j = 0
+    for u, (_, keys) in enumerate(units):
+        piece: list[str] = []
+        for n, k in enumerate(keys):
+            piece.append(k)
+            if j in ends or n == len(keys) - 1:
+                pieces.append((u, piece, n == len(keys) - 1, sum(end <= j for end in ends)))
+                piece = []
+            j += 1
+    return list(zip([0, *stops[:-1]], stops)), pieces
