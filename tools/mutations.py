@@ -185,6 +185,15 @@ MUTATIONS = (
         tests=("tests/test_node_local.py::test_a_part_changed_on_its_way_between_hosts_is_refused_and_the_step_before_"
                "restored",),
     ),
+    Mutation(
+        name="part-hashed-early",
+        what="LightCheck on CUDA hashes a part of its slot once the copy of its last entry in the layout is in, "
+             "not the latest in copy order (the small tensors the layout puts last)",
+        path="src/everystep/strategies/lightcheck_copy.py",
+        before="            last = max(last, at[e.key])\n",
+        after="            last = at[e.key]\n",
+        tests=("tests/test_lightcheck.py::test_the_slot_is_hashed_in_parts_each_after_every_copy_it_needs",),
+    ),
 )
 
 
