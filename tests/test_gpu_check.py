@@ -14,8 +14,8 @@ import torch
 
 from everystep.eval import gpu_check
 from everystep.eval.gpu_check import DRY, EVERY_STEP, SPREAD, Variant
-from everystep.eval.gpu_sizes import (BOUND, BOUND_MEMORY_TIER, BOUND_TARGETS, COMPRESSED, DEVICE_SNAPSHOT,
-                                      EVERY_STEP_TARGETS, MEMORY_TIER, REGIME)
+from everystep.eval.gpu_sizes import (ALL_PARTS, BOUND, BOUND_MEMORY_TIER, BOUND_TARGETS, COMPRESSED, DEVICE_SNAPSHOT, GPU,
+                                      EVERY_STEP_TARGETS, MEMORY_TIER, PARTS, REGIME)
 from everystep.eval.gpu_report import markdown
 from everystep.eval.interval_search import search_intervals, smallest_within
 from everystep.eval.machine import pcie_limit
@@ -240,3 +240,15 @@ def test_the_markdown_of_a_report_without_parts_still_renders():
     assert "PCIe gen 5 x16 (63.0 GB/s per direction)" in md and "| tests | not asked for |" in md
     assert gpu_check.report_name(report["machine"], False, __import__("datetime").date(2026, 1, 2)) == \
         "gpu_check_nvidia-h100-80gb-hbm3_2026-01-02"
+
+
+def test_parts_asked_for_alone_share_the_calls_time():
+    """The boxes of the default parts not asked for go to those asked for, in proportion: the bench
+    alone has the whole call for its rounds; every default part, or the regime, its own box."""
+    from everystep.eval.gpu_check import _scale
+
+    call = sum(GPU.boxes[name] for name in PARTS)
+    assert GPU.boxes["bench"] * _scale(GPU, ("bench",)) == pytest.approx(call)
+    assert sum(GPU.boxes[n] * _scale(GPU, ("bench", "bound")) for n in ("bench", "bound")) == pytest.approx(call)
+    assert _scale(GPU, PARTS) == 1.0 and _scale(GPU, ALL_PARTS) == 1.0
+    assert GPU.boxes["regime"] * _scale(GPU, ("regime",)) == pytest.approx(max(GPU.boxes["regime"], call))

@@ -2,7 +2,7 @@
 
 On a machine whose torch sees a GPU it runs, in order, each part in its own processes and inside a
 time box of its own (:data:`GPU`'s ``boxes``, 9 minutes in all; what a part leaves of its box goes
-to the next):
+to the next, and the boxes of default parts not asked for to those asked for, in proportion):
 
 1. ``tests``: ``tests/test_cuda.py`` under pytest, every test's outcome (a failure's traceback);
 2. ``bandwidth``: device-to-host copies of :attr:`Sizes.copy_bytes` into pageable, pinned and
@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -370,6 +370,7 @@ def gpu_check(sizes: Sizes, out: Path, *, dry_run: bool, parts: tuple[str, ...] 
         ("regime", lambda box: run_regime_part(sizes, box, failures, say)),
     ]
     spare = 0.0  # what the parts before left of their boxes goes to the next
+    scale = _scale(sizes, parts)
     for name, step in steps:
         wanted = name in parts or (name == "memory" and "bench" in parts)
         if not wanted:
@@ -379,7 +380,7 @@ def gpu_check(sizes: Sizes, out: Path, *, dry_run: bool, parts: tuple[str, ...] 
         if needs and report["parts"].get(needs, {}).get("status") != "ran":
             report["parts"][name] = {"status": "not run", "why": f"the {needs} part did not run"}
             continue
-        box = Box(sizes.boxes.get(name, 0.0) + spare)
+        box = Box(sizes.boxes.get(name, 0.0) * scale + spare)
         say(f"gpu-check: {name} (time box {box.seconds:.0f} s)")
         before = len(failures)
         try:
@@ -410,3 +411,11 @@ def _main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1:])
+
+
+def _scale(sizes: Sizes, parts: Sequence[str]) -> float:
+    """How much larger each box is when some of the default parts are not asked for: their boxes go
+    to the parts asked for, in proportion (``--parts bench`` alone has the call's time for its rounds)."""
+    asked = sum(sizes.boxes.get(name, 0.0) for name in parts if name in sizes.boxes)
+    call = sum(sizes.boxes.get(name, 0.0) for name in PARTS)
+    return max(1.0, call / asked) if asked else 1.0
