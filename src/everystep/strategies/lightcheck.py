@@ -359,7 +359,9 @@ class LightCheck(Strategy):
         assert self.region is not None
         sums: dict[str, str] = {}
         t0 = time.perf_counter()
-        for i, part in enumerate(order.parts):  # (on CUDA each part once its copies are in, the rest still moving)
+        # On CUDA each part once its copies are in, the rest still moving; on the CPU the copies are
+        # all in before the commit starts: one question for the whole slot
+        for i, part in enumerate(order.parts if copy.part_events else [None]):
             if i < len(copy.part_events):
                 copy.part_events[i].synchronize()
             sums.update(self.region.checksums(writer, part))
