@@ -62,7 +62,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             else all(r["resumes_bitwise"] for r in mine),
             "resume_error": med("resume_error"),
             **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step",
-                                         "agent_seconds_per_step", "copy_seconds", "hash_seconds", "persist_interval", "persisted", *CHECKFLOW_MEMORY)
+                                         "agent_seconds_per_step", "copy_seconds", "hash_seconds", "persist_interval",
+                                         "persisted", *CHECKFLOW_MEMORY)
                if key in mine[0]},
         }
         for key in ("bytes_per_step_per_rank", "peer_bytes_per_step_per_rank", "peer_cpu_seconds_per_step_per_rank"):

@@ -350,6 +350,14 @@ def memory_part(bench: dict[str, Any]) -> dict[str, Any]:
 # -- the whole check --------------------------------------------------------------------------
 
 
+def _scale(sizes: Sizes, parts: Sequence[str]) -> float:
+    """How much larger each box is when some of the default parts are not asked for: their boxes go
+    to the parts asked for, in proportion (``--parts bench`` alone has the call's time for its rounds)."""
+    asked = sum(sizes.boxes.get(name, 0.0) for name in parts if name in sizes.boxes)
+    call = sum(sizes.boxes.get(name, 0.0) for name in PARTS)
+    return max(1.0, call / asked) if asked else 1.0
+
+
 def gpu_check(sizes: Sizes, out: Path, *, dry_run: bool, parts: tuple[str, ...] = PARTS,
               say: Callable[[str], None] = print, now: _dt.datetime | None = None) -> tuple[dict[str, Any], Path, Path]:
     """Run the parts, write the report (JSON and Markdown under ``out``), and return it with the
@@ -412,10 +420,3 @@ def _main(argv: list[str]) -> None:
 if __name__ == "__main__":
     _main(sys.argv[1:])
 
-
-def _scale(sizes: Sizes, parts: Sequence[str]) -> float:
-    """How much larger each box is when some of the default parts are not asked for: their boxes go
-    to the parts asked for, in proportion (``--parts bench`` alone has the call's time for its rounds)."""
-    asked = sum(sizes.boxes.get(name, 0.0) for name in parts if name in sizes.boxes)
-    call = sum(sizes.boxes.get(name, 0.0) for name in PARTS)
-    return max(1.0, call / asked) if asked else 1.0

@@ -316,6 +316,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     return _across_ranks(result)
 
 
+def _copy_and_hash(strategy: Any) -> dict[str, float | None]:
+    """LightCheck's median time per checkpoint to copy the state (CUDA: on the device) and to have its
+    checksums (the commit thread's wait for the copies and the hash)."""
+    return {"copy_seconds": statistics.median(strategy.copy_seconds) if strategy.copy_seconds else None,
+            "hash_seconds": statistics.median(strategy.hash_seconds) if strategy.hash_seconds else None}
+
+
 def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
     """:func:`measure` for a baseline (:mod:`everystep.eval.baselines`): the same loop, counters and checks."""
     from .baselines import BASELINES, Baseline
@@ -374,9 +381,3 @@ def forked(argv: list[str]) -> int:
 if __name__ == "__main__":
     print(json.dumps(measure(json.loads(sys.argv[1]))))
 
-
-def _copy_and_hash(strategy: Any) -> dict[str, float | None]:
-    """LightCheck's median time per checkpoint to copy the state (CUDA: on the device) and to have its
-    checksums (the commit thread's wait for the copies and the hash)."""
-    return {"copy_seconds": statistics.median(strategy.copy_seconds) if strategy.copy_seconds else None,
-            "hash_seconds": statistics.median(strategy.hash_seconds) if strategy.hash_seconds else None}

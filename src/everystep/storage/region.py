@@ -247,8 +247,9 @@ class Region:
         """An area for ``slot`` that overlaps nothing the other slot may hold, mapped; the file grows if needed."""
         need = round_up(meta_nbytes + data_nbytes, PAGE)
         mine = self._areas.get(slot)
-        if mine is not None and mine.meta_nbytes >= meta_nbytes and mine.nbytes >= round_up(mine.meta_nbytes + data_nbytes,
-                                                                                             PAGE):
+        fits = mine is not None and mine.meta_nbytes >= meta_nbytes \
+            and mine.nbytes >= round_up(mine.meta_nbytes + data_nbytes, PAGE)
+        if fits:
             return mine  # (kept, with its registration for DMA, while the metadata fits its section)
         if mine is not None:
             mine.close()

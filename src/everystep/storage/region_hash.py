@@ -38,11 +38,12 @@ from .base import checksum
 __all__ = ["RegionHasher", "HASH_THREADS", "hash_ranges", "reopened"]
 
 _MAIN = "import sys; from everystep.storage.region_hash import main; sys.exit(main(sys.argv[1:]))"
-HASH_THREADS = max(1, min(12, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2)
-                            * 3 // 4))
-"""The threads of a pool that hashes a slot (:func:`hash_ranges`), beside the thread that asks: half
-the cores this process may run on, up to 8 (one on two cores; on a GPU's host, whose cores the step
-leaves idle, a slot of 4 GB is hashed at the memory's speed, not one core's)."""
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+HASH_THREADS = max(1, min(12, _CORES * 3 // 4))
+"""The threads of a pool that hashes a slot (:func:`hash_ranges`), beside the thread that asks: three
+quarters of the cores this process may run on, up to 12 (one on two cores; on a GPU's host, whose
+cores the step leaves idle, a slot of 4 GB is hashed at the memory's speed, not one core's: on an
+H200's host one thread hashed 8.3 GB/s, twelve 71)."""
 
 
 def reopened(fd: int, path: str) -> int:
