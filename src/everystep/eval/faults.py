@@ -2,8 +2,9 @@
 
 A planned kill is armed after a commit: at the start of the step it is planned for, every rank first
 waits for the checkpoints already started and records what is recoverable, then for every other
-rank to have done so (``settle``), so that what a restart must recover is known before the kill (the checkpoint of the step before is still to be written, and is in flight when the
-kill lands later in the step).
+rank to have done so (``settle``), so that what a restart must recover is known before the kill
+(the checkpoint of the step before is still to be written, and is in flight when the kill lands
+later in the step).
 """
 
 from __future__ import annotations

@@ -359,12 +359,12 @@ class LightCheck(Strategy):
         assert self.region is not None
         sums: dict[str, str] = {}
         t0 = time.perf_counter()
-        # On CUDA each part once its copies are in, the rest still moving; on the CPU the copies are
-        # all in before the commit starts: one question for the whole slot
-        for i, part in enumerate(order.parts if copy.part_events else [None]):
-            if i < len(copy.part_events):
-                copy.part_events[i].synchronize()
-            sums.update(self.region.checksums(writer, part))
+        if copy.part_events:  # CUDA: each part once its copies are in, the rest still moving
+            for part, event in zip(order.parts, copy.part_events, strict=True):
+                event.synchronize()
+                sums.update(self.region.checksums(writer, part))
+        else:  # the CPU's copies are all in before the commit starts: one question for the whole slot
+            sums = self.region.checksums(writer)
         self.hash_seconds.append(time.perf_counter() - t0)
         if copy.events:
             copy.events[-1].synchronize()
