@@ -420,3 +420,30 @@ def test_boxes_that_do_not_tile_their_tensor_once_are_refused_before_anything_is
     assert _check_parts(good) == good
     with pytest.raises(ValueError, match=why):
         _check_parts([{"pieces": {}, "boxes": {"/model/w": box}, "meta": {}} for box in boxes])
+
+
+def test_a_box_that_is_all_this_rank_reads_of_its_tensor_is_taken_as_read_and_a_view_is_copied():
+    import torch
+
+    from everystep.storage.sharded import _Boxes
+
+    whole = torch.arange(12.0).view(4, 3)
+    boxes = _Boxes({})  # (no live DTensor: every tensor is read whole)
+    boxes.add("/model/w", [0, 0], whole, [4, 3])
+    buffer = torch.arange(20.0)
+    boxes.add("/model/v", [0], buffer[2:8], [6])  # (a view of a larger buffer: copied out of it)
+    halves = torch.arange(12.0).view(4, 3)
+    boxes.add("/model/u", [0, 0], halves[:2].clone(), [4, 3])
+    boxes.add("/model/u", [2, 0], halves[2:].clone(), [4, 3])
+    found = boxes.finish()
+    assert found["/model/w"].data_ptr() == whole.data_ptr()  # (no second copy of the bytes read)
+    assert found["/model/v"].data_ptr() != buffer.data_ptr() + 2 * 4
+    assert torch.equal(found["/model/v"], buffer[2:8])
+    buffer.zero_()
+    assert torch.equal(found["/model/v"], torch.arange(2.0, 8.0))  # (its own memory)
+    assert torch.equal(found["/model/u"], halves)
+    again = _Boxes({})
+    again.add("/model/w", [0, 0], whole, [4, 3])
+    again.add("/model/w", [2, 0], whole[2:].clone(), [4, 3])  # (a box that covers rows read already)
+    with pytest.raises(ValueError, match="fill"):
+        again.finish()

@@ -311,6 +311,9 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
             if piece is None or piece.numel() != end - start:
                 raise CorruptCheckpointError(f"{what}: the part of rank {r} lacks elements {start}:{end} of {key!r}")
             whole = flat.get(key)
+            if whole is None and start == 0 and end == math.prod(shape) and _own(piece):
+                flat[key], tensors[key] = piece, piece.view(shape)  # (one part holds it all: taken, not copied)
+                continue
             if whole is None:
                 whole = flat[key] = torch.empty(math.prod(shape), dtype=piece.dtype)
                 tensors[key] = whole.view(shape)
@@ -370,6 +373,9 @@ class _Boxes:
         """Copy what of ``box`` (at ``offsets`` in the whole) this rank reads."""
         at, sizes = self._target(key, shape)
         out = self._out.get(key)
+        if out is None and offsets == at and list(box.shape) == sizes and _own(box):
+            self._out[key], self._filled[key] = box, box.numel()  # (the box is what this rank reads: taken, not copied)
+            return
         if out is None:
             out = self._out[key] = torch.empty(sizes, dtype=box.dtype)
             self._filled[key] = 0
@@ -391,6 +397,12 @@ class _Boxes:
                 raise ValueError(f"the parts fill {self._filled[key]} of the {out.numel()} elements of {key!r} read here")
             found[key] = shard_like(out, self.shards[key]) if key in self._placed else out
         return found
+
+
+def _own(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the whole of its storage, laid out in order (an object's tensor as read, not a
+    view of a larger buffer): a read can then hand it on as it is instead of copying it."""
+    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def _overlap(offsets: list[int], sizes: list[int], at: list[int], wanted: list[int]) -> tuple[list[int], list[int]] | None:
