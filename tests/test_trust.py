@@ -141,6 +141,43 @@ def test_a_malicious_metadata_in_a_dcp_directory_is_refused_and_recovery_falls_b
     assert not (tmp_path / "pwned").exists()
 
 
+def test_a_dcp_metadata_that_names_a_file_outside_its_checkpoint_is_refused_and_recovery_falls_back(tmp_path):
+    """A re-signed ``.metadata`` of step 3 that sends DCP's reads to step 2's data file: loaded, it
+    would give step 2's tensors as step 3's. DCP opens only the checkpoint's own files, verified."""
+    import dataclasses
+
+    _checkpoints(tmp_path / "d", 3, "dcp")
+    objects = tmp_path / "d" / "objects"
+    metadata = load_metadata(objects / "full-000000000003.dcp" / ".metadata")
+    [elsewhere] = (objects / "full-000000000002.dcp").glob("*.distcp")
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=f"../{elsewhere.parent.name}/{elsewhere.name}")
+                             for index, info in metadata.storage_data.items()}
+    _poison_dcp(tmp_path / "d", 3, pickle.dumps(metadata))
+    w = build("mlp", seed=0)
+    with pytest.warns(UserWarning, match="skipping the checkpoint at step 3: .*not one of the checkpoint's files"):
+        with Checkpointer(tmp_path / "d", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                          strategy="full_sync", full_format="dcp", final=False) as ckpt:
+            assert ckpt.restore() == 2
+
+
+def test_a_dcp_checkpoint_is_read_once_and_dcp_reads_only_verified_bytes(tmp_path, monkeypatch):
+    """Each of the checkpoint's files is read from storage once, whole, verified; DCP reads its
+    items from those bytes in memory and opens no file itself."""
+    from pathlib import Path as P
+
+    _checkpoints(tmp_path / "d", 3, "dcp")
+    opened: list[str] = []
+    real_open = P.open
+    monkeypatch.setattr(P, "open", lambda self, *a, **k: (opened.append(self.name), real_open(self, *a, **k))[1])
+    w = build("mlp", seed=0)
+    with Checkpointer(tmp_path / "d", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
+                      strategy="full_sync", full_format="dcp", final=False) as ckpt:
+        assert ckpt.restore() == 3
+        manifest = Manifest.from_bytes((tmp_path / "d" / "manifests" / "full-000000000003.json").read_bytes())
+        assert ckpt.directory.catalog.bytes_read == sum(info.nbytes for info in manifest.objects.values())
+    assert not [name for name in opened if name.endswith(".distcp") or name == ".metadata"]
+
+
 def test_messages_are_json_and_a_pickle_on_the_socket_is_refused_without_running(tmp_path):
     a, b = connection.Pipe()
     layout = TensorLayout.of({"x": torch.zeros(3, dtype=torch.bfloat16), "y": torch.zeros(2, 2)})

@@ -10,8 +10,11 @@ that differs per rank is stored under ``rank<R>/…``.
 
 Commit follows the store's rules: DCP writes into ``objects/.tmp-full-<step>.dcp/``; each rank
 checksums the files it wrote; rank 0 renames the directory into place and commits a manifest
-naming every file with its checksum. Loading verifies every file against the manifest before DCP
-reads any of them.
+naming every file with its checksum. Loading reads each file once: DCP reads from the file's bytes
+in memory, read whole and verified against the manifest when it opens the file (it cannot open a
+file the manifest does not name), into buffers of the restore's own; every other file of the
+checkpoint is verified too, so that every rank agrees on whether it loads, before the live objects
+are touched.
 
 DCP keeps its own metadata file (``.metadata``) in pickle form. A checksum proves nothing against
 someone who can write the directory (they can recompute it), so everystep never unpickles that
@@ -22,17 +25,20 @@ import a callable — is refused before it can run.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
+import os
 import pickle
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..errors import CorruptCheckpointError
@@ -71,11 +77,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
 
 
-def load_metadata(path: Path) -> Metadata:
-    """Read a DCP ``.metadata`` file without running code from it; raises CorruptCheckpointError
-    when it names anything but DCP's metadata types."""
+def load_metadata(path: Path, data: bytes | bytearray | None = None) -> Metadata:
+    """Read a DCP ``.metadata`` file (``data``: its bytes, read already) without running code from
+    it; raises CorruptCheckpointError when it names anything but DCP's metadata types."""
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes() if data is None else data)).load()
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
             KeyError) as e:
         raise CorruptCheckpointError(f"DCP metadata {path} was refused: {e}") from None
@@ -84,12 +90,82 @@ def load_metadata(path: Path) -> Metadata:
     return metadata
 
 
-class _Reader(dcp.FileSystemReader):
-    """DCP's file reader, with the metadata read by :func:`load_metadata`."""
+class _InMemory(io.RawIOBase):
+    """A file's bytes in memory as the seekable stream DCP's reader reads them from (``io.BytesIO``
+    would copy them first)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, data: bytearray) -> None:
+        super().__init__()
+        self._data, self._at = memoryview(data), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._data)}[whence]
+        if base + offset < 0:
+            raise ValueError(f"seek to {base + offset}, before the start")
+        self._at = base + offset
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        got = self._data[self._at:self._at + len(memoryview(buffer).cast("B"))]
+        memoryview(buffer).cast("B")[:len(got)] = got
+        self._at += len(got)
+        return len(got)
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self._data) if size is None or size < 0 else self._at + size
+        got = bytes(self._data[self._at:end])
+        self._at += len(got)
+        return got
+
+
+class _VerifiedFiles(FileSystem):
+    """The files of one DCP checkpoint, as DCP's reader opens them: each read whole, once, and
+    verified against the manifest before DCP reads a byte of it; a path that is not one of the
+    checkpoint's files (the metadata names the files: ``../`` or an absolute path) is refused. The
+    first refusal is kept in :attr:`error` (DCP wraps what its reads raise in an error of its own)."""
+
+    def __init__(self, catalog: Catalog, directory: Path, files: dict[str, ObjectInfo]) -> None:
+        super().__init__()
+        self._catalog, self._directory, self.files = catalog, directory, files
+        self.opened: set[str] = set()
+        self.error: CorruptCheckpointError | None = None
+
+    def read(self, name: str) -> bytearray:
+        """The bytes of the checkpoint's file ``name``, verified."""
+        self.opened.add(name)
+        return self._catalog.read_object(self.files[name])
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        path = Path(path)
+        try:
+            if mode != "rb" or path.parent != self._directory or path.name not in self.files:
+                raise CorruptCheckpointError(f"the DCP metadata of {self._directory.name} names {path}, which is not "
+                                             "one of the checkpoint's files")
+            data = self.read(path.name)
+        except CorruptCheckpointError as e:
+            self.error = self.error or e
+            raise
+        yield _InMemory(data)
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader over :class:`_VerifiedFiles`, with the metadata read by :func:`load_metadata`
+    from its verified bytes."""
+
+    def __init__(self, path: Path, files: _VerifiedFiles) -> None:
         super().__init__(path)
-        self._metadata = load_metadata(path / ".metadata")
+        self.fs = files
+        self._metadata = load_metadata(path / ".metadata", files.read(".metadata"))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if getattr(self._metadata, "storage_meta", None) is None:
@@ -175,10 +251,11 @@ def read_dcp(catalog: Catalog, manifest: Manifest, rank: int, *, shards: Mapping
     names = {info.name.split("/", 1)[0] for info in manifest.objects.values()}
     if len(names) != 1:
         raise CorruptCheckpointError(f"checkpoint {manifest.name} names files in several directories")
-    for info in manifest.objects.values():
-        catalog.read_object(info)  # size and checksum, before DCP reads anything
     directory = catalog.object_path(names.pop())
-    reader = _Reader(directory)
+    files = _VerifiedFiles(catalog, directory, {info.name.partition("/")[2]: info for info in manifest.objects.values()})
+    if ".metadata" not in files.files:
+        raise CorruptCheckpointError(f"checkpoint {manifest.name} lacks DCP's .metadata")
+    reader = _Reader(directory, files)
     own = _rank_key(mine, "")
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for key, md in reader.read_metadata().state_dict_metadata.items():
@@ -199,9 +276,16 @@ def read_dcp(catalog: Catalog, manifest: Manifest, rank: int, *, shards: Mapping
         like = shards.get(key[len(own):] if key.startswith(own + "/") else key)
         template[key] = torch.empty_like(like, dtype=dtype) if like is not None and tuple(like.shape) == size \
             else torch.empty(size, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(template, storage_reader=reader, no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(template, storage_reader=reader, no_dist=True)
+    except BaseException as e:  # (DCP's CheckpointException, which wraps what the reads raised, is a BaseException)
+        if files.error is not None and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise files.error from None
+        raise
+    for name in sorted(set(files.files) - files.opened):  # (so that every rank refuses a damaged checkpoint alike)
+        files.read(name)
     tensors = {(k[len(own):] if k.startswith(own + "/") else k): t for k, t in template.items()}
     for key in [k for k in tensors if k.startswith("rank")]:  # (ZeRO-1: another rank's optimizer state)
         tensors.setdefault(_OTHER_RANKS_OPTIMIZER.fullmatch(key)[1], tensors.pop(key))
