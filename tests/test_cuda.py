@@ -299,3 +299,26 @@ def test_gockpt_on_the_gpu_keeps_its_spread_checkpoints_in_the_memory_tier_and_b
     assert [r["source"] for r in got["recoveries"]] == ["memory (parts brought forward on cuda:0)"] * 2
     assert got["losses"] == ref["losses"]
     assert got["final_state_sha256"] == ref["final_state_sha256"]
+
+
+@gpu
+def test_a_restore_on_the_gpu_moves_the_optimizers_state_from_the_slot_to_the_device_and_keeps_nothing_there(
+        tmp_path, shm):
+    """LightCheck's restore of a GPU-trained model reads the optimizer's state out of its slot as
+    views, which the optimizer's load copies onto the GPU: the state lands there bitwise, and no
+    tensor of the optimizer is left pointing into the slot (the step counters were copied out)."""
+    w = build("gpt2-tiny", seed=0, optimizer="adamw", device="cuda")
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="lightcheck",
+                      region=str(shm / "rank-{rank}.bin"), persist_every=0) as ckpt:
+        loop(w, ckpt, ckpt.restore(), 4)
+    fresh = build("gpt2-tiny", seed=0, optimizer="adamw", device="cuda")
+    with Checkpointer(tmp_path / "c", fresh.model, fresh.optimizer, scheduler=fresh.scheduler, data=fresh.data,
+                      strategy="lightcheck", region=str(shm / "rank-{rank}.bin"), persist_every=0, final=False) as again:
+        assert again.restore() == 4 and again.recovered.source == "region"
+        trained, restored = w.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
+        assert restored.keys() == trained.keys()
+        for index, entries in restored.items():
+            for name, t in entries.items():
+                assert torch.equal(t.cpu(), trained[index][name].cpu()), (index, name)
+                assert t.device.type == ("cpu" if name == "step" else "cuda"), (index, name)
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), "a tensor of its own"

@@ -393,3 +393,29 @@ def test_a_clean_close_persists_the_step_restored_from_memory_and_leaves_no_regi
     with attach(make("mlp", 0), tmp_path / "empty", **options) as nothing:  # (nothing trained, nothing kept)
         nothing.restore()
     assert not memory_path(tmp_path / "empty", None, 0, 1).exists()
+
+
+def test_a_region_read_hands_on_as_views_only_the_optimizer_state_that_its_load_copies_onto_a_gpu():
+    """Which optimizer entries a restore may read out of a slot without a copy: those of parameters
+    on a device (``meta`` stands for a GPU here), not step counters, and only where the optimizer's
+    load is torch's own — which moves each such entry to its parameter's device, a copy. A tensor
+    that stays on the host would otherwise keep pointing into the slot."""
+    from everystep.state import replaces_state
+    from everystep.strategies.context import LiveShards
+
+    on_host, on_device = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")
+    optimizer = torch.optim.AdamW([*on_host.parameters(), *on_device.parameters()])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    live = LiveShards({}, params, {}, onto_devices=replaces_state(optimizer))
+    assert [live.moved_by_load(f"/optimizer/state/{i}/exp_avg") for i in range(4)] == [False, False, True, True]
+    assert not live.moved_by_load("/optimizer/state/2/step")
+    assert not live.moved_by_load("/optimizer/state/4/exp_avg")  # (no such parameter)
+    assert not live.moved_by_load("/model/weight")
+
+    class OwnLoad(torch.optim.AdamW):
+        def load_state_dict(self, state_dict):  # (may keep the tensors it is given)
+            super().load_state_dict(state_dict)
+
+    own = OwnLoad(params)
+    assert not replaces_state(own)
+    assert not LiveShards({}, params, {}, onto_devices=replaces_state(own)).moved_by_load("/optimizer/state/2/exp_avg")

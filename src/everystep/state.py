@@ -29,6 +29,7 @@ __all__ = [
     "restore_rng",
     "group_scalars",
     "owned",
+    "replaces_state",
 ]
 
 
@@ -165,7 +166,7 @@ class TrainingComponents:
         optimizer whose ``load_state_dict`` is torch's, which replaces its state and groups without
         writing into the tensors they held."""
         state = optimizer_state(self.optimizer)
-        saved: dict[str, Any] = {"optimizer": state if _replaces_state(self.optimizer) else _host_copy(state),
+        saved: dict[str, Any] = {"optimizer": state if replaces_state(self.optimizer) else _host_copy(state),
                                  "rng": capture_rng()}
         if model:
             saved["model"] = _host_copy(self.module.state_dict())
@@ -278,7 +279,7 @@ def _copy_into(live: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -
                   lambda i: targets[i][0].copy_(targets[i][1]), 2)
 
 
-def _replaces_state(optimizer: torch.optim.Optimizer) -> bool:
+def replaces_state(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.load_state_dict`` is torch's own (or :class:`~everystep.OptimizerInBackward`'s,
     which calls it), with no hook of the user's around it: it puts new state and groups in place and
     never writes into the tensors the old ones held."""

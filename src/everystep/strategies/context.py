@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..distributed import Ranks
-from ..state import TrainingComponents, zero_redundancy
+from ..state import TrainingComponents, replaces_state, zero_redundancy
 from ..parallelism import shard_like, sharded_layout
 from ..tree import OPTIMIZER_STATE_ENTRY, flatten, local_shard
 from ..layout import TensorLayout
@@ -80,11 +80,21 @@ class LiveShards(Mapping[str, torch.Tensor]):
     parameter is a DTensor: ``/optimizer/state/<i>/<name>`` as the i-th parameter over the groups, the
     index ``optimizer.state_dict()`` gives it. A reader places an entry so only where its shape is
     the parameter's (``exp_avg``, not a step counter). :attr:`shapes`: the shape of each tensor of
-    the live flat state (of a DTensor, its local shard's)."""
+    the live flat state (of a DTensor, its local shard's). ``onto_devices``: the optimizer's load is
+    torch's own (:meth:`moved_by_load`)."""
 
     def __init__(self, live: dict[str, torch.Tensor], params: list[torch.Tensor],
-                 shapes: dict[str, tuple[int, ...]]) -> None:
-        self._live, self._params, self.shapes = live, params, shapes
+                 shapes: dict[str, tuple[int, ...]], *, onto_devices: bool = False) -> None:
+        self._live, self._params, self.shapes, self._onto_devices = live, params, shapes, onto_devices
+
+    def moved_by_load(self, key: str) -> bool:
+        """Whether a restore's load copies the stored tensor of ``key`` onto a device, so that a read
+        may hand it on as a view of where it lies: an entry of the optimizer's state other than its
+        step counter whose parameter is on a GPU, the optimizer's load being torch's own (which moves
+        each such entry to its parameter's device, a copy, and keeps a step counter as it is)."""
+        found = OPTIMIZER_STATE_ENTRY.fullmatch(key) if self._onto_devices else None
+        return found is not None and not key.endswith("/step") and int(found[1]) < len(self._params) \
+            and self._params[int(found[1])].device.type != "cpu"
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self._live:
@@ -162,7 +172,8 @@ class StrategyContext:
         including the optimizer state that does not exist yet (:class:`LiveShards`)."""
         tensors, _ = self.flatten_state(0)
         params = [p for group in self.components.optimizer.param_groups for p in group["params"]]
-        return LiveShards(dict(self._sharded), params, {k: tuple(t.shape) for k, t in tensors.items()})
+        return LiveShards(dict(self._sharded), params, {k: tuple(t.shape) for k, t in tensors.items()},
+                          onto_devices=replaces_state(self.components.optimizer))
 
     @property
     def full_format(self) -> str:
