@@ -283,3 +283,25 @@ def test_the_restore_speed_tool_times_each_strategys_restore_beside_torch_load(t
     spec.loader.exec_module(tool)
     found = tool.restore_seconds("mlp", ["checkfreq", "lightcheck"], repeats=1, root=tmp_path)
     assert set(found) == {"checkfreq", "lightcheck", "torch.load"} and all(s > 0 for s in found.values())
+
+
+def test_full_format_sets_how_every_strategy_that_stores_writes_and_the_run_says_which():
+    """``--full-format dcp``: every everystep strategy that stores writes DCP's format (a baseline
+    and ``none`` are left as they are), recovers from it, and the run's JSON names the format; a
+    strategy that cannot write it, a value that is no format, and a trainer run are refused."""
+    from everystep.errors import ConfigError
+
+    cfg = BenchConfig(workload="mlp", strategies=("torch_save", "checkfreq"), full_format="dcp",
+                      steps=4, warmup=1, repeats=1, every=1)
+    assert cfg.options == {"checkfreq": {"full_format": "dcp"}}
+    runs = {r["strategy"]: r for r in run_bench(cfg, progress=False)}
+    assert runs["checkfreq"]["full_format"] == "dcp"
+    assert runs["checkfreq"]["recovery_error"] == 0.0 and runs["checkfreq"]["resumes_bitwise"]
+    default = BenchConfig(workload="mlp", strategies=("checkfreq",), steps=3, warmup=1, repeats=1, every=1)
+    assert {r["strategy"]: r for r in run_bench(default, progress=False)}["checkfreq"]["full_format"] == "safetensors"
+    with pytest.raises(ConfigError, match="--full-format dcp: lowdiff_plus"):
+        BenchConfig(strategies=("lowdiff_plus",), full_format="dcp")
+    with pytest.raises(ConfigError, match="--full-format must be"):
+        BenchConfig(strategies=("checkfreq",), full_format="zip")
+    with pytest.raises(ConfigError, match="--full-format"):
+        BenchConfig(trainer="lightning", workload="native", strategies=("checkfreq",), full_format="dcp")

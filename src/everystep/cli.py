@@ -126,7 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             compress=args.compress, options=options, device=args.device,
                             scratch=args.scratch, in_backward=args.in_backward, trainer=args.trainer, nproc=args.nproc,
                             parallel=args.parallel, remote=args.remote, peers=args.peers, samples=args.samples,
-                            memory=args.memory)
+                            memory=args.memory, full_format=args.full_format)
     if args.trainer:
         if args.region_layout or args.max_frequency or args.plot:
             raise ConfigError("--trainer takes none of --region-layout, --max-frequency, --plot")
@@ -390,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "loopback (default 1); each rank's bytes written are reported")
     b.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp", "zero1"], default="ddp",
                    help="how the ranks hold the state, as for train (default ddp)")
+    b.add_argument("--full-format", choices=["safetensors", "dcp"], help="how every everystep strategy that stores "
+                   "writes its full checkpoints, as for train (default: each strategy's own, dcp under fsdp or hsdp)")
     b.add_argument("--remote", metavar="s3://BUCKET/PREFIX", help="also run each strategy that stores with the remote "
                    "tier on (as STRATEGY+remote), and compare the upload throughput with boto3's own upload")
     b.add_argument("--peers", action="store_true", help="also run each strategy that mirrors to peers with peers=True "

@@ -65,6 +65,9 @@ class BenchConfig:
     integration (:mod:`everystep.eval.trainers`); ``none`` is the trainer alone."""
     nproc: int = 1
     """Ranks per run (processes on this machine, a gloo or NCCL group on loopback)."""
+    full_format: str | None = None
+    """``safetensors`` or ``dcp``: how every everystep strategy that stores writes its full
+    checkpoints (None: each strategy's own default for the layout)."""
     remote: str | None = None
     """An ``s3://bucket/prefix``: each everystep strategy that stores is also run with the remote tier
     on (as ``<strategy>+remote``, each run under a prefix of its own there)."""
@@ -106,6 +109,8 @@ class BenchConfig:
         if needs and not self.compress:
             raise ConfigError(f"{', '.join(needs)} reuses compressed gradients: give --compress (applied to every "
                               "strategy)")
+        if self.full_format is not None:
+            self._set_full_format()
         if self.remote is not None:
             self._add_remote()
         if self.peers:
@@ -122,11 +127,26 @@ class BenchConfig:
             raise ConfigError(f"--trainer runs the workloads {', '.join(TRAINER_WORKLOADS)} (native: the trainer's own "
                               f"small model), not {self.workload!r}")
         unable = [s for s in self.strategies if s not in STRATEGIES or not STRATEGIES[s].needs_store and s != "none"]
-        if unable or self.compress or self.in_backward or self.device != "cpu" or self.options or self.samples:
+        if unable or self.compress or self.in_backward or self.device != "cpu" or self.options or self.samples \
+                or self.full_format:
             raise ConfigError("--trainer compares everystep strategies on the CPU, without --compress, --in-backward, "
-                              f"--option, --samples or peers{' (not ' + ', '.join(unable) + ')' if unable else ''}")
+                              "--option, --samples, --full-format or peers"
+                              f"{' (not ' + ', '.join(unable) + ')' if unable else ''}")
         if self.every is None:
             self.every = 1  # what the integrations are for
+
+    def _set_full_format(self) -> None:
+        """Give every everystep strategy that stores ``full_format`` (a Checkpointer argument, passed
+        as its options are)."""
+        if self.full_format not in ("safetensors", "dcp"):
+            raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
+        stores = [s for s in self.strategies if s in STRATEGIES and STRATEGIES[s].needs_store]
+        unable = [s for s in stores if self.full_format not in STRATEGIES[s].full_formats]
+        if unable:
+            raise ConfigError(f"--full-format {self.full_format}: {', '.join(unable)} write(s) no such full checkpoints "
+                              "(leave them out, or the flag)")
+        for s in stores:
+            self.options[s] = {**self.options.get(s, {}), "full_format": self.full_format}
 
     def _add_remote(self) -> None:
         from ..storage.s3 import parse_url

@@ -260,6 +260,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "bytes_per_step": bytes_measured / (steps - warmup),
             "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "peak_device_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+            "full_format": ckpt.directory.full_format if ckpt.directory is not None else None,
             "lost_steps_software": max(lost_sw),
             "lost_steps_hardware": max(lost_hw),
             "recovery_seconds_disk": None,
