@@ -194,6 +194,19 @@ MUTATIONS = (
         after="            last = at[e.key]\n",
         tests=("tests/test_lightcheck.py::test_the_slot_is_hashed_in_parts_each_after_every_copy_it_needs",),
     ),
+    Mutation(
+        name="dcp-any-file",
+        what="DCP reads whatever file its metadata names, from disk, unverified",
+        path="src/everystep/storage/dcp.py",
+        before="            if mode != \"rb\" or path.parent != self._directory or path.name not in self.files:\n"
+               "                raise CorruptCheckpointError(f\"the DCP metadata of {self._directory.name} names {path}, "
+               "which is not \"\n                                             \"one of the checkpoint's files\")\n"
+               "            data = self.read(path.name)\n",
+        after="            data = bytearray(path.read_bytes())\n",
+        tests=("tests/test_trust.py::test_a_dcp_metadata_that_names_a_file_outside_its_checkpoint_is_refused_and_"
+               "recovery_falls_back", "tests/test_trust.py::test_a_dcp_checkpoint_is_read_once_and_dcp_reads_only_"
+               "verified_bytes"),
+    ),
 )
 
 
