@@ -419,4 +419,3 @@ def _main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1:])
-

@@ -381,4 +381,3 @@ def forked(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     print(json.dumps(measure(json.loads(sys.argv[1]))))
-

@@ -92,18 +92,20 @@ class LiveShards(Mapping[str, torch.Tensor]):
         may hand it on as a view of where it lies: an entry of the optimizer's state other than its
         step counter whose parameter is on a GPU, the optimizer's load being torch's own (which moves
         each such entry to its parameter's device, a copy, and keeps a step counter as it is)."""
-        found = OPTIMIZER_STATE_ENTRY.fullmatch(key) if self._onto_devices else None
-        return found is not None and not key.endswith("/step") and int(found[1]) < len(self._params) \
-            and self._params[int(found[1])].device.type != "cpu"
+        param = self._parameter(key) if self._onto_devices and not key.endswith("/step") else None
+        return param is not None and param.device.type != "cpu"
+
+    def _parameter(self, key: str) -> torch.Tensor | None:
+        """The parameter whose optimizer state entry ``key`` is, or None for another key."""
+        found = OPTIMIZER_STATE_ENTRY.fullmatch(key)
+        return self._params[int(found[1])] if found is not None and int(found[1]) < len(self._params) else None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self._live:
             return self._live[key]
-        found = OPTIMIZER_STATE_ENTRY.fullmatch(key)
-        if found is not None and int(found[1]) < len(self._params):
-            param = self._params[int(found[1])]
-            if local_shard(param) is not param:
-                return param
+        param = self._parameter(key)
+        if param is not None and local_shard(param) is not param:
+            return param
         raise KeyError(key)
 
     def __iter__(self) -> Iterator[str]:
