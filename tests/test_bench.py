@@ -55,16 +55,21 @@ def test_the_summary_gives_what_each_recovery_read_its_rate_and_its_memory_above
     for r, (seconds, extra, mapped) in enumerate([(0.5, 300 << 20, 0), (1.0, 100 << 20, 90 << 20),
                                                   (0.25, 200 << 20, 0)]):
         runs.append({**_run(r, "checkfreq", 0.011), "recovery_seconds_disk": seconds, "recovery_bytes_read": 10**9,
-                     "recovery_peak_extra_bytes": extra, "recovery_mapped_bytes": mapped})
+                     "recovery_peak_extra_bytes": extra, "recovery_mapped_bytes": mapped,
+                     "recovery_new_memory_seconds": seconds / 10})
         runs.append({**_run(r, "lightcheck", 0.011), "recovery_seconds_memory": seconds, "recovery_bytes_read": 10**9,
-                     "recovery_peak_extra_bytes": extra + (100 << 20), "recovery_mapped_bytes": 150 << 20})
+                     "recovery_peak_extra_bytes": extra + (100 << 20), "recovery_mapped_bytes": 150 << 20,
+                     "recovery_new_memory_seconds": seconds / 5})
     summary = summarise(runs)
     assert summary["checkfreq"]["recovery_gb_per_s"] == pytest.approx(2.0)  # median of 2, 1 and 4 GB/s
     assert summary["checkfreq"]["recovery_peak_extra_bytes"] == 300 << 20  # the most of the repeats
     assert summary["checkfreq"]["recovery_mapped_bytes"] == 0  # (that repeat's)
+    assert summary["checkfreq"]["recovery_new_memory_seconds"] == pytest.approx(0.05)  # (and its fill)
     assert summary["none"]["recovery_gb_per_s"] is None
-    assert recovery_reads(summary) == ("checkfreq 954 MiB at 2.00 GB/s, +300 MiB; "
-                                       "lightcheck 954 MiB at 2.00 GB/s, +400 MiB (150 MiB of it the region's pages mapped)")
+    assert recovery_reads(summary) == (
+        "checkfreq 954 MiB at 2.00 GB/s, +300 MiB, 300 MiB of new memory filled alone in 0.050 s; "
+        "lightcheck 954 MiB at 2.00 GB/s, +400 MiB (150 MiB of it the region's pages mapped), "
+        "250 MiB of new memory filled alone in 0.100 s")
 
 
 def test_the_demo_lists_each_strategy_s_wait_per_checkpoint_from_the_least_against_the_step():
@@ -104,6 +109,8 @@ def test_bench_cli_writes_json_with_machine_info_and_a_figure(tmp_path, capsys):
 
     full = report["summary"]["full_sync"]  # its recovery read the last checkpoint (state, RNG, header) once
     assert state_bytes("mlp") <= full["recovery_bytes_read"] < 2 * state_bytes("mlp") and full["recovery_gb_per_s"] > 0
+    # (and the new memory it took, filled again by the process alone: the machine's cost of those pages)
+    assert (full["recovery_new_memory_seconds"] > 0) == bool(full["recovery_peak_extra_bytes"])
     assert "recovery read (median" in stdout and "full_sync " in stdout.split("recovery read (median")[1]
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sim = tmp_path / "s.json"

@@ -143,8 +143,8 @@ class BenchConfig:
         stores = [s for s in self.strategies if s in STRATEGIES and STRATEGIES[s].needs_store]
         unable = [s for s in stores if self.full_format not in STRATEGIES[s].full_formats]
         if unable:
-            raise ConfigError(f"--full-format {self.full_format}: {', '.join(unable)} write(s) no such full checkpoints "
-                              "(leave them out, or the flag)")
+            raise ConfigError(f"--full-format {self.full_format}: {', '.join(unable)} cannot write full checkpoints "
+                              f"in {self.full_format!r} (leave {'them' if len(unable) > 1 else 'it'} out, or the flag)")
         for s in stores:
             self.options[s] = {**self.options.get(s, {}), "full_format": self.full_format}
 

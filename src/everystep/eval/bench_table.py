@@ -134,19 +134,21 @@ def markdown_table(summary: dict[str, dict[str, Any]], spread: float | None = No
     return "\n".join(rows)
 
 
-def _peak_extra(runs: list[dict[str, Any]]) -> dict[str, int | None]:
-    """The most memory a restore took beyond what the process held, over the repeats, and the bytes of
-    a region's slots it mapped in that repeat (pages in memory before the restore, resident while
-    mapped: counted in the peak)."""
+def _peak_extra(runs: list[dict[str, Any]]) -> dict[str, int | float | None]:
+    """The most memory a restore took beyond what the process held, over the repeats, the bytes of a
+    region's slots it mapped in that repeat (pages in memory before the restore, resident while
+    mapped: counted in the peak), and how long filling the rest as new memory took that process."""
     measured = [r for r in runs if r.get("recovery_peak_extra_bytes") is not None]
     most = max(measured, key=lambda r: r["recovery_peak_extra_bytes"], default={})
     return {"recovery_peak_extra_bytes": most.get("recovery_peak_extra_bytes"),
-            "recovery_mapped_bytes": most.get("recovery_mapped_bytes")}
+            "recovery_mapped_bytes": most.get("recovery_mapped_bytes"),
+            "recovery_new_memory_seconds": most.get("recovery_new_memory_seconds")}
 
 
 def recovery_reads(summary: dict[str, dict[str, Any]]) -> str:
     """What each strategy's recovery read, how fast and with how much memory above what the process
-    held, as a line (empty where no run counted its reads)."""
+    held, and how long the process then took to fill as much memory new to it, the restore aside (what
+    those pages cost on the machine), as a line (empty where no run counted its reads)."""
     parts = []
     for name, s in summary.items():
         read, rate, extra = s.get("recovery_bytes_read"), s.get("recovery_gb_per_s"), s.get("recovery_peak_extra_bytes")
@@ -154,5 +156,7 @@ def recovery_reads(summary: dict[str, dict[str, Any]]) -> str:
             said = f"{read / 2**20:.0f} MiB at {rate:.2f} GB/s" if read and rate else "reads not counted"
             mapped = s.get("recovery_mapped_bytes")
             of_it = f" ({mapped / 2**20:.0f} MiB of it the region's pages mapped)" if mapped and mapped >= 2**20 else ""
-            parts.append(f"{name} {said}" + (f", +{extra / 2**20:.0f} MiB{of_it}" if extra is not None else ""))
+            fill, own = s.get("recovery_new_memory_seconds"), max(0, (extra or 0) - (mapped or 0))
+            new = f", {own / 2**20:.0f} MiB of new memory filled alone in {fill:.3f} s" if fill is not None else ""
+            parts.append(f"{name} {said}" + (f", +{extra / 2**20:.0f} MiB{of_it}{new}" if extra is not None else ""))
     return "; ".join(parts)

@@ -117,8 +117,20 @@ def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[
         region = tier.region if tier is not None else getattr(again.strategy, "region", None)
         mapped = region.bytes_read if region is not None else 0  # (its slots' pages, resident while mapped)
         read = again.directory.catalog.bytes_read + mapped
-    return seconds, recovered, fresh, again, {"recovery_bytes_read": read, "recovery_peak_extra_bytes": extra,
-                                              "recovery_mapped_bytes": mapped}
+        io = {"recovery_bytes_read": read, "recovery_peak_extra_bytes": extra, "recovery_mapped_bytes": mapped,
+              "recovery_new_memory_seconds": new_memory_seconds(max(0, extra - mapped) if extra is not None else None)}
+    return seconds, recovered, fresh, again, io
+
+
+def new_memory_seconds(nbytes: int | None) -> float | None:
+    """The seconds this process takes to fill ``nbytes`` of memory it does not hold yet, on one thread,
+    measured right after a restore that took as much: what those pages cost here (the kernel, and on a
+    virtual machine its host, providing them), apart from anything the restore did with them."""
+    if not nbytes:
+        return None
+    t0 = time.perf_counter()
+    torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    return time.perf_counter() - t0
 
 
 def peak_during(call: Any) -> tuple[Any, int | None]:
@@ -268,6 +280,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "recovery_bytes_read": None,
             "recovery_peak_extra_bytes": None,
             "recovery_mapped_bytes": None,
+            "recovery_new_memory_seconds": None,
             "recovery_error": None,
             "replay_seconds": None,
             "resumes_bitwise": None,
@@ -367,6 +380,7 @@ def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
             "lost_steps_software": max(lost), "lost_steps_hardware": max(lost),
             "recovery_seconds_disk": seconds, "recovery_seconds_memory": None, "recovery_bytes_read": None,
             "recovery_peak_extra_bytes": extra, "recovery_mapped_bytes": 0,
+            "recovery_new_memory_seconds": new_memory_seconds(extra),
             "recovery_error": state_error(_model_and_optimizer(fresh), live), "replay_seconds": None,
             **_resume_check(fresh, after),
         })
