@@ -123,8 +123,8 @@ def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[
 
 
 def new_memory_seconds(nbytes: int | None) -> float | None:
-    """The seconds this process takes to fill ``nbytes`` of memory it does not hold yet, on one thread,
-    measured right after a restore that took as much: what those pages cost here (the kernel, and on a
+    """The seconds this process takes to fill ``nbytes`` of memory it does not hold yet (on the run's
+    training threads, ``--threads``), measured right after a restore that took as much: what those pages cost here (the kernel, and on a
     virtual machine its host, providing them), apart from anything the restore did with them."""
     if not nbytes:
         return None
