@@ -117,9 +117,8 @@ def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[
         region = tier.region if tier is not None else getattr(again.strategy, "region", None)
         mapped = region.bytes_read if region is not None else 0  # (its slots' pages, resident while mapped)
         read = again.directory.catalog.bytes_read + mapped
-        io = {"recovery_bytes_read": read, "recovery_peak_extra_bytes": extra, "recovery_mapped_bytes": mapped,
-              "recovery_new_memory_seconds": new_memory_seconds(max(0, extra - mapped) if extra is not None else None)}
-    return seconds, recovered, fresh, again, io
+    return seconds, recovered, fresh, again, {"recovery_bytes_read": read, "recovery_peak_extra_bytes": extra,
+                                              "recovery_mapped_bytes": mapped}
 
 
 def new_memory_seconds(nbytes: int | None) -> float | None:
@@ -314,7 +313,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 result["recovery_seconds_memory"] = seconds
                 memory_path(Path(directory), options["region"], 0, 1).unlink()  # (the host lost)
             seconds, recovered, fresh, again, io = _recover(spec, directory, strategy, options)
-            result.update(io)
+            extra = io["recovery_peak_extra_bytes"]
+            result.update(io, recovery_new_memory_seconds=new_memory_seconds(
+                None if extra is None else max(0, extra - io["recovery_mapped_bytes"])))
             from_region = again.recovered is not None and again.recovered.source == "region"  # lightcheck's memory
             result["recovery_seconds_memory" if from_region else "recovery_seconds_disk"] = seconds
             if recovered != steps:
