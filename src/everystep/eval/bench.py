@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..distributed import free_port
 from ..errors import ConfigError, EverystepError
-from ..strategies import STRATEGIES
+from ..strategies import STRATEGIES, full_format_refusal
 from .bench_table import markdown_table, recovery_reads, reference_spread, summarise, summarise_trainer, trainer_table
 from .measure import base_strategy
 from .baselines import BASELINES
@@ -138,13 +138,10 @@ class BenchConfig:
     def _set_full_format(self) -> None:
         """Give every everystep strategy that stores ``full_format`` (a Checkpointer argument, passed
         as its options are)."""
-        if self.full_format not in ("safetensors", "dcp"):
-            raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
         stores = [s for s in self.strategies if s in STRATEGIES and STRATEGIES[s].needs_store]
-        unable = [s for s in stores if self.full_format not in STRATEGIES[s].full_formats]
-        if unable:
-            raise ConfigError(f"--full-format {self.full_format}: {', '.join(unable)} cannot write full checkpoints "
-                              f"in {self.full_format!r} (leave {'them' if len(unable) > 1 else 'it'} out, or the flag)")
+        refusal = full_format_refusal(stores, self.full_format, "drop --full-format, or those strategies from --strategies")
+        if refusal:
+            raise ConfigError(refusal)
         for s in stores:
             self.options[s] = {**self.options.get(s, {}), "full_format": self.full_format}
 

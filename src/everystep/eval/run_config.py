@@ -9,7 +9,7 @@ from typing import Any
 
 from ..compress import parse_spec
 from ..errors import ConfigError
-from ..strategies import STRATEGIES, create, default_full_format, sharded_refusal
+from ..strategies import STRATEGIES, create, default_full_format, full_format_refusal, sharded_refusal
 from .workloads import LAYOUT_OF, OPTIMIZERS, PARALLEL, WORKLOADS, check_device
 
 __all__ = ["TrainConfig", "usable_cores", "check_layout"]
@@ -81,11 +81,9 @@ class TrainConfig:
         strategy = STRATEGIES[self.strategy]
         if self.full_format is None:
             self.full_format = default_full_format(strategy, LAYOUT_OF[self.parallel])
-        if self.full_format not in ("safetensors", "dcp"):
-            raise ConfigError(f"--full-format must be safetensors or dcp, got {self.full_format!r}")
-        if self.full_format not in strategy.full_formats:
-            raise ConfigError(f"--strategy {self.strategy} writes no --full-format {self.full_format} "
-                              f"({strategy.full_formats_reason}): drop --full-format")
+        refusal = full_format_refusal([self.strategy], self.full_format, "drop --full-format")
+        if refusal:
+            raise ConfigError(refusal)
         if self.parallel != "ddp":
             self._check_sharded()
         if self.remote is not None and not strategy.needs_store:

@@ -19,7 +19,7 @@ from .lightcheck import LightCheck
 from .naive_diff import NaiveDiff
 from .none import NoCheckpoint
 
-__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff", "LightCheck", "AsyncSnapshot", "GoCkpt", "GoCkptO", "Checkflow", "sharded_refusal", "default_full_format"]
+__all__ = ["Strategy", "StrategyConfig", "StrategyContext", "CheckpointStats", "STRATEGIES", "create", "NoCheckpoint", "FullSync", "CheckFreq", "LowDiff", "LowDiffPlus", "NaiveDiff", "LightCheck", "AsyncSnapshot", "GoCkpt", "GoCkptO", "Checkflow", "sharded_refusal", "default_full_format", "full_format_refusal"]
 
 STRATEGIES: dict[str, Any] = {cls.name: cls for cls in (NoCheckpoint, FullSync, CheckFreq, AsyncSnapshot, LowDiff, LowDiffPlus,
                                                       NaiveDiff, LightCheck, GoCkpt, GoCkptO, Checkflow)}
@@ -41,6 +41,20 @@ def default_full_format(strategy: Strategy | type[Strategy], layout: str | None)
     if layout in DTENSOR_LAYOUTS and "dcp" in strategy.full_formats:
         return "dcp"
     return strategy.full_formats[0]
+
+
+def full_format_refusal(names: list[str], full_format: str, remedy: str) -> str | None:
+    """Why ``--full-format FULL_FORMAT`` cannot be given to the strategies ``names`` (each naming
+    the reason, then ``remedy``), or None: the refusal ``everystep train`` and ``everystep bench`` raise."""
+    if full_format not in Strategy.full_formats:  # (the base class's: every format)
+        return f"--full-format must be {' or '.join(Strategy.full_formats)}, got {full_format!r}"
+    unable = [n for n in names if full_format not in STRATEGIES[n].full_formats]
+    if not unable:
+        return None
+    reasons = {n: STRATEGIES[n].full_formats_reason or f"it writes {' and '.join(STRATEGIES[n].full_formats)}"
+               for n in unable}
+    why = reasons[unable[0]] if len(unable) == 1 else "; ".join(f"{n}: {r}" for n, r in reasons.items())
+    return f"{', '.join(unable)} {'write' if len(unable) > 1 else 'writes'} no --full-format {full_format} ({why}): {remedy}"
 
 
 def create(name: str, **options: Any) -> Strategy:

@@ -152,11 +152,11 @@ class Strategy:
     """The sharded layouts (:data:`everystep.parallelism.LAYOUTS`) whose ranks' shards it checkpoints;
     a job sharded otherwise is refused before anything is written."""
     sharded_refusal: ClassVar[str] = ""
+    """Why it refuses a sharded job, where more can be said than that it checkpoints replicated state."""
     full_formats: ClassVar[tuple[str, ...]] = ("safetensors", "dcp")
     """The formats of full checkpoints it writes (``full_format``)."""
     full_formats_reason: ClassVar[str] = ""
     """Why not the others."""
-    """Why it refuses a sharded job, where more can be said than that it checkpoints replicated state."""
 
     def __init__(self, config: StrategyConfig | None = None) -> None:
         self._taken = -1
