@@ -174,6 +174,35 @@ def test_ranks_forked_from_the_zygote_get_their_environment_and_die_with_it(tmp_
         os.close(pidfd)
 
 
+def test_a_shared_zygote_is_replaced_only_where_what_its_imports_read_changed(monkeypatch):
+    """A run forks from a zygote as if it had started it: a new one where an environment variable that
+    torch reads at import changed; the same one where only what a child reads itself changed (a crash
+    point, which each child arms; the collective timeout, read as a group is made; the compiler's
+    cache that torch names in this process)."""
+    from everystep.eval import zygote
+
+    entry = "os:getpid"  # (a zygote that imports nothing more: only its reuse is tested here)
+    first = zygote.shared(entry)
+    monkeypatch.setenv("EVERYSTEP_CRASH", "store.object.mid_write:3")
+    monkeypatch.setenv("EVERYSTEP_COLLECTIVE_TIMEOUT", "20")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")
+    assert zygote.shared(entry) is first
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    second = zygote.shared(entry)
+    assert second is not first and first.process.wait(60) == 0  # (the one replaced is ended)
+    monkeypatch.setenv("EVERYSTEP_COLLECTIVE_TIMEOUT", "30")
+    assert zygote.shared(entry) is second
+
+
+def test_the_collective_timeout_is_read_when_a_group_is_made(monkeypatch):
+    from everystep.distributed import collective_timeout
+
+    monkeypatch.delenv("EVERYSTEP_COLLECTIVE_TIMEOUT", raising=False)
+    assert collective_timeout() == 600
+    monkeypatch.setenv("EVERYSTEP_COLLECTIVE_TIMEOUT", "20")
+    assert collective_timeout() == 20
+
+
 def _bad_arguments(tmp: "Path") -> list[tuple[str, ...]]:
     """Bad arguments for every subcommand; each must end in one line on stderr and exit status 2."""
     a_file = tmp / "a-file"

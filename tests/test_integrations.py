@@ -45,8 +45,11 @@ def read(out: Path) -> tuple[list[int], dict[tuple[int, int], set[float]], str |
     return resumed, losses, final
 
 
-@pytest.mark.parametrize("strategy, kill_at, resumes", [("checkfreq", 6, (4, 5, 6)), ("lowdiff_plus", 10, (9, 10))])
-@pytest.mark.parametrize("trainer", ["lightning", "transformers"])
+@pytest.mark.parametrize("trainer, strategy, kill_at, resumes", [
+    # each trainer once in `make test`, each strategy once; the other two in make test-long
+    ("lightning", "lowdiff_plus", 10, (9, 10)), ("transformers", "checkfreq", 6, (4, 5, 6)),
+    pytest.param("lightning", "checkfreq", 6, (4, 5, 6), marks=pytest.mark.long),
+    pytest.param("transformers", "lowdiff_plus", 10, (9, 10), marks=pytest.mark.long)])
 def test_killed_and_resumed_equals_the_trainer_alone(tmp_path, trainer, strategy, kill_at, resumes):
     """Killed during step 7 (mid-epoch) or step 11 (the first of an epoch: 5 steps of 2 micro-batches
     make an epoch), then resumed by running the same training again, in a new process; the reference

@@ -224,7 +224,10 @@ def test_a_replaced_host_with_neither_peers_nor_remote_is_refused_in_one_message
     finally:
         job.close()
     assert not [e for e in job.events() if "start" in e and e["at"] >= replaced]  # no rank started training
-    assert sorted(p.name for p in (job.disks[0] / "manifests").iterdir()) == before
+    # The survivor's writer may have retired its oldest checkpoint after the listing (its retention
+    # follows each commit, keep=2); the refused start deleted none.
+    after = sorted(p.name for p in (job.disks[0] / "manifests").iterdir())
+    assert set(before[-2:]) <= set(after) <= set(before), (before, after)
     for _, scratch, _ in job.hosts:
         assert "(peers=True) or a remote tier (remote=)" in TwoHosts.log(scratch)
 

@@ -583,7 +583,8 @@ with Checkpointer(local, model, opt, strategy="full_sync", remote=url, remote_ev
 """
 
 
-@pytest.mark.parametrize("point", ["store.remote.part:4", "remote.before_manifest:2"])
+@pytest.mark.parametrize("point", [pytest.param("store.remote.part:4", marks=pytest.mark.long),  # (its objects)
+                                   "remote.before_manifest:2"])  # (its commit)
 def test_an_upload_killed_at_any_point_leaves_the_previous_remote_checkpoint_and_is_collected(bucket, tmp_path, point):
     # The job is killed in its second upload: as its first part goes up (a multipart upload in
     # progress), or with every object up and the manifest not. Nothing of it is visible; a new machine
@@ -865,7 +866,7 @@ def test_reading_a_dcp_remote_leaves_no_folder_behind(bucket, tmp_path, capsys, 
         assert list(scratch.iterdir()) == [], args
 
 
-@pytest.mark.parametrize("forged", ["a bad skeleton", "a rank's part"])
+@pytest.mark.parametrize("forged", [pytest.param("a bad skeleton", marks=pytest.mark.long), "a rank's part"])
 def test_a_newest_remote_checkpoint_that_verifies_but_is_malformed_is_passed_over_for_the_one_before(
         tmp_path, bucket, forged):
     """A remote manifest re-signed so that its objects still verify but it is no state: the newest's

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     importlib.import_module("lightning.pytorch.demos" if a.trainer == "lightning" else "transformers.trainer")
     importlib.import_module(f"everystep.integrations.{a.trainer}")
     from everystep.distributed import free_port
-    from everystep.eval.zygote import exit_after
+    from everystep._process import exit_after
 
     codes: list[list[int]] = []
     while len(codes) < 4 and (not codes or -signal.SIGKILL in codes[-1]):

@@ -12,9 +12,9 @@ import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing import connection
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["die_with", "start_helper", "stop_helper", "run_helper", "HelperClient"]
+__all__ = ["die_with", "exit_after", "start_helper", "stop_helper", "run_helper", "HelperClient"]
 
 
 def start_helper(code: str, *args: str, pass_fds: tuple[int, ...] = ()) -> tuple[subprocess.Popen[bytes], connection.Connection]:
@@ -122,6 +122,24 @@ def die_with(parent: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
+
+
+def exit_after(work: Callable[[], int]) -> NoReturn:
+    """``work()``, then end the process with its return code (a ``SystemExit``'s code; 1, its
+    traceback printed, for any other exception), the output flushed, without the interpreter's
+    teardown or exit handlers: for a forked child (its parent's handlers are not its own), and for a
+    process that closed what it wrote itself."""
+    code = 1
+    try:
+        code = work()
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def run_helper(argv: list[str], serve: Callable[..., None]) -> int:

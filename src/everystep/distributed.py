@@ -31,12 +31,15 @@ import torch.distributed as dist
 
 from .errors import PeerFailedError
 
-__all__ = ["Ranks", "CHANNELS", "COLLECTIVE_TIMEOUT", "init_process_group", "local_world_size"]
+__all__ = ["Ranks", "CHANNELS", "collective_timeout", "init_process_group", "local_world_size"]
 
 CHANNELS = ("full", "diff", "control")
 
-COLLECTIVE_TIMEOUT = float(os.environ.get("EVERYSTEP_COLLECTIVE_TIMEOUT", 600))
-"""Seconds a collective waits for its peers (``EVERYSTEP_COLLECTIVE_TIMEOUT``, default 600)."""
+
+def collective_timeout() -> float:
+    """Seconds a collective waits for its peers: ``EVERYSTEP_COLLECTIVE_TIMEOUT``, default 600 (read
+    when a group is made, not at import: a rank forked from a zygote has its own environment)."""
+    return float(os.environ.get("EVERYSTEP_COLLECTIVE_TIMEOUT", 600))
 
 
 @dataclass
@@ -48,7 +51,7 @@ class Ranks:
     groups: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def detect(cls, *, timeout: float = COLLECTIVE_TIMEOUT) -> "Ranks":
+    def detect(cls, *, timeout: float | None = None) -> "Ranks":
         """The job this process is in: a single process unless torch.distributed is initialised.
 
         IMPORTANT: creating the groups is itself collective; every rank must call this at the
@@ -56,8 +59,9 @@ class Ranks:
         """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
+        seconds = collective_timeout() if timeout is None else timeout
         groups = {
-            name: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) for name in CHANNELS
+            name: dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds)) for name in CHANNELS
         }
         return cls(rank=dist.get_rank(), world=dist.get_world_size(), groups=groups)
 
@@ -108,11 +112,13 @@ class Ranks:
         if self.distributed:
             dist.barrier(group=self.groups[channel])
 
-    def add_channel(self, name: str, *, timeout: float = COLLECTIVE_TIMEOUT) -> None:
+    def add_channel(self, name: str, *, timeout: float | None = None) -> None:
         """Give the channel ``name`` a gloo group of its own (collective: every rank calls it at the
-        same point); ``timeout``: seconds a collective on it waits for its peers."""
+        same point); ``timeout``: seconds a collective on it waits for its peers (default:
+        :func:`collective_timeout`)."""
         if self.distributed and name not in self.groups:
-            self.groups[name] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+            seconds = collective_timeout() if timeout is None else timeout
+            self.groups[name] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
 
     def send_bytes(self, channel: str, data: bytes | bytearray | memoryview | None, to: int) -> None:
         """Send ``data`` to rank ``to`` over the channel's group (None: say that there is nothing to
@@ -191,7 +197,7 @@ def init_process_group(*, one_process: bool = False, device: str = "cpu") -> boo
     later."""
     if dist.is_initialized():
         return False
-    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT)
+    timeout = datetime.timedelta(seconds=collective_timeout())
     backend = "nccl" if device == "cuda" else "gloo"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group(backend, timeout=timeout)

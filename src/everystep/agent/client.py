@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from multiprocessing import connection
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -95,7 +95,16 @@ class AgentLink:
     the reader, which also dispatches the agent's unsolicited messages to ``handlers``.
     """
 
-    def __init__(self, conn: connection.Connection, pid: int, process: subprocess.Popen[bytes] | None) -> None:
+    launcher: ClassVar[Any] = None
+    """Where :meth:`spawn` starts agents: None, a fresh interpreter each (seconds of CPU importing
+    torch and the compiler its optimizer imports); or, for a process that starts many (the test
+    suite), a zygote (:class:`everystep.eval.zygote.Zygote`) running :func:`everystep.agent.entry.forked`
+    — a process that imported them once, started by this one and running no torch operation (nothing
+    of a CUDA context is forked) — that forks each agent, in a session of its own."""
+
+    def __init__(self, conn: connection.Connection, pid: int, process: Any) -> None:
+        """``process``: the agent's :class:`subprocess.Popen` (or the zygote's handle on it), where
+        this process started it."""
         self.conn, self.pid, self.process = conn, pid, process
         self.lost: str | None = None
         self._send_lock = threading.Lock()
@@ -127,19 +136,24 @@ class AgentLink:
 
     @classmethod
     def spawn(cls, config: AgentConfig, *, timeout: float = 120.0) -> "AgentLink":
-        """Start ``python -m everystep.agent`` (a fresh interpreter) and connect to it."""
+        """Start ``python -m everystep.agent`` (a fresh interpreter, or a fork of :attr:`launcher`)
+        and connect to it."""
         address = AgentAddress.new()
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "EVERYSTEP_AGENT": json.dumps(asdict(address)),
                "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         log_path = Path(config.directory) / rank_file(LOG_FILE, config.rank, config.world)
-        log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
-                        "ab")
-        try:
-            process = subprocess.Popen([sys.executable, "-m", "everystep.agent", json.dumps(asdict(config))], env=env,
-                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        finally:
-            log.close()
+        process: Any
+        if cls.launcher is not None:
+            process = cls.launcher.fork(env, [os.getcwd(), str(log_path), json.dumps(asdict(config))])
+        else:
+            log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                    0o600), "ab")
+            try:
+                process = subprocess.Popen([sys.executable, "-m", "everystep.agent", json.dumps(asdict(config))],
+                                           env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            finally:
+                log.close()
         deadline = time.monotonic() + timeout
         while True:
             try:

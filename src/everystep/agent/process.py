@@ -38,9 +38,7 @@ rank's part is written), ``synced``, ``diverged``, ``error``; for the wards, ``m
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -50,8 +48,6 @@ from concurrent.futures import Future
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .._faults import crash_point
 from ..background import BackgroundErrors, Worker, settled
@@ -79,7 +75,7 @@ from .channel import (
 from .config import AgentConfig
 from .replica import Replica, WardReplica, replayed_keys
 
-__all__ = ["AgentConfig", "Agent", "main"]
+__all__ = ["AgentConfig", "Agent"]
 
 _REQUESTS = frozenset({"hello", "fetch", "init", "slots", "step", "sync", "mirror", "mirror_get", "ward_init",
                        "ward_step", "ward_fetch"})
@@ -479,21 +475,3 @@ class Agent:
 def _describe(error: BaseException) -> str:
     """``Type: message`` of an exception, as the training process is told it."""
     return "".join(traceback.format_exception_only(error)).strip()
-
-
-def main(argv: list[str]) -> int:
-    """``python -m everystep.agent CONFIG_JSON``, with the address in ``EVERYSTEP_AGENT``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training process, which closes us
-    # So is SIGTERM: a launcher restarting a training process signals its process group (torchrun
-    # restarts every worker when a host is lost), and the agent outlives its training process by
-    # design: it ends when one closes it, or ``grace`` seconds after the last one left.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    config = AgentConfig(**json.loads(argv[0]))
-    address = AgentAddress(**json.loads(os.environ.pop("EVERYSTEP_AGENT")))
-    torch.set_num_threads(config.threads)
-    try:
-        Agent(config, address).serve()
-    except Exception as e:
-        print(f"everystep agent: {e}", file=sys.stderr)
-        return 1
-    return 0

@@ -28,15 +28,15 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
-import traceback
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
-from .._process import die_with
+from .._process import die_with, exit_after
 from ..errors import EverystepError
 
-__all__ = ["Zygote", "Forked", "start_ranks", "shared", "report_entry", "exit_after"]
+__all__ = ["Zygote", "Forked", "start_ranks", "shared", "report_entry"]
 
 
 class Forked:
@@ -52,12 +52,14 @@ class Forked:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.zygote.collect(block=False)
+            self.zygote.collect()
         return self.returncode
 
-    def wait(self) -> int:
-        while (code := self.returncode) is None:
-            self.zygote.collect(block=True)
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status, as :meth:`subprocess.Popen.wait` (``TimeoutExpired`` after ``timeout`` s)."""
+        code = self.wait_for(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
         return code
 
     def send_signal(self, signum: int) -> None:
@@ -77,12 +79,13 @@ class Forked:
             with selectors.DefaultSelector() as sel:
                 sel.register(self.zygote._replies, selectors.EVENT_READ)
                 if sel.select(left):
-                    self.zygote.collect(block=True)
+                    self.zygote.collect()  # (what another thread has not read meanwhile)
         return code
 
 
 class Zygote:
-    """The supervisor's end: :meth:`fork` starts a child; :meth:`close` ends the zygote."""
+    """The supervisor's end: :meth:`fork` starts a child; :meth:`close` ends the zygote. Its children
+    may be started and waited for from several threads."""
 
     def __init__(self, entry: str) -> None:
         """``entry``: ``module:function``, what each child runs with its ``argv``."""
@@ -99,28 +102,29 @@ class Zygote:
         self._pids: set[int] = set()
         self.codes: dict[int, int] = {}
         """Exit status of each child that ended, by pid."""
+        self._lock = threading.Lock()
+        """Held to write a request and read the replies."""
 
     def fork(self, env: dict[str, str], argv: list[str]) -> Forked:
         """A child that runs the entry point with ``argv``, in ``env``."""
         assert self.process.stdin is not None
-        try:
-            self.process.stdin.write(json.dumps({"env": env, "argv": argv}).encode() + b"\n")
-            self.process.stdin.flush()
-        except BrokenPipeError:
-            raise self._gone() from None
-        while not self._started:
-            if not self._read():
-                raise self._gone()
-        return Forked(self, self._started.pop(0))
+        with self._lock:
+            try:
+                self.process.stdin.write(json.dumps({"env": env, "argv": argv}).encode() + b"\n")
+                self.process.stdin.flush()
+            except BrokenPipeError:
+                raise self._gone() from None
+            while not self._started:
+                if not self._read():
+                    raise self._gone()
+            return Forked(self, self._started.pop(0))
 
     def _gone(self) -> EverystepError:
         return EverystepError(f"the process that starts the training processes ended (exit status {self.process.wait()})")
 
-    def collect(self, *, block: bool) -> None:
-        """Take in the zygote's reports of children that ended (with ``block``, wait for more)."""
-        if block:
-            self._read()
-        with selectors.DefaultSelector() as sel:
+    def collect(self) -> None:
+        """Take in the zygote's reports of children that ended, without waiting for more."""
+        with self._lock, selectors.DefaultSelector() as sel:
             sel.register(self._replies, selectors.EVENT_READ)
             while sel.select(0) and self._read():
                 pass
@@ -166,9 +170,13 @@ def start_ranks(entry: str) -> Zygote | None:
 _SHARED: dict[str, tuple[tuple[Any, ...], Zygote]] = {}
 
 
-_READ_AT_IMPORT = ("EVERYSTEP_", "TORCH", "OMP_", "MKL_", "CUDA", "NCCL_", "GLOO_", "PYTHON", "LD_")
+_READ_AT_IMPORT = ("TORCH", "OMP_", "MKL_", "CUDA", "NCCL_", "GLOO_", "PYTHON", "LD_")
 """The environment variables a zygote's interpreter and imports may read once, at their start (by
-name prefix): everystep's settings (``EVERYSTEP_COLLECTIVE_TIMEOUT``), torch's and its libraries'."""
+name prefix): torch's and its libraries'. everystep reads its own where it uses them, and a forked
+child arms the crash points its environment names (:func:`_child`)."""
+
+_SET_BY_TORCH = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+"""Set in this process by torch itself (the first time its compiler's cache is named), read where used."""
 
 
 def _context() -> tuple[Any, ...]:
@@ -181,7 +189,8 @@ def _context() -> tuple[Any, ...]:
             found.append((st.st_dev, st.st_ino))
         except OSError:
             found.append(None)
-    return (*found, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_READ_AT_IMPORT))))
+    return (*found, tuple(sorted((k, v) for k, v in os.environ.items()
+                                 if k.startswith(_READ_AT_IMPORT) and k not in _SET_BY_TORCH)))
 
 
 def shared(entry: str) -> Zygote | None:
@@ -244,23 +253,6 @@ def _child(request: dict[str, Any], inherited: list[int], entry: Callable[[list[
         return entry(request["argv"])
 
     exit_after(become)
-
-
-def exit_after(work: Callable[[], int]) -> NoReturn:
-    """In a forked child: ``work()``, then end the process with its return code (a ``SystemExit``'s
-    code; 1, its traceback printed, for any other exception), the output flushed, without running
-    the parent's exit handlers."""
-    code = 1
-    try:
-        code = work()
-    except SystemExit as e:
-        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
 
 def main(argv: list[str]) -> None:
