@@ -39,19 +39,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 class _AgentZygote:
     """Forks the checkpoint agents a test process starts (:attr:`AgentLink.launcher`) from one process
-    that imported torch once, started at the first agent: a fresh interpreter spends seconds of CPU on
-    its imports, and the suite starts tens of agents. The training processes the tests start (the
-    kill tests') start theirs as a user's does: a fresh interpreter."""
+    that imported torch once (:func:`everystep.eval.zygote.shared`: started at the first agent, ended
+    at exit): a fresh interpreter spends seconds of CPU on its imports, and the suite starts tens of
+    agents. The training processes the tests start (the kill tests') start theirs as a user's does: a
+    fresh interpreter."""
 
-    def __init__(self) -> None:
-        self.zygote: Any = None
+    @staticmethod
+    def fork(env: dict[str, str], argv: list[str]) -> Any:
+        from everystep.eval.zygote import shared
 
-    def fork(self, env: dict[str, str], argv: list[str]) -> Any:
-        from everystep.eval.zygote import Zygote
-
-        if self.zygote is None or self.zygote.process.poll() is not None:
-            self.zygote = Zygote("everystep.agent.entry:forked")
-        return self.zygote.fork(env, argv)
+        return shared("everystep.agent.entry:forked").fork(env, argv)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -61,11 +58,9 @@ def _agents_forked_from_one_process():
     if not hasattr(os, "pidfd_open"):  # (what a zygote needs: Linux)
         yield
         return
-    AgentLink.launcher = launcher = _AgentZygote()
+    AgentLink.launcher = _AgentZygote()
     yield
     AgentLink.launcher = None
-    if launcher.zygote is not None:
-        launcher.zygote.close()
 
 
 @pytest.fixture(autouse=True)

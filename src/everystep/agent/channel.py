@@ -36,7 +36,7 @@ import xxhash
 from ..layout import LayoutEntry, TensorLayout, tensor_bytes
 
 __all__ = ["AgentAddress", "AgentIdentityError", "rank_file", "listen", "accept", "connect", "shut_down", "send_fds",
-           "recv_fds", "send", "recv", "digest", "DISCOVERY_FILE", "HANDSHAKE_SECONDS"]
+           "recv_fds", "send", "recv", "digest", "open_log", "DISCOVERY_FILE", "HANDSHAKE_SECONDS"]
 
 DISCOVERY_FILE = "agent.json"
 HANDSHAKE_SECONDS = 10.0
@@ -53,6 +53,12 @@ def rank_file(name: str, rank: int, world: int) -> str:
     a single process, with the rank added (``agent-r1.json``) for each rank of a job of several."""
     stem, dot, ext = name.partition(".")
     return name if world == 1 else f"{stem}-r{rank}{dot}{ext}"
+
+
+def open_log(path: str | os.PathLike[str]) -> int:
+    """A descriptor that appends to an agent's log at ``path``: created private to this user, never
+    opened through a symbolic link."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 def create_private(path: Path, mode: str = "w") -> Any:

@@ -28,6 +28,7 @@ from .channel import (
     AgentIdentityError,
     connect,
     message,
+    open_log,
     rank_file,
     recv,
     recv_fds,
@@ -147,8 +148,7 @@ class AgentLink:
         if cls.launcher is not None:
             process = cls.launcher.fork(env, [os.getcwd(), str(log_path), json.dumps(asdict(config))])
         else:
-            log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                    0o600), "ab")
+            log = os.fdopen(open_log(log_path), "ab")
             try:
                 process = subprocess.Popen([sys.executable, "-m", "everystep.agent", json.dumps(asdict(config))],
                                            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)

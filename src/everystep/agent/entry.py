@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from .channel import AgentAddress
+from .channel import AgentAddress, open_log
 from .config import AgentConfig
 from .process import Agent
 
@@ -39,7 +39,7 @@ def forked(argv: list[str]) -> int:
     """An agent forked from a zygote: ``CWD LOG CONFIG_JSON``, in the working directory of the
     process that asked for it, its output appended to ``LOG`` — as a fresh interpreter's would be."""
     os.chdir(argv[0])
-    fd = os.open(argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = open_log(argv[1])
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
