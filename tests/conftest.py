@@ -41,14 +41,15 @@ class _AgentZygote:
     """Forks the checkpoint agents a test process starts (:attr:`AgentLink.launcher`) from one process
     that imported torch once (:func:`everystep.eval.zygote.shared`: started at the first agent, ended
     at exit): a fresh interpreter spends seconds of CPU on its imports, and the suite starts tens of
-    agents. The training processes the tests start (the kill tests') start theirs as a user's does: a
-    fresh interpreter."""
+    agents. A training process a test forks from a zygote (:mod:`tests.forked`, the kill tests') has
+    its agents forked from that zygote, as a rank of ``everystep train`` does; one a test starts as a
+    fresh interpreter (a trainer's script, a launcher's rank) starts them as a user's process does."""
 
     @staticmethod
-    def fork(env: dict[str, str], argv: list[str]) -> Any:
+    def fork(env: dict[str, str], argv: list[str], *, entry: str) -> Any:
         from everystep.eval.zygote import shared
 
-        return shared("everystep.agent.entry:forked").fork(env, argv)
+        return shared(entry).fork(env, argv)
 
 
 @pytest.fixture(scope="session", autouse=True)

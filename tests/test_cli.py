@@ -144,8 +144,8 @@ def test_verify_names_each_file_that_is_wrong(tmp_path, capsys):
 
 def test_ranks_forked_from_the_zygote_get_their_environment_and_die_with_it(tmp_path):
     """Each rank of a supervised run is forked from a zygote that imported torch once: it runs in the
-    environment it was given, not the zygote's (a crash point armed there fires), in a session of its
-    own; and a zygote that dies takes its ranks with it."""
+    environment it was given, not the zygote's (a crash point armed there fires), in a process group
+    of its own; and a zygote that dies takes its ranks with it."""
     import os
     import select
     import signal
@@ -167,11 +167,66 @@ def test_ranks_forked_from_the_zygote_get_their_environment_and_die_with_it(tmp_
         while not any(r["event"] == "step" and r["step"] > 5 for r in Journal.read(str(journal))):
             assert child.poll() is None, f"the rank ended with status {child.returncode}"
             select.select([pidfd], [], [], 0.05)
-        assert os.getsid(child.pid) == child.pid
+        assert os.getpgid(child.pid) == child.pid and os.getsid(child.pid) == zygote.process.pid
         zygote.process.send_signal(signal.SIGKILL)
         assert select.select([pidfd], [], [], 60)[0], "the rank outlived its zygote"
         assert child.wait() == -signal.SIGKILL
         os.close(pidfd)
+
+
+def test_a_ranks_agent_is_forked_from_its_zygote_into_its_process_group(tmp_path):
+    """A rank's checkpoint agent is forked from the rank's zygote (no fresh interpreter), in the rank's
+    process group: it outlives the rank killed alone (a crash: the next lifetime takes its replica) and
+    dies with the group (a lost machine)."""
+    import os
+    import select
+    import signal
+
+    from everystep.agent.channel import AgentAddress
+    from everystep.eval.train import WORKER, Journal, worker_argv
+    from everystep.eval.zygote import Zygote
+
+    journal, directory = tmp_path / "journal.jsonl", tmp_path / "c"
+    cfg = TrainConfig(workload="mlp", strategy="lowdiff_plus", steps=10**6, directory=str(directory), progress=False)
+    with Zygote(WORKER) as zygote:
+        rank = zygote.fork(dict(os.environ), worker_argv(cfg, str(journal)))
+        while not (journal.exists() and any(r["event"] == "step" for r in Journal.read(str(journal)))):
+            assert rank.poll() is None, f"the rank ended with status {rank.returncode}"
+            select.select([], [], [], 0.05)
+        agent = AgentAddress.find(directory).pid
+        with open(f"/proc/{agent}/stat") as f:
+            ppid, pgid = (int(x) for x in f.read().rsplit(")", 1)[1].split()[1:3])
+        assert (ppid, pgid) == (zygote.process.pid, rank.pid)
+        with open(f"/proc/{agent}/environ", "rb") as f:
+            assert b"EVERYSTEP_ZYGOTE=" not in f.read()  # (an agent asks for no child)
+        rank.kill()
+        assert rank.wait(60) == -signal.SIGKILL
+        pidfd = os.pidfd_open(agent)
+        assert not select.select([pidfd], [], [], 0.5)[0], "the agent died with its rank alone"
+        os.killpg(rank.pid, signal.SIGKILL)
+        assert select.select([pidfd], [], [], 60)[0], "the agent outlived its rank's group"
+        os.close(pidfd)
+
+
+def test_a_zygotes_child_writes_where_its_asker_writes_when_it_asks(tmp_path):
+    """Standard output goes with each request: one zygote serves an asker whose output moved (a test
+    capturing it, a log rotated), and is not started again for it."""
+    import os
+
+    from everystep.eval import zygote
+
+    first = zygote.shared("subprocess:call")
+    for name in ("a", "b"):
+        with open(tmp_path / name, "w") as out:
+            saved = os.dup(1)
+            os.dup2(out.fileno(), 1)
+            try:
+                child = zygote.shared("subprocess:call").fork(dict(os.environ), ["echo", f"to {name}"])
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+        assert child.wait(60) == 0 and (tmp_path / name).read_text() == f"to {name}\n"
+    assert zygote.shared("subprocess:call") is first
 
 
 def test_a_shared_zygote_is_replaced_only_where_what_its_imports_read_changed(monkeypatch):

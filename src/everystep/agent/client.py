@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._forking import inherited
 from ..errors import EverystepError
 from ..parallelism import shard_box
 from .channel import (
@@ -68,6 +69,8 @@ def served(hello: dict[str, Any]) -> list[int] | None:
 
 
 LOG_FILE = "agent.log"
+FORKED_ENTRY = "everystep.agent.entry:forked"
+"""What a zygote runs to fork an agent (:func:`everystep.agent.entry.forked`)."""
 
 
 class AgentLostError(EverystepError):
@@ -97,11 +100,12 @@ class AgentLink:
     """
 
     launcher: ClassVar[Any] = None
-    """Where :meth:`spawn` starts agents: None, a fresh interpreter each (seconds of CPU importing
-    torch and the compiler its optimizer imports); or, for a process that starts many (the test
-    suite), a zygote (:class:`everystep.eval.zygote.Zygote`) running :func:`everystep.agent.entry.forked`
-    — a process that imported them once, started by this one and running no torch operation (nothing
-    of a CUDA context is forked) — that forks each agent, in a session of its own."""
+    """Where :meth:`spawn` starts agents, besides the zygote a process was forked from (which forks
+    its agents, :func:`everystep._forking.inherited`): None, a fresh interpreter each (seconds of CPU
+    importing torch and the compiler its optimizer imports); or, for a process that starts many (the
+    test suite), a zygote (:class:`everystep.eval.zygote.Zygote`) — a process that imported them
+    once, started by this one and running no torch operation (nothing of a CUDA context is forked) —
+    that forks each agent."""
 
     def __init__(self, conn: connection.Connection, pid: int, process: Any) -> None:
         """``process``: the agent's :class:`subprocess.Popen` (or the zygote's handle on it), where
@@ -137,16 +141,17 @@ class AgentLink:
 
     @classmethod
     def spawn(cls, config: AgentConfig, *, timeout: float = 120.0) -> "AgentLink":
-        """Start ``python -m everystep.agent`` (a fresh interpreter, or a fork of :attr:`launcher`)
-        and connect to it."""
+        """Start ``python -m everystep.agent`` and connect to it: forked from the zygote this process
+        was forked from (in this process's group), else from :attr:`launcher`, else a fresh interpreter."""
         address = AgentAddress.new()
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "EVERYSTEP_AGENT": json.dumps(asdict(address)),
                "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         log_path = Path(config.directory) / rank_file(LOG_FILE, config.rank, config.world)
         process: Any
-        if cls.launcher is not None:
-            process = cls.launcher.fork(env, [os.getcwd(), str(log_path), json.dumps(asdict(config))])
+        launcher = inherited() or cls.launcher
+        if launcher is not None:
+            process = launcher.fork(env, [os.getcwd(), str(log_path), json.dumps(asdict(config))], entry=FORKED_ENTRY)
         else:
             log = os.fdopen(open_log(log_path), "ab")
             try:

@@ -1,7 +1,8 @@
 """The checkpoint agent: a separate process that holds the replica and persists it.
 
 It is started with ``python -m everystep.agent`` (a fresh interpreter, never a fork of a process
-that may hold a CUDA context) and serves one training process at a time. When that process
+that may hold a CUDA context), or forked from a zygote that runs no torch operation
+(:mod:`everystep.agent.entry`), and serves one training process at a time. When that process
 disappears without saying goodbye — a software failure — the agent persists its newest step,
 then waits ``grace`` seconds for a restarted training process to take the replica from memory,
 and exits if none comes. A training process that closes cleanly tells the agent to persist what

@@ -4,18 +4,22 @@ A new interpreter per rank and per lifetime spends seconds importing torch befor
 (more when the ranks of a job start together on a machine of a few cores). The supervisor instead
 starts one *zygote* per job: a process that imports the module of the entry point it is given
 (``module:function``; the training driver's ``worker_main``), and torch's compiler, which a
-rank's first optimizer would import, and then only forks. Each
-rank's lifetime is a child forked from it — a new process in all but the imports: its own session
-(as ``start_new_session``), its own environment, stdin on ``/dev/null``. The zygote runs no torch
-operation, so no thread pool is lost in the fork, and it dies with the supervisor (``PR_SET_PDEATHSIG``
-and the end of its request pipe), its children with it (the worker's own ``PR_SET_PDEATHSIG``).
+rank's first optimizer would import, and then only forks. Each rank's lifetime is a child forked
+from it — a new process in all but the imports: its own process group (in the zygote's session, as
+``start_new_session`` gives the zygote), its own environment, stdin on ``/dev/null``, standard output
+and error where the supervisor's are when it asks. The zygote runs no torch operation, so no thread
+pool is lost in the fork, and it dies with the supervisor (``PR_SET_PDEATHSIG`` and the end of its
+socket), its ranks with it (the worker's own ``PR_SET_PDEATHSIG``).
+
+A rank may ask the zygote for a child of its own (:func:`everystep._forking.inherited`): its
+checkpoint agent, forked into the rank's process group instead of a fresh interpreter's seconds of
+imports. Such a child does not die with the zygote: like an agent the rank started itself, it
+outlives a crashed rank and dies with a lost machine's group.
 
 It needs Linux's ``pidfd_open`` (to wait on children and requests together); elsewhere
 :func:`start_ranks` returns ``None`` and the supervisor starts a new interpreter per rank.
 
-Protocol: one JSON line per request on the zygote's stdin (``{"env": {...}, "argv": [...]}``); on
-the reply pipe, ``{"pid": N}`` for each request in order and ``{"exit": N, "code": C}`` as each
-child ends (``C`` as :attr:`subprocess.Popen.returncode`: ``-9`` for SIGKILL).
+The protocol, messages on a socket pair per asker, is :mod:`everystep._forking`'s.
 """
 
 from __future__ import annotations
@@ -25,126 +29,39 @@ import importlib
 import json
 import os
 import selectors
-import signal
+import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from .._forking import ENV, MAX_MESSAGE, Channel, Forked
 from .._process import die_with, exit_after
 from ..errors import EverystepError
 
 __all__ = ["Zygote", "Forked", "start_ranks", "shared", "report_entry"]
 
 
-class Forked:
-    """A child of the zygote, with the part of :class:`subprocess.Popen`'s interface the supervisor uses."""
-
-    def __init__(self, zygote: "Zygote", pid: int) -> None:
-        self.zygote = zygote
-        self.pid = pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.zygote.codes.get(self.pid)
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.zygote.collect()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Its exit status, as :meth:`subprocess.Popen.wait` (``TimeoutExpired`` after ``timeout`` s)."""
-        code = self.wait_for(timeout)
-        if code is None:
-            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
-        return code
-
-    def send_signal(self, signum: int) -> None:
-        if self.poll() is None:  # not yet reaped by the zygote: the pid is still this child's
-            os.kill(self.pid, signum)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def wait_for(self, timeout: float | None) -> int | None:
-        """Its exit status once it ends, or None if it is still running after ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.returncode) is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return None
-            with selectors.DefaultSelector() as sel:
-                sel.register(self.zygote._replies, selectors.EVENT_READ)
-                if sel.select(left):
-                    self.zygote.collect()  # (what another thread has not read meanwhile)
-        return code
-
-
-class Zygote:
-    """The supervisor's end: :meth:`fork` starts a child; :meth:`close` ends the zygote. Its children
-    may be started and waited for from several threads."""
+class Zygote(Channel):
+    """The supervisor's end: :meth:`fork` starts a child; :meth:`close` ends the zygote."""
 
     def __init__(self, entry: str) -> None:
         """``entry``: ``module:function``, what each child runs with its ``argv``."""
-        reply_r, reply_w = os.pipe()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "everystep.eval.zygote", str(reply_w), str(os.getpid()), entry],
-                stdin=subprocess.PIPE, pass_fds=(reply_w,), start_new_session=True)
+                [sys.executable, "-m", "everystep.eval.zygote", str(theirs.fileno()), str(os.getpid()), entry],
+                stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True)
+        except BaseException:
+            ours.close()
+            raise
         finally:
-            os.close(reply_w)
-        self._replies = reply_r
-        self._pending = b""
-        self._started: list[int] = []
-        self._pids: set[int] = set()
-        self.codes: dict[int, int] = {}
-        """Exit status of each child that ended, by pid."""
-        self._lock = threading.Lock()
-        """Held to write a request and read the replies."""
+            theirs.close()
+        super().__init__(ours)
 
-    def fork(self, env: dict[str, str], argv: list[str]) -> Forked:
-        """A child that runs the entry point with ``argv``, in ``env``."""
-        assert self.process.stdin is not None
-        with self._lock:
-            try:
-                self.process.stdin.write(json.dumps({"env": env, "argv": argv}).encode() + b"\n")
-                self.process.stdin.flush()
-            except BrokenPipeError:
-                raise self._gone() from None
-            while not self._started:
-                if not self._read():
-                    raise self._gone()
-            return Forked(self, self._started.pop(0))
-
-    def _gone(self) -> EverystepError:
-        return EverystepError(f"the process that starts the training processes ended (exit status {self.process.wait()})")
-
-    def collect(self) -> None:
-        """Take in the zygote's reports of children that ended, without waiting for more."""
-        with self._lock, selectors.DefaultSelector() as sel:
-            sel.register(self._replies, selectors.EVENT_READ)
-            while sel.select(0) and self._read():
-                pass
-
-    def _read(self) -> bool:
-        """Read what the zygote sent (waiting for something); False when it is gone (its children
-        were killed with it)."""
-        chunk = os.read(self._replies, 1 << 16)
-        if not chunk:
-            self.codes.update((pid, -signal.SIGKILL) for pid in self._pids if pid not in self.codes)
-            return False
-        *lines, self._pending = (self._pending + chunk).split(b"\n")
-        for line in lines:
-            report = json.loads(line)
-            if "pid" in report:
-                self._started.append(report["pid"])
-                self._pids.add(report["pid"])
-            else:
-                self.codes[report["exit"]] = report["code"]
-        return True
+    def gone(self) -> EverystepError:
+        return EverystepError(f"the process that starts the training processes ended "
+                              f"(exit status {self.process.wait()})")
 
     def __enter__(self) -> "Zygote":
         return self
@@ -154,10 +71,13 @@ class Zygote:
 
     def close(self) -> None:
         """End the zygote (its children, if any are left, die with it)."""
-        if self.process.stdin is not None:
-            self.process.stdin.close()
+        if self.sock.fileno() != -1:
+            try:
+                self.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
         self.process.wait()
-        os.close(self._replies)
+        self.sock.close()
 
 
 def start_ranks(entry: str) -> Zygote | None:
@@ -167,7 +87,7 @@ def start_ranks(entry: str) -> Zygote | None:
     return Zygote(entry)
 
 
-_SHARED: dict[str, tuple[tuple[Any, ...], Zygote]] = {}
+_SHARED: dict[str, tuple[tuple[tuple[str, str], ...], Zygote]] = {}
 
 
 _READ_AT_IMPORT = ("TORCH", "OMP_", "MKL_", "CUDA", "NCCL_", "GLOO_", "PYTHON", "LD_")
@@ -179,24 +99,17 @@ _SET_BY_TORCH = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 """Set in this process by torch itself (the first time its compiler's cache is named), read where used."""
 
 
-def _context() -> tuple[Any, ...]:
-    """What a zygote started now would inherit: this process's standard output and error (its
-    children write there) and the environment its imports read (:data:`_READ_AT_IMPORT`)."""
-    found: list[Any] = []
-    for fd in (1, 2):
-        try:
-            st = os.fstat(fd)
-            found.append((st.st_dev, st.st_ino))
-        except OSError:
-            found.append(None)
-    return (*found, tuple(sorted((k, v) for k, v in os.environ.items()
-                                 if k.startswith(_READ_AT_IMPORT) and k not in _SET_BY_TORCH)))
+def _context() -> tuple[tuple[str, str], ...]:
+    """What a zygote started now would inherit that its children do not take anew: the environment
+    its imports read (:data:`_READ_AT_IMPORT`). (Each child writes where its asker writes at the time.)"""
+    return tuple(sorted((k, v) for k, v in os.environ.items()
+                        if k.startswith(_READ_AT_IMPORT) and k not in _SET_BY_TORCH))
 
 
 def shared(entry: str) -> Zygote | None:
     """The zygote this process forks every run of ``entry`` from, started at the first call and ended
     at exit (a run's children are new processes in all but their imports: nothing of one run is left
-    in the zygote for the next). A new one replaces it when this process's standard output, error or
+    in the zygote for the next). A new one replaces it when what its imports read of this process's
     environment changed since it started (:func:`_context`): a run forks from a zygote as if it had
     started it itself. None where one cannot run."""
     context = _context()
@@ -236,61 +149,136 @@ def report_entry(measure: Callable[[dict[str, Any]], dict[str, Any]], argv: list
     return 0
 
 
-def _child(request: dict[str, Any], inherited: list[int], entry: Callable[[list[str]], int]) -> None:
-    """In the forked child: become a rank's process and run it; never returns."""
+class _Asker:
+    """One that asks the zygote for children: its end of their pair, and its pid (None: the zygote's
+    parent, whose children each get a process group and a pair of their own)."""
+
+    def __init__(self, sock: socket.socket, pid: int | None) -> None:
+        self.sock, self.pid, self.open = sock, pid, True
+
+    def report(self, report: dict[str, Any]) -> None:
+        """Send ``report``; to a child that asked, only what its socket takes now (it may not be
+        reading), nothing once it is gone."""
+        if self.open:
+            try:
+                self.sock.send(json.dumps(report).encode(), 0 if self.pid is None else socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+
+
+def _entry(name: str) -> Callable[[list[str]], int]:
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _group_of(pid: int) -> int:
+    """The process group a child asked for by ``pid`` joins: ``pid``'s (0, a group of its own, once
+    ``pid`` is gone)."""
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return 0
+
+
+def _child(env: dict[str, str], argv: list[str], streams: list[int], group: int, inherited: list[int],
+           entry: str) -> None:
+    """In the forked child: become the process asked for and run it; never returns."""
     def become() -> int:
-        os.setsid()
+        try:
+            os.setpgid(0, group)
+        except OSError:  # (the asker's group ended meanwhile)
+            os.setpgid(0, 0)
         for fd in inherited:
             os.close(fd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
+        for target, fd in zip((1, 2), streams):
+            os.dup2(fd, target)
+            os.close(fd)
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update(env)
         from .._faults import arm_from_environment
 
-        arm_from_environment()  # read at import, in the zygote's environment: this rank's is another
-        return entry(request["argv"])
+        arm_from_environment()  # read at import, in the zygote's environment: this child's is another
+        return _entry(entry)(argv)
 
     exit_after(become)
 
 
+def _serve(asker: _Asker, sel: selectors.BaseSelector, default: str) -> bool:
+    """Fork the child ``asker`` asks for; False when it is gone (its socket closed, or what it sent
+    is not a request: it is then no longer listened to)."""
+    try:
+        message, streams, _, _ = socket.recv_fds(asker.sock, MAX_MESSAGE, 2)
+    except OSError:
+        message, streams = b"", []
+    try:
+        request = json.loads(message)
+        entry, env, argv = request.get("entry", default), dict(request["env"]), list(request["argv"])
+    except (ValueError, KeyError, TypeError, AttributeError):  # (gone, or not a request: it is not answered)
+        for fd in streams:
+            os.close(fd)
+        sel.unregister(asker.sock)
+        asker.sock.close()
+        asker.open = False
+        return False
+    env.pop(ENV, None)
+    try:
+        _entry(entry)  # (imported here once for every child that runs it; a failure is the child's to report)
+    except Exception:
+        pass
+    pair = None
+    if asker.pid is None:  # a rank: a group of its own, and a pair to ask for its own children on
+        pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env["EVERYSTEP_SUPERVISOR"] = str(os.getpid())
+        group = 0
+    else:  # a rank's agent: in the rank's group, as a child the rank started would be
+        group = _group_of(asker.pid)
+    inherited = [sel.fileno(), *(k.fd for k in sel.get_map().values()), *([pair[0].fileno()] if pair else [])]
+    pid = os.fork()
+    if pid == 0:
+        if pair is not None:
+            env[ENV] = f"{pair[1].fileno()}:{os.getpid()}"
+        _child(env, argv, streams, group, inherited, entry)
+    for fd in streams:
+        os.close(fd)
+    try:
+        os.setpgid(pid, group or pid)  # (here as well as in the child: a signal to the group right after finds it)
+    except OSError:
+        pass
+    sel.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, asker))
+    if pair is not None:
+        pair[1].close()
+        sel.register(pair[0], selectors.EVENT_READ, _Asker(pair[0], pid))
+    asker.report({"pid": pid})
+    return True
+
+
 def main(argv: list[str]) -> None:
-    reply_fd, supervisor, (module, _, function) = int(argv[0]), int(argv[1]), argv[2].partition(":")
+    fd, supervisor, default = int(argv[0]), int(argv[1]), argv[2]
     die_with(supervisor)
-    entry = getattr(importlib.import_module(module), function)  # the imports every rank needs, done once
+    _entry(default)  # the imports every rank needs, done once
     if "torch" in sys.modules:
         # Imported by the first optimizer a process builds (torch.optim's constructor is wrapped to
         # keep torch.compile out, and the wrapper imports the compiler at its first call): a second
         # or more of each rank's start. It starts no thread.
         importlib.import_module("torch._dynamo")
 
-    replies = os.fdopen(reply_fd, "wb", buffering=0)
     sel = selectors.EpollSelector()
-    sel.register(0, selectors.EVENT_READ)
-    pending = b""
+    parent = _Asker(socket.socket(fileno=fd), None)
+    sel.register(parent.sock, selectors.EVENT_READ, parent)
     while True:
         for key, _ in sel.select():
-            if key.fd != 0:  # a child's pidfd: it ended
-                sel.unregister(key.fd)
-                os.close(key.fd)
-                _, status = os.waitpid(key.data, 0)
-                replies.write(json.dumps({"exit": key.data, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            if isinstance(key.data, _Asker):
+                if not _serve(key.data, sel, default) and key.data is parent:
+                    return  # the supervisor is done (or gone): ranks still running die with this process
                 continue
-            chunk = os.read(0, 1 << 16)
-            if not chunk:  # the supervisor is done (or gone): children still running die with this process
-                return
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                request = json.loads(line)
-                request["env"]["EVERYSTEP_SUPERVISOR"] = str(os.getpid())
-                inherited = [reply_fd, sel.fileno(), *(k.fd for k in sel.get_map().values() if k.fd != 0)]
-                pid = os.fork()
-                if pid == 0:
-                    _child(request, inherited, entry)
-                sel.register(os.pidfd_open(pid), selectors.EVENT_READ, pid)
-                replies.write(json.dumps({"pid": pid}).encode() + b"\n")
+            pid, asker = key.data  # a child's pidfd: it ended
+            sel.unregister(key.fd)
+            os.close(key.fd)
+            _, status = os.waitpid(pid, 0)
+            asker.report({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 if __name__ == "__main__":
