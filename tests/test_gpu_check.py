@@ -5,6 +5,7 @@ reported with its traceback and the others run."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,7 @@ def test_the_dry_run_holds_each_cuda_test_with_its_outcome(dry):
     with tempfile.TemporaryDirectory() as tmp:  # (a numbered temporary folder would clean up this run's)
         collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                     "--basetemp", f"{tmp}/basetemp", "tests/test_cuda.py"], cwd=ROOT,
+                                   env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},  # (none is needed to collect)
                                    capture_output=True, text=True).stdout
     names = {line.split("::", 1)[1] for line in collected.splitlines() if "::" in line}
     assert {t["name"] for t in tests["tests"]} == names and len(names) >= 18

@@ -4,6 +4,7 @@ dependencies, and nothing that only an extra brings is needed for it."""
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import os
 import re
 import subprocess
 import sys
@@ -129,9 +130,10 @@ def test_the_suites_xdist_groups_keep_their_tests_on_one_worker(tmp_path):
         def test_d(): pass
         def test_e(): pass
     """))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path)], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "xdist", "-n", "2", "--dist", "loadgroup", "-v",
+                           "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path)],
+                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},  # (xdist alone is what is tested)
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:]
     workers = {m[1] for m in re.finditer(r"\[(gw\d+)\] .*PASSED .*::test_[abc]@together", done.stdout)}
     assert len(workers) == 1, done.stdout[-3000:]
