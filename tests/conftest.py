@@ -70,6 +70,14 @@ def _one_thread():
     yield
 
 
+def running(pid: int) -> bool:
+    """``pid`` runs: neither gone nor a zombie its parent has yet to reap."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def loss_gap(losses: list[float], reference: list[float]) -> float:
     """The largest relative difference between two runs' losses, step by step."""
     return max(abs(x - y) / abs(y) for x, y in zip(losses, reference, strict=True))

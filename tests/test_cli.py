@@ -182,6 +182,8 @@ def test_a_ranks_agent_is_forked_from_its_zygote_into_its_process_group(tmp_path
     import select
     import signal
 
+    import psutil
+
     from everystep.agent.channel import AgentAddress
     from everystep.eval.train import WORKER, Journal, worker_argv
     from everystep.eval.zygote import Zygote
@@ -194,9 +196,7 @@ def test_a_ranks_agent_is_forked_from_its_zygote_into_its_process_group(tmp_path
             assert rank.poll() is None, f"the rank ended with status {rank.returncode}"
             select.select([], [], [], 0.05)
         agent = AgentAddress.find(directory).pid
-        with open(f"/proc/{agent}/stat") as f:
-            ppid, pgid = (int(x) for x in f.read().rsplit(")", 1)[1].split()[1:3])
-        assert (ppid, pgid) == (zygote.process.pid, rank.pid)
+        assert (psutil.Process(agent).ppid(), os.getpgid(agent)) == (zygote.process.pid, rank.pid)
         with open(f"/proc/{agent}/environ", "rb") as f:
             assert b"EVERYSTEP_ZYGOTE=" not in f.read()  # (an agent asks for no child)
         rank.kill()

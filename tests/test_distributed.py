@@ -32,7 +32,7 @@ from everystep.stopping import StopWatch, deadline_from_environment
 from everystep.storage.sharded import RankShare
 from everystep.recovery import common_step
 
-from .conftest import assert_recovered
+from .conftest import assert_recovered, running
 from .forked import start_script, wait_all
 
 STEPS = 14
@@ -141,16 +141,9 @@ def _assert_agents_gone(directory: Path) -> None:
     """Each agent that announced itself here (an agent killed cannot withdraw its file) has exited."""
     pids = [json.loads(p.read_text())["pid"] for p in directory.glob("agent*.json")]
     deadline = time.monotonic() + 30
-    while (alive := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive, "a checkpoint agent outlived the job"
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def test_an_agent_lost_on_one_rank_turns_every_rank_to_its_own_full_checkpoints(tmp_path, reference, capfd, monkeypatch):

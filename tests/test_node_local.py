@@ -22,6 +22,8 @@ from everystep.storage.base import Manifest
 from everystep.storage.hosts import hosts_of, readers_hosts
 from everystep.errors import CheckpointDirectoryError
 
+from .conftest import running
+
 LONG = pytest.mark.long
 
 
@@ -152,14 +154,6 @@ def _is_rank(pid: int) -> bool:
         return False
 
 
-def _running(pid: int) -> bool:
-    """``pid`` runs (not gone, not a zombie its parent has yet to reap)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _wait_for(condition, what: str, timeout: float = 180.0) -> None:
     """Poll ``condition`` until it holds (what a test waits for: a host's log, a step reached)."""
     deadline = time.monotonic() + timeout
@@ -236,7 +230,7 @@ def test_a_replaced_host_with_neither_peers_nor_remote_is_refused_in_one_message
         job.lose(1)
         # Host 0's rank may commit a step more, and retire one, before its collectives with the lost
         # host fail; its torchrun then starts it again. What the refused start does is judged from there.
-        _wait_for(lambda: not any(_running(pid) for pid in survivor), "host 0's rank to end")
+        _wait_for(lambda: not any(running(pid) for pid in survivor), "host 0's rank to end")
         before = sorted(p.name for p in (job.disks[0] / "manifests").iterdir())
         replaced = time.time()
         job.start(1, replace=True)

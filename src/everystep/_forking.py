@@ -28,6 +28,7 @@ import stat
 import subprocess
 import threading
 import time
+
 from .errors import EverystepError
 
 __all__ = ["ENV", "Channel", "Forked", "inherited", "MAX_MESSAGE"]
