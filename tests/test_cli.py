@@ -229,6 +229,24 @@ def test_a_zygotes_child_writes_where_its_asker_writes_when_it_asks(tmp_path):
     assert zygote.shared("subprocess:call") is first
 
 
+def test_a_request_to_a_zygote_names_no_code_but_its_entry_and_an_agents(tmp_path):
+    """What a zygote reads from its socket chooses no code to run: a request naming another entry point
+    is not answered, nothing is forked, and the asker is no longer listened to."""
+    import os
+
+    import pytest
+
+    from everystep.errors import EverystepError
+    from everystep.eval.zygote import Zygote
+
+    planted = tmp_path / "ran"
+    with Zygote("os:getpid") as zygote:
+        with pytest.raises(EverystepError, match="ended"):
+            zygote.fork(dict(os.environ), ["touch", str(planted)], entry="subprocess:call")
+        assert zygote.process.wait(60) == 0
+    assert not planted.exists()
+
+
 def test_a_shared_zygote_is_replaced_only_where_what_its_imports_read_changed(monkeypatch):
     """A run forks from a zygote as if it had started it: a new one where an environment variable that
     torch reads at import changed; the same one where only what a child reads itself changed (a crash

@@ -2,7 +2,7 @@
 
 A zygote and each process that asks it for children hold the two ends of a ``SOCK_SEQPACKET`` socket
 pair, one message per request or report. A request is JSON ``{"env": {...}, "argv": [...]}`` (with
-``"entry": "module:function"`` where the child is to run another entry point than the zygote's), the
+``"entry": AGENT_ENTRY`` where the child is a checkpoint agent, not the zygote's own entry point), the
 asker's standard output and error attached (``SCM_RIGHTS``): the child writes where its asker writes
 when it asks, not where the zygote's first asker wrote when it started. The zygote answers
 ``{"pid": N}`` for each request, in order, and ``{"exit": N, "code": C}`` as each child it forked for
@@ -31,10 +31,14 @@ import time
 
 from .errors import EverystepError
 
-__all__ = ["ENV", "Channel", "Forked", "inherited", "MAX_MESSAGE"]
+__all__ = ["ENV", "AGENT_ENTRY", "Channel", "Forked", "inherited", "MAX_MESSAGE"]
 
 ENV = "EVERYSTEP_ZYGOTE"
 """``FD:PID``: the descriptor of a forked child's end of its pair to the zygote, and that child's pid."""
+
+AGENT_ENTRY = "everystep.agent.entry:forked"
+"""The one entry point a request may name besides the zygote's own (:func:`everystep.agent.entry.forked`):
+what is read from the socket chooses no other code to run."""
 
 MAX_MESSAGE = 1 << 20
 """The largest request (an environment and arguments) or report read."""

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._forking import inherited
+from .._forking import AGENT_ENTRY, inherited
 from ..errors import EverystepError
 from ..parallelism import shard_box
 from .channel import (
@@ -69,8 +69,6 @@ def served(hello: dict[str, Any]) -> list[int] | None:
 
 
 LOG_FILE = "agent.log"
-FORKED_ENTRY = "everystep.agent.entry:forked"
-"""What a zygote runs to fork an agent (:func:`everystep.agent.entry.forked`)."""
 
 
 class AgentLostError(EverystepError):
@@ -151,7 +149,7 @@ class AgentLink:
         process: Any
         launcher = inherited() or cls.launcher
         if launcher is not None:
-            process = launcher.fork(env, [os.getcwd(), str(log_path), json.dumps(asdict(config))], entry=FORKED_ENTRY)
+            process = launcher.fork(env, [os.getcwd(), str(log_path), json.dumps(asdict(config))], entry=AGENT_ENTRY)
         else:
             log = os.fdopen(open_log(log_path), "ab")
             try:

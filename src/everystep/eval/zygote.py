@@ -35,7 +35,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .._forking import ENV, MAX_MESSAGE, Channel, Forked
+from .._forking import AGENT_ENTRY, ENV, MAX_MESSAGE, Channel, Forked
 from .._process import die_with, exit_after
 from ..errors import EverystepError
 
@@ -208,7 +208,8 @@ def _child(env: dict[str, str], argv: list[str], streams: list[int], group: int,
 
 def _serve(asker: _Asker, sel: selectors.BaseSelector, default: str) -> bool:
     """Fork the child ``asker`` asks for; False when it is gone (its socket closed, or what it sent
-    is not a request: it is then no longer listened to)."""
+    is not a request, or names an entry point other than the zygote's or an agent's: it is then no
+    longer listened to)."""
     try:
         message, streams, _, _ = socket.recv_fds(asker.sock, MAX_MESSAGE, 2)
     except OSError:
@@ -216,6 +217,8 @@ def _serve(asker: _Asker, sel: selectors.BaseSelector, default: str) -> bool:
     try:
         request = json.loads(message)
         entry, env, argv = request.get("entry", default), dict(request["env"]), list(request["argv"])
+        if entry not in (default, AGENT_ENTRY):
+            raise ValueError(entry)
     except (ValueError, KeyError, TypeError, AttributeError):  # (gone, or not a request: it is not answered)
         for fd in streams:
             os.close(fd)
