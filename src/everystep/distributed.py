@@ -14,6 +14,9 @@ thread of checkpoint work that talks to the other ranks — gets a gloo group of
 Within a group every rank issues the same collectives in the same order, because one thread per
 rank issues them, in step order. Across groups no order is assumed, so a background commit can
 never deadlock against a barrier or an all-reduce the training thread is waiting in.
+
+PyTorch is imported where a collective is issued, not with this module: a process of one rank that
+only reads and writes objects (the upload process, :mod:`everystep.storage.uploader`) holds none of it.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ import os
 import random
 import socket
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from .errors import PeerFailedError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Ranks", "CHANNELS", "collective_timeout", "init_process_group", "local_world_size"]
 
@@ -57,6 +60,8 @@ class Ranks:
         IMPORTANT: creating the groups is itself collective; every rank must call this at the
         same point (Checkpointer construction does).
         """
+        import torch.distributed as dist
+
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
         seconds = collective_timeout() if timeout is None else timeout
@@ -73,6 +78,8 @@ class Ranks:
         """Every rank's ``obj``, in rank order, over the channel's own group."""
         if not self.distributed:
             return [obj]
+        import torch.distributed as dist
+
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.groups[channel])
         return out
@@ -96,6 +103,9 @@ class Ranks:
         """True on every rank when ``flag`` is true on any: one small all-reduce."""
         if not self.distributed:
             return flag
+        import torch
+        import torch.distributed as dist
+
         t = torch.tensor([int(flag)], dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups[channel])
         return bool(t.item())
@@ -104,12 +114,16 @@ class Ranks:
         """Rank 0's ``obj``, on every rank, over the channel's own group."""
         if not self.distributed:
             return obj
+        import torch.distributed as dist
+
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.groups[channel], 0), group=self.groups[channel])
         return box[0]
 
     def barrier(self, channel: str) -> None:
         if self.distributed:
+            import torch.distributed as dist
+
             dist.barrier(group=self.groups[channel])
 
     def add_channel(self, name: str, *, timeout: float | None = None) -> None:
@@ -117,12 +131,17 @@ class Ranks:
         same point); ``timeout``: seconds a collective on it waits for its peers (default:
         :func:`collective_timeout`)."""
         if self.distributed and name not in self.groups:
+            import torch.distributed as dist
+
             seconds = collective_timeout() if timeout is None else timeout
             self.groups[name] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
 
     def send_bytes(self, channel: str, data: bytes | bytearray | memoryview | None, to: int) -> None:
         """Send ``data`` to rank ``to`` over the channel's group (None: say that there is nothing to
         send); the rank calls :meth:`recv_bytes` at the same point of its own sequence."""
+        import torch
+        import torch.distributed as dist
+
         group = self.groups[channel]
         size = -1 if data is None else memoryview(data).nbytes
         dist.send(torch.tensor([size], dtype=torch.int64), dist.get_global_rank(group, to), group=group)
@@ -131,6 +150,9 @@ class Ranks:
 
     def recv_bytes(self, channel: str, source: int) -> bytearray | None:
         """What rank ``source`` sends with :meth:`send_bytes` (None where it had nothing to send)."""
+        import torch
+        import torch.distributed as dist
+
         group = self.groups[channel]
         size = torch.empty(1, dtype=torch.int64)
         dist.recv(size, dist.get_global_rank(group, source), group=group)
@@ -195,6 +217,8 @@ def init_process_group(*, one_process: bool = False, device: str = "cpu") -> boo
     for its communication hooks): gloo for training on the CPU, NCCL for ``device`` ``cuda``.
     everystep's own channels are gloo groups either way. True when this call created it, to destroy
     later."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return False
     timeout = datetime.timedelta(seconds=collective_timeout())
@@ -210,6 +234,8 @@ def init_process_group(*, one_process: bool = False, device: str = "cpu") -> boo
 
 def sample_digests(tensors: dict[str, torch.Tensor], keys: list[str], sample: int = 64) -> dict[str, str]:
     """A cheap fingerprint of each of ``keys``: dtype, shape and up to ``sample`` elements from each end."""
+    import torch
+
     out = {}
     for key in sorted(keys):
         t = tensors[key].detach()
