@@ -10,10 +10,10 @@ $(BIN)/python:
 
 # The installed packages are compiled on every core (pip compiles them one file at a time: 80 of
 # its 150 s on two cores), so that an interpreter started where PYTHONDONTWRITEBYTECODE is set does
-# not compile what it imports each time. A file written for a later Python is passed over, as pip does.
+# not compile what it imports each time: tools/compile_installed.py says what it leaves out.
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt -e ".[test,bench,s3,lightning,transformers]"
-	$(BIN)/python -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
+	$(BIN)/python tools/compile_installed.py
 	touch $(STAMP)
 
 install: $(STAMP)
