@@ -78,6 +78,13 @@ def running(pid: int) -> bool:
         return False
 
 
+def torch_libraries(pid: int) -> list[str]:
+    """The PyTorch libraries process ``pid`` has loaded: none where it never imported torch."""
+    import psutil
+
+    return sorted({Path(m.path).name for m in psutil.Process(pid).memory_maps() if "torch" in Path(m.path).name})
+
+
 def loss_gap(losses: list[float], reference: list[float]) -> float:
     """The largest relative difference between two runs' losses, step by step."""
     return max(abs(x - y) / abs(y) for x, y in zip(losses, reference, strict=True))
