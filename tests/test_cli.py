@@ -319,6 +319,26 @@ def test_every_bad_argument_gets_one_line_and_exit_status_2(tmp_path, capsys):
     assert not failures, "\n".join(failures)
 
 
+def test_the_parser_offers_each_registrys_names_and_imports_no_pytorch():
+    """The flags that name a strategy, a workload, an optimizer or a layout offer exactly their
+    registry's names, written out in cli_args so that `everystep --help` answers at once."""
+    import subprocess
+    import sys
+
+    from everystep import cli_args
+    from everystep.eval.workloads import OPTIMIZERS, PARALLEL, WORKLOADS
+    from everystep.strategies import STRATEGIES
+
+    assert cli_args.STRATEGY_NAMES == tuple(sorted(STRATEGIES))
+    assert cli_args.WORKLOAD_NAMES == tuple(WORKLOADS)
+    assert cli_args.OPTIMIZER_NAMES == tuple(OPTIMIZERS)
+    assert cli_args.PARALLEL_NAMES == PARALLEL
+    helped = subprocess.run([sys.executable, "-c", "import sys; from everystep.cli import main\n"
+                             "try:\n    main(['train', '--help'])\nexcept SystemExit:\n    pass\n"
+                             "print('torch' in sys.modules, file=sys.stderr)"], capture_output=True, text=True)
+    assert "--strategy {async,checkflow," in helped.stdout and helped.stderr.strip() == "False", helped.stderr
+
+
 def test_an_error_that_quotes_a_traceback_is_printed_on_one_line(capsys, monkeypatch):
     """Item 12: an error carrying another tool's traceback (DCP's, on a full disk) is one line."""
     from everystep import cli

@@ -10,8 +10,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .cli_args import (MIB, NOT_NEGATIVE, POSITIVE, RATE, SIZE, THREADS, byte_amount, comma_list, gpu_check_parts,
-                       one_line, option, preflight, step_list, strategy_option, whole, whole_list)
+from .cli_args import (MIB, NOT_NEGATIVE, OPTIMIZER_NAMES, PARALLEL_NAMES, POSITIVE, RATE, SIZE, STRATEGY_NAMES, THREADS,
+                       WORKLOAD_NAMES, byte_amount, comma_list, gpu_check_parts, one_line, option, preflight, step_list,
+                       strategy_option, whole, whole_list)
 from .errors import ConfigError, EverystepError, one_line_warnings
 
 __all__ = ["main"]
@@ -297,15 +298,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .eval.workloads import OPTIMIZERS, WORKLOADS
-    from .strategies import STRATEGIES
-
     p = _Parser(prog="everystep", description="Checkpointing every training step, with exact recovery.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a workload with a checkpointing strategy, optionally killing it")
-    t.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-tiny")
-    t.add_argument("--strategy", choices=sorted(STRATEGIES), default="checkfreq")
+    t.add_argument("--workload", choices=WORKLOAD_NAMES, default="gpt2-tiny")
+    t.add_argument("--strategy", choices=STRATEGY_NAMES, default="checkfreq")
     t.add_argument("--steps", type=whole(1), default=20)
     t.add_argument("--dir", help="checkpoint directory (needed by every strategy but none)")
     t.add_argument("--every", type=whole(1), help="checkpoint every K steps (default: the strategy's own; 1 for full_sync "
@@ -313,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--keep", type=whole(1), default=2, help="full checkpoints to keep (default 2)")
     t.add_argument("--seed", type=whole(0, 2**31 - 1), default=0)
     t.add_argument("--threads", type=THREADS, default=1, help="intra-op threads for training (default 1)")
-    t.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
+    t.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adamw")
     t.add_argument("--fail-at", type=step_list, default=(), metavar="STEPS", help="kill the training during these steps, e.g. 7,19")
     t.add_argument("--fail-mode", choices=["software", "hardware"], default="software")
     t.add_argument("--compress", metavar="SPEC", help="train with gradient compression: topk:0.01, quant8 or powersgd:rank=4 "
@@ -328,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--deadline", type=POSITIVE, metavar="SECONDS", help="stop with a final checkpoint before this many "
                    "seconds from now have passed (default: SLURM_JOB_END_TIME when set); SIGTERM and SIGUSR1 stop "
                    "the same way at any time")
-    t.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp", "zero1"], default="ddp",
+    t.add_argument("--parallel", choices=PARALLEL_NAMES, default="ddp",
                    help="how the ranks hold the state: DistributedDataParallel replicas (default), FSDP2 shards "
                    "(fully_shard), HSDP (two replicas, each sharded over half the ranks; under both, full "
                    "checkpoints are in DCP's format), or ZeRO-1 (DDP with a ZeroRedundancyOptimizer)")
@@ -365,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     b = sub.add_parser("bench", help="measure every strategy side by side on one workload, interleaved")
-    b.add_argument("--workload", choices=[*WORKLOADS, "native"], default="gpt2-tiny",
+    b.add_argument("--workload", choices=[*WORKLOAD_NAMES, "native"], default="gpt2-tiny",
                    help="native: with --trainer, the trainer's own small model")
     b.add_argument("--strategies", type=comma_list, default=("none", "full_sync", "checkfreq"), help="comma-separated: "
                    "everystep strategies and the baselines torch_save, dcp, dcp_async")
@@ -388,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every run trains (default cpu)")
     b.add_argument("--nproc", type=whole(1), default=1, help="ranks per run, processes on this machine on a group over "
                    "loopback (default 1); each rank's bytes written are reported")
-    b.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp", "zero1"], default="ddp",
+    b.add_argument("--parallel", choices=PARALLEL_NAMES, default="ddp",
                    help="how the ranks hold the state, as for train (default ddp)")
     b.add_argument("--full-format", choices=["safetensors", "dcp"], help="how every everystep strategy that stores "
                    "writes its full checkpoints, as for train (default: each strategy's own, dcp under fsdp or hsdp)")
@@ -438,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--merge-seconds", type=POSITIVE, help="time to merge one batched differential (LowDiff)")
     pl.add_argument("--checkflow", action="store_true", help="profile one step of --workload and plan Checkflow's "
                     "snapshots and offloads (--bandwidth: the device-to-host link, e.g. 25GB/s)")
-    pl.add_argument("--workload", choices=list(WORKLOADS), default="gpt2-small")
+    pl.add_argument("--workload", choices=WORKLOAD_NAMES, default="gpt2-small")
     pl.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     pl.add_argument("--in-backward", action="store_true", help="updates in backward (each layer's own deadline)")
     pl.add_argument("--batch", type=whole(1), help="samples per step (default: the workload's own)")

@@ -12,7 +12,20 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["step_list", "whole", "THREADS", "number", "POSITIVE", "NOT_NEGATIVE", "byte_amount", "RATE", "SIZE", "MIB", "comma_list", "whole_list", "option", "strategy_option", "gpu_check_parts", "preflight", "one_line"]
+__all__ = ["STRATEGY_NAMES", "WORKLOAD_NAMES", "OPTIMIZER_NAMES", "PARALLEL_NAMES", "step_list", "whole", "THREADS", "number", "POSITIVE", "NOT_NEGATIVE", "byte_amount", "RATE", "SIZE", "MIB", "comma_list", "whole_list", "option", "strategy_option", "gpu_check_parts", "preflight", "one_line"]
+
+# The choices of the flags that name a registry's entry, written out: the registries import PyTorch,
+# and the parser does not, so that `everystep --help` and a mistyped flag answer at once.
+# tests/test_cli.py checks each against its registry.
+STRATEGY_NAMES = ("async", "checkflow", "checkfreq", "full_sync", "gockpt", "gockpt_o", "lightcheck", "lowdiff",
+                  "lowdiff_plus", "naive_diff", "none")
+"""``--strategy``: the names of :data:`everystep.strategies.STRATEGIES`, sorted."""
+WORKLOAD_NAMES = ("mlp", "gpt2-tiny", "gpt2-small", "gpt2-medium", "resnet")
+"""``--workload``: the names of :data:`everystep.eval.workloads.WORKLOADS`, smallest first."""
+OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adamw")
+"""``--optimizer``: the names of :data:`everystep.eval.workloads.OPTIMIZERS`."""
+PARALLEL_NAMES = ("ddp", "fsdp", "hsdp", "zero1")
+"""``--parallel``: :data:`everystep.eval.workloads.PARALLEL`."""
 
 
 def step_list(text: str) -> tuple[int, ...]:
