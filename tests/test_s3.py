@@ -387,6 +387,52 @@ def test_a_share_that_fails_to_upload_on_one_rank_commits_nothing_is_reported_on
     assert {(r["source"], r["start"]) for r in resumed} == {("remote", steps)}
 
 
+def test_a_failed_upload_is_reported_though_retention_discards_its_checkpoint_right_after(bucket, tmp_path,
+                                                                                          monkeypatch):
+    """An upload that failed (a full disk's error in the upload process) whose checkpoint local
+    retention discards as soon as the upload unpins it is still reported: only a checkpoint retired
+    while it was pinned (by a retention planned before the pin) makes a failure a benign one."""
+    import threading
+    import warnings
+
+    from everystep import Checkpointer, _faults
+    from everystep.eval.workloads import build
+
+    monkeypatch.setenv("EVERYSTEP_FAIL", "remote.object:1")  # (read by the upload process it starts)
+    reached, proceed = threading.Event(), threading.Event()
+
+    def hold() -> None:  # on the upload thread, once the failed upload has unpinned its checkpoint
+        reached.set()
+        assert proceed.wait(60)
+
+    _faults.arm("remote.unpinned", action=hold)
+    w = build("mlp", seed=0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", remote=f"s3://{bucket}/job",
+                              remote_every=1, keep=2) as ckpt:
+                ckpt.restore()
+                for step in range(1, 1001):  # (each step commits, then retains the newest two)
+                    w.loss(w.data.next()).backward()
+                    w.update()
+                    if reached.is_set():
+                        break
+                assert reached.is_set(), "the upload never reached its unpin"
+                for _ in range(2):  # two more commits: the first checkpoint, unpinned now, is discarded
+                    w.loss(w.data.next()).backward()
+                    w.update()
+                failed = sorted(ckpt.directory.catalog.manifests(), key=lambda r: r.manifest.step)[0].manifest.step
+                proceed.set()
+                ckpt.remote.wait()
+                assert failed > 1  # the first checkpoint, the one the failed upload held, is gone locally
+    finally:
+        _faults.disarm("remote.unpinned")
+        proceed.set()
+    said = [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
+    assert any("uploading the checkpoint of step 1" in m and "No space left" in m for m in said), said
+
+
 def _moto(port, **env):
     """A moto server on ``port``, answering (``env``: its settings)."""
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

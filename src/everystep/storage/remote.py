@@ -326,10 +326,9 @@ class RemoteTier:
             return
         t0 = time.perf_counter()
         try:
-            self._copy(manifest)
-        except (EverystepError, OSError) as e:
-            if not self.directory.catalog.committed(manifest.name):
+            if not self._copy(manifest):
                 return  # retired by another process's retention planned just before the pin: the next upload takes a newer one
+        except (EverystepError, OSError) as e:
             if self._failed is None:
                 warnings.warn(f"uploading the checkpoint of step {manifest.step} to {self.url} failed ({e}); training goes "
                               "on with checkpoints kept locally, and later uploads try again", RuntimeWarning, stacklevel=1)
@@ -342,14 +341,23 @@ class RemoteTier:
             warnings.warn(f"uploads to {self.url} resumed with step {manifest.step}", RuntimeWarning, stacklevel=1)
             self._failed = None
 
-    def _copy(self, manifest: Manifest) -> None:
-        """Upload ``manifest``, pinned by the caller; unpinned at the end, up or not."""
+    def _copy(self, manifest: Manifest) -> bool:
+        """Upload ``manifest``, pinned by the caller; unpinned at the end, up or not. False where it
+        failed because the checkpoint was retired locally meanwhile (by a retention planned before the
+        pin); asked while it is still pinned, so that a retention after the unpin does not pass a
+        failure of the upload itself off as that."""
         try:
             if self._follows:
                 self.ranks.broadcast("remote", manifest.to_bytes())  # the followers upload their shares with it
             self._round(manifest)
+        except (EverystepError, OSError):
+            if not self.directory.catalog.committed(manifest.name):
+                return False
+            raise
         finally:
             self.directory.pin([])
+            crash_point("remote.unpinned")
+        return True
 
     def _round(self, manifest: Manifest) -> None:
         """One upload, on every rank: its share of the objects, each verified on the way out; rank 0
