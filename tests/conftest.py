@@ -72,9 +72,11 @@ def _one_thread():
 
 def running(pid: int) -> bool:
     """``pid`` runs: neither gone nor a zombie its parent has yet to reap."""
+    import psutil
+
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 

@@ -413,7 +413,7 @@ def test_a_failed_upload_is_reported_though_retention_discards_its_checkpoint_ri
             with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", remote=f"s3://{bucket}/job",
                               remote_every=1, keep=2) as ckpt:
                 ckpt.restore()
-                for step in range(1, 1001):  # (each step commits, then retains the newest two)
+                for _ in range(1000):  # (each step commits, then retains the newest two)
                     w.loss(w.data.next()).backward()
                     w.update()
                     if reached.is_set():
@@ -422,10 +422,10 @@ def test_a_failed_upload_is_reported_though_retention_discards_its_checkpoint_ri
                 for _ in range(2):  # two more commits: the first checkpoint, unpinned now, is discarded
                     w.loss(w.data.next()).backward()
                     w.update()
-                failed = sorted(ckpt.directory.catalog.manifests(), key=lambda r: r.manifest.step)[0].manifest.step
+                oldest = min(r.manifest.step for r in ckpt.directory.catalog.manifests())
                 proceed.set()
                 ckpt.remote.wait()
-                assert failed > 1  # the first checkpoint, the one the failed upload held, is gone locally
+                assert oldest > 1  # the first checkpoint, the one the failed upload held, is gone locally
     finally:
         _faults.disarm("remote.unpinned")
         proceed.set()
