@@ -461,6 +461,29 @@ def test_a_corrupt_newest_slot_gives_way_to_the_same_step_persisted_in_the_direc
     assert state_hash({"model": w2.model.state_dict(), "optimizer": w2.optimizer.state_dict()}) == expected
 
 
+def test_a_restore_into_an_optimizer_that_holds_its_state_fills_its_own_tensors_from_the_slot(tmp_path):
+    """Recovery within a process whose optimizer has its state already: the region's slot is read
+    in place (its optimizer state not copied out) and loaded into the optimizer's own tensors,
+    which it keeps, now holding the checkpoint's values; the model's likewise."""
+    directory = tmp_path / "c"
+    w = build("mlp", seed=3)
+    with Checkpointer(directory, w.model, w.optimizer, strategy="lightcheck") as ckpt:
+        ckpt.restore()
+        for _ in range(4):
+            w.loss(w.data.next()).backward()
+            w.optimizer.step()
+            w.optimizer.zero_grad()
+    expected = state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
+    w2 = build("mlp", seed=4)
+    w2.loss(w2.data.next()).backward()
+    w2.optimizer.step()
+    held = {id(t) for entry in w2.optimizer.state.values() for t in entry.values()}
+    with Checkpointer(directory, w2.model, w2.optimizer, strategy="lightcheck", final=False) as again:
+        assert again.restore() == 4 and again.recovered.source == "region"
+    assert state_hash({"model": w2.model.state_dict(), "optimizer": w2.optimizer.state_dict()}) == expected
+    assert {id(t) for entry in w2.optimizer.state.values() for t in entry.values()} == held
+
+
 def test_a_region_made_for_another_directory_is_refused_and_left_as_it_is(tmp_path):
     """I7: two runs given the same region= in turn: the second is refused, naming the region, and
     the first run's region and checkpoints are untouched."""

@@ -78,14 +78,27 @@ def test_rng_capture_restores_every_generator():
     assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]
 
 
+def _as_views(tree):
+    """``tree`` with each tensor of its optimizer state a view into a buffer larger than it, as a
+    region's slot hands them on (such a tensor goes into the live optimizer's own, where it has one)."""
+    def view(t):
+        return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+
+    state = {i: {k: view(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+             for i, entry in tree["optimizer"]["state"].items()}
+    return {**tree, "optimizer": {**tree["optimizer"], "state": state}}
+
+
+@pytest.mark.parametrize("stored", ["tensors", "views"])
 @pytest.mark.parametrize("fails", ["data", "model"])
 @pytest.mark.parametrize("optimizer", ["adamw", "in_backward"])
-def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimizer, fails):
+def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimizer, fails, stored):
     """A load fails part way — the data loader's own ``load_state_dict`` after the optimizer's, or a
     hook of the model's after some of its layers are loaded (the model loads last): the model's
     tensors, the optimizer's state and groups and the RNG are back as they were, bitwise (the
-    optimizer's from its own tensors, which loading replaced without writing into them; the model's
-    from a copy, taken where its load can fail: it writes into its tensors)."""
+    optimizer's from its own tensors, which loading replaced without writing into them, or, where
+    the stored state is views it loads into those tensors, wrote into last; the model's from a copy,
+    taken where its load can fail: it writes into its tensors)."""
     from everystep.errors import StateMismatchError
     from everystep.eval.workloads import build
     from everystep.state import TrainingComponents
@@ -100,6 +113,8 @@ def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimi
     other, w = trained(1), trained(0)
     tree = {**TrainingComponents(model=other.model, optimizer=other.optimizer).capture(),
             "rng": capture_rng(), "data": other.data.state_dict()}
+    if stored == "views":
+        tree = _as_views(tree)
 
     class Refusing:
         def state_dict(self):
@@ -131,3 +146,32 @@ def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimi
         hook.remove()
     TrainingComponents(model=w.model, optimizer=w.optimizer, data=w.data).restore({**tree, "data": w.data.state_dict()})
     assert live() == loaded
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "in_backward"])
+def test_a_stored_view_goes_into_the_optimizers_own_tensor_and_is_never_kept(optimizer):
+    """Optimizer state stored as views into a larger buffer (a region's slot): where the live
+    optimizer holds its state, each view is loaded into the live tensor of its parameter and name
+    (the optimizer keeps its tensors, now the stored values); where it has none yet, each is copied
+    into memory of its own — the optimizer never keeps a view of memory it does not own."""
+    from everystep.eval.workloads import build
+    from everystep.state import TrainingComponents, owns_memory
+
+    def trained(seed: int, steps: int):
+        w = build("mlp", seed=seed, in_backward=optimizer == "in_backward")
+        for _ in range(steps):
+            w.loss(w.data.next()).backward()
+            w.update()
+        return w
+
+    other = trained(1, 2)
+    tree = _as_views({**TrainingComponents(model=other.model, optimizer=other.optimizer).capture(), "rng": capture_rng()})
+    expected = state_hash({"model": other.model.state_dict(), "optimizer": other.optimizer.state_dict()})
+    for steps in (1, 0):  # (an optimizer that holds its state; one that has none yet)
+        w = trained(0, steps)
+        held = {id(t) for entry in w.optimizer.state.values() for t in entry.values()}
+        TrainingComponents(model=w.model, optimizer=w.optimizer).restore(tree)
+        assert state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()}) == expected
+        now = [t for entry in w.optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
+        assert now and all(owns_memory(t) for t in now)
+        assert {id(t) for t in now} == held if steps else not held

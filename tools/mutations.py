@@ -107,12 +107,13 @@ MUTATIONS = (
     ),
     Mutation(
         name="slot-views-kept",
-        what="a restore from a region's slot hands the live objects views of the slot: the optimizer keeps them",
-        path="src/everystep/strategies/memory_tier.py",
-        before='    copy = True if len(live) else lambda key: not key.startswith("/model/")',
-        after="    copy = bool(len(live))",
-        tests=cases("tests/test_memory_tier.py::test_a_restore_from_memory_leaves_the_slot_as_it_was_and_the_live_objects_"
-                    "their_own_memory", "lightcheck", "checkfreq", "gockpt:device"),
+        what="a restore hands the optimizer the views of a region's slot it cannot load into tensors of the "
+             "optimizer's own: the optimizer keeps them",
+        path="src/everystep/state.py",
+        before='                elif t.device.type == "cpu" and param.device.type == "cpu":\n',
+        after="                elif False:\n",
+        tests=cases("tests/test_state.py::test_a_stored_view_goes_into_the_optimizers_own_tensor_and_is_never_kept",
+                    "adamw", "in_backward"),
     ),
     Mutation(
         name="model-unsaved",
@@ -206,6 +207,15 @@ MUTATIONS = (
         tests=("tests/test_trust.py::test_a_dcp_metadata_that_names_a_file_outside_its_checkpoint_is_refused_and_"
                "recovery_falls_back", "tests/test_trust.py::test_a_dcp_checkpoint_is_read_once_and_dcp_reads_only_"
                "verified_bytes"),
+    ),    Mutation(
+        name="optimizer-in-place-early",
+        what="a restore writes the stored optimizer state into the live optimizer's tensors before the loads "
+             "that may still fail, so putting the live objects back finds them changed",
+        path="src/everystep/state.py",
+        before="                    entry[name] = like\n",
+        after="                    entry[name] = like.copy_(t)\n",
+        tests=cases("tests/test_state.py::test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was",
+                    "adamw-data-views", "adamw-model-views", "in_backward-data-views", "in_backward-model-views"),
     ),
 )
 

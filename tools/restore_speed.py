@@ -6,7 +6,10 @@ under each strategy (every step, in a directory on ``/dev/shm`` unless ``--dir``
 it into a freshly built workload ``--repeats`` times, interleaved with ``torch.save``'s file of the
 same model and optimizer state loaded the way a training script loads it, and prints the median of
 each; ``--profile`` prints where one restore of each strategy spent its time. What is timed is the
-restore alone: building the fresh workload is not.
+restore alone: building the fresh workload is not. ``--stepped``: the fresh workload trains one step
+before it is restored, so that its optimizer holds its state (a recovery within the process that
+trains, or a job that makes its optimizer's state before loading, as
+``torch.distributed.checkpoint.state_dict`` does).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from everystep.eval.workloads import build
 
 
 def restore_seconds(workload: str, strategies: list[str], *, repeats: int, root: Path,
-                    profile: bool = False) -> dict[str, float]:
+                    profile: bool = False, stepped: bool = False) -> dict[str, float]:
     """The median seconds of a restore under each strategy, and of ``torch.load`` (see the module docstring)."""
     torch.set_num_threads(1)
     w = build(workload, seed=0)
@@ -43,6 +46,9 @@ def restore_seconds(workload: str, strategies: list[str], *, repeats: int, root:
     for repeat in range(repeats):
         for name in times:
             fresh = build(workload, seed=0)
+            if stepped:
+                fresh.loss(fresh.data.next()).backward()
+                fresh.update()
             t0 = time.perf_counter()
             if name == "torch.load":
                 state = torch.load(root / "torch_save.pt", weights_only=True)
@@ -72,14 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", help="where the checkpoints are made (default: a folder on /dev/shm)")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--stepped", action="store_true", help="restore into a workload that trained one step")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="everystep-restore-", dir=args.dir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)))
     try:
         found = restore_seconds(args.workload, args.strategies.split(","), repeats=args.repeats, root=root,
-                                profile=args.profile)
+                                profile=args.profile, stepped=args.stepped)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"restore of {args.workload}, median of {args.repeats} (interleaved), in {args.dir or 'memory (/dev/shm)'}:")
+    into = "a workload that trained one step" if args.stepped else "a fresh workload"
+    print(f"restore of {args.workload} into {into}, median of {args.repeats} (interleaved), "
+          f"in {args.dir or 'memory (/dev/shm)'}:")
     for name, seconds in found.items():
         print(f"  {name}: {seconds * 1e3:.0f} ms")
     return 0

@@ -178,20 +178,62 @@ class TrainingComponents:
 
     def _load(self, tree: dict[str, Any], *, plain: bool = False) -> None:
         """Load ``tree`` into the live objects, the model last (if ``tree`` holds it; ``plain``: a
-        model that :func:`loads_plainly`, whose load is only copies)."""
-        # (a shallow copy: ZeroRedundancyOptimizer's load_state_dict blanks the entries of other ranks' parameters)
-        self.optimizer.load_state_dict({**tree["optimizer"], "state": dict(tree["optimizer"]["state"])})
+        model that :func:`loads_plainly`, whose load is only copies), then what goes into the
+        optimizer's live tensors (:meth:`_optimizer_tree`)."""
+        stored, into = self._optimizer_tree(tree["optimizer"])
+        self.optimizer.load_state_dict(stored)
         for name in self.OPTIONAL:
             component = getattr(self, name)
             if component is not None:
                 component.load_state_dict(owned(tree[name]))
         restore_rng(tree["rng"])
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         if "model" in tree:
             live = self.module.state_dict()
             if plain and all(t.device.type == "cpu" for t in live.values()):
-                _copy_into(live, tree["model"])
+                copies = _model_copies(live, tree["model"])
             else:
                 self.module.load_state_dict(tree["model"])
+        held = self.optimizer.state
+        copies += [(held[param][name], value) for param, name, value in into]  # (what the load holds: the live tensor, or its cast)
+        _copy_all(copies)
+
+    def _optimizer_tree(self, stored: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[torch.Tensor, str, torch.Tensor]]]:
+        """The optimizer state to hand to its load, and ``(parameter, name, tensor)`` for each entry
+        loaded into the live optimizer's own tensor instead.
+
+        A stored tensor that is not alone in its memory (a view of a region's slot) goes into the
+        live tensor of its parameter and name where the optimizer holds one like it (the same type,
+        shape, dtype and device) and its load is torch's own (:func:`replaces_state`): the load is
+        handed the live tensor, which it keeps as it is (so putting the live objects back needs no
+        copy of it), and the stored one is copied in last, once nothing can fail. This is how a
+        restore in a process whose optimizer already has its state (recovery within the process, or
+        a job that makes the state before loading, as ``torch.distributed.checkpoint.state_dict``
+        does) fills it without new memory. Any other such view on the host of a parameter on the
+        host is copied out, so that the optimizer never keeps memory it does not own."""
+        # (shallow copies: ZeroRedundancyOptimizer's load_state_dict blanks the entries of other ranks' parameters)
+        state = dict(stored["state"])
+        into: list[tuple[torch.Tensor, str, torch.Tensor]] = []
+        if zero_redundancy(self.optimizer):
+            return {**stored, "state": state}, into
+        in_place = replaces_state(self.optimizer)
+        params = {index: param for group, sgroup in zip(self.optimizer.param_groups, stored["param_groups"])
+                  for param, index in zip(group["params"], sgroup["params"])}
+        for index, entry in state.items():
+            param = params.get(index)
+            views = [name for name, t in entry.items() if type(t) is torch.Tensor and not owns_memory(t)]
+            if param is None or not views:
+                continue
+            state[index] = entry = dict(entry)
+            live = self.optimizer.state.get(param, {})
+            for name in views:
+                t, like = entry[name], live.get(name)
+                if in_place and type(like) is torch.Tensor and (like.shape, like.dtype, like.device) == (t.shape, t.dtype, t.device):
+                    entry[name] = like
+                    into.append((param, name, t))
+                elif t.device.type == "cpu" and param.device.type == "cpu":
+                    entry[name] = t.clone(memory_format=torch.contiguous_format)
+        return {**stored, "state": state}, into
 
     def end_state(self, boundary: dict[str, Any], step: int, *,
                   residuals: bool = True) -> tuple[dict[str, torch.Tensor], Any]:
@@ -269,14 +311,19 @@ def loads_plainly(module: torch.nn.Module) -> bool:
     return True
 
 
-def _copy_into(live: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -> None:
-    """Torch's load of a model that :func:`loads_plainly`, on the host: each stored tensor copied
-    into the live one of its key (the tensor of two tied keys once), the copies shared out by size
-    between a thread of their own and this one (a copy releases the interpreter's lock)."""
-    targets = list({(t.data_ptr(), t.dtype, t.shape, t.stride()): (t, stored[k]) for k, t in live.items()}.values())
+def _model_copies(live: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Torch's load of a model that :func:`loads_plainly`, on the host, as copies: each stored
+    tensor into the live one of its key (the tensor of two tied keys once)."""
+    return list({(t.data_ptr(), t.dtype, t.shape, t.stride()): (t, stored[k]) for k, t in live.items()}.values())
+
+
+def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``into.copy_(source)`` for each pair, shared out by size between a thread of their own and
+    this one (a copy releases the interpreter's lock)."""
+    if not copies:
+        return
     with ThreadPoolExecutor(1, thread_name_prefix="everystep-load") as helper:
-        in_shares(helper, [t.numel() * t.element_size() for t, _ in targets],
-                  lambda i: targets[i][0].copy_(targets[i][1]), 2)
+        in_shares(helper, [t.numel() * t.element_size() for t, _ in copies], lambda i: copies[i][0].copy_(copies[i][1]), 2)
 
 
 def replaces_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -84,8 +84,19 @@ class LiveShards(Mapping[str, torch.Tensor]):
     torch's own (:meth:`moved_by_load`)."""
 
     def __init__(self, live: dict[str, torch.Tensor], params: list[torch.Tensor],
-                 shapes: dict[str, tuple[int, ...]], *, onto_devices: bool = False) -> None:
+                 shapes: dict[str, tuple[int, ...]], *, onto_devices: bool = False,
+                 in_place: frozenset[str] = frozenset()) -> None:
         self._live, self._params, self.shapes, self._onto_devices = live, params, shapes, onto_devices
+        self._in_place = in_place
+
+    def loaded_in_place(self, key: str) -> bool:
+        """Whether a restore's load copies the stored tensor of ``key`` into the live optimizer's
+        own tensor, so that a read may hand it on as a view of where it lies: an entry of the
+        optimizer's state that the live optimizer holds already, a plain tensor on the host, the
+        optimizer's load being torch's own (see :meth:`TrainingComponents._optimizer_tree
+        <everystep.state.TrainingComponents._optimizer_tree>`, which copies out any view it cannot
+        load so)."""
+        return key in self._in_place
 
     def moved_by_load(self, key: str) -> bool:
         """Whether a restore's load copies the stored tensor of ``key`` onto a device, so that a read
@@ -173,9 +184,13 @@ class StrategyContext:
         """The live DTensors of the state by key (a sharded job's checkpoint is read as their shards),
         including the optimizer state that does not exist yet (:class:`LiveShards`)."""
         tensors, _ = self.flatten_state(0)
-        params = [p for group in self.components.optimizer.param_groups for p in group["params"]]
+        optimizer = self.components.optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torchs = replaces_state(optimizer) and not zero_redundancy(optimizer)
+        in_place = frozenset(k for k, t in tensors.items() if torchs and type(t) is torch.Tensor and t.device.type == "cpu"
+                             and OPTIMIZER_STATE_ENTRY.fullmatch(k)) if not self._sharded else frozenset()
         return LiveShards(dict(self._sharded), params, {k: tuple(t.shape) for k, t in tensors.items()},
-                          onto_devices=replaces_state(self.components.optimizer))
+                          onto_devices=replaces_state(optimizer), in_place=in_place)
 
     @property
     def full_format(self) -> str:

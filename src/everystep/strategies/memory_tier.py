@@ -134,15 +134,17 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
     region holds nothing to recover. ``finish``: applied to each candidate (:data:`Finish`).
 
     What the live objects keep (the optimizer's state, the other components') is copied out of the
-    slot as it is hashed. The model's tensors, which a restore copies into the live model, and the
-    optimizer's state that its load copies onto a GPU (:meth:`LiveShards.moved_by_load`) are views
+    slot as it is hashed. The model's tensors, which a restore copies into the live model, the
+    optimizer's state that its load copies onto a GPU (:meth:`LiveShards.moved_by_load`) and that
+    which goes into the live optimizer's own tensors (:meth:`LiveShards.loaded_in_place`) are views
     of the slot's private mapping (what is written into them stays in this process) verified where
     they lie, by the region's writer, which holds its lock: no other process rewrites a slot. A
     reader, and a sharded job (whose model holds DTensors), read copies of all."""
     found: dict[int, Candidate] = {}
     t0 = time.perf_counter()
     complete = region.slots(warn=False)
-    copy = True if len(live) else lambda key: not key.startswith("/model/") and not live.moved_by_load(key)
+    copy = True if len(live) else lambda key: not (key.startswith("/model/") or live.moved_by_load(key)
+                                                   or live.loaded_in_place(key))
     for slot, tensors, meta in region.verified(copy=copy):
         if any(live.shapes.get(k, tuple(t.shape)) != tuple(t.shape) for k, t in tensors.items()):
             warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
