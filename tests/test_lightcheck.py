@@ -434,18 +434,23 @@ def test_inspect_and_verify_list_the_region_slots_and_name_a_damaged_one(tmp_pat
     assert code == 1 and f"slot {newest.slot}" in out and "fails its checksum" in out
 
 
-def test_a_corrupt_newest_slot_gives_way_to_the_same_step_persisted_in_the_directory(tmp_path):
-    """Recovery takes the newest of the region's verified slots and the directory's verified full
-    checkpoints: the newest slot damaged, the step persisted in the directory is restored."""
-    directory = tmp_path / "c"
+def _trained(directory: Path, **options) -> str:
+    """Train mlp four steps under lightcheck into ``directory``: the state hash of its end."""
     w = build("mlp", seed=3)
-    with Checkpointer(directory, w.model, w.optimizer, strategy="lightcheck", persist_every=1) as ckpt:
+    with Checkpointer(directory, w.model, w.optimizer, strategy="lightcheck", **options) as ckpt:
         ckpt.restore()
         for _ in range(4):
             w.loss(w.data.next()).backward()
             w.optimizer.step()
             w.optimizer.zero_grad()
-    expected = state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
+    return state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
+
+
+def test_a_corrupt_newest_slot_gives_way_to_the_same_step_persisted_in_the_directory(tmp_path):
+    """Recovery takes the newest of the region's verified slots and the directory's verified full
+    checkpoints: the newest slot damaged, the step persisted in the directory is restored."""
+    directory = tmp_path / "c"
+    expected = _trained(directory, persist_every=1)
     path = directory / "region" / "rank-0.bin"
     region = Region.open(path, access="read")
     newest = region.slots()[0]
@@ -466,14 +471,7 @@ def test_a_restore_into_an_optimizer_that_holds_its_state_fills_its_own_tensors_
     in place (its optimizer state not copied out) and loaded into the optimizer's own tensors,
     which it keeps, now holding the checkpoint's values; the model's likewise."""
     directory = tmp_path / "c"
-    w = build("mlp", seed=3)
-    with Checkpointer(directory, w.model, w.optimizer, strategy="lightcheck") as ckpt:
-        ckpt.restore()
-        for _ in range(4):
-            w.loss(w.data.next()).backward()
-            w.optimizer.step()
-            w.optimizer.zero_grad()
-    expected = state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
+    expected = _trained(directory)
     w2 = build("mlp", seed=4)
     w2.loss(w2.data.next()).backward()
     w2.optimizer.step()
