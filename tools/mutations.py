@@ -122,7 +122,7 @@ MUTATIONS = (
         before="        before = self._saved(model=not plain)",
         after="        before = self._saved(model=False)",
         tests=cases("tests/test_state.py::test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was",
-                    "adamw-model", "in_backward-model"),
+                    "adamw-model-tensors", "in_backward-model-tensors", "adamw-model-views", "in_backward-model-views"),
     ),
     Mutation(
         name="checksum-ignored",
