@@ -335,7 +335,8 @@ def test_an_agent_that_stops_answering_is_ended_and_training_goes_on(tmp_path):
 
 
 def test_recovery_from_memory_restores_what_a_fresh_process_needs(tmp_path):
-    """In-process view of a software failure: the trainer goes away without closing, a new one attaches."""
+    """In-process view of a software failure: the trainer goes away without closing, a new one
+    attaches. The optimizer keeps its state where the agent handed it over, not a copy of it."""
     proc = _spawn_trainer(tmp_path, steps=10_000, options={"grace": 30.0})
     _wait_for_steps(tmp_path, 6, proc)
     proc.kill()
@@ -345,6 +346,8 @@ def test_recovery_from_memory_restores_what_a_fresh_process_needs(tmp_path):
     with _attach(w, tmp_path / "c", final=False) as ckpt:
         step = ckpt.restore()
         assert ckpt.recovered.source == "memory" and step >= done - 1
+        held = [t for entry in w.optimizer.state.values() for name, t in entry.items() if name != "step"]
+        assert held and len({t.untyped_storage().data_ptr() for t in held}) == 1  # (all in the one region)
         recovered = training_state_hash({"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()})
     assert recovered == _reference(tmp_path, steps=step)["final_state_sha256"]
 

@@ -80,13 +80,15 @@ def test_rng_capture_restores_every_generator():
 
 def _as_views(tree):
     """``tree`` with each tensor of its optimizer state a view into a buffer larger than it, as a
-    region's slot hands them on (such a tensor goes into the live optimizer's own, where it has one)."""
+    region's slot hands them on, and their flat keys: borrowed (each goes into the live optimizer's
+    own tensor where it has one, else into a copy)."""
     def view(t):
         return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
 
     state = {i: {k: view(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
              for i, entry in tree["optimizer"]["state"].items()}
-    return {**tree, "optimizer": {**tree["optimizer"], "state": state}}
+    borrowed = frozenset(f"/optimizer/state/{i}/{k}" for i, entry in state.items() for k in entry)
+    return {**tree, "optimizer": {**tree["optimizer"], "state": state}}, borrowed
 
 
 @pytest.mark.parametrize("stored", ["tensors", "views"])
@@ -113,8 +115,9 @@ def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimi
     other, w = trained(1), trained(0)
     tree = {**TrainingComponents(model=other.model, optimizer=other.optimizer).capture(),
             "rng": capture_rng(), "data": other.data.state_dict()}
+    borrowed = frozenset()
     if stored == "views":
-        tree = _as_views(tree)
+        tree, borrowed = _as_views(tree)
 
     class Refusing:
         def state_dict(self):
@@ -140,7 +143,7 @@ def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimi
     torch.manual_seed(123)  # (the RNG the checkpoint holds is another: restore must put this one back)
     rng = state_hash(capture_rng())
     with pytest.raises(StateMismatchError, match="this loader cannot take it.*as they were"):
-        TrainingComponents(model=w.model, optimizer=w.optimizer, data=Refusing()).restore(tree)
+        TrainingComponents(model=w.model, optimizer=w.optimizer, data=Refusing()).restore(tree, borrowed=borrowed)
     assert live() == before and state_hash(capture_rng()) == rng
     if hook is not None:
         hook.remove()
@@ -150,10 +153,11 @@ def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimi
 
 @pytest.mark.parametrize("optimizer", ["adamw", "in_backward"])
 def test_a_stored_view_goes_into_the_optimizers_own_tensor_and_is_never_kept(optimizer):
-    """Optimizer state stored as views into a larger buffer (a region's slot): where the live
-    optimizer holds its state, each view is loaded into the live tensor of its parameter and name
-    (the optimizer keeps its tensors, now the stored values); where it has none yet, each is copied
-    into memory of its own — the optimizer never keeps a view of memory it does not own."""
+    """Optimizer state stored as views into a larger buffer (a region's slot), borrowed: where the
+    live optimizer holds its state, each view is loaded into the live tensor of its parameter and
+    name (the optimizer keeps its tensors, now the stored values); where it has none yet, each is
+    copied into memory of its own — the optimizer never keeps a borrowed view. Views not borrowed
+    (what a checkpoint agent hands over) it keeps as they are."""
     from everystep.eval.workloads import build
     from everystep.state import TrainingComponents, owns_memory
 
@@ -165,13 +169,17 @@ def test_a_stored_view_goes_into_the_optimizers_own_tensor_and_is_never_kept(opt
         return w
 
     other = trained(1, 2)
-    tree = _as_views({**TrainingComponents(model=other.model, optimizer=other.optimizer).capture(), "rng": capture_rng()})
+    tree, borrowed = _as_views({**TrainingComponents(model=other.model, optimizer=other.optimizer).capture(),
+                                "rng": capture_rng()})
     expected = state_hash({"model": other.model.state_dict(), "optimizer": other.optimizer.state_dict()})
     for steps in (1, 0):  # (an optimizer that holds its state; one that has none yet)
         w = trained(0, steps)
         held = {id(t) for entry in w.optimizer.state.values() for t in entry.values()}
-        TrainingComponents(model=w.model, optimizer=w.optimizer).restore(tree)
+        TrainingComponents(model=w.model, optimizer=w.optimizer).restore(tree, borrowed=borrowed)
         assert state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()}) == expected
         now = [t for entry in w.optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
         assert now and all(owns_memory(t) for t in now)
         assert {id(t) for t in now} == held if steps else not held
+    w = trained(0, 1)
+    TrainingComponents(model=w.model, optimizer=w.optimizer).restore(tree)  # (nothing borrowed)
+    assert not any(owns_memory(t) for entry in w.optimizer.state.values() for t in entry.values())

@@ -46,6 +46,10 @@ class Candidate:
     replay: Callable[[], tuple[int, str]] | None = None
     """A differential chain's: once ``tree`` is loaded, it moves the live objects forward through the
     chain and returns the step reached and the source to report."""
+    borrowed: frozenset[str] = frozenset()
+    """The flat keys of optimizer state in ``tree`` that are views of memory the live objects must
+    not keep (a region's slot): the load puts each into the optimizer's own tensor, or a copy
+    (:meth:`~everystep.state.TrainingComponents.restore`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +67,7 @@ def load(candidate: Candidate, components: TrainingComponents) -> Recovered:
     refuses (:meth:`~everystep.state.TrainingComponents.restore`) — then replay what it chains, and
     report what was recovered. The one place a recovered state enters the live objects."""
     t0 = time.perf_counter()
-    components.restore(candidate.tree)
+    components.restore(candidate.tree, borrowed=candidate.borrowed)
     step, source = candidate.step, candidate.source
     if candidate.replay is not None:
         step, source = candidate.replay()

@@ -129,8 +129,8 @@ class TrainingComponents:
             tree["data"] = copy.deepcopy(self.data.state_dict())
         return tree
 
-    def restore(self, tree: dict[str, Any]) -> None:
-        """Load a captured state into the live objects.
+    def restore(self, tree: dict[str, Any], *, borrowed: frozenset[str] = frozenset()) -> None:
+        """Load a captured state into the live objects (``borrowed``: see :meth:`_optimizer_tree`).
 
         IMPORTANT: everything is checked before anything is loaded — each shape, the optimizer's
         settings and state, the random generators' — and should a component's own
@@ -152,7 +152,7 @@ class TrainingComponents:
         plain = loads_plainly(self.module)
         before = self._saved(model=not plain)
         try:
-            self._load(tree, plain=plain)
+            self._load(tree, plain=plain, borrowed=borrowed)
         except Exception as e:
             self._load(before)
             raise StateMismatchError(f"the checkpoint's state could not be loaded ({type(e).__name__}: {e}); the model, "
@@ -176,11 +176,11 @@ class TrainingComponents:
                 saved[name] = _host_copy(component.state_dict())
         return saved
 
-    def _load(self, tree: dict[str, Any], *, plain: bool = False) -> None:
+    def _load(self, tree: dict[str, Any], *, plain: bool = False, borrowed: frozenset[str] = frozenset()) -> None:
         """Load ``tree`` into the live objects, the model last (if ``tree`` holds it; ``plain``: a
         model that :func:`loads_plainly`, whose load is only copies), then what goes into the
         optimizer's live tensors (:meth:`_optimizer_tree`)."""
-        stored, into = self._optimizer_tree(tree["optimizer"])
+        stored, into = self._optimizer_tree(tree["optimizer"], borrowed)
         self.optimizer.load_state_dict(stored)
         for name in self.OPTIONAL:
             component = getattr(self, name)
@@ -198,40 +198,43 @@ class TrainingComponents:
         copies += [(held[param][name], value) for param, name, value in into]  # (what the load holds: the live tensor, or its cast)
         _copy_all(copies)
 
-    def _optimizer_tree(self, stored: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[torch.Tensor, str, torch.Tensor]]]:
+    def _optimizer_tree(self, stored: dict[str, Any], borrowed: frozenset[str]
+                        ) -> tuple[dict[str, Any], list[tuple[torch.Tensor, str, torch.Tensor]]]:
         """The optimizer state to hand to its load, and ``(parameter, name, tensor)`` for each entry
         loaded into the live optimizer's own tensor instead.
 
-        A stored tensor that is not alone in its memory (a view of a region's slot) goes into the
-        live tensor of its parameter and name where the optimizer holds one like it (the same type,
-        shape, dtype and device) and its load is torch's own (:func:`replaces_state`): the load is
-        handed the live tensor, which it keeps as it is (so putting the live objects back needs no
-        copy of it), and the stored one is copied in last, once nothing can fail. This is how a
-        restore in a process whose optimizer already has its state (recovery within the process, or
-        a job that makes the state before loading, as ``torch.distributed.checkpoint.state_dict``
-        does) fills it without new memory. Any other such view on the host of a parameter on the
-        host is copied out, so that the optimizer never keeps memory it does not own."""
+        A borrowed entry (its flat key ``/optimizer/state/<i>/<name>`` in ``borrowed``: a view of a
+        region's slot, which the live objects must not keep) goes into the live tensor of its
+        parameter and name where the optimizer holds one like it (the same type, shape, dtype and
+        device) and its load is torch's own (:func:`replaces_state`): the load is handed the live
+        tensor, which it keeps as it is (so putting the live objects back needs no copy of it), and
+        the stored one is copied in last, once nothing can fail. This is how a restore in a process
+        whose optimizer already has its state (recovery within the process, or a job that makes the
+        state before loading, as ``torch.distributed.checkpoint.state_dict`` does) fills it without
+        new memory. A borrowed entry with no such tensor is copied out. Anything else is handed on
+        as it is (the optimizer's state a checkpoint agent hands over is kept where it lies)."""
         # (shallow copies: ZeroRedundancyOptimizer's load_state_dict blanks the entries of other ranks' parameters)
         state = dict(stored["state"])
         into: list[tuple[torch.Tensor, str, torch.Tensor]] = []
-        if zero_redundancy(self.optimizer):
+        if not borrowed:
             return {**stored, "state": state}, into
-        in_place = replaces_state(self.optimizer)
+        in_place = replaces_state(self.optimizer) and not zero_redundancy(self.optimizer)
         params = {index: param for group, sgroup in zip(self.optimizer.param_groups, stored["param_groups"])
                   for param, index in zip(group["params"], sgroup["params"])}
         for index, entry in state.items():
-            param = params.get(index)
-            views = [name for name, t in entry.items() if type(t) is torch.Tensor and not owns_memory(t)]
-            if param is None or not views:
+            views = [name for name, t in entry.items() if f"/optimizer/state/{index}/{name}" in borrowed
+                     and isinstance(t, torch.Tensor) and not owns_memory(t)]
+            if not views:
                 continue
             state[index] = entry = dict(entry)
-            live = self.optimizer.state.get(param, {})
+            live = self.optimizer.state.get(params[index], {}) if in_place and index in params else {}
             for name in views:
                 t, like = entry[name], live.get(name)
-                if in_place and type(like) is torch.Tensor and (like.shape, like.dtype, like.device) == (t.shape, t.dtype, t.device):
+                if type(like) is torch.Tensor and type(t) is torch.Tensor \
+                        and (like.shape, like.dtype, like.device) == (t.shape, t.dtype, t.device):
                     entry[name] = like
-                    into.append((param, name, t))
-                elif t.device.type == "cpu" and param.device.type == "cpu":
+                    into.append((params[index], name, t))
+                else:
                     entry[name] = t.clone(memory_format=torch.contiguous_format)
         return {**stored, "state": state}, into
 

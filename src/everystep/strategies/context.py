@@ -93,9 +93,9 @@ class LiveShards(Mapping[str, torch.Tensor]):
         """Whether a restore's load copies the stored tensor of ``key`` into the live optimizer's
         own tensor, so that a read may hand it on as a view of where it lies: an entry of the
         optimizer's state that the live optimizer holds already, a plain tensor on the host, the
-        optimizer's load being torch's own (see :meth:`TrainingComponents._optimizer_tree
-        <everystep.state.TrainingComponents._optimizer_tree>`, which copies out any view it cannot
-        load so)."""
+        optimizer's load being torch's own (a region's read lists such keys as its candidate's
+        ``borrowed``: see :meth:`TrainingComponents._optimizer_tree
+        <everystep.state.TrainingComponents._optimizer_tree>`, which copies out any it cannot load so)."""
         return key in self._in_place
 
     def moved_by_load(self, key: str) -> bool:

@@ -136,10 +136,11 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
     What the live objects keep (the optimizer's state, the other components') is copied out of the
     slot as it is hashed. The model's tensors, which a restore copies into the live model, the
     optimizer's state that its load copies onto a GPU (:meth:`LiveShards.moved_by_load`) and that
-    which goes into the live optimizer's own tensors (:meth:`LiveShards.loaded_in_place`) are views
-    of the slot's private mapping (what is written into them stays in this process) verified where
-    they lie, by the region's writer, which holds its lock: no other process rewrites a slot. A
-    reader, and a sharded job (whose model holds DTensors), read copies of all."""
+    which goes into the live optimizer's own tensors (:meth:`LiveShards.loaded_in_place`; the
+    candidate's ``borrowed``) are views of the slot's private mapping (what is written into them
+    stays in this process) verified where they lie, by the region's writer, which holds its lock:
+    no other process rewrites a slot. A reader, and a sharded job (whose model holds DTensors),
+    read copies of all."""
     found: dict[int, Candidate] = {}
     t0 = time.perf_counter()
     complete = region.slots(warn=False)
@@ -152,8 +153,9 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
             continue
         if len(live):  # (no live DTensor: nothing to place)
             as_shards(tensors, live)
+        borrowed = frozenset(k for k in tensors if not len(live) and live.loaded_in_place(k))  # (views: see above)
         found[slot.step] = Candidate(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source=source,
-                                     manifest=None, seconds=time.perf_counter() - t0)
+                                     manifest=None, seconds=time.perf_counter() - t0, borrowed=borrowed)
         if finish is not None:
             try:
                 found[slot.step] = finish(found[slot.step], tensors, meta["meta"])
