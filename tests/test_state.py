@@ -78,6 +78,17 @@ def test_rng_capture_restores_every_generator():
     assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]
 
 
+def _trained(optimizer: str, seed: int, steps: int = 2):
+    """mlp (``optimizer``: ``adamw``, or ``in_backward`` for updates during backward) trained ``steps`` steps."""
+    from everystep.eval.workloads import build
+
+    w = build("mlp", seed=seed, in_backward=optimizer == "in_backward")
+    for _ in range(steps):
+        w.loss(w.data.next()).backward()
+        w.update()
+    return w
+
+
 def _as_views(tree):
     """``tree`` with each tensor of its optimizer state a view into a buffer larger than it, as a
     region's slot hands them on, and their flat keys: borrowed (each goes into the live optimizer's
@@ -102,17 +113,9 @@ def test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was(optimi
     the stored state is views it loads into those tensors, wrote into last; the model's from a copy,
     taken where its load can fail: it writes into its tensors)."""
     from everystep.errors import StateMismatchError
-    from everystep.eval.workloads import build
     from everystep.state import TrainingComponents
 
-    def trained(seed: int):
-        w = build("mlp", seed=seed, in_backward=optimizer == "in_backward")
-        for _ in range(2):
-            w.loss(w.data.next()).backward()
-            w.update()
-        return w
-
-    other, w = trained(1), trained(0)
+    other, w = _trained(optimizer, 1), _trained(optimizer, 0)
     tree = {**TrainingComponents(model=other.model, optimizer=other.optimizer).capture(),
             "rng": capture_rng(), "data": other.data.state_dict()}
     borrowed = frozenset()
@@ -158,28 +161,20 @@ def test_a_stored_view_goes_into_the_optimizers_own_tensor_and_is_never_kept(opt
     name (the optimizer keeps its tensors, now the stored values); where it has none yet, each is
     copied into memory of its own — the optimizer never keeps a borrowed view. Views not borrowed
     (what a checkpoint agent hands over) it keeps as they are."""
-    from everystep.eval.workloads import build
     from everystep.state import TrainingComponents, owns_memory
 
-    def trained(seed: int, steps: int):
-        w = build("mlp", seed=seed, in_backward=optimizer == "in_backward")
-        for _ in range(steps):
-            w.loss(w.data.next()).backward()
-            w.update()
-        return w
-
-    other = trained(1, 2)
+    other = _trained(optimizer, 1)
     tree, borrowed = _as_views({**TrainingComponents(model=other.model, optimizer=other.optimizer).capture(),
                                 "rng": capture_rng()})
     expected = state_hash({"model": other.model.state_dict(), "optimizer": other.optimizer.state_dict()})
     for steps in (1, 0):  # (an optimizer that holds its state; one that has none yet)
-        w = trained(0, steps)
+        w = _trained(optimizer, 0, steps)
         held = {id(t) for entry in w.optimizer.state.values() for t in entry.values()}
         TrainingComponents(model=w.model, optimizer=w.optimizer).restore(tree, borrowed=borrowed)
         assert state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()}) == expected
         now = [t for entry in w.optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
         assert now and all(owns_memory(t) for t in now)
         assert {id(t) for t in now} == held if steps else not held
-    w = trained(0, 1)
+    w = _trained(optimizer, 0, 1)
     TrainingComponents(model=w.model, optimizer=w.optimizer).restore(tree)  # (nothing borrowed)
     assert not any(owns_memory(t) for entry in w.optimizer.state.values() for t in entry.values())

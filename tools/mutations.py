@@ -207,7 +207,8 @@ MUTATIONS = (
         tests=("tests/test_trust.py::test_a_dcp_metadata_that_names_a_file_outside_its_checkpoint_is_refused_and_"
                "recovery_falls_back", "tests/test_trust.py::test_a_dcp_checkpoint_is_read_once_and_dcp_reads_only_"
                "verified_bytes"),
-    ),    Mutation(
+    ),
+    Mutation(
         name="optimizer-in-place-early",
         what="a restore writes the stored optimizer state into the live optimizer's tensors before the loads "
              "that may still fail, so putting the live objects back finds them changed",

@@ -218,7 +218,7 @@ class TrainingComponents:
         into: list[tuple[torch.Tensor, str, torch.Tensor]] = []
         if not borrowed:
             return {**stored, "state": state}, into
-        in_place = replaces_state(self.optimizer) and not zero_redundancy(self.optimizer)
+        in_place = loads_into_own_tensors(self.optimizer)
         params = {index: param for group, sgroup in zip(self.optimizer.param_groups, stored["param_groups"])
                   for param, index in zip(group["params"], sgroup["params"])}
         for index, entry in state.items():
@@ -337,6 +337,13 @@ def replaces_state(optimizer: torch.optim.Optimizer) -> bool:
                                                          "_optimizer_load_state_dict_post_hooks")]
     return type(optimizer).load_state_dict in (torch.optim.Optimizer.load_state_dict, OptimizerInBackward.load_state_dict) \
         and not any(hooks)
+
+
+def loads_into_own_tensors(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a restore may load borrowed optimizer state into the tensors ``optimizer`` holds
+    (:meth:`TrainingComponents._optimizer_tree`): its load is torch's own (:func:`replaces_state`),
+    which keeps a tensor it is given as it is, and it holds its state itself (not ZeRO's partition)."""
+    return replaces_state(optimizer) and not zero_redundancy(optimizer)
 
 
 def _host_copy(tree: Any) -> Any:

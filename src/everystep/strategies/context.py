@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..distributed import Ranks
-from ..state import TrainingComponents, replaces_state, zero_redundancy
+from ..state import TrainingComponents, loads_into_own_tensors, replaces_state, zero_redundancy
 from ..parallelism import shard_like, sharded_layout
 from ..tree import OPTIMIZER_STATE_ENTRY, flatten, local_shard
 from ..layout import TensorLayout
@@ -186,9 +186,9 @@ class StrategyContext:
         tensors, _ = self.flatten_state(0)
         optimizer = self.components.optimizer
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        torchs = replaces_state(optimizer) and not zero_redundancy(optimizer)
-        in_place = frozenset(k for k, t in tensors.items() if torchs and type(t) is torch.Tensor and t.device.type == "cpu"
-                             and OPTIMIZER_STATE_ENTRY.fullmatch(k)) if not self._sharded else frozenset()
+        in_place = frozenset(k for k, t in tensors.items() if type(t) is torch.Tensor and t.device.type == "cpu"
+                             and OPTIMIZER_STATE_ENTRY.fullmatch(k)) \
+            if not self._sharded and loads_into_own_tensors(optimizer) else frozenset()
         return LiveShards(dict(self._sharded), params, {k: tuple(t.shape) for k, t in tensors.items()},
                           onto_devices=replaces_state(optimizer), in_place=in_place)
 

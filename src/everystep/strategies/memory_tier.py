@@ -153,7 +153,7 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
             continue
         if len(live):  # (no live DTensor: nothing to place)
             as_shards(tensors, live)
-        borrowed = frozenset(k for k in tensors if not len(live) and live.loaded_in_place(k))  # (views: see above)
+        borrowed = frozenset() if len(live) else frozenset(filter(live.loaded_in_place, tensors))  # (views: see above)
         found[slot.step] = Candidate(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source=source,
                                      manifest=None, seconds=time.perf_counter() - t0, borrowed=borrowed)
         if finish is not None:
