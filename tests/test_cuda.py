@@ -322,3 +322,31 @@ def test_a_restore_on_the_gpu_moves_the_optimizers_state_from_the_slot_to_the_de
                 assert torch.equal(t.cpu(), trained[index][name].cpu()), (index, name)
                 assert t.device.type == ("cpu" if name == "step" else "cuda"), (index, name)
                 assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), "a tensor of its own"
+
+
+@gpu
+@pytest.mark.parametrize("strategy, source", [("lightcheck", "region"), ("checkfreq", "disk")])
+def test_a_restore_into_an_optimizer_that_holds_its_state_on_the_gpu_fills_its_own_tensors(tmp_path, shm, strategy,
+                                                                                           source):
+    """Recovery within a process whose optimizer has its state on the GPU already: the stored state
+    (a region's slot, read in place; a file, read into host memory) is copied into the tensors the
+    optimizer holds, which it keeps at their addresses, now holding the checkpoint's values bitwise;
+    torch's load would have put new ones in their place."""
+    options = {"region": str(shm / "rank-{rank}.bin"), "persist_every": 0} if strategy == "lightcheck" else {}
+    w = build("gpt2-tiny", seed=0, optimizer="adamw", device="cuda")
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=strategy,
+                      **options) as ckpt:
+        loop(w, ckpt, ckpt.restore(), 4)
+    again_w = build("gpt2-tiny", seed=0, optimizer="adamw", device="cuda")
+    loop(again_w, None, 0, 1)
+    held = {(index, name): (t, t.data_ptr()) for index, entry in enumerate(again_w.optimizer.state.values())
+            for name, t in entry.items() if name != "step"}
+    assert held and all(t.device.type == "cuda" for t, _ in held.values())
+    with Checkpointer(tmp_path / "c", again_w.model, again_w.optimizer, scheduler=again_w.scheduler,
+                      data=again_w.data, strategy=strategy, final=False, **options) as again:
+        assert again.restore() == 4 and again.recovered.source == source
+    for (index, name), (t, address) in held.items():
+        now = list(again_w.optimizer.state.values())[index][name]
+        assert now is t and now.data_ptr() == address, (index, name)
+    assert state_hash({"model": again_w.model.state_dict(), "optimizer": again_w.optimizer.state_dict()}) == \
+        state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})

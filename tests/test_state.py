@@ -178,3 +178,30 @@ def test_a_stored_view_goes_into_the_optimizers_own_tensor_and_is_never_kept(opt
     w = _trained(optimizer, 0, 1)
     TrainingComponents(model=w.model, optimizer=w.optimizer).restore(tree)  # (nothing borrowed)
     assert not any(owns_memory(t) for entry in w.optimizer.state.values() for t in entry.values())
+
+
+@pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter")
+def test_host_state_goes_into_the_tensors_a_live_optimizer_holds_on_another_device():
+    """A live optimizer whose state lies on a device (the meta device here, which holds no data;
+    a GPU in test_cuda.py, which checks the values): the stored state, on the host, is copied into
+    the tensors it holds there — it keeps them, on its device — where torch's load would have put
+    new ones in their place. A step counter, which torch keeps on the host, is loaded as before."""
+    from everystep.state import TrainingComponents
+
+    def made(device):
+        model = torch.nn.Linear(3, 4, device=device)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.ones(2, 3, device=device)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    trained, by = made("cpu")
+    tree = {**TrainingComponents(model=trained, optimizer=by).capture(), "rng": capture_rng()}
+    model, optimizer = made("meta")
+    held = {(i, name): t for i, entry in enumerate(optimizer.state.values()) for name, t in entry.items()}
+    TrainingComponents(model=model, optimizer=optimizer).restore(tree)
+    now = {(i, name): t for i, entry in enumerate(optimizer.state.values()) for name, t in entry.items()}
+    assert now.keys() == held.keys() and len(now) == 6
+    for (i, name), t in now.items():
+        assert (t is held[i, name]) == (name != "step"), (i, name)
+        assert t.device.type == ("cpu" if name == "step" else "meta")

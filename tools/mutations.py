@@ -110,7 +110,7 @@ MUTATIONS = (
         what="a restore hands the optimizer the borrowed views of a region's slot it cannot load into tensors of "
              "the optimizer's own: the optimizer keeps them",
         path="src/everystep/state.py",
-        before="                    entry[name] = t.clone(memory_format=torch.contiguous_format)\n",
+        before="                    changed[name] = t.clone(memory_format=torch.contiguous_format)\n",
         after="                    pass\n",
         tests=cases("tests/test_state.py::test_a_stored_view_goes_into_the_optimizers_own_tensor_and_is_never_kept",
                     "adamw", "in_backward"),
@@ -213,10 +213,19 @@ MUTATIONS = (
         what="a restore writes the stored optimizer state into the live optimizer's tensors before the loads "
              "that may still fail, so putting the live objects back finds them changed",
         path="src/everystep/state.py",
-        before="                    entry[name] = like\n",
-        after="                    entry[name] = like.copy_(t)\n",
+        before="                    changed[name] = like\n",
+        after="                    changed[name] = like.copy_(t)\n",
         tests=cases("tests/test_state.py::test_a_load_that_fails_part_way_puts_every_live_object_back_as_it_was",
                     "adamw-data-views", "adamw-model-views", "in_backward-data-views", "in_backward-model-views"),
+    ),
+    Mutation(
+        name="optimizer-onto-device-new",
+        what="a restore hands an optimizer whose state lies on a device the stored host state to load, which "
+             "puts new tensors there in place of those it held",
+        path="src/everystep/state.py",
+        before="                        and (view and like.device == t.device or onto_device):\n",
+        after="                        and view and like.device == t.device:\n",
+        tests=("tests/test_state.py::test_host_state_goes_into_the_tensors_a_live_optimizer_holds_on_another_device",),
     ),
 )
 

@@ -203,39 +203,47 @@ class TrainingComponents:
         """The optimizer state to hand to its load, and ``(parameter, name, tensor)`` for each entry
         loaded into the live optimizer's own tensor instead.
 
-        A borrowed entry (its flat key ``/optimizer/state/<i>/<name>`` in ``borrowed``: a view of a
-        region's slot, which the live objects must not keep) goes into the live tensor of its
-        parameter and name where the optimizer holds one like it (the same type, shape, dtype and
-        device) and its load is torch's own (:func:`replaces_state`): the load is handed the live
-        tensor, which it keeps as it is (so putting the live objects back needs no copy of it), and
-        the stored one is copied in last, once nothing can fail. This is how a restore in a process
-        whose optimizer already has its state (recovery within the process, or a job that makes the
-        state before loading, as ``torch.distributed.checkpoint.state_dict`` does) fills it without
-        new memory. A borrowed entry with no such tensor is copied out. Anything else is handed on
-        as it is (the optimizer's state a checkpoint agent hands over is kept where it lies)."""
+        Where the optimizer holds its state already (recovery within the process, or a job that
+        makes the state before loading, as ``torch.distributed.checkpoint.state_dict`` does) and its
+        load is torch's own (:func:`loads_into_own_tensors`), a stored entry goes into the live
+        tensor of its parameter and name that is like it (the same type, shape and dtype) when
+
+        - it is borrowed (its flat key ``/optimizer/state/<i>/<name>`` in ``borrowed``: a view of a
+          region's slot, which the live objects must not keep) and the live tensor is on its device;
+        - or it lies on the host and the live tensor on a GPU (where torch's load would copy it
+          into a new tensor on the device, and drop the live one).
+
+        The load is handed the live tensor, which it keeps as it is (so putting the live objects
+        back needs no copy of it), and the stored one is copied in last, once nothing can fail: the
+        optimizer keeps its tensors (and what holds their addresses, a captured graph, stays valid),
+        and the restore takes no new memory. A borrowed entry loaded otherwise is copied out.
+        Anything else is handed on as it is (the optimizer's state a checkpoint agent hands over is
+        kept where it lies)."""
         # (shallow copies: ZeroRedundancyOptimizer's load_state_dict blanks the entries of other ranks' parameters)
         state = dict(stored["state"])
         into: list[tuple[torch.Tensor, str, torch.Tensor]] = []
-        if not borrowed:
+        in_place = loads_into_own_tensors(self.optimizer) and bool(self.optimizer.state)
+        if not (borrowed or in_place):
             return {**stored, "state": state}, into
-        in_place = loads_into_own_tensors(self.optimizer)
         params = {index: param for group, sgroup in zip(self.optimizer.param_groups, stored["param_groups"])
                   for param, index in zip(group["params"], sgroup["params"])}
         for index, entry in state.items():
-            views = [name for name, t in entry.items() if f"/optimizer/state/{index}/{name}" in borrowed
-                     and isinstance(t, torch.Tensor) and not owns_memory(t)]
-            if not views:
-                continue
-            state[index] = entry = dict(entry)
             live = self.optimizer.state.get(params[index], {}) if in_place and index in params else {}
-            for name in views:
-                t, like = entry[name], live.get(name)
-                if type(like) is torch.Tensor and type(t) is torch.Tensor \
-                        and (like.shape, like.dtype, like.device) == (t.shape, t.dtype, t.device):
-                    entry[name] = like
+            changed = dict(entry)
+            for name, t in entry.items():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                view = f"/optimizer/state/{index}/{name}" in borrowed and not owns_memory(t)
+                like = live.get(name)
+                onto_device = type(like) is torch.Tensor and like.device.type != "cpu" and t.device.type == "cpu"
+                if type(like) is torch.Tensor and type(t) is torch.Tensor and (like.shape, like.dtype) == (t.shape, t.dtype) \
+                        and (view and like.device == t.device or onto_device):
+                    changed[name] = like
                     into.append((params[index], name, t))
-                else:
-                    entry[name] = t.clone(memory_format=torch.contiguous_format)
+                elif view:
+                    changed[name] = t.clone(memory_format=torch.contiguous_format)
+            if any(changed[name] is not t for name, t in entry.items()):
+                state[index] = changed
         return {**stored, "state": state}, into
 
     def end_state(self, boundary: dict[str, Any], step: int, *,
@@ -321,12 +329,17 @@ def _model_copies(live: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]
 
 
 def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``into.copy_(source)`` for each pair, shared out by size between a thread of their own and
-    this one (a copy releases the interpreter's lock)."""
-    if not copies:
+    """``into.copy_(source)`` for each pair: into host memory shared out by size between a thread of
+    their own and this one (a copy releases the interpreter's lock); onto a device on this thread,
+    on its current stream, after the work queued there that may still use the tensor."""
+    host = [pair for pair in copies if pair[0].device.type == "cpu"]
+    for into, source in copies:
+        if into.device.type != "cpu":
+            into.copy_(source)
+    if not host:
         return
     with ThreadPoolExecutor(1, thread_name_prefix="everystep-load") as helper:
-        in_shares(helper, [t.numel() * t.element_size() for t, _ in copies], lambda i: copies[i][0].copy_(copies[i][1]), 2)
+        in_shares(helper, [t.numel() * t.element_size() for t, _ in host], lambda i: host[i][0].copy_(host[i][1]), 2)
 
 
 def replaces_state(optimizer: torch.optim.Optimizer) -> bool:
