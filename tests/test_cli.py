@@ -121,6 +121,19 @@ def test_user_mistakes_get_one_clear_line_and_status_2(tmp_path, capsys, args, m
     assert (tmp_path / "foreign" / "data.csv").read_text() == "1,2\n"
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_path_with_no_checkpoints_is_said_before_torch_is_imported(tmp_path, command):
+    """``inspect`` and ``verify`` of a path that is no checkpoint directory say so at once: they open
+    the directory before anything imports torch (seconds of a start)."""
+    import subprocess
+    import sys
+
+    said = subprocess.run([sys.executable, "-c", "import sys; from everystep.cli import main\n"
+                           f"code = main([{command!r}, {str(tmp_path / 'missing')!r}])\n"
+                           "print(code, 'torch' in sys.modules)"], capture_output=True, text=True)
+    assert "no everystep checkpoint directory at" in said.stderr and said.stdout.split() == ["2", "False"], said
+
+
 def test_verify_names_each_file_that_is_wrong(tmp_path, capsys):
     run(TrainConfig(workload="mlp", strategy="full_sync", steps=3, every=1, keep=3, directory=str(tmp_path / "c"),
                     progress=False))

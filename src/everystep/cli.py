@@ -78,10 +78,11 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .storage.directory import CheckpointDirectory
-    from .inventory import inspect_store
 
-    store = CheckpointDirectory.open(args.dir, create=False, access="read")
+    store = CheckpointDirectory.open(args.dir, create=False, access="read")  # (before torch is imported: a wrong path is said at once)
     try:
+        from .inventory import inspect_store
+
         rows = inspect_store(store)
     finally:
         store.close()  # (a remote's: the folder its DCP files were fetched into goes)
@@ -97,11 +98,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .inventory import inspect_store, verify_store
     from .storage.directory import CheckpointDirectory
 
-    store = CheckpointDirectory.open(args.dir, create=False, access="read")
+    store = CheckpointDirectory.open(args.dir, create=False, access="read")  # (as cmd_inspect's)
     try:
+        from .inventory import inspect_store, verify_store
+
         rows = inspect_store(store)
         problems = verify_store(store, rows)
     finally:

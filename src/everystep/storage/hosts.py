@@ -46,7 +46,6 @@ from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, NoValidCheckpointError, StateMismatchError
 from .base import Manifest, Reader, check_bytes, checksum
 from .catalog import MANIFESTS, Catalog, Supplemented
-from .sharded import parts_read
 
 if TYPE_CHECKING:
     import torch
@@ -171,6 +170,8 @@ def gather(catalog: Catalog, manifests: list[Manifest], shards: Mapping[str, "to
     sent by a rank of the host that holds each. Every rank calls it with the same manifests.
     :class:`CorruptCheckpointError` on every rank where a part is on no host's disk, or one sent
     fails its checksum at either end."""
+    from .sharded import parts_read  # (it imports torch, which a reader of one host's directory needs not)
+
     ranks = catalog.ranks
     infos = {info.name: info for m in manifests for info in m.objects.values()}
     error: BaseException | None = None
