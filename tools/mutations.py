@@ -223,7 +223,8 @@ MUTATIONS = (
         what="a restore hands an optimizer whose state lies on a device the stored host state to load, which "
              "puts new tensors there in place of those it held",
         path="src/everystep/state.py",
-        before="                        and (view and like.device == t.device or onto_device):\n",
+        before="                        and (view and like.device == t.device or like.device.type != \"cpu\" and "
+               "t.device.type == \"cpu\"):\n",
         after="                        and view and like.device == t.device:\n",
         tests=("tests/test_state.py::test_host_state_goes_into_the_tensors_a_live_optimizer_holds_on_another_device",),
     ),

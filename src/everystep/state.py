@@ -235,9 +235,8 @@ class TrainingComponents:
                     continue
                 view = f"/optimizer/state/{index}/{name}" in borrowed and not owns_memory(t)
                 like = live.get(name)
-                onto_device = type(like) is torch.Tensor and like.device.type != "cpu" and t.device.type == "cpu"
                 if type(like) is torch.Tensor and type(t) is torch.Tensor and (like.shape, like.dtype) == (t.shape, t.dtype) \
-                        and (view and like.device == t.device or onto_device):
+                        and (view and like.device == t.device or like.device.type != "cpu" and t.device.type == "cpu"):
                     changed[name] = like
                     into.append((params[index], name, t))
                 elif view:
@@ -353,9 +352,10 @@ def replaces_state(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def loads_into_own_tensors(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a restore may load borrowed optimizer state into the tensors ``optimizer`` holds
-    (:meth:`TrainingComponents._optimizer_tree`): its load is torch's own (:func:`replaces_state`),
-    which keeps a tensor it is given as it is, and it holds its state itself (not ZeRO's partition)."""
+    """Whether a restore may load stored optimizer state (borrowed views; host state for tensors on
+    a GPU) into the tensors ``optimizer`` holds (:meth:`TrainingComponents._optimizer_tree`): its
+    load is torch's own (:func:`replaces_state`), which keeps a tensor it is given as it is, and it
+    holds its state itself (not ZeRO's partition)."""
     return replaces_state(optimizer) and not zero_redundancy(optimizer)
 
 
