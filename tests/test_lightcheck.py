@@ -27,6 +27,7 @@ from everystep.eval.workloads import build
 from everystep.state import TrainingComponents
 from everystep.tree import state_hash
 from everystep.storage.region import Region
+from everystep.storage.region_lend import lending_supported
 from everystep.storage.region_map import ALIGN, RegionLayout
 from everystep.strategies.lightcheck import WHOLE, LightCheck
 
@@ -209,6 +210,87 @@ def test_the_hashing_process_holds_no_lock_of_its_writer(tmp_path):
     finally:
         os.close(probe)
         hasher.close()
+
+
+def _lent_from_the_newest_slot(path: Path, tensors: dict[str, torch.Tensor]
+                               ) -> tuple[Region, dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """Steps 1 and 2 written, and a writer that opened the region again (as a restarted one does)
+    reading the newest slot with all but ``tiny`` lent: the writer, what it read, what it should
+    hold, and where ``big`` lies in the file."""
+    region = Region.open(path)
+    _write(region, 1, tensors)
+    _write(region, 2, tensors)
+    region.close()
+    region = Region.open(path)
+    lent, _ = region.read_slot(region.slots()[0], copy=True, lend=lambda key: key != "tiny")
+    manifest = max((r.manifest for r in region.manifests() if r.manifest), key=lambda m: m.step)
+    return region, lent, {k: v + 2 if v.dtype != torch.int64 else v for k, v in tensors.items()}, \
+        region.object_location(manifest.objects["big"])[0]
+
+
+@pytest.mark.skipif(not lending_supported(), reason="this kernel cannot make a private mapping's pages the process's own")
+@pytest.mark.parametrize("settled", ["by the next begin", "in the background", "by close"])
+def test_a_tensor_lent_out_of_a_slot_keeps_its_bytes_when_the_writer_writes_that_slot_again(tmp_path, settled):
+    """A restarted writer lends a slot's tensors (``read_slot``'s ``lend``): tensors alone in their
+    storage over the slot's private mapping, verified where they lie, not copied. Until a lent page
+    is written it is the file's: before the writer writes a slot again (or another writer does,
+    once this one is closed) the lent pages are made the process's own, and what the new
+    checkpoints write over the slot does not show through."""
+    path = tmp_path / "r.bin"
+    tensors = _tensors()
+    region, lent, expected, where = _lent_from_the_newest_slot(path, tensors)
+    assert all(torch.equal(lent[k], expected[k]) for k in tensors)
+    assert all(lent[k].untyped_storage().nbytes() == lent[k].nbytes for k in tensors)  # (torch.save writes its bytes alone)
+    assert region.lending.bytes >= lent["big"].nbytes  # lent, not copied
+    if settled == "in the background":
+        region.lending.start()
+    elif settled == "by close":
+        region.close()
+        region = Region.open(path)
+    _write(region, 3, tensors)
+    _write(region, 4, tensors)  # over the slot ``big`` was lent from, where it lay
+    assert path.read_bytes()[where:where + 4000] == (tensors["big"] + 4).numpy().tobytes()
+    assert all(torch.equal(lent[k], expected[k]) for k in tensors)
+    assert settled == "by close" or region.lending.seconds > 0
+    region.close()
+
+
+def test_where_the_kernel_cannot_lend_a_restarted_writer_copies_the_slot_out(tmp_path, monkeypatch):
+    monkeypatch.setattr("everystep.storage.region.lending_supported", lambda: False)
+    tensors = _tensors()
+    region, got, expected, _ = _lent_from_the_newest_slot(tmp_path / "r.bin", tensors)
+    assert region.lending.bytes == 0 and all(torch.equal(got[k], expected[k]) for k in tensors)
+    _write(region, 3, tensors)
+    _write(region, 4, tensors)
+    assert all(torch.equal(got[k], expected[k]) for k in tensors)
+    region.close()
+
+
+def test_a_fresh_optimizer_keeps_the_state_lent_out_of_the_slot_and_trains_on_bitwise(tmp_path):
+    """A restore into a fresh optimizer whose load is torch's own: its state stays where the slot's
+    private mapping holds it (lent, not copied), and training on through checkpoints that write both
+    slots again ends where an uninterrupted run does."""
+    def train(w, steps: int) -> None:
+        for _ in range(steps):
+            w.loss(w.data.next()).backward()
+            w.optimizer.step()
+            w.optimizer.zero_grad()
+
+    uninterrupted = build("mlp", seed=3)
+    train(uninterrupted, 8)
+    w = build("mlp", seed=3)
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, data=w.data, strategy="lightcheck") as ckpt:
+        ckpt.restore()
+        train(w, 4)
+    w2 = build("mlp", seed=3)
+    with Checkpointer(tmp_path / "c", w2.model, w2.optimizer, data=w2.data, strategy="lightcheck", final=False) as again:
+        assert again.restore() == 4 and again.recovered.source == "region"
+        lent = again.strategy.region.lending.bytes
+        train(w2, 4)
+    state = [t for entry in w2.optimizer.state.values() for t in entry.values() if t.dim()]
+    assert lent >= sum(t.nbytes for t in state)
+    assert state_hash({"model": w2.model.state_dict(), "optimizer": w2.optimizer.state_dict()}) == \
+        state_hash({"model": uninterrupted.model.state_dict(), "optimizer": uninterrupted.optimizer.state_dict()})
 
 
 @pytest.fixture(scope="module")

@@ -168,9 +168,9 @@ def _crashed(root: Path, w, steps: int, options: dict) -> dict[int, str]:
 def test_a_restore_from_memory_leaves_the_slot_as_it_was_and_the_live_objects_their_own_memory(tmp_path, shm,
                                                                                                strategy):
     """The region's writer verifies a slot where it lies and loads from it: whatever the live objects
-    keep is memory of their own (a view kept into the slot's mapping would keep the region open, and
-    the next run could not take it), writing into every tensor of theirs (as training does) leaves
-    the slot as it was, and the next restore reads the same state from it."""
+    keep is memory of their own, or lent out of the slot's private mapping (which holds none of the
+    writer's locks: the next run takes the region), writing into every tensor of theirs (as
+    training does) leaves the slot as it was, and the next restore reads the same state from it."""
     name = strategy.split(":")[0]
     options = {"every": 1, "region": f"{shm}/rank-{{rank}}.bin", "persist_every": 4} if name == "lightcheck" else \
         {"every": 3, **_options(strategy, shm, parts=3)} if strategy == "gockpt:device" else \

@@ -228,6 +228,26 @@ MUTATIONS = (
         after="                        and view and like.device == t.device:\n",
         tests=("tests/test_state.py::test_host_state_goes_into_the_tensors_a_live_optimizer_holds_on_another_device",),
     ),
+    Mutation(
+        name="lent-pages-unsettled",
+        what="a writer that lent a slot's tensors writes a slot again while the lent pages may still be the "
+             "file's, so the new checkpoint shows through the live state",
+        path="src/everystep/storage/region.py",
+        before="        self.lending.settle()  # (no page lent out of a slot may still be the file's)\n",
+        after="",
+        tests=cases("tests/test_lightcheck.py::test_a_tensor_lent_out_of_a_slot_keeps_its_bytes_when_the_writer_"
+                    "writes_that_slot_again", "by the next begin"),
+    ),
+    Mutation(
+        name="lent-mapping-locks",
+        what="the mapping a slot is read through keeps the writer's locked descriptor, so the tensors lent out of "
+             "it keep the region locked after its writer closed",
+        path="src/everystep/storage/region.py",
+        before="        fd = reopened(self._fd, str(self.path))",
+        after="        fd = os.dup(self._fd)",
+        tests=cases("tests/test_lightcheck.py::test_a_tensor_lent_out_of_a_slot_keeps_its_bytes_when_the_writer_"
+                    "writes_that_slot_again", "by close"),
+    ),
 )
 
 

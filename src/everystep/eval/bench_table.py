@@ -137,12 +137,16 @@ def markdown_table(summary: dict[str, dict[str, Any]], spread: float | None = No
 def _peak_extra(runs: list[dict[str, Any]]) -> dict[str, int | float | None]:
     """The most memory a restore took beyond what the process held, over the repeats, the bytes of a
     region's slots it mapped in that repeat (pages in memory before the restore, resident while
-    mapped: counted in the peak), and how long filling the rest as new memory took that process."""
+    mapped: counted in the peak), how long filling the rest as new memory took that process, and what
+    the region lent (its pages made the process's own after the restore, counted in the peak) and how
+    long making them its own took."""
     measured = [r for r in runs if r.get("recovery_peak_extra_bytes") is not None]
     most = max(measured, key=lambda r: r["recovery_peak_extra_bytes"], default={})
     return {"recovery_peak_extra_bytes": most.get("recovery_peak_extra_bytes"),
             "recovery_mapped_bytes": most.get("recovery_mapped_bytes"),
-            "recovery_new_memory_seconds": most.get("recovery_new_memory_seconds")}
+            "recovery_new_memory_seconds": most.get("recovery_new_memory_seconds"),
+            "recovery_lent_bytes": most.get("recovery_lent_bytes"),
+            "recovery_lent_seconds": most.get("recovery_lent_seconds")}
 
 
 def recovery_reads(summary: dict[str, dict[str, Any]]) -> str:
@@ -158,5 +162,7 @@ def recovery_reads(summary: dict[str, dict[str, Any]]) -> str:
             of_it = f" ({mapped / 2**20:.0f} MiB of it the region's pages mapped)" if mapped and mapped >= 2**20 else ""
             fill, own = s.get("recovery_new_memory_seconds"), max(0, (extra or 0) - (mapped or 0))
             new = f", {own / 2**20:.0f} MiB of new memory filled alone in {fill:.3f} s" if fill is not None else ""
+            lent, after = s.get("recovery_lent_bytes"), s.get("recovery_lent_seconds")
+            new += f", {lent / 2**20:.0f} MiB of it lent and made the process's own after the restore in {after:.3f} s" if lent and after is not None else ""
             parts.append(f"{name} {said}" + (f", +{extra / 2**20:.0f} MiB{of_it}{new}" if extra is not None else ""))
     return "; ".join(parts)

@@ -111,14 +111,25 @@ def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[
     options = {k: v for k, v in options.items() if k != "remote"}  # (recovery from this machine's tiers)
     t0 = time.perf_counter()
     with _attach(fresh, directory, strategy, options, final=False) as again:
-        recovered, extra = peak_during(again.restore)
-        seconds = again.recovered.seconds if again.recovered else time.perf_counter() - t0
         tier = again.strategy.tier
         region = tier.region if tier is not None else getattr(again.strategy, "region", None)
-        mapped = region.bytes_read if region is not None else 0  # (its slots' pages, resident while mapped)
-        read = again.directory.catalog.bytes_read + mapped
+
+        def restored() -> int:  # (the pages a restore lent, made the process's own after it, counted in its peak)
+            step = again.restore()
+            if region is not None:
+                region.lending.settle()
+            return step
+
+        recovered, extra = peak_during(restored)
+        seconds = again.recovered.seconds if again.recovered else time.perf_counter() - t0
+        lent = region.lending if region is not None and region.lending.bytes else None
+        read = again.directory.catalog.bytes_read + (region.bytes_read if region is not None else 0)
+        # (its slots' pages, resident while mapped, but for those lent: each now a page of the process's own)
+        mapped = region.bytes_read - (lent.bytes if lent else 0) if region is not None else 0
     return seconds, recovered, fresh, again, {"recovery_bytes_read": read, "recovery_peak_extra_bytes": extra,
-                                              "recovery_mapped_bytes": mapped}
+                                              "recovery_mapped_bytes": mapped,
+                                              "recovery_lent_bytes": lent.bytes if lent else None,
+                                              "recovery_lent_seconds": lent.seconds if lent else None}
 
 
 def new_memory_seconds(nbytes: int | None) -> float | None:
@@ -280,6 +291,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "recovery_peak_extra_bytes": None,
             "recovery_mapped_bytes": None,
             "recovery_new_memory_seconds": None,
+            "recovery_lent_bytes": None,
+            "recovery_lent_seconds": None,
             "recovery_error": None,
             "replay_seconds": None,
             "resumes_bitwise": None,
@@ -381,7 +394,8 @@ def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
             "lost_steps_software": max(lost), "lost_steps_hardware": max(lost),
             "recovery_seconds_disk": seconds, "recovery_seconds_memory": None, "recovery_bytes_read": None,
             "recovery_peak_extra_bytes": extra, "recovery_mapped_bytes": 0,
-            "recovery_new_memory_seconds": new_memory_seconds(extra),
+            "recovery_new_memory_seconds": new_memory_seconds(extra), "recovery_lent_bytes": None,
+            "recovery_lent_seconds": None,
             "recovery_error": state_error(_model_and_optimizer(fresh), live), "replay_seconds": None,
             **_resume_check(fresh, after),
         })

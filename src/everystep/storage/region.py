@@ -31,8 +31,8 @@ core — the training thread, once the GIL is free. On gpt2-tiny (2 virtual core
 overhead went from +56% to +80% and the shootdowns from about one to about 460 a step.
 
 The region implements the :class:`~everystep.storage.base.Reader` protocol
-(``manifests``, ``read_object``, ``committed``, ``discard``, ``stored_files``): a complete slot
-is a manifest of kind ``full`` whose objects are its tensors. Writing goes through
+(:mod:`~everystep.storage.region_objects`): a complete slot is a manifest of kind ``full`` whose
+objects are its tensors. Writing goes through
 :meth:`Region.begin` and :meth:`Region.commit`, since the data is copied into place.
 """
 
@@ -46,7 +46,7 @@ import os
 import struct
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -64,10 +64,11 @@ from ..errors import (
     ReadOnlyStoreError,
 )
 from ..files import untrusted_file, untrusted_folder
-from ..layout import LayoutEntry
 from ..tree import check_skeleton
-from .base import MALFORMED, Access, Manifest, ManifestRecord, ObjectInfo, checksum, refuse_constant
-from .region_hash import RegionHasher
+from .base import MALFORMED, Access, refuse_constant
+from .region_hash import RegionHasher, reopened
+from .region_lend import Lending, lending_supported
+from .region_objects import SlotObjects
 from .region_map import (HASH_THREADS, PAGE, Area, Copy, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter, read_out,
                          on_volatile_memory, round_up)
 
@@ -100,7 +101,7 @@ def _flush(view: mmap.mmap, offset: int, nbytes: int) -> None:
     view.flush(offset, nbytes)
 
 
-class Region:
+class Region(SlotObjects):
     """The two-slot region in one file (see the module docstring)."""
 
     def __init__(self, path: Path, fd: int, *, access: Access, ranks: Ranks, flush: bool | None) -> None:
@@ -126,6 +127,8 @@ class Region:
         self.bytes_read = 0  # (by read_slot: what a restore read)
         self._codes: LayoutCodes | None = None
         """The layout the writer last committed, with what is made once for it."""
+        self.lending = Lending(str(path))
+        """The writer's tensors lent out of its slots (:meth:`read_slot`), settled before it writes one."""
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, access: Access = "write", ranks: Ranks | None = None,
@@ -274,6 +277,7 @@ class Region:
         that commits slots in the background alternates them itself, and begins a slot only once
         its previous commit is done."""
         self.check_writable()
+        self.lending.settle()  # (no page lent out of a slot may still be the file's)
         slot = self.next_slot() if slot is None else slot
         with self._lock:
             if self._generation == 0:
@@ -355,7 +359,11 @@ class Region:
         mine = self._areas.get(slot.slot)
         if mine is not None and mine.offset == slot.area_offset and mine.nbytes == slot.area_nbytes:
             return mine
-        return Area(self._fd, slot.area_offset, slot.area_nbytes, 0, writable=False)
+        fd = reopened(self._fd, str(self.path))  # (a mapping keeps its descriptor: not the one holding the lock)
+        try:
+            return Area(fd, slot.area_offset, slot.area_nbytes, 0, writable=False)
+        finally:
+            os.close(fd)
 
     def _metadata(self, slot: RegionSlot) -> "SlotMeta":
         """The slot's metadata, its checksum verified and its layout checked against its area;
@@ -382,7 +390,8 @@ class Region:
             raise CorruptCheckpointError(f"{where}: unreadable metadata ({type(e).__name__}: {e})") from None
         return SlotMeta(where, area, meta, base, layout, sums)
 
-    def read_slot(self, slot: RegionSlot, *, copy: Copy = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def read_slot(self, slot: RegionSlot, *, copy: Copy = False, lend: Callable[[str], bool] | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The slot's tensors and its metadata, after every checksum is verified; raises
         :class:`CorruptCheckpointError` naming the slot.
 
@@ -390,17 +399,26 @@ class Region:
         writer reads them so. ``copy`` (True, or a test of a tensor's key): each tensor (that passes)
         is copied out into memory of its own and its checksum verified on the copy (a slot rewritten
         meanwhile fails them, and :meth:`newest` sees that its header changed): what a reader beside
-        a live writer gets, and what a restore keeps."""
+        a live writer gets, and what a restore keeps. ``lend``: of those, the ones the writer may
+        lend instead, from a private mapping (:mod:`~everystep.storage.region_lend`; :attr:`lending`
+        makes their pages the process's own), where the kernel can."""
         m = self._metadata(slot)
+        lent = [e for e in m.layout.entries if lend(e.key)] \
+            if lend is not None and self.access != "read" and m.area.private and lending_supported() else []
+        if lent:
+            keys = {e.key for e in lent}
+            copy = (lambda key, wanted=copy: key not in keys and (wanted is True or wanted(key))) if copy else False
         data = m.area.bytes[m.base:m.base + m.layout.nbytes]
         self.bytes_read += m.layout.nbytes
         tensors, got = read_out(self._pool, data, m.layout.entries, copy)
         for e in m.layout.entries:
             if got[e.key] != m.sums[e.key]:
                 raise CorruptCheckpointError(f"{m.where}: tensor {e.key!r} fails its checksum")
+        if lent:
+            tensors.update(self.lending.lend(m.area.mm, m.area.bytes.data_ptr(), m.base, lent))
         return tensors, m.meta
 
-    def verified(self, *, copy: Copy = False, warn: bool = True
+    def verified(self, *, copy: Copy = False, lend: Callable[[str], bool] | None = None, warn: bool = True
                  ) -> Iterator[tuple[RegionSlot, dict[str, torch.Tensor], dict[str, Any]]]:
         """The complete slots that verify, newest first, each read as :meth:`read_slot` reads it;
         each one skipped is warned about (``warn``). A reader (``access="read"``) always gets copies
@@ -409,7 +427,7 @@ class Region:
         copy = True if self.access == "read" else copy
         for slot in self.slots(warn=warn):
             try:
-                tensors, meta = self.read_slot(slot, copy=copy)
+                tensors, meta = self.read_slot(slot, copy=copy, lend=lend)
             except CorruptCheckpointError as e:
                 if self.access == "read" and self._parse(slot.slot)[0] != slot:
                     continue  # rewritten by the writer while it was read: not corrupt
@@ -425,71 +443,13 @@ class Region:
         """The newest complete slot that verifies (see :meth:`verified`), or None."""
         return next(self.verified(copy=copy, warn=warn), None)
 
-    # -- the Reader protocol ------------------------------------------------------------------------
-
-    def manifests(self) -> list[ManifestRecord]:
-        records = []
-        for slot in (0, 1):
-            parsed, problem = self._parse(slot)
-            if problem:
-                records.append(ManifestRecord(f"slot{slot}", None, problem))
-            elif parsed is not None:
-                try:
-                    records.append(ManifestRecord(self._name(parsed), self._manifest(parsed)))
-                except CorruptCheckpointError as e:
-                    records.append(ManifestRecord(self._name(parsed), None, str(e)))
-        return records
-
-    def _name(self, slot: RegionSlot) -> str:
-        """The name of the manifest the slot is listed as (a :class:`Manifest`'s own name)."""
-        return Manifest(kind="full", step=slot.step, objects={}, rank=self.ranks.rank).name
-
-    def _manifest(self, slot: RegionSlot) -> Manifest:
-        m = self._metadata(slot)
-        objects = {e.key: ObjectInfo(f"slot{slot.slot}/{e.key}", e.nbytes, m.sums[e.key]) for e in m.layout.entries}
-        return Manifest(kind="full", step=slot.step, objects=objects,
-                        meta={"skeleton": m.meta["skeleton"], "slot": slot.slot, "generation": slot.generation,
-                              **m.meta["meta"]},
-                        rank=self.ranks.rank)
-
-    def _entry(self, info: ObjectInfo) -> tuple["SlotMeta", LayoutEntry]:
-        """The verified metadata of the complete slot that holds the object, and the object's entry."""
-        number, _, key = info.name.partition("/")
-        for slot in self.slots(warn=False):
-            if f"slot{slot.slot}" == number:
-                m = self._metadata(slot)
-                entry = next((e for e in m.layout.entries if e.key == key), None)
-                if entry is not None:
-                    return m, entry
-        raise CorruptCheckpointError(f"{info.name} is not in a complete slot of {self.path}")
-
-    def read_object(self, info: ObjectInfo) -> bytearray:
-        """The object's bytes (one tensor of a slot), its checksum verified."""
-        m, e = self._entry(info)
-        data = bytearray(m.area.mm[m.base + e.offset:m.base + e.offset + e.nbytes])
-        if checksum(memoryview(data)) != m.sums[e.key]:
-            raise CorruptCheckpointError(f"{m.where}: tensor {e.key!r} fails its checksum")
-        return data
-
-    def object_location(self, info: ObjectInfo) -> tuple[int, int]:
-        """Where an object of a complete slot lies in the file: its offset and size."""
-        m, e = self._entry(info)
-        return m.area.offset + m.base + e.offset, e.nbytes
-
-    def committed(self, manifest_name: str) -> bool:
-        return any(self._name(s) == manifest_name for s in self.slots(warn=False))
-
-    def discard(self, manifest_name: str) -> None:
-        for s in self.slots(warn=False):
-            if self._name(s) == manifest_name:
-                self._invalidate(s)
-
-    def stored_files(self) -> list[str]:
-        return [self.path.name]
-
     # -- closing ---------------------------------------------------------------------------------
 
     def close(self) -> None:
+        try:
+            self.lending.settle()
+        except EverystepError as e:
+            warnings.warn(str(e), stacklevel=2)
         if self._hasher is not None:
             self._hasher.close()
         self._pool.shutdown(wait=True)

@@ -167,6 +167,8 @@ class Area:
 
     def __init__(self, fd: int, offset: int, nbytes: int, meta_nbytes: int, *, writable: bool) -> None:
         self.offset, self.nbytes, self.meta_nbytes = offset, nbytes, meta_nbytes
+        self.private = not writable
+        """Mapped copy-on-write: what is written into it stays in this process."""
         self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE,
                             mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)

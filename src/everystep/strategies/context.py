@@ -106,6 +106,15 @@ class LiveShards(Mapping[str, torch.Tensor]):
         param = self._parameter(key) if self._onto_devices and not key.endswith("/step") else None
         return param is not None and param.device.type != "cpu"
 
+    def kept_by_load(self, key: str) -> bool:
+        """Whether a restore's load keeps the stored tensor of ``key`` as the optimizer's own, so that
+        a region's writer may lend it (:mod:`~everystep.storage.region_lend`): an entry of the
+        optimizer's state that the live optimizer does not hold yet, whose parameter is on the host,
+        the optimizer's load being torch's own (which keeps such an entry as it is given, unless its
+        dtype is not the parameter's: then it casts, and the lent tensor is dropped)."""
+        param = self._parameter(key) if self._onto_devices and key not in self._in_place else None
+        return param is not None and param.device.type == "cpu" and type(param) in (torch.Tensor, torch.nn.Parameter)
+
     def _parameter(self, key: str) -> torch.Tensor | None:
         """The parameter whose optimizer state entry ``key`` is, or None for another key."""
         found = OPTIMIZER_STATE_ENTRY.fullmatch(key)

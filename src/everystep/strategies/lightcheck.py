@@ -195,6 +195,7 @@ class LightCheck(Strategy):
     def _on_start(self, step: int) -> None:
         if self.region is not None and self.region.access != "read":
             self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
+            self.region.lending.start()  # (what the restore lent becomes this process's own, beside training)
             self._slot = self.region.next_slot()
         if self.peers is not None:
             self.peers.discard_newer(step)

@@ -134,7 +134,10 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
     region holds nothing to recover. ``finish``: applied to each candidate (:data:`Finish`).
 
     What the live objects keep (the optimizer's state, the other components') is copied out of the
-    slot as it is hashed. The model's tensors, which a restore copies into the live model, the
+    slot as it is hashed, but for the state a fresh optimizer's load keeps as it is given
+    (:meth:`LiveShards.kept_by_load`), which the writer lends (:meth:`Region.read_slot
+    <everystep.storage.region.Region.read_slot>`; its pages become the process's own once the
+    restore is done: :meth:`MemoryTier.on_start`). The model's tensors, which a restore copies into the live model, the
     optimizer's state that its load copies onto a GPU (:meth:`LiveShards.moved_by_load`) and that
     which goes into the live optimizer's own tensors (:meth:`LiveShards.loaded_in_place`; the
     candidate's ``borrowed``) are views of the slot's private mapping (what is written into them
@@ -146,7 +149,7 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
     complete = region.slots(warn=False)
     copy = True if len(live) else lambda key: not (key.startswith("/model/") or live.moved_by_load(key)
                                                    or live.loaded_in_place(key))
-    for slot, tensors, meta in region.verified(copy=copy):
+    for slot, tensors, meta in region.verified(copy=copy, lend=None if len(live) else live.kept_by_load):
         if any(live.shapes.get(k, tuple(t.shape)) != tuple(t.shape) for k, t in tensors.items()):
             warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
                           "(written under another layout or world size)", stacklevel=3)
@@ -236,6 +239,7 @@ class MemoryTier:
         assert self.ctx.directory is not None
         if self.region is not None and self.region.access != "read":
             self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
+            self.region.lending.start()  # (what the restore lent becomes this process's own, beside training)
         self.last_persisted = min(step, self.ctx.directory.newest_full_step())
 
     # -- every checkpoint ----------------------------------------------------------------------

@@ -1,0 +1,189 @@
+"""A slot's tensors lent to the live objects: state recovered from a region kept where the slot's
+private mapping holds it, instead of copied out of it.
+
+A restore from a region reads the slot through a mapping of its own, copy-on-write
+(``MAP_PRIVATE``), and verifies every byte where it lies. The optimizer's state of a fresh
+optimizer whose load keeps the tensors it is given (torch's own) can then stay in that mapping:
+each entry becomes a tensor of its own storage over its bytes (``torch.frombuffer``, so that
+``torch.save`` of it writes its bytes alone), and the restore copies none of it. Copying it would
+take as many bytes of new memory, zeroed by the kernel, then filled: on a virtual machine where new
+memory costs about as much as a copy, most of a restore.
+
+Until a page of such a mapping is written it is the file's page, and a later write into the file
+(the writer's next checkpoint into that slot) would show through. So the pages are made the
+process's own (``madvise(MADV_POPULATE_WRITE)``: each page copied as a write would copy it, the
+data untouched, atomically against the training thread's own writes) on a thread of their own,
+started once the restore is done, while training goes on; the region waits for it before it
+writes any slot (:meth:`Lending.settle`) and when it closes. The call goes through ctypes, which
+releases the interpreter's lock, a few MiB at a time (the kernel holds the process's memory map
+for reading during each call).
+
+Where the kernel cannot (before Linux 5.14: ``EINVAL``), nothing is lent and the restore copies as
+before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import mmap
+import os
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import EverystepError
+from ..layout import LayoutEntry
+
+__all__ = ["Lending", "lending_supported"]
+
+MADV_POPULATE_WRITE = 23
+"""Linux's ``madvise`` advice (from 5.14) that faults pages in writable, breaking copy-on-write."""
+
+_CHUNK = 8 << 20
+"""Bytes made the process's own per call."""
+
+_PAGE = mmap.PAGESIZE
+
+
+@functools.cache
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    call.restype = ctypes.c_int
+    return call
+
+
+def _populate(address: int, nbytes: int) -> None:
+    """Make ``nbytes`` of a private mapping from ``address`` (page-aligned) this process's own;
+    OSError where the kernel refuses."""
+    call = _madvise()
+    if call is None:
+        raise OSError(errno.ENOSYS, "madvise is not available")
+    while call(address, nbytes, MADV_POPULATE_WRITE) != 0:
+        code = ctypes.get_errno()
+        if code not in (errno.EINTR, errno.EAGAIN):
+            raise OSError(code, os.strerror(code))
+
+
+@functools.cache
+def lending_supported() -> bool:
+    """Whether this kernel makes a private mapping's pages the process's own without writing them
+    (``MADV_POPULATE_WRITE``): tried once, on a page of this process's."""
+    probe = mmap.mmap(-1, _PAGE, mmap.MAP_PRIVATE)
+    page = ctypes.c_char.from_buffer(probe)
+    try:
+        _populate(ctypes.addressof(page), _PAGE)
+    except OSError:
+        return False
+    finally:
+        del page
+        probe.close()
+    return True
+
+
+class _Lent:
+    """One mapping's lent pages: the mapping (weakly: it lives while a lent tensor does) and the
+    page-aligned ranges of its addresses."""
+
+    def __init__(self, mapping: mmap.mmap, ranges: list[tuple[int, int]]) -> None:
+        self.mapping = weakref.ref(mapping)
+        self.ranges = ranges
+        self.nbytes = sum(n for _, n in ranges)
+
+
+class Lending:
+    """The mappings a region lent tensors of (:meth:`lend`) and the making of their pages the
+    process's own (:meth:`start`, :meth:`settle`). ``where``: the region, for messages."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self._lock = threading.Lock()
+        self._lent: list[_Lent] = []
+        self._thread: threading.Thread | None = None
+        self._error: OSError | None = None
+        self.bytes = 0
+        """Bytes lent so far (the pages they lie in)."""
+        self.seconds = 0.0
+        """How long making them the process's own took, on its thread or the caller's."""
+        self.waited = 0.0
+        """How long :meth:`settle` waited for it."""
+
+    def lend(self, mapping: mmap.mmap, address: int, start: int, entries: Sequence[LayoutEntry]
+             ) -> dict[str, torch.Tensor]:
+        """A tensor of its own over each entry of ``mapping`` (private, mapped at ``address``),
+        whose data section starts ``start`` bytes in; their pages are to be made the process's own."""
+        tensors: dict[str, torch.Tensor] = {}
+        spans: list[tuple[int, int]] = []
+        for e in entries:
+            if not e.nbytes:
+                tensors[e.key] = torch.empty(e.shape, dtype=e.dtype)
+                continue
+            at = start + e.offset
+            tensors[e.key] = torch.frombuffer(mapping, dtype=e.dtype, count=e.nbytes // e.dtype.itemsize,
+                                              offset=at).view(e.shape)
+            first, stop = at // _PAGE * _PAGE, -(-(at + e.nbytes) // _PAGE) * _PAGE
+            if spans and first <= spans[-1][1]:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], stop))
+            else:
+                spans.append((first, stop))
+        if spans:
+            lent = _Lent(mapping, [(address + a, b - a) for a, b in spans])
+            with self._lock:
+                self._lent.append(lent)
+                self.bytes += lent.nbytes
+        return tensors
+
+    def start(self) -> None:
+        """Make the lent pages the process's own on a thread of their own (once the restore is done:
+        those of a slot it did not take are gone with its tensors)."""
+        with self._lock:
+            if not self._lent or self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="everystep-region-lent", daemon=True)
+            self._thread.start()
+
+    def settle(self) -> None:
+        """Return once every lent page still in use is the process's own (waiting for :meth:`start`'s
+        thread, or doing it here); raises :class:`~everystep.errors.EverystepError` where the
+        kernel refused, before anything the pages lie over is written."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            t0 = time.perf_counter()
+            thread.join()
+            self.waited += time.perf_counter() - t0
+        self._run()
+        if self._error is not None:
+            raise EverystepError(f"the state recovered from {self.where} could not be made this process's own "
+                                 f"(madvise: {self._error.strerror}); the region writes no slot while it lies there")
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._lent or self._error is not None:
+                    return
+                lent = self._lent[0]
+            t0 = time.perf_counter()
+            mapping = lent.mapping()  # (held while its pages are worked on: it stays mapped)
+            try:
+                if mapping is not None:
+                    for address, nbytes in lent.ranges:
+                        for at in range(0, nbytes, _CHUNK):
+                            _populate(address + at, min(_CHUNK, nbytes - at))
+            except OSError as e:
+                self._error = e
+                return
+            finally:
+                del mapping
+                self.seconds += time.perf_counter() - t0
+            with self._lock:
+                if lent in self._lent:  # (not when a settle beside this thread took it first)
+                    self._lent.remove(lent)

@@ -1,0 +1,93 @@
+"""A region's complete slots as stored objects: the :class:`~everystep.storage.base.Reader`
+protocol (``manifests``, ``read_object``, ``committed``, ``discard``, ``stored_files``) over them,
+each complete slot a manifest of kind ``full`` whose objects are its tensors, named
+``slot<N>/<key>``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import CorruptCheckpointError
+from ..layout import LayoutEntry
+from .base import Manifest, ManifestRecord, ObjectInfo, checksum
+from .region_map import RegionSlot, SlotMeta
+
+if TYPE_CHECKING:
+    from ..distributed import Ranks
+
+__all__ = ["SlotObjects"]
+
+
+class SlotObjects:
+    """The Reader protocol of :class:`~everystep.storage.region.Region`, mixed into it."""
+
+    path: Path
+    ranks: "Ranks"
+
+    if TYPE_CHECKING:
+        def _parse(self, slot: int) -> tuple[RegionSlot | None, str | None]: ...
+        def _metadata(self, slot: RegionSlot) -> SlotMeta: ...
+        def _invalidate(self, s: RegionSlot) -> None: ...
+        def slots(self, *, warn: bool = True) -> list[RegionSlot]: ...
+
+    def manifests(self) -> list[ManifestRecord]:
+        records = []
+        for slot in (0, 1):
+            parsed, problem = self._parse(slot)
+            if problem:
+                records.append(ManifestRecord(f"slot{slot}", None, problem))
+            elif parsed is not None:
+                try:
+                    records.append(ManifestRecord(self._name(parsed), self._manifest(parsed)))
+                except CorruptCheckpointError as e:
+                    records.append(ManifestRecord(self._name(parsed), None, str(e)))
+        return records
+
+    def _name(self, slot: RegionSlot) -> str:
+        """The name of the manifest the slot is listed as (a :class:`Manifest`'s own name)."""
+        return Manifest(kind="full", step=slot.step, objects={}, rank=self.ranks.rank).name
+
+    def _manifest(self, slot: RegionSlot) -> Manifest:
+        m = self._metadata(slot)
+        objects = {e.key: ObjectInfo(f"slot{slot.slot}/{e.key}", e.nbytes, m.sums[e.key]) for e in m.layout.entries}
+        return Manifest(kind="full", step=slot.step, objects=objects,
+                        meta={"skeleton": m.meta["skeleton"], "slot": slot.slot, "generation": slot.generation,
+                              **m.meta["meta"]},
+                        rank=self.ranks.rank)
+
+    def _entry(self, info: ObjectInfo) -> tuple[SlotMeta, LayoutEntry]:
+        """The verified metadata of the complete slot that holds the object, and the object's entry."""
+        number, _, key = info.name.partition("/")
+        for slot in self.slots(warn=False):
+            if f"slot{slot.slot}" == number:
+                m = self._metadata(slot)
+                entry = next((e for e in m.layout.entries if e.key == key), None)
+                if entry is not None:
+                    return m, entry
+        raise CorruptCheckpointError(f"{info.name} is not in a complete slot of {self.path}")
+
+    def read_object(self, info: ObjectInfo) -> bytearray:
+        """The object's bytes (one tensor of a slot), its checksum verified."""
+        m, e = self._entry(info)
+        data = bytearray(m.area.mm[m.base + e.offset:m.base + e.offset + e.nbytes])
+        if checksum(memoryview(data)) != m.sums[e.key]:
+            raise CorruptCheckpointError(f"{m.where}: tensor {e.key!r} fails its checksum")
+        return data
+
+    def object_location(self, info: ObjectInfo) -> tuple[int, int]:
+        """Where an object of a complete slot lies in the file: its offset and size."""
+        m, e = self._entry(info)
+        return m.area.offset + m.base + e.offset, e.nbytes
+
+    def committed(self, manifest_name: str) -> bool:
+        return any(self._name(s) == manifest_name for s in self.slots(warn=False))
+
+    def discard(self, manifest_name: str) -> None:
+        for s in self.slots(warn=False):
+            if self._name(s) == manifest_name:
+                self._invalidate(s)
+
+    def stored_files(self) -> list[str]:
+        return [self.path.name]
+
