@@ -243,8 +243,8 @@ MUTATIONS = (
         what="the mapping a slot is read through keeps the writer's locked descriptor, so the tensors lent out of "
              "it keep the region locked after its writer closed",
         path="src/everystep/storage/region.py",
-        before="        fd = reopened(self._fd, str(self.path))",
-        after="        fd = os.dup(self._fd)",
+        before="        fd = reopened(self._fd, str(self.path))\n",
+        after="        fd = os.dup(self._fd)\n",
         tests=cases("tests/test_lightcheck.py::test_a_tensor_lent_out_of_a_slot_keeps_its_bytes_when_the_writer_"
                     "writes_that_slot_again", "by close"),
     ),

@@ -123,9 +123,8 @@ def _recover(spec: dict[str, Any], directory: str, strategy: str, options: dict[
         recovered, extra = peak_during(restored)
         seconds = again.recovered.seconds if again.recovered else time.perf_counter() - t0
         lent = region.lending if region is not None and region.lending.bytes else None
-        read = again.directory.catalog.bytes_read + (region.bytes_read if region is not None else 0)
-        # (its slots' pages, resident while mapped, but for those lent: each now a page of the process's own)
-        mapped = region.bytes_read - (lent.bytes if lent else 0) if region is not None else 0
+        mapped = region.bytes_read if region is not None else 0  # (its slots' pages, resident while mapped)
+        read = again.directory.catalog.bytes_read + mapped
     return seconds, recovered, fresh, again, {"recovery_bytes_read": read, "recovery_peak_extra_bytes": extra,
                                               "recovery_mapped_bytes": mapped,
                                               "recovery_lent_bytes": lent.bytes if lent else None,

@@ -38,6 +38,7 @@ objects are its tensors. Writing goes through
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -359,9 +360,16 @@ class Region(SlotObjects):
         mine = self._areas.get(slot.slot)
         if mine is not None and mine.offset == slot.area_offset and mine.nbytes == slot.area_nbytes:
             return mine
-        fd = reopened(self._fd, str(self.path))  # (a mapping keeps its descriptor: not the one holding the lock)
-        try:
+        with self._unlocked() as fd:
             return Area(fd, slot.area_offset, slot.area_nbytes, 0, writable=False)
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[int]:
+        """A descriptor of the file for a mapping to keep (Python's keeps a copy of it): an open file
+        of its own, which holds none of the writer's locks."""
+        fd = reopened(self._fd, str(self.path))
+        try:
+            yield fd
         finally:
             os.close(fd)
 
@@ -415,7 +423,9 @@ class Region(SlotObjects):
             if got[e.key] != m.sums[e.key]:
                 raise CorruptCheckpointError(f"{m.where}: tensor {e.key!r} fails its checksum")
         if lent:
-            tensors.update(self.lending.lend(m.area.mm, m.area.bytes.data_ptr(), m.base, lent))
+            with self._unlocked() as fd:
+                tensors.update(self.lending.lend(fd, m.area.offset, m.area.nbytes, m.base, lent,
+                                                 then_drop=m.area))
         return tensors, m.meta
 
     def verified(self, *, copy: Copy = False, lend: Callable[[str], bool] | None = None, warn: bool = True
