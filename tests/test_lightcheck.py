@@ -266,6 +266,7 @@ def test_where_the_kernel_cannot_lend_a_restarted_writer_copies_the_slot_out(tmp
     region.close()
 
 
+@pytest.mark.skipif(not lending_supported(), reason="this kernel cannot make a private mapping's pages the process's own")
 def test_a_fresh_optimizer_keeps_the_state_lent_out_of_the_slot_and_trains_on_bitwise(tmp_path):
     """A restore into a fresh optimizer whose load is torch's own: its state stays where the slot's
     private mapping holds it (lent, not copied), and training on through checkpoints that write both

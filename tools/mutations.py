@@ -239,6 +239,14 @@ MUTATIONS = (
                     "writes_that_slot_again", "by the next begin"),
     ),
     Mutation(
+        name="state-not-lent",
+        what="a restore from a region copies a fresh optimizer's state out of the slot, where it could lend it",
+        path="src/everystep/strategies/memory_tier.py",
+        before="region.verified(copy=copy, lend=None if len(live) else live.kept_by_load)",
+        after="region.verified(copy=copy, lend=None)",
+        tests=("tests/test_lightcheck.py::test_a_fresh_optimizer_keeps_the_state_lent_out_of_the_slot_and_trains_on_bitwise",),
+    ),
+    Mutation(
         name="lent-mapping-locks",
         what="the mapping a slot is read through keeps the writer's locked descriptor, so the tensors lent out of "
              "it keep the region locked after its writer closed",
