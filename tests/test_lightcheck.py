@@ -50,6 +50,14 @@ def _write(region: Region, step: int, tensors: dict[str, torch.Tensor]) -> None:
     region.commit(writer, step, {"step": step})
 
 
+def _steps(w, steps: int) -> None:
+    """``steps`` training steps of ``w``: forward, backward, the optimizer's step."""
+    for _ in range(steps):
+        w.loss(w.data.next()).backward()
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+
+
 def test_the_layout_aligns_large_tensors_and_packs_small_ones_in_copy_order():
     layout = RegionLayout.of(_tensors(), order=["odd", "tiny", "big", "half", "empty"])
     where = {e.key: e for e in layout.entries}
@@ -271,23 +279,17 @@ def test_a_fresh_optimizer_keeps_the_state_lent_out_of_the_slot_and_trains_on_bi
     """A restore into a fresh optimizer whose load is torch's own: its state stays where the slot's
     private mapping holds it (lent, not copied), and training on through checkpoints that write both
     slots again ends where an uninterrupted run does."""
-    def train(w, steps: int) -> None:
-        for _ in range(steps):
-            w.loss(w.data.next()).backward()
-            w.optimizer.step()
-            w.optimizer.zero_grad()
-
     uninterrupted = build("mlp", seed=3)
-    train(uninterrupted, 8)
+    _steps(uninterrupted, 8)
     w = build("mlp", seed=3)
     with Checkpointer(tmp_path / "c", w.model, w.optimizer, data=w.data, strategy="lightcheck") as ckpt:
         ckpt.restore()
-        train(w, 4)
+        _steps(w, 4)
     w2 = build("mlp", seed=3)
     with Checkpointer(tmp_path / "c", w2.model, w2.optimizer, data=w2.data, strategy="lightcheck", final=False) as again:
         assert again.restore() == 4 and again.recovered.source == "region"
         lent = again.strategy.region.lending.bytes
-        train(w2, 4)
+        _steps(w2, 4)
     state = [t for entry in w2.optimizer.state.values() for t in entry.values() if t.dim()]
     assert lent >= sum(t.nbytes for t in state)
     assert state_hash({"model": w2.model.state_dict(), "optimizer": w2.optimizer.state_dict()}) == \
@@ -420,10 +422,7 @@ def test_slow_copies_make_the_update_wait_for_them_and_recovery_stays_exact(tmp_
     try:
         with Checkpointer(tmp_path / "d", w.model, w.optimizer, strategy=strategy) as ckpt:
             ckpt.restore()
-            for _ in range(4):
-                w.loss(w.data.next()).backward()
-                w.optimizer.step()
-                w.optimizer.zero_grad()
+            _steps(w, 4)
     finally:
         _faults.disarm("lightcheck.copy.unit")
     assert set(strategy.layer_waits) == {WHOLE} and strategy.layer_waits[WHOLE] > 0  # (its copies slept)
@@ -522,10 +521,7 @@ def _trained(directory: Path, **options) -> str:
     w = build("mlp", seed=3)
     with Checkpointer(directory, w.model, w.optimizer, strategy="lightcheck", **options) as ckpt:
         ckpt.restore()
-        for _ in range(4):
-            w.loss(w.data.next()).backward()
-            w.optimizer.step()
-            w.optimizer.zero_grad()
+        _steps(w, 4)
     return state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
 
 

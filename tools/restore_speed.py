@@ -65,8 +65,7 @@ def restore_seconds(workload: str, strategies: list[str], *, repeats: int, root:
                           every=1) as ckpt:
             ckpt.restore()
             for _ in range(3):
-                w.loss(w.data.next()).backward()
-                w.update()
+                _train_step(w)
     torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()}, root / "torch_save.pt")
     names = [*strategies, "torch.load"]
     times: dict[str, list[float]] = {n: [] for name in names for n in (name, f"{name} first step")[:1 + first_step]}

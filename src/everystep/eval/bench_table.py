@@ -163,6 +163,7 @@ def recovery_reads(summary: dict[str, dict[str, Any]]) -> str:
             fill, own = s.get("recovery_new_memory_seconds"), max(0, (extra or 0) - (mapped or 0))
             new = f", {own / 2**20:.0f} MiB of new memory filled alone in {fill:.3f} s" if fill is not None else ""
             lent, after = s.get("recovery_lent_bytes"), s.get("recovery_lent_seconds")
-            new += f", {lent / 2**20:.0f} MiB of it lent and made the process's own after the restore in {after:.3f} s" if lent and after is not None else ""
+            if lent and after is not None:
+                new += f", {lent / 2**20:.0f} MiB of it lent and made the process's own after the restore in {after:.3f} s"
             parts.append(f"{name} {said}" + (f", +{extra / 2**20:.0f} MiB{of_it}{new}" if extra is not None else ""))
     return "; ".join(parts)

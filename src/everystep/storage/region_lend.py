@@ -104,7 +104,6 @@ class _Lent:
         self.mapping = weakref.ref(mapping)
         self.then_drop = then_drop
         self.ranges = ranges
-        self.nbytes = sum(n for _, n in ranges)
 
 
 class Lending:
@@ -121,8 +120,6 @@ class Lending:
         """Bytes lent so far (the pages they lie in)."""
         self.seconds = 0.0
         """How long making them the process's own took, on its thread or the caller's."""
-        self.waited = 0.0
-        """How long :meth:`settle` waited for it."""
 
     def lend(self, fd: int, offset: int, nbytes: int, start: int, entries: Sequence[LayoutEntry], *,
              then_drop: object = None) -> dict[str, torch.Tensor]:
@@ -159,7 +156,7 @@ class Lending:
             lent = _Lent(mapping, [(address + a, b - a) for a, b in spans], then_drop)
             with self._lock:
                 self._lent.append(lent)
-                self.bytes += lent.nbytes
+                self.bytes += sum(n for _, n in lent.ranges)
         return tensors
 
     def start(self) -> None:
@@ -178,9 +175,7 @@ class Lending:
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None:
-            t0 = time.perf_counter()
             thread.join()
-            self.waited += time.perf_counter() - t0
         self._run()
         if self._error is not None:
             raise EverystepError(f"the state recovered from {self.where} could not be made this process's own "
