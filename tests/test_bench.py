@@ -181,7 +181,7 @@ def test_peers_run_in_the_same_comparison_and_the_table_says_what_their_recovery
     assert summary["checkfreq"]["resumes_bitwise"] is True
     assert summary["none"]["resumes_bitwise"] is None
     table = markdown_table(summary)
-    assert "| torch_save |" in table and table.splitlines()[0].endswith("| resumes bitwise |")
+    assert "| torch_save |" in table and table.splitlines()[0].endswith("| resumes bitwise | rounds | setting |")
     assert table.count("\n") == 1 + len(cfg.strategies)
 
 

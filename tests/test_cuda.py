@@ -350,3 +350,26 @@ def test_a_restore_into_an_optimizer_that_holds_its_state_on_the_gpu_fills_its_o
         assert now is t and now.data_ptr() == address, (index, name)
     assert state_hash({"model": again_w.model.state_dict(), "optimizer": again_w.optimizer.state_dict()}) == \
         state_hash({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()})
+
+
+@gpu
+def test_a_trace_of_a_gpu_run_holds_its_streams_on_the_threads_clock(tmp_path, shm):
+    """A bench run on the GPU traced: the training stream's share of each step and LightCheck's
+    copies on its side stream are rows of their own, timed by CUDA events, each copy inside the run's
+    steps on the host's clock."""
+    from everystep import tracing
+    from everystep.eval.measure import measure
+
+    stem = tmp_path / "lightcheck"
+    measure({"workload": "gpt2-tiny", "strategy": "lightcheck", "steps": 6, "warmup": 2, "every": 1, "threads": 1,
+             "seed": 0, "repeat": 0, "options": {}, "compress": None, "device": "cuda", "scratch": str(shm),
+             "in_backward": False, "nproc": 1, "parallel": "ddp", "remote": None, "samples": None, "checks": False,
+             "trace": str(stem)})
+    events = tracing.load(tracing.merge(stem))["traceEvents"]
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = [(tracks.get((e["pid"], e["tid"]), ""), e) for e in events if e["ph"] == "X"]
+    on_streams = [(t, e["name"]) for t, e in spans if t.startswith("cuda stream")]
+    assert sum(name == "step" for _, name in on_streams) == 6 and sum(name == "lightcheck copy" for _, name in on_streams) >= 5
+    steps = [e for t, e in spans if t == "MainThread" and e["name"] == "step"]
+    copies = [e for t, e in spans if t.startswith("cuda stream") and e["name"] == "lightcheck copy"]
+    assert all(steps[0]["ts"] <= c["ts"] <= steps[-1]["ts"] + steps[-1]["dur"] + 1e6 for c in copies)

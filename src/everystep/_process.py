@@ -142,16 +142,18 @@ def exit_after(work: Callable[[], int]) -> NoReturn:
         os._exit(code)
 
 
-def run_helper(argv: list[str], serve: Callable[..., None]) -> int:
+def run_helper(argv: list[str], serve: Callable[..., None], role: str) -> int:
     """The body of a helper :func:`start_helper` started, given its arguments: ``serve(conn, *rest)``
     on the connection to its parent, which it dies with (and a crash point that fires here kills the
-    parent first: the helper is part of the training process it serves). Its exit status."""
-    from . import _faults
+    parent first: the helper is part of the training process it serves). Its spans are traced as
+    ``role`` where its parent's are (:func:`everystep.tracing.start_from_env`). Its exit status."""
+    from . import _faults, tracing
 
     parent = os.getppid()
     die_with(parent)
     _faults.crash_with(parent)
     conn = connection.Connection(int(argv[0]))
+    tracing.start_from_env(role)
     try:
         serve(conn, *argv[1:])
     except (EOFError, ConnectionError):
@@ -159,4 +161,6 @@ def run_helper(argv: list[str], serve: Callable[..., None]) -> int:
     except BaseException:
         traceback.print_exc()
         return 1
+    finally:
+        tracing.stop()
     return 0

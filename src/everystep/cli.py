@@ -129,7 +129,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             compress=args.compress, options=options, device=args.device,
                             scratch=args.scratch, in_backward=args.in_backward, trainer=args.trainer, nproc=args.nproc,
                             parallel=args.parallel, remote=args.remote, peers=args.peers, samples=args.samples,
-                            memory=args.memory, full_format=args.full_format)
+                            memory=args.memory, full_format=args.full_format, trace=args.trace)
     if args.trainer:
         if args.region_layout or args.max_frequency or args.plot:
             raise ConfigError("--trainer takes none of --region-layout, --max-frequency, --plot")
@@ -171,39 +171,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"{cfg.workload} on {cfg.device}{ranks}, {cfg.steps} steps ({cfg.warmup} warm-up), checkpoint every "
           f"{cfg.every or 'default'} step(s), compression {cfg.compress or 'off'}, "
           f"{cfg.repeats} interleaved repeats, {cfg.threads} training thread(s)")
-    for name, s in result["summary"].items():
-        if s.get("replay_seconds"):
-            r = s["replay_seconds"]
-            print(f"{name} replay of the differential chain: serial {r['serial']:.3f} s, "
-                  f"parallel (2 threads) {r['parallel_2_threads']:.3f} s")
-        if s.get("record_bytes_per_step") and s.get("compressed_bytes_per_step"):
-            rec, sent = s["record_bytes_per_step"], s["compressed_bytes_per_step"]
-            print(f"{name} writes per step: step records {rec / 2**20:.2f} MiB = {rec / sent:.2f}× the compressed "
-                  f"gradient ({sent / 2**20:.2f} MiB), end states (residuals, RNG, …) {s['end_bytes_per_step'] / 2**20:.2f} MiB")
-    for name, s in result["summary"].items():
-        per_rank = s.get("bytes_per_step_per_rank")
-        if per_rank and sum(per_rank):
-            shares = ", ".join(f"{b / sum(per_rank):.1%}" for b in per_rank)
-            print(f"{name} writes per step {sum(per_rank) / 2**20:.2f} MiB over its {len(per_rank)} ranks: {shares}")
-        sent = s.get("peer_bytes_per_step_per_rank")
-        if sent:
-            print(f"{name} sends its buddy per step, by rank: {', '.join(f'{b / 2**10:.1f} KiB' for b in sent)}")
-        cpu = s.get("peer_cpu_seconds_per_step_per_rank")
-        if cpu:
-            print(f"{name}'s mirroring thread, CPU time per step, by rank: {', '.join(f'{c * 1e3:.1f} ms' for c in cpu)}")
+    for line in bench.strategy_notes(result["summary"]):
+        print(line)
     spread = result["reference_spread"]
     print(bench.markdown_table(result["summary"], spread))
     if spread is not None:
         print(f"none's mean step varied by {spread:.1%} between its {cfg.repeats} rounds (largest less smallest, over "
               f"the median): an overhead within it (*) is not resolved")
-    for name, s in result["summary"].items():
-        if s.get("agent_seconds_per_step") is not None:
-            print(f"{name}'s agent applied a step in {s['agent_seconds_per_step'] * 1e3:.1f} ms (median), against a "
-                  f"training step of {s['mean_step_seconds'] * 1e3:.1f} ms")
-    for name, s in result["summary"].items():
-        if s.get("persist_interval") is not None:
-            print(f"{name}'s memory tier wrote the directory every {s['persist_interval']:.0f} step(s) (median; "
-                  f"{s['persisted']:.0f} writes a run)")
+    for line in bench.strategy_notes(result["summary"], after=True):
+        print(line)
     if read := bench.recovery_reads(result["summary"]):
         print(f"recovery read (median; peak host memory above what the process held, most of the repeats): {read}")
     if "upload_throughput" in result:
@@ -212,6 +188,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"MB/s, boto3's upload_fileobj {t['boto3_bytes_per_second'] / 1e6:.0f} MB/s ({t['ratio']:.0%}; medians of "
               f"{t['repeats']}, interleaved)")
     _write_json(args.json, result)
+    if cfg.trace:
+        print(f"a trace of each run in {cfg.trace}/ (STRATEGY_rN.json: open it at ui.perfetto.dev)")
     if args.plot:
         bench.plot(result["summary"], args.plot, f"{cfg.workload}: checkpoint every {cfg.every or 'default'} step(s), "
                                                  f"compression {cfg.compress or 'off'}")
@@ -409,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "unless --every")
     b.add_argument("--json", metavar="PATH")
     b.add_argument("--plot", metavar="PATH", help="write a PNG figure")
+    b.add_argument("--trace", metavar="DIR", help="write a Chrome/Perfetto trace of each run there (STRATEGY_rN.json: "
+                   "its steps, everystep's calls and threads, its helper processes; open it at ui.perfetto.dev)")
     b.set_defaults(func=cmd_bench)
 
     sm = sub.add_parser("simulate", help="wasted time of a long job under failures: Monte Carlo and analytic")
@@ -461,9 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", metavar="DIR", help="where the report goes (default docs/results; bench-out/gpu-check "
                    "with --dry-run)")
     g.add_argument("--parts", type=gpu_check_parts, default=None, metavar="PARTS",
-                   help="comma-separated, some of tests,bandwidth,bench,bound,frequency,regime (default all but regime, "
-                   "GoCkpt on a state that takes several steps to copy, a call of its own; --dry-run: all; memory "
-                   "comes with bench)")
+                   help="comma-separated, some of tests,bandwidth,bench,bound,frequency,regime (default all but "
+                   "tests, the CUDA tests, and regime, GoCkpt on a state that takes several steps to copy, each a "
+                   "call of its own; --dry-run: all; memory comes with bench)")
     g.set_defaults(func=cmd_gpu_check)
 
     d = sub.add_parser("demo", help="train gpt2-tiny, kill it twice, recover, and compare with an uninterrupted run")

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from .. import tracing
 from .channel import AgentAddress, open_log
 from .config import AgentConfig
 from .process import Agent
@@ -27,11 +28,14 @@ def main(argv: list[str]) -> int:
     config = AgentConfig(**json.loads(argv[0]))
     address = AgentAddress(**json.loads(os.environ.pop("EVERYSTEP_AGENT")))
     torch.set_num_threads(config.threads)
+    tracing.start_from_env("checkpoint agent")
     try:
         Agent(config, address).serve()
     except Exception as e:
         print(f"everystep agent: {e}", file=sys.stderr)
         return 1
+    finally:
+        tracing.stop()
     return 0
 
 

@@ -50,6 +50,7 @@ from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
+from .. import tracing
 from .._faults import crash_point
 from ..background import BackgroundErrors, Worker, settled
 from ..distributed import Ranks
@@ -283,8 +284,9 @@ class Agent:
         assert r is not None
         t0 = time.perf_counter()
         self._settle_copy()
-        r.apply(msg["step"], self.slots[msg["slot"]], groups=msg["groups"], skipped=msg["skipped"],
-                has_grad=msg["has_grad"], skeleton=msg["skeleton"])
+        with tracing.span("agent apply", step=msg["step"]):
+            r.apply(msg["step"], self.slots[msg["slot"]], groups=msg["groups"], skipped=msg["skipped"],
+                    has_grad=msg["has_grad"], skeleton=msg["skeleton"])
         if notify:
             self._send("done", slot=msg["slot"], step=r.step, seconds=time.perf_counter() - t0)
         check = msg.get("digest")

@@ -30,6 +30,7 @@ from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
+from .. import tracing
 from .._process import run_helper, start_helper, stop_helper
 from ..errors import BackgroundWriteError
 from ..layout import TensorLayout
@@ -174,8 +175,10 @@ def _serve(conn: connection.Connection, directory: Path, keep: int) -> None:
                 _, buffer = buffers[msg["id"]]
                 t0 = time.perf_counter()
                 try:
-                    manifest, _ = persist_full(checkpoints, msg["step"], buffer_chunks(buffer.layout, buffer.memoryview()),
-                                               msg["skeleton"], keep=keep)
+                    with tracing.span("write", step=msg["step"]):
+                        manifest, _ = persist_full(checkpoints, msg["step"],
+                                                   buffer_chunks(buffer.layout, buffer.memoryview()), msg["skeleton"],
+                                                   keep=keep)
                 except Exception as e:
                     send(conn, {"kind": "failed", "step": msg["step"], "error": f"{type(e).__name__}: {e}"})
                     continue
@@ -190,4 +193,5 @@ def _serve(conn: connection.Connection, directory: Path, keep: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    return run_helper(argv, lambda conn, directory, keep: _serve(conn, Path(directory), int(keep)))
+    return run_helper(argv, lambda conn, directory, keep: _serve(conn, Path(directory), int(keep)),
+                      "checkfreq's writer process")

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .. import tracing
 from .._faults import crash_point
 from ..background import BackgroundErrors, Worker
 from ..transport.host import HostBuffer
@@ -171,7 +172,7 @@ class GradientCapture:
                 torch._foreach_copy_(targets, grads)
             return
         assert self._stream is not None
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream), tracing.device_span("gradient copy", self._stream):
             for event in {id(e): e for e in events if e is not None}.values():
                 self._stream.wait_event(event)
             for target, g in zip(targets, grads):

@@ -24,10 +24,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from .. import tracing
 from ..distributed import free_port
 from ..errors import ConfigError, EverystepError
 from ..strategies import STRATEGIES, full_format_refusal
-from .bench_table import markdown_table, recovery_reads, reference_spread, summarise, summarise_trainer, trainer_table
+from .bench_table import (markdown_table, recovery_reads, reference_spread, strategy_notes, summarise, summarise_trainer,
+                          trainer_table)
 from .measure import base_strategy
 from .baselines import BASELINES
 from .workloads import LAYOUT_OF, WORKLOADS, check_device
@@ -36,6 +38,7 @@ from .run_config import check_layout
 from .zygote import Zygote, shared
 
 __all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table", "recovery_reads",
+           "strategy_notes",
            "smallest_interval", "interleaved_order", "run_spec", "measure_run", "reference_spread"]
 
 
@@ -82,6 +85,9 @@ class BenchConfig:
     peers: bool = False
     """Each strategy that mirrors to peers is also run with ``peers=True`` (as ``<strategy>+peers``),
     every rank counted as a host of its own, so that each mirrors its own part to another."""
+    trace: str | None = None
+    """A folder: each run writes a Chrome/Perfetto trace there, ``STRATEGY_rN.json``
+    (:mod:`everystep.tracing`): its steps, everystep's calls and threads, its helper processes."""
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -117,6 +123,8 @@ class BenchConfig:
             self._add_peers()
         if self.memory:
             self._add_memory()
+        if self.trace is not None and self.trainer is not None:
+            raise ConfigError("--trace traces the bench's own training loop: it takes no --trainer")
 
     def _check_trainer(self) -> None:
         from .trainers import TRAINER_WORKLOADS, TRAINERS
@@ -215,6 +223,7 @@ def run_spec(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
         "options": cfg.options.get(base_strategy(strategy), {}), "compress": cfg.compress, "device": cfg.device,
         "scratch": cfg.scratch, "in_backward": cfg.in_backward, "nproc": cfg.nproc, "parallel": cfg.parallel,
         "remote": cfg.remote, "samples": cfg.samples,
+        "trace": None if cfg.trace is None else str(tracing.run_stem(cfg.trace, strategy, repeat)),
     }
 
 
@@ -339,15 +348,26 @@ def _kill_group(pid: int) -> None:
 
 
 def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) -> dict[str, Any]:
-    return measure_run(run_spec(cfg, repeat, strategy, every))
+    spec = run_spec(cfg, repeat, strategy, every)
+    try:
+        return measure_run(spec)
+    finally:
+        if spec["trace"] is not None:
+            tracing.merge(spec["trace"])
 
 
 def run_bench(cfg: BenchConfig, *, progress: bool = True) -> list[dict[str, Any]]:
+    """Every (repeat, strategy) run of ``cfg``, interleaved (:func:`interleaved_order`); with
+    ``cfg.trace``, each one's trace in that folder."""
     order = interleaved_order(cfg.strategies, cfg.repeats)
     runs = []
     what = f"{cfg.trainer} {cfg.workload}" if cfg.trainer else cfg.workload
-    for repeat, strategy in tqdm(order, desc=f"bench {what}", disable=None if progress else True):
-        runs.append(_run_one(cfg, repeat, strategy, cfg.every))
+    try:
+        for repeat, strategy in tqdm(order, desc=f"bench {what}", disable=None if progress else True):
+            runs.append(_run_one(cfg, repeat, strategy, cfg.every))
+    finally:
+        if cfg.trace is not None:
+            tracing.merge_all(cfg.trace)  # (what helpers that outlived their run wrote since)
     return runs
 
 

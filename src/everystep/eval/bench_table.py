@@ -10,7 +10,8 @@ from typing import Any
 
 from .measure import CHECKFLOW_MEMORY
 
-__all__ = ["summarise", "summarise_trainer", "trainer_table", "markdown_table", "reference_spread", "recovery_reads"]
+__all__ = ["summarise", "summarise_trainer", "trainer_table", "markdown_table", "reference_spread", "recovery_reads",
+           "setting_text", "strategy_notes"]
 
 
 def _by_strategy(runs: list[dict[str, Any]]) -> Iterator[tuple[str, list[dict[str, Any]], list[float]]]:
@@ -56,11 +57,15 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             **_peak_extra(mine),
             "lost_steps_software": max(r["lost_steps_software"] for r in mine),
             "lost_steps_hardware": max(r["lost_steps_hardware"] for r in mine),
-            "recovery_error": max((r.get("recovery_error") or 0.0) for r in mine) if mine[0].get("recovery_error") is not None else None,
-            "replay_seconds": mine[-1].get("replay_seconds"),
-            "resumes_bitwise": None if any(r.get("resumes_bitwise") is None for r in mine)
-            else all(r["resumes_bitwise"] for r in mine),
+            "recovery_error": max((r["recovery_error"] for r in mine if r.get("recovery_error") is not None), default=None),
+            "replay_seconds": next((r["replay_seconds"] for r in mine if r.get("replay_seconds")), None),
+            # (the runs that checked their resume: under the GPU check, the first round's)
+            "resumes_bitwise": None if not (checked := [r for r in mine if r.get("resumes_bitwise") is not None])
+            else all(r["resumes_bitwise"] for r in checked),
             "resume_error": med("resume_error"),
+            "rounds": len(mine),
+            "setting": mine[0].get("setting"),
+            "wall_seconds": med("wall_seconds"),
             **{key: med(key) for key in ("record_bytes_per_step", "end_bytes_per_step", "compressed_bytes_per_step",
                                          "agent_seconds_per_step", "copy_seconds", "hash_seconds", "persist_interval",
                                          "persisted", *CHECKFLOW_MEMORY)
@@ -118,8 +123,8 @@ def markdown_table(summary: dict[str, dict[str, Any]], spread: float | None = No
     """The summary as a table; with ``spread`` (:func:`reference_spread`), an overhead within it is
     marked ``*``: not resolved."""
     head = ("| strategy | overhead | stall/ckpt (ms) | MiB/step | peak host MiB | recovery disk (s) "
-            "| recovery mem (s) | lost steps sw/hw | recovery error | resumes bitwise |")
-    rows = [head, "|" + "---|" * 10]
+            "| recovery mem (s) | lost steps sw/hw | recovery error | resumes bitwise | rounds | setting |")
+    rows = [head, "|" + "---|" * 12]
     for name, s in summary.items():
         within = spread is not None and name != "none" and abs(s["overhead"]) < spread
         rows.append(
@@ -129,9 +134,24 @@ def markdown_table(summary: dict[str, dict[str, Any]], spread: float | None = No
             f"| {_fmt(s['recovery_seconds_disk'], 1, 3)} | {_fmt(s['recovery_seconds_memory'], 1, 3)} "
             f"| {s['lost_steps_software']}/{s['lost_steps_hardware']} "
             f"| {'–' if s.get('recovery_error') is None else format(s['recovery_error'], '.2e')} "
-            f"| {_resumes(s)} |"
+            f"| {_resumes(s)} | {s.get('rounds', '–')} | {setting_text(s.get('setting'))} |"
         )
     return "\n".join(rows)
+
+
+_SHOWN = ("every", "batch", "parts", "memory", "persist_every", "snapshot", "agent_threads", "hash_parts", "threads",
+          "compress", "samples")
+"""The options a table's setting column names, in this order, where a run has them (set, not None)."""
+
+
+def setting_text(setting: dict[str, Any] | None) -> str:
+    """A run's setting (:meth:`~everystep.strategies.base.Strategy.setting`) in a table's cell: LowDiff's
+    ``every`` and ``batch`` as its paper's F and b, the others by name."""
+    if not setting:
+        return "–"
+    names = {"every": "F", "batch": "b"} if "batch" in setting else {}
+    shown = [(names.get(k, k), setting[k]) for k in _SHOWN if setting.get(k) not in (None, False)]
+    return " ".join(f"{k}={'yes' if v is True else v}" for k, v in shown)
 
 
 def _peak_extra(runs: list[dict[str, Any]]) -> dict[str, int | float | None]:
@@ -167,3 +187,37 @@ def recovery_reads(summary: dict[str, dict[str, Any]]) -> str:
                 new += f", {lent / 2**20:.0f} MiB of it lent and made the process's own after the restore in {after:.3f} s"
             parts.append(f"{name} {said}" + (f", +{extra / 2**20:.0f} MiB{of_it}{new}" if extra is not None else ""))
     return "; ".join(parts)
+
+
+def strategy_notes(summary: dict[str, dict[str, Any]], *, after: bool = False) -> list[str]:
+    """What the bench says of some strategies besides the table: before it (``after`` False), a
+    differential chain's replay, what a differential strategy writes, what each rank writes and sends
+    its buddy; after it, LowDiff+'s agent's time per step and a memory tier's persist interval."""
+    lines: list[str] = []
+    for name, s in summary.items():
+        if after and s.get("agent_seconds_per_step") is not None:
+            lines.append(f"{name}'s agent applied a step in {s['agent_seconds_per_step'] * 1e3:.1f} ms (median), "
+                         f"against a training step of {s['mean_step_seconds'] * 1e3:.1f} ms")
+        if after and s.get("persist_interval") is not None:
+            lines.append(f"{name}'s memory tier wrote the directory every {s['persist_interval']:.0f} step(s) (median; "
+                         f"{s['persisted']:.0f} writes a run)")
+        if not after and s.get("replay_seconds"):
+            r = s["replay_seconds"]
+            lines.append(f"{name} replay of the differential chain: serial {r['serial']:.3f} s, "
+                         f"parallel (2 threads) {r['parallel_2_threads']:.3f} s")
+        if not after and s.get("record_bytes_per_step") and s.get("compressed_bytes_per_step"):
+            rec, sent = s["record_bytes_per_step"], s["compressed_bytes_per_step"]
+            lines.append(f"{name} writes per step: step records {rec / 2**20:.2f} MiB = {rec / sent:.2f}× the compressed "
+                         f"gradient ({sent / 2**20:.2f} MiB), end states (residuals, RNG, …) "
+                         f"{s['end_bytes_per_step'] / 2**20:.2f} MiB")
+    for name, s in summary.items() if not after else ():
+        per_rank = s.get("bytes_per_step_per_rank")
+        if per_rank and sum(per_rank):
+            shares = ", ".join(f"{b / sum(per_rank):.1%}" for b in per_rank)
+            lines.append(f"{name} writes per step {sum(per_rank) / 2**20:.2f} MiB over its {len(per_rank)} ranks: {shares}")
+        if sent := s.get("peer_bytes_per_step_per_rank"):
+            lines.append(f"{name} sends its buddy per step, by rank: {', '.join(f'{b / 2**10:.1f} KiB' for b in sent)}")
+        if cpu := s.get("peer_cpu_seconds_per_step_per_rank"):
+            lines.append(f"{name}'s mirroring thread, CPU time per step, by rank: "
+                         f"{', '.join(f'{c * 1e3:.1f} ms' for c in cpu)}")
+    return lines

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import tracing
 from ..checkpointer import Checkpointer
 from ..state import capture_rng, restore_rng
 from ..distributed import init_process_group
@@ -167,12 +168,51 @@ def peak_during(call: Any) -> tuple[Any, int | None]:
 
 def _step(w: Any, before_update: Any = None) -> torch.Tensor:
     """One step of the bench's training loop; ``before_update`` runs right before ``optimizer.step()``."""
-    loss = w.loss(w.data.next())
-    loss.backward()
-    w.update(before=before_update)
+    with tracing.span("forward and backward"):
+        loss = w.loss(w.data.next())
+        loss.backward()
+    with tracing.span("update"):
+        w.update(before=before_update)
     if loss.is_cuda:  # the training stream only, as a loop that reads its loss waits: not the copy streams
-        torch.cuda.current_stream().synchronize()
+        with tracing.span("wait for the training stream"):
+            torch.cuda.current_stream().synchronize()
     return loss
+
+
+def _timed_step(w: Any, step: int, before_update: Any = None) -> float:
+    """One step, traced as ``step`` (the training stream's share of it too, on a GPU); its seconds."""
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() and w.device.type == "cuda" else None
+    t0 = time.perf_counter()
+    with tracing.span("step", step=step), tracing.device_span("step", stream, step=step):
+        _step(w, before_update)
+    return time.perf_counter() - t0
+
+
+def _loop_setting(spec: dict[str, Any]) -> dict[str, Any]:
+    """What a run's setting holds of the training loop: its threads, and its gradient compression and
+    samples a step where given."""
+    return {"threads": spec["threads"], **{k: spec[k] for k in ("compress", "samples") if spec.get(k)}}
+
+
+def _peaks() -> dict[str, int | None]:
+    """The process's peak host memory and the device allocator's peak so far: read right after the
+    timed steps, before the run's own checks copy anything."""
+    return {"peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_device_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
+
+
+@contextlib.contextmanager
+def _traced(spec: dict[str, Any]) -> Iterator[None]:
+    """Record the run's trace where ``spec["trace"]`` says (a path stem; None: no trace): this
+    process's part is written on leaving, its helpers' as they end."""
+    if not spec.get("trace"):
+        yield
+        return
+    tracing.start(spec["trace"])
+    try:
+        yield
+    finally:
+        tracing.stop()
 
 
 def _train_on(w: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -214,13 +254,16 @@ def _checkflow_memory(strategy: Any) -> dict[str, Any]:
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """One run as ``spec`` says (:func:`~everystep.eval.bench.run_spec`): the timed steps, and, unless
+    ``spec["checks"]`` is false, the recovery and resume checks after them. ``seconds`` says where
+    the run's own time went: building the workload, the steps, the checks."""
     torch.set_num_threads(spec["threads"])
     init_process_group(one_process=needs_ddp(spec.get("compress")), device=spec.get("device", "cpu"))  # PowerSGD: DDP's hook
     name = spec["strategy"]
     strategy = base_strategy(name)  # (+remote: the same strategy, uploading; +peers: mirroring; +memory: its memory tier)
     if strategy not in STRATEGIES:  # a baseline: only its runs import DCP (a second of start-up)
         return measure_baseline(spec)
-    steps, warmup = spec["steps"], spec["warmup"]
+    steps, warmup, checks = spec["steps"], spec["warmup"], spec.get("checks", True)
     options = {**({"every": spec["every"]} if spec.get("every") else {}), **spec.get("options", {})}
     if name.endswith("+peers"):
         options["peers"] = True
@@ -229,6 +272,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     if name.endswith("+remote"):
         # a prefix of the run's own (under several ranks, the name of the folder they share)
         options["remote"] = f"{spec['remote']}/{os.path.basename(spec['shared']) if 'shared' in spec else uuid.uuid4().hex[:12]}"
+    clock = time.perf_counter()
+    seconds: dict[str, float] = {}
     with _scratch(spec) as tmp, _tier_removed(f"{tmp}/ckpt", options):
         directory = f"{tmp}/ckpt" if STRATEGIES[strategy].needs_store else None
         if options.get("memory") and options.get("region") is None:
@@ -238,30 +283,35 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         times, lost_sw, lost_hw = [], [], []
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        with _attach(w, directory, strategy, options) as ckpt:
+        # (traced from the attach: the helper processes it starts record their spans too)
+        with _traced(spec), _attach(w, directory, strategy, options) as ckpt:
             ckpt.restore()
+            seconds["build"], clock = time.perf_counter() - clock, time.perf_counter()
             stall_at_warmup, checkpoints_at_warmup, bytes_at_warmup = 0.0, 0, 0
             for step in range(1, steps + 1):
                 if step == warmup + 1:
                     ckpt.wait()  # what the warm-up started is not charged to the timed steps
                     stall_at_warmup, checkpoints_at_warmup = ckpt.stats.stall_seconds, ckpt.stats.checkpoints
                     bytes_at_warmup = ckpt.bytes_written
-                t0 = time.perf_counter()
-                _step(w)
+                took = _timed_step(w, step)
                 if step > warmup:
-                    times.append(time.perf_counter() - t0)
+                    times.append(took)
                 stats = ckpt.stats
                 lost_hw.append(step - stats.last_durable_step)
                 lost_sw.append(step - max(stats.last_durable_step, stats.last_memory_step))
             stall = ckpt.stats.stall_seconds - stall_at_warmup
-            ckpt.wait()  # count what the timed steps wrote, not the final checkpoint written at close
+            with tracing.span("wait for the checkpoints in flight"):
+                ckpt.wait()  # count what the timed steps wrote, not the final checkpoint written at close
+            peaks = _peaks()  # (before any copy of the state below)
+            seconds["steps"], clock = time.perf_counter() - clock, time.perf_counter()
             checkpoints_measured = ckpt.stats.checkpoints - checkpoints_at_warmup
             bytes_measured = ckpt.bytes_written - bytes_at_warmup
             split = {**_split_bytes(ckpt, steps), **_checkflow_memory(ckpt.strategy)}
-            live = _model_and_optimizer(w)
+            setting = {**ckpt.strategy.setting(), **_loop_setting(spec)}
+            live = _model_and_optimizer(w) if checks else {}
             memory, rng = None, None
             tier = ckpt.strategy.tier.report() if ckpt.strategy.tier is not None else None
-            if strategy == "lowdiff_plus":  # a software failure: the agent outlives the training process
+            if strategy == "lowdiff_plus" and checks:  # a software failure: the agent outlives the training process
                 ckpt._activity()  # S_steps is complete; hand it over as the next forward would
                 ckpt.wait()
                 ckpt.final = False  # a crashed process writes no final checkpoint
@@ -269,33 +319,22 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                 ckpt.directory.close()  # the directory is free, as a dead process leaves it
                 memory = _recover(spec, directory, strategy, options)  # (from the agent's memory)
                 rng = capture_rng()  # as recovered: the uninterrupted run's next steps, below, draw from it too
-        after = _train_on(w)  # the uninterrupted run's next steps (the Checkpointer is closed)
+        after = _train_on(w) if checks else None  # the uninterrupted run's next steps (the Checkpointer is closed)
         result: dict[str, Any] = {
             "strategy": name,
             "repeat": spec["repeat"],
             "every": spec["every"],
+            "setting": setting,
             "step_seconds": times,
             "mean_step_seconds": sum(times) / len(times),
             "stall_seconds": stall,
             "checkpoints": checkpoints_measured,
             "bytes_per_step": bytes_measured / (steps - warmup),
-            "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "peak_device_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+            **peaks,
             "full_format": ckpt.directory.full_format if ckpt.directory is not None else None,
             "lost_steps_software": max(lost_sw),
             "lost_steps_hardware": max(lost_hw),
-            "recovery_seconds_disk": None,
-            "recovery_seconds_memory": None,
-            "recovery_bytes_read": None,
-            "recovery_peak_extra_bytes": None,
-            "recovery_mapped_bytes": None,
-            "recovery_new_memory_seconds": None,
-            "recovery_lent_bytes": None,
-            "recovery_lent_seconds": None,
-            "recovery_error": None,
-            "replay_seconds": None,
-            "resumes_bitwise": None,
-            "resume_error": None,
+            **_UNCHECKED,
             **split,
             **({"remote_step": ckpt.stats.last_remote_step} if name.endswith("+remote") else {}),
             **({"agent_seconds_per_step": ckpt.strategy.agent_seconds_per_step} if strategy == "lowdiff_plus" else {}),
@@ -303,44 +342,63 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             **(tier or {}),
             **((ckpt.strategy.peer_traffic or {"peer_bytes_per_step": None}) if name.endswith("+peers") else {}),
         }
-        if memory is not None:
-            seconds, recovered, fresh, again, _ = memory
+        if checks:
+            assert after is not None
+            _check(spec, result, memory, rng, after, live, directory, strategy, options, tier)
+        seconds["checks"] = time.perf_counter() - clock
+    return _across_ranks({**result, "seconds": seconds})
+
+
+_UNCHECKED: dict[str, Any] = dict.fromkeys((
+    "recovery_seconds_disk", "recovery_seconds_memory", "recovery_bytes_read", "recovery_peak_extra_bytes",
+    "recovery_mapped_bytes", "recovery_new_memory_seconds", "recovery_lent_bytes", "recovery_lent_seconds",
+    "recovery_error", "replay_seconds", "resumes_bitwise", "resume_error"))
+"""What a run's checks report, None where they were not run (``spec["checks"]`` false)."""
+
+
+def _check(spec: dict[str, Any], result: dict[str, Any], memory: Any, rng: Any, after: Any,
+           live: dict[str, torch.Tensor], directory: str | None, strategy: str, options: dict[str, Any],
+           tier: dict[str, Any] | None) -> None:
+    """The run's recovery and resume checks, into ``result``: recovery from memory where the strategy
+    keeps one, then from disk, each timed, and whether training resumes bitwise."""
+    steps = spec["steps"]
+    if memory is not None:
+        seconds, recovered, fresh, again, _ = memory
+        if recovered != steps or again.recovered is None or again.recovered.source != "memory":
+            raise RuntimeError(f"recovered step {recovered} from {again.recovered}, expected {steps} from memory")
+        result["recovery_seconds_memory"] = seconds
+    if memory is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        # Under several ranks the agents persist only the steps the ranks agree on (with the measured
+        # interval, maybe none of this short run's) and nothing as their processes go: what the
+        # run recovered from their memory is what is checked.
+        fresh = memory[2]
+        result["recovery_error"] = state_error(_model_and_optimizer(fresh), live)
+        assert rng is not None
+        restore_rng(rng)
+        result.update(_resume_check(fresh, after))
+    elif directory is not None:
+        if tier is not None:  # the region outlives the training process: read from there, then the host lost
+            seconds, recovered, _, again, _ = _recover(spec, directory, strategy, options)
             if recovered != steps or again.recovered is None or again.recovered.source != "memory":
                 raise RuntimeError(f"recovered step {recovered} from {again.recovered}, expected {steps} from memory")
             result["recovery_seconds_memory"] = seconds
-        if memory is not None and dist.is_initialized() and dist.get_world_size() > 1:
-            # Under several ranks the agents persist only the steps the ranks agree on (with the measured
-            # interval, maybe none of this short run's) and nothing as their processes go: what the
-            # run recovered from their memory is what is checked.
-            fresh = memory[2]
-            result["recovery_error"] = state_error(_model_and_optimizer(fresh), live)
-            assert rng is not None
-            restore_rng(rng)
-            result.update(_resume_check(fresh, after))
-        elif directory is not None:
-            if tier is not None:  # the region outlives the training process: read from there, then the host lost
-                seconds, recovered, _, again, _ = _recover(spec, directory, strategy, options)
-                if recovered != steps or again.recovered is None or again.recovered.source != "memory":
-                    raise RuntimeError(f"recovered step {recovered} from {again.recovered}, expected {steps} from memory")
-                result["recovery_seconds_memory"] = seconds
-                memory_path(Path(directory), options["region"], 0, 1).unlink()  # (the host lost)
-            seconds, recovered, fresh, again, io = _recover(spec, directory, strategy, options)
-            extra = io["recovery_peak_extra_bytes"]
-            result.update(io, recovery_new_memory_seconds=new_memory_seconds(
-                None if extra is None else max(0, extra - io["recovery_mapped_bytes"])))
-            from_region = again.recovered is not None and again.recovered.source == "region"  # lightcheck's memory
-            result["recovery_seconds_memory" if from_region else "recovery_seconds_disk"] = seconds
-            if recovered != steps:
-                raise RuntimeError(f"recovered step {recovered}, expected {steps}")
-            result["recovery_error"] = state_error(_model_and_optimizer(fresh), live)
-            result.update(_resume_check(fresh, after))
-            if strategy == "lowdiff":
-                replay = {}
-                for threads in (1, 2):
-                    r = _recover(spec, directory, strategy, {**options, "replay_threads": threads})[3]
-                    replay[threads] = r.strategy.replay_seconds
-                result["replay_seconds"] = {"serial": replay[1], "parallel_2_threads": replay[2]}
-    return _across_ranks(result)
+            memory_path(Path(directory), options["region"], 0, 1).unlink()  # (the host lost)
+        seconds, recovered, fresh, again, io = _recover(spec, directory, strategy, options)
+        extra = io["recovery_peak_extra_bytes"]
+        result.update(io, recovery_new_memory_seconds=new_memory_seconds(
+            None if extra is None else max(0, extra - io["recovery_mapped_bytes"])))
+        from_region = again.recovered is not None and again.recovered.source == "region"  # lightcheck's memory
+        result["recovery_seconds_memory" if from_region else "recovery_seconds_disk"] = seconds
+        if recovered != steps:
+            raise RuntimeError(f"recovered step {recovered}, expected {steps}")
+        result["recovery_error"] = state_error(_model_and_optimizer(fresh), live)
+        result.update(_resume_check(fresh, after))
+        if strategy == "lowdiff":
+            replay = {}
+            for threads in (1, 2):
+                r = _recover(spec, directory, strategy, {**options, "replay_threads": threads})[3]
+                replay[threads] = r.strategy.replay_seconds
+            result["replay_seconds"] = {"serial": replay[1], "parallel_2_threads": replay[2]}
 
 
 def _copy_and_hash(strategy: Any) -> dict[str, float | None]:
@@ -354,50 +412,55 @@ def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
     """:func:`measure` for a baseline (:mod:`everystep.eval.baselines`): the same loop, counters and checks."""
     from .baselines import BASELINES, Baseline
 
-    steps, warmup = spec["steps"], spec["warmup"]
+    steps, warmup, checks = spec["steps"], spec["warmup"], spec.get("checks", True)
+    clock, seconds = time.perf_counter(), {}
     with _scratch(spec) as tmp:
         w = _build(spec, spec["seed"])
         baseline: Baseline = BASELINES[spec["strategy"]](Path(tmp) / "ckpt", w, spec.get("every") or 1)
         times, lost = [], []
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        seconds["build"], clock = time.perf_counter() - clock, time.perf_counter()
         try:
-            for step in range(1, steps + 1):
-                if step == warmup + 1:
-                    baseline.wait()
-                    at_warmup = (baseline.stall_seconds, baseline.checkpoints, baseline.bytes_written)
-                t0 = time.perf_counter()
-                _step(w, baseline.before_update)
-                baseline.after_step(step)
-                if step > warmup:
-                    times.append(time.perf_counter() - t0)
-                lost.append(step - baseline.last_durable_step)
-            baseline.wait()
+            with _traced(spec):
+                for step in range(1, steps + 1):
+                    if step == warmup + 1:
+                        baseline.wait()
+                        at_warmup = (baseline.stall_seconds, baseline.checkpoints, baseline.bytes_written)
+                    t0 = time.perf_counter()
+                    _timed_step(w, step, baseline.before_update)
+                    with tracing.span("baseline after_step", step=step):
+                        baseline.after_step(step)  # (its save is part of the step)
+                    if step > warmup:
+                        times.append(time.perf_counter() - t0)
+                    lost.append(step - baseline.last_durable_step)
+                baseline.wait()
         finally:
             baseline.close()
-        live = _model_and_optimizer(w)
-        after = _train_on(w)
-        fresh = _build(spec, spec["seed"])
-        t0 = time.perf_counter()
-        recovered, extra = peak_during(lambda: baseline.load(fresh))
-        seconds = time.perf_counter() - t0
-        if recovered != steps:
-            raise RuntimeError(f"{spec['strategy']} recovered step {recovered}, expected {steps}")
-        return _across_ranks({
-            "strategy": spec["strategy"], "repeat": spec["repeat"], "every": spec["every"], "step_seconds": times,
+        peaks = _peaks()
+        seconds["steps"], clock = time.perf_counter() - clock, time.perf_counter()
+        result = {
+            "strategy": spec["strategy"], "repeat": spec["repeat"], "every": spec["every"],
+            "setting": {"every": spec.get("every") or 1, **_loop_setting(spec)}, "step_seconds": times,
             "mean_step_seconds": sum(times) / len(times), "stall_seconds": baseline.stall_seconds - at_warmup[0],
             "checkpoints": baseline.checkpoints - at_warmup[1],
-            "bytes_per_step": (baseline.bytes_written - at_warmup[2]) / (steps - warmup),
-            "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "peak_device_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
-            "lost_steps_software": max(lost), "lost_steps_hardware": max(lost),
-            "recovery_seconds_disk": seconds, "recovery_seconds_memory": None, "recovery_bytes_read": None,
-            "recovery_peak_extra_bytes": extra, "recovery_mapped_bytes": 0,
-            "recovery_new_memory_seconds": new_memory_seconds(extra), "recovery_lent_bytes": None,
-            "recovery_lent_seconds": None,
-            "recovery_error": state_error(_model_and_optimizer(fresh), live), "replay_seconds": None,
-            **_resume_check(fresh, after),
-        })
+            "bytes_per_step": (baseline.bytes_written - at_warmup[2]) / (steps - warmup), **peaks,
+            "lost_steps_software": max(lost), "lost_steps_hardware": max(lost), **_UNCHECKED,
+        }
+        if checks:
+            live = _model_and_optimizer(w)
+            after = _train_on(w)
+            fresh = _build(spec, spec["seed"])
+            t0 = time.perf_counter()
+            recovered, extra = peak_during(lambda: baseline.load(fresh))
+            took = time.perf_counter() - t0
+            if recovered != steps:
+                raise RuntimeError(f"{spec['strategy']} recovered step {recovered}, expected {steps}")
+            result.update(recovery_seconds_disk=took, recovery_peak_extra_bytes=extra, recovery_mapped_bytes=0,
+                          recovery_new_memory_seconds=new_memory_seconds(extra),
+                          recovery_error=state_error(_model_and_optimizer(fresh), live), **_resume_check(fresh, after))
+        seconds["checks"] = time.perf_counter() - clock
+        return _across_ranks({**result, "seconds": seconds})
 
 
 def forked(argv: list[str]) -> int:

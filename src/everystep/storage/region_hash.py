@@ -30,6 +30,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import connection
 
+from .. import tracing
 from .._process import HelperClient, run_helper
 from ..background import in_shares
 from ..errors import EverystepError
@@ -136,7 +137,8 @@ def _serve(conn: connection.Connection, fd: int) -> None:
                     while len(mapped) >= 2:  # (a slot's area moved or grew: its old mapping goes)
                         mapped.pop(next(iter(mapped))).close()
                     mapped[at, nbytes] = mmap.mmap(fd, nbytes, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ, offset=at)
-                with memoryview(mapped[at, nbytes]) if nbytes else memoryview(b"") as data:
+                with memoryview(mapped[at, nbytes]) if nbytes else memoryview(b"") as data, \
+                        tracing.span("hash", bytes=sum(n for _, n in ranges)):
                     sums = hash_ranges(pool, data, ranges)
             except Exception as e:  # (sent whole to the commit, which raises it)
                 conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
@@ -160,4 +162,4 @@ def hash_ranges(pool: ThreadPoolExecutor, data: memoryview, ranges: list[tuple[i
 
 
 def main(argv: list[str]) -> int:
-    return run_helper(argv, lambda conn, fd: _serve(conn, int(fd)))
+    return run_helper(argv, lambda conn, fd: _serve(conn, int(fd)), "region hashing process")

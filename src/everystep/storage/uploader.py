@@ -85,4 +85,4 @@ def _serve(conn: connection.Connection, root: Path, url: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    return run_helper(argv, lambda conn, root, url: _serve(conn, Path(root), url))
+    return run_helper(argv, lambda conn, root, url: _serve(conn, Path(root), url), "upload process")

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from .. import tracing
 from ..background import BackgroundErrors
 from ..errors import ConfigError, EverystepError
 from ..policy.interval import due
@@ -207,6 +208,12 @@ class Strategy:
         None otherwise, or before the first."""
         return self.peers.traffic.per_step() if self.peers is not None else None
 
+    def setting(self) -> dict[str, typing.Any]:
+        """What a report says it ran with: its options of a plain type (``every`` among them), each as
+        resolved where the strategy resolves it at attach (LowDiff's F and b, LowDiff+'s agent threads)."""
+        found = {f.name: getattr(self.config, f.name) for f in fields(self.config)}
+        return {k: v for k, v in found.items() if type(v) in _PLAIN}
+
     def check_layout(self, layout: str | None) -> None:
         """Raise :class:`~everystep.errors.ConfigError` if this strategy, as configured, cannot
         checkpoint a job laid out so (:func:`~everystep.parallelism.sharded_layout`; None: replicated),
@@ -240,20 +247,24 @@ class Strategy:
     def on_step_end(self, step: int) -> None:
         self._expect("started", "on_step_end()")
         self.errors.raise_pending()
-        self._on_step_end(step)
+        with tracing.span("everystep on_step_end", step=step):
+            self._on_step_end(step)
 
     def on_state_ready(self, step: int, *, final: bool = False) -> None:
         self._expect("started", "on_state_ready()")
         self.errors.raise_pending()
-        self._on_state_ready(step, final)
+        with tracing.span("everystep on_state_ready", step=step):
+            self._on_state_ready(step, final)
 
     def before_update(self, step: int) -> None:
         self._expect("started", "before_update()")
-        self._before_update(step)
+        with tracing.span("everystep before_update", step=step):
+            self._before_update(step)
 
     def before_layer_update(self, step: int, params: list[torch.Tensor]) -> None:
         self._expect("started", "before_layer_update()")
-        self._before_layer_update(step, params)
+        with tracing.span("everystep before_layer_update", step=step):
+            self._before_layer_update(step, params)
 
     def wait(self) -> None:
         """Block until work in flight is done; raise what failed in the background, once."""

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .. import tracing
 from .._faults import crash_point
 from ..background import Worker, settled
 from ..capture.profile import OperatorHooks, StepRecorder
@@ -255,7 +256,7 @@ class Checkflow(FullState):
         with torch.no_grad():
             if self._stream is not None and held[0][0].is_cuda:
                 self._stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._stream):
+                with torch.cuda.stream(self._stream), tracing.device_span("checkflow offload", self._stream):
                     for snap, target in held:
                         target.copy_(snap, non_blocking=True)
                         snap.record_stream(self._stream)

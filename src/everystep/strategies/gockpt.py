@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .. import tracing
 from .._faults import crash_point
 from ..background import Worker, settled
 from ..errors import ConfigError, EverystepError
@@ -176,7 +177,8 @@ class GoCkpt(SpreadRecovery):
             return
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            yield
+            with tracing.device_span(f"{self.name} part copy", self._stream):
+                yield
 
     # -- a checkpoint's parts --------------------------------------------------------------------
 

@@ -131,6 +131,10 @@ class LowDiff(Differential):
         # The reusing queue: the writer is at most `queue` steps behind, else training waits.
         self._attach_full(self.interval, Worker("everystep-lowdiff-writer", self.errors, bound=self.config.queue))
 
+    def setting(self) -> dict[str, Any]:
+        """``every`` is F, the full-checkpoint interval, and ``batch`` b (both as re-planned by ``adapt``)."""
+        return {**super().setting(), "every": self.interval, "batch": self.batch}
+
     # -- training path -------------------------------------------------------------------------
 
     def _on_step_end(self, step: int) -> None:

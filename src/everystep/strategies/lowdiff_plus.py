@@ -222,6 +222,9 @@ class LowDiffPlus(Strategy):
     def _on_gpu(self) -> bool:
         return any(p.device.type != "cpu" for p in self.session.params)
 
+    def setting(self) -> dict[str, Any]:
+        return {**super().setting(), "agent_threads": self._agent_threads(), "fused": self._fused()}
+
     def _agent_threads(self) -> int:
         """``agent_threads``, or its default (see :class:`LowDiffPlusConfig`)."""
         if self.config.agent_threads is not None:

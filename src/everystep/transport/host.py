@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import tracing
 from ..layout import LayoutEntry, TensorLayout, tensor_bytes
 
 __all__ = ["LayoutEntry", "TensorLayout", "HostBuffer", "HostBufferPool", "snapshot_into", "tensor_bytes",
@@ -60,7 +61,7 @@ def snapshot_into(
         return None
     stream = stream or torch.cuda.current_stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), tracing.device_span("snapshot copy", stream):
         for k in keys:
             src = tensors[k].detach()
             buffer.views[k].copy_(src, non_blocking=True)
