@@ -39,6 +39,7 @@ rare times a GPU is at hand.
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import json
 import os
 import re
@@ -216,13 +217,13 @@ def _in_process(part: str, spec: dict[str, Any], box: Box) -> dict[str, Any]:
 
 
 def _measured(sizes: Sizes, chosen: list[Variant], box: Box, failures: list[dict[str, str]], part: str,
-              say: Callable[[str], None]) -> tuple[list[dict[str, Any]], int, dict[str, dict[str, Any]]]:
-    """Interleaved rounds of ``chosen`` (:func:`rounds`): their runs, the rounds done and the summary,
-    each overhead over its reference (:func:`over_references`), and a failure for each exact strategy
-    that did not resume bitwise."""
+              say: Callable[[str], None], traces: Path | None) -> tuple[list[dict[str, Any]], int, dict[str, dict[str, Any]]]:
+    """Interleaved rounds of ``chosen`` (:func:`rounds`, each run's trace in ``traces``): their runs,
+    the rounds done and the summary, each overhead over its reference (:func:`over_references`), and a
+    failure for each exact strategy that did not resume bitwise."""
     from .bench import summarise
 
-    runs, done = rounds(sizes, chosen, sizes.repeats, box, failures, part, say=say)
+    runs, done = rounds(sizes, chosen, sizes.repeats, box, failures, part, say=say, traces=traces)
     summary = summarise(runs) if runs else {}
     over_references(summary, runs, chosen)
     of = {v.label: v.strategy for v in chosen}
@@ -233,46 +234,52 @@ def _measured(sizes: Sizes, chosen: list[Variant], box: Box, failures: list[dict
     return runs, done, summary
 
 
-def run_bench_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None]) -> dict[str, Any]:
+def run_bench_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None],
+                   traces: Path | None = None) -> dict[str, Any]:
     from .bench import reference_spread
 
     chosen = variants(sizes)
-    runs, done, summary = _measured(sizes, chosen, box, failures, "bench", say)
+    runs, done, summary = _measured(sizes, chosen, box, failures, "bench", say, traces)
     return {"variants": [asdict(v) for v in chosen], "rounds": done, "summary": summary,
             "reference_spread": reference_spread(runs), "targets": targets(summary, EVERY_STEP_TARGETS),
-            "gockpt_stall_over_async_o": _stall_over_async_o(summary, sizes.spread_every), "runs": runs}
+            "gockpt_stall_over_async_o": _stall_over_async_o(summary, sizes.spread_every),
+            "gockpt_stall_over_async_o_memory": _stall_over_async_o(summary, sizes.spread_every, "+memory"),
+            "runs": runs}
 
 
-def run_regime_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None]
-                    ) -> dict[str, Any]:
+def run_regime_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None],
+                    traces: Path | None = None) -> dict[str, Any]:
     """GoCkpt where it applies: :data:`REGIME` every ``regime_every`` steps on a workload whose state
     takes several steps to copy, interleaved with ``none``; GoCkpt's and GoCkpt-O's stall per
     checkpoint over Async-O's against the paper's bounds."""
     from .bench import reference_spread
 
     chosen = regime_variants(sizes)
-    runs, done, summary = _measured(sizes, chosen, box, failures, "regime", say)
+    runs, done, summary = _measured(sizes, chosen, box, failures, "regime", say, traces)
     return {"workload": sizes.regime_workload, "samples": sizes.regime_samples, "every": sizes.regime_every,
             "variants": [asdict(v) for v in chosen], "rounds": done, "summary": summary,
             "reference_spread": reference_spread(runs),
             "gockpt_stall_over_async_o": _stall_over_async_o(summary, sizes.regime_every), "runs": runs}
 
 
-def _stall_over_async_o(summary: dict[str, dict[str, Any]], every: int) -> dict[str, dict[str, Any]]:
-    """GoCkpt's and GoCkpt-O's stall per checkpoint over Async-O's (runs labelled ``NAME/every``)."""
-    stall = {k: summary.get(f"{k}/{every}", {}).get("stall_per_checkpoint_seconds") for k in (*GOCKPT_TARGETS, ASYNC_O)}
+def _stall_over_async_o(summary: dict[str, dict[str, Any]], every: int, tier: str = "") -> dict[str, dict[str, Any]]:
+    """GoCkpt's and GoCkpt-O's stall per checkpoint over Async-O's (runs labelled ``NAME/every``;
+    with ``tier`` ``+memory``, ``NAME+memory/every``)."""
+    stall = {k: summary.get(f"{k}{tier}/{every}", {}).get("stall_per_checkpoint_seconds")
+             for k in (*GOCKPT_TARGETS, ASYNC_O)}
     versus = {k: (stall[k] / stall[ASYNC_O] if stall[k] is not None and stall[ASYNC_O] else None) for k in GOCKPT_TARGETS}
     return {k: {"ratio": versus[k], "target_at_most": t, "met": None if versus[k] is None else versus[k] <= t}
             for k, t in GOCKPT_TARGETS.items()}
 
 
-def run_bound_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None]) -> dict[str, Any]:
+def run_bound_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None],
+                   traces: Path | None = None) -> dict[str, Any]:
     """The strategies built to take every step, every step on the GPU-bound workload, interleaved
     with ``none``: each one's overhead against its target, beside ``none``'s spread between rounds."""
     from .bench import reference_spread
 
     chosen = bound_variants(sizes)
-    runs, done, summary = _measured(sizes, chosen, box, failures, "bound", say)
+    runs, done, summary = _measured(sizes, chosen, box, failures, "bound", say, traces)
     return {"workload": sizes.bound_workload, "variants": [asdict(v) for v in chosen], "rounds": done,
             "summary": summary, "reference_spread": reference_spread(runs), "targets": targets(summary, BOUND_TARGETS),
             "runs": runs}
@@ -302,7 +309,8 @@ def run_frequency(sizes: Sizes, bench: dict[str, Any], box: Box, failures: list[
         steps = sizes.warmup + max(sizes.steps - sizes.warmup, 2 * max(intervals.values()))  # two checkpoints at least
         chosen = [Variant("none", "none", None)] + [
             Variant(f"{n}@{k}", n, k, scratch=shm if n == "lightcheck" else None) for n, k in intervals.items()]
-        runs, done = rounds(sizes, chosen, sizes.frequency_repeats, box, failures, "frequency", steps=steps, say=say)
+        runs, done = rounds(sizes, chosen, sizes.frequency_repeats, box, failures, "frequency", steps=steps, say=say,
+                            checks=False)
         if not done:
             return None
         probes += 1
@@ -368,14 +376,16 @@ def gpu_check(sizes: Sizes, out: Path, *, dry_run: bool, parts: tuple[str, ...] 
     report: dict[str, Any] = {"kind": "everystep gpu-check", "format": 1, "date": when.isoformat(timespec="seconds"),
                               "dry_run": dry_run, "machine": machine(), "sizes": asdict(sizes), "parts": {},
                               "failures": failures}
+    stem = report_name(report["machine"], dry_run, when)
+    traces = out / f"{stem}_traces"
     steps: list[tuple[str, Callable[[Box], dict[str, Any]]]] = [
         ("tests", lambda box: run_tests(sizes, box, failures)),
         ("bandwidth", lambda box: run_bandwidth(sizes, box, failures)),
-        ("bench", lambda box: run_bench_part(sizes, box, failures, say)),
-        ("bound", lambda box: run_bound_part(sizes, box, failures, say)),
+        ("bench", lambda box: run_bench_part(sizes, box, failures, say, traces)),
+        ("bound", lambda box: run_bound_part(sizes, box, failures, say, traces)),
         ("frequency", lambda box: run_frequency(sizes, report["parts"]["bench"], box, failures, say)),
         ("memory", lambda box: memory_part(report["parts"]["bench"])),
-        ("regime", lambda box: run_regime_part(sizes, box, failures, say)),
+        ("regime", lambda box: run_regime_part(sizes, box, failures, say, traces)),
     ]
     spare = 0.0  # what the parts before left of their boxes goes to the next
     scale = _scale(sizes, parts)
@@ -401,13 +411,27 @@ def gpu_check(sizes: Sizes, out: Path, *, dry_run: bool, parts: tuple[str, ...] 
                                  "failures": len(failures) - before, **result}
         say(f"gpu-check: {name} {status} in {box.used():.0f} s, {len(failures) - before} failure(s)")
         spare = max(box.left(), 0.0)
+    report["traces"] = _compress_traces(traces)
     report["seconds"] = time.monotonic() - started
-    stem = report_name(report["machine"], dry_run, when)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
     json_path.write_text(json.dumps(report, indent=1) + "\n")
     md_path.write_text(markdown(report))
     return report, json_path, md_path
+
+
+def _compress_traces(folder: Path) -> dict[str, Any]:
+    """Gather what each run's helpers wrote after it ended into its trace, gzip each (Perfetto opens
+    ``.json.gz`` as it is); the folder and the traces' names, relative to the report."""
+    from .. import tracing
+
+    names: list[str] = []
+    for path in tracing.merge_all(folder) if folder.is_dir() else []:
+        packed = path.with_name(path.name + ".gz")
+        packed.write_bytes(gzip.compress(path.read_bytes()))
+        path.unlink()
+        names.append(packed.name)
+    return {"folder": folder.name, "files": names}
 
 
 def _main(argv: list[str]) -> None:

@@ -28,7 +28,8 @@ def markdown(report: dict[str, Any]) -> str:
               f"- CPU: {m['cpu']}, {m['cpu_cores']} cores ({m['usable_cores']} usable)",
               f"- sizes: {report['sizes']['workload']} on {report['sizes']['device']}, {report['sizes']['steps']} steps "
               f"({report['sizes']['warmup']} warm-up), up to {report['sizes']['repeats']} interleaved repeats",
-              f"- whole check: {report['seconds']:.0f} s, {len(report['failures'])} failure(s)", ""]
+              f"- whole check: {report['seconds']:.0f} s, {len(report['failures'])} failure(s)",
+              *_traces_md(report.get("traces")), ""]
     lines += ["| part | status | seconds | box (s) | failures |", "|---|---|---|---|---|"]
     for name, p in parts.items():
         lines.append(f"| {name} | {p['status']} | {_num(p.get('seconds'), 1, 0)} | {_num(p.get('box_seconds'), 1, 0)} "
@@ -42,6 +43,13 @@ def markdown(report: dict[str, Any]) -> str:
     for f in report["failures"]:
         lines += [f"### {f['part']}: {f['what']}", "", "```", f["traceback"], "```", ""]
     return "\n".join(lines) + "\n"
+
+
+def _traces_md(traces: dict[str, Any] | None) -> list[str]:
+    if not traces or not traces["files"]:
+        return []
+    return [f"- traces: {len(traces['files'])} runs' in `{traces['folder']}/` (open one at ui.perfetto.dev or in "
+            "chrome://tracing: each step, everystep's calls and threads, its helper processes, on a GPU the streams)"]
 
 
 def _tests_md(p: dict[str, Any]) -> list[str]:
@@ -82,11 +90,14 @@ def _bench_md(p: dict[str, Any]) -> list[str]:
            "step time over the same round's `none` (for a strategy that trains with a gradient compression, the `none` "
            "that trains with it), minus one, median over rounds.", "",
            markdown_table(p["summary"], p.get("reference_spread")), *_spread_md(p), *_targets_md(p)]
-    return out + _stall_md(p["gockpt_stall_over_async_o"])
+    out += _stall_md(p["gockpt_stall_over_async_o"])
+    if p.get("gockpt_stall_over_async_o_memory"):
+        out += _stall_md(p["gockpt_stall_over_async_o_memory"], " with their memory tier (`NAME+memory/K`)")
+    return out
 
 
-def _stall_md(ratios: dict[str, dict[str, Any]]) -> list[str]:
-    out = ["", "| GoCkpt stall per checkpoint over Async-O's (`checkfreq`) | ratio | paper's target | met |",
+def _stall_md(ratios: dict[str, dict[str, Any]], tier: str = "") -> list[str]:
+    out = ["", f"| GoCkpt stall per checkpoint over Async-O's (`checkfreq`){tier} | ratio | paper's target | met |",
            "|---|---|---|---|"]
     for name, g in ratios.items():
         met = {True: "yes", False: "no", None: "–"}[g["met"]]

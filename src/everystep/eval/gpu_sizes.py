@@ -7,13 +7,18 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-__all__ = ["Sizes", "GPU", "DRY", "EVERY_STEP", "SPREAD", "ASYNC_O", "GOCKPT_TARGETS", "LIGHTCHECK_TARGET", "PARTS",
+__all__ = ["Sizes", "GPU", "DRY", "EVERY_STEP", "ONCE", "SPREAD", "ASYNC_O", "GOCKPT_TARGETS", "LIGHTCHECK_TARGET", "PARTS",
            "INTERRUPT_GRACE", "MIB", "COMPRESSED", "BOUND", "EVERY_STEP_TARGETS", "BOUND_TARGETS", "Box", "failure",
            "MEMORY_TIER", "BOUND_MEMORY_TIER", "DEVICE_SNAPSHOT", "PLAN_TARGET", "ALL_PARTS", "REGIME"]
 
 EVERY_STEP = ("torch_save", "dcp_async", "checkfreq", "async", "lightcheck", "checkflow", "lowdiff_plus", "lowdiff")
 """Checkpointing every step (``lowdiff_plus``: its replica every step, persisted at its own interval;
-``lowdiff``: a differential every step, a full checkpoint at its own interval)."""
+``lowdiff``: a differential every step, b of them in each write, a full checkpoint every F steps:
+:attr:`Sizes.lowdiff_every` and :attr:`Sizes.lowdiff_batch`)."""
+ONCE = ("torch_save", "dcp_async", "checkfreq", "async", "checkflow")
+"""Of :data:`EVERY_STEP`, those that write the whole state to the directory every step: bound by the
+disk, not by anything a round more would resolve, so measured in the first round only (as are the
+device-snapshotting CheckFreq and the runs every K steps to the directory)."""
 COMPRESSED = {"lowdiff": "topk:0.01"}
 """The strategies that reuse the gradient compression training runs with, and the compression (the
 paper's setting): each one's overhead is over a ``none`` run with that compression (``none+topk:0.01``)."""
@@ -44,10 +49,11 @@ GOCKPT_TARGETS = {"gockpt": 0.42, "gockpt_o": 0.14}
 """GoCkpt's paper: its checkpointing time 57.7-70.1% and GoCkpt-O's 86.4-99.2% below Async-O's."""
 LIGHTCHECK_TARGET = 10.0
 """LightCheck's paper: more than 10× CheckFreq's checkpoint frequency within the overhead budget."""
-PARTS = ("tests", "bandwidth", "bench", "bound", "frequency")
+PARTS = ("bandwidth", "bench", "bound", "frequency")
 """The parts one call runs by default (``memory`` is read from the bench's runs)."""
-ALL_PARTS = (*PARTS, "regime")
-"""With ``regime``, GoCkpt where its copy spans several steps: a call of its own (``--parts regime``)."""
+ALL_PARTS = ("tests", *PARTS, "regime")
+"""With ``tests``, the CUDA tests (``--parts tests``), and ``regime``, GoCkpt where its copy spans
+several steps (``--parts regime``): each a call of its own."""
 REGIME = ("gockpt", "gockpt_o", "checkfreq")
 """GoCkpt, GoCkpt-O and Async-O (``checkfreq``) every :attr:`Sizes.regime_every` steps on
 :attr:`Sizes.regime_workload`, whose state takes several steps to copy."""
@@ -88,6 +94,12 @@ class Sizes:
     """Its samples a step (None: the workload's batch): a short step, so that the copy spans several."""
     regime_every: int = 50
     """A checkpoint every this many steps, as GoCkpt's paper measures."""
+    lowdiff_every: int = 50
+    """LowDiff's F, a full checkpoint every this many steps: its runs time F steps after the warm-up,
+    so that one full checkpoint is among them, its cost spread over F as in a long run."""
+    lowdiff_batch: int = 8
+    """LowDiff's b, the differentials written together: one write every b steps (its paper's Table I
+    finds b = 2 best for a disk that takes a write per step; a 25 ms step needs fewer, larger writes)."""
     boxes: dict[str, float] = field(default_factory=dict)
     """Seconds each part may take (:data:`PARTS`); ``memory`` is read from the bench's runs."""
 
@@ -117,18 +129,19 @@ class Sizes:
 
 GPU = Sizes(workload="gpt2-small", device="cuda", steps=25, warmup=5, repeats=3, spread_every=8, spread_parts=7,
             copy_bytes=256 * MIB, copies=5, frequency_cap=128, frequency_repeats=2, test_workers=4,
-            boxes={"tests": 100, "bandwidth": 25, "bench": 285, "bound": 100, "frequency": 40, "regime": 540})
-"""On one H100: gpt2-small's 25 ms steps and 265 MiB of state. 550 s of boxes (what a part leaves of
-its box goes to the next), 9 minutes with the report. A round of the bench took about 125 s there
-before ``lowdiff`` and its compressed reference joined it (two more runs, about 15 s), so three
-rounds need what the tests and the bandwidth leave of theirs on top of the bench's own box. The
-``bound`` part runs gpt2-medium (336M parameters, 4 GiB of state with AdamW's) for 12 steps: as many
-rounds of its five runs as 100 s hold (not timed on a GPU yet). The frequency search goes up to a
-checkpoint every 128 steps (a probe trains 2 intervals: 261 steps, about 7 s): CheckFreq writing
-265 MiB to a disk each time needs about that many steps of 25 ms to stay within 3.5%."""
-DRY = Sizes(workload="mlp", device="cpu", steps=8, warmup=2, repeats=1, spread_every=3, spread_parts=2,
+            boxes={"tests": 100, "bandwidth": 25, "bench": 330, "bound": 150, "frequency": 45, "regime": 540})
+"""On one H200: gpt2-small's 25 ms steps and 265 MiB of state. The default parts' boxes are 550 s
+(what a part leaves of its box goes to the next), 9 minutes with the report; the CUDA tests are a
+call of their own (``--parts tests``: the whole 550 s). The bench's first round took 178 s there
+(17 runs of about ten seconds, most of it starting CUDA and the model and checking the resume); the
+rounds after it check nothing and leave out the runs bound by the disk (:data:`ONCE`). The ``bound``
+part runs gpt2-medium (336M parameters, 4 GiB of state with AdamW's) for 12 steps (LowDiff: F steps
+after the warm-up). The frequency search goes up to a checkpoint every 128 steps (a probe trains 2
+intervals: 261 steps, about 7 s): CheckFreq writing 265 MiB to a disk each time needs about that
+many steps of 25 ms to stay within 3.5%."""
+DRY = Sizes(workload="mlp", device="cpu", steps=8, warmup=2, repeats=3, spread_every=3, spread_parts=2,
             copy_bytes=4 * MIB, copies=3, frequency_cap=2, frequency_repeats=1, bound_workload="mlp", bound_steps=6,
-            bound_warmup=2, regime_workload="mlp", regime_samples=None, regime_every=3,
+            bound_warmup=2, regime_workload="mlp", regime_samples=None, regime_every=3, lowdiff_every=4, lowdiff_batch=2,
             boxes={"tests": 120, "bandwidth": 30, "bench": 240, "bound": 120, "frequency": 120, "regime": 120})
 """The same pipeline on the CPU with a tiny workload; every figure real, none meaningful."""
 
