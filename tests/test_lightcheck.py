@@ -609,6 +609,16 @@ def test_the_slot_is_hashed_in_parts_each_after_every_copy_it_needs(units, count
     assert counted == len(parts)
 
 
+def test_a_slot_is_hashed_in_parts_of_about_256_mib():
+    """The parts follow the slot's bytes, not a fixed count: gpt2-small's 265 MiB in 2, gpt2-medium's
+    4 GiB in 16 (the hash after the last copy covers 256 MiB at most), a small slot in one."""
+    from everystep.strategies.lightcheck_copy import HASH_PART_BYTES, part_count
+
+    assert HASH_PART_BYTES == 256 << 20
+    assert part_count(265 << 20) == 2 and part_count(4 << 30) == 16 and part_count(1000) == 1 and part_count(0) == 1
+    assert part_count(256 << 20) == 1 and part_count((256 << 20) + 1) == 2
+
+
 def test_a_slot_hashed_part_by_part_has_the_checksums_of_the_whole(tmp_path):
     """The hashing process asked for the parts in turn gives each tensor the checksum it gives when
     asked for the whole slot."""

@@ -45,6 +45,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .. import tracing
 from .._faults import crash_point
 from ..background import Worker, settled
 from ..errors import ConfigError, NoValidCheckpointError
@@ -222,6 +223,11 @@ class LightCheck(Strategy):
     def _on_cuda(self) -> bool:
         return self.ctx.device.type == "cuda"
 
+    def setting(self) -> dict[str, Any]:
+        """With the parts its slot is hashed in on CUDA (:func:`~.lightcheck_copy.part_count`), once a copy was laid out."""
+        order = next(iter(self._orders.values()), None)
+        return {**super().setting(), **({"hash_parts": len(order.parts)} if order is not None else {})}
+
     def _freeze(self) -> dict[int, torch.Tensor]:
         """Copies, taken now, of what the next forward or backward changes: model buffers and
         compression state (by where their data lies)."""
@@ -334,7 +340,7 @@ class LightCheck(Strategy):
         stream = self._stream
         stream.wait_event(copy.ready)
         half, previous = len(order.units) // 2, -1
-        with torch.no_grad(), torch.cuda.stream(stream):
+        with torch.no_grad(), torch.cuda.stream(stream), tracing.device_span("lightcheck copy", stream, step=copy.step):
             # Each unit's copies, cut where a part of the slot's hashing ends: an event after each unit
             # (the updates wait on it) and after each part (the commit thread hashes the part once it is in)
             for u, keys, unit_ends, parts_in in order.pieces:
@@ -362,10 +368,13 @@ class LightCheck(Strategy):
         t0 = time.perf_counter()
         if copy.part_events:  # CUDA: each part once its copies are in, the rest still moving
             for part, event in zip(order.parts, copy.part_events, strict=True):
-                event.synchronize()
-                sums.update(self.region.checksums(writer, part))
+                with tracing.span("wait for a part's copies"):
+                    event.synchronize()
+                with tracing.span("checksums of a part"):
+                    sums.update(self.region.checksums(writer, part))
         else:  # the CPU's copies are all in before the commit starts: one question for the whole slot
-            sums = self.region.checksums(writer)
+            with tracing.span("checksums"):
+                sums = self.region.checksums(writer)
         self.hash_seconds.append(time.perf_counter() - t0)
         if copy.events:
             copy.events[-1].synchronize()
