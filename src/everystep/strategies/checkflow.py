@@ -10,7 +10,13 @@ updates them — and the pieces it offloads there are copied from their snapshot
 and the snapshot freed (on CUDA on a stream of its own into pinned memory). What the schedule does
 not cover (buffers the forward changes, scalars such as Adam's ``step``, RNG, the data position)
 is copied as S_{t-1} becomes ready. After the update, the host buffer holds S_{t-1} and is written
-and committed in the background, as CheckFreq's. A piece the schedule left for later than the
+and committed in the background, as CheckFreq's: on CUDA once an event after the step's offloads
+has passed, which the background thread waits for, not the training thread.
+
+With the memory tier the host buffer is the tier's slot, taken at the step's first offload, not as
+S_{t-1} becomes ready: the slot is free only once the commit before it is done (its checksums and
+header), which was posted at the end of the step before; what is not scheduled is held on the device
+until then. A piece the schedule left for later than the
 update (the steps ran differently from the profile) is snapshotted before the update all the same
 (:attr:`Checkflow.late`), so every checkpoint is consistent.
 
@@ -98,8 +104,9 @@ class _Round:
     """One checkpoint in the making: S_step, taken piece by piece inside the next step."""
 
     step: int
-    buffer: HostBuffer
-    """Where S_step is taken: a host buffer, or the memory tier's slot (its ``views`` alike)."""
+    buffer: HostBuffer | None
+    """Where S_step is taken: a host buffer, or the memory tier's slot (its ``views`` alike); None
+    until the slot is taken (:meth:`Checkflow._target`)."""
     tensors: dict[str, torch.Tensor]
     skeleton: Any
     shard: RankShare
@@ -107,9 +114,12 @@ class _Round:
     ranges: list[list[tuple[str, int, int]]] = field(default_factory=list)
     """Per piece of the schedule: the element ranges of it this rank holds, in ``tensors``."""
     done_upto: int = -1
-    snapshots: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-    """Piece → (snapshot, where in the host buffer it goes), while held."""
+    snapshots: dict[int, list[tuple[torch.Tensor, str, int, int]]] = field(default_factory=dict)
+    """Piece → (snapshot, and where in the host buffer it goes: key, first and end element), while held."""
     offloaded: set[int] = field(default_factory=set)
+    early: dict[str, torch.Tensor] = field(default_factory=dict)
+    """What the schedule does not cover, copied on the device as S_step became ready, until the slot
+    it goes to is taken."""
 
 
 def _local_ranges(schedule: _Schedule, shard: RankShare) -> list[list[tuple[str, int, int]]]:
@@ -182,13 +192,19 @@ class Checkflow(FullState):
             return
         share, skeleton = self.ctx.full_share(step)
         tensors = share.local
-        # with a memory tier, S_step is taken straight into its slot (on CUDA by DMA into the mapping)
-        buffer = self.tier.begin(tensors, skeleton) if self.tier is not None else self._pool.acquire(TensorLayout.of(tensors))
         schedule = None if final else self._schedule
         covered = schedule.keys if schedule is not None else frozenset(self.ctx.stable_keys(tensors))
-        snapshot_into(buffer, tensors, [k for k in tensors if k not in covered])  # what changes before the update
-        r = _Round(step, buffer, tensors, skeleton, share, schedule,
+        uncovered = [k for k in tensors if k not in covered]  # what changes before the update
+        r = _Round(step, None, tensors, skeleton, share, schedule,
                    _local_ranges(schedule, share) if schedule is not None else [])
+        if schedule is not None and self.tier is not None:  # (the slot is taken at the first offload)
+            with torch.no_grad():
+                r.early = {k: tensors[k].detach().clone() for k in uncovered}
+            self._alive += sum(t.nbytes for t in r.early.values())
+            self._round = r
+            return
+        buffer = self._target(r)
+        snapshot_into(buffer, tensors, uncovered)
         if schedule is None:  # no plan (yet): everything at once, as async does
             snapshot_into(buffer, tensors, [k for k in tensors if k in covered], stream=self._stream)
             self._finish(r)
@@ -236,36 +252,55 @@ class Checkflow(FullState):
 
     # -- snapshot and offload ------------------------------------------------------------------
 
+    def _target(self, r: _Round) -> HostBuffer:
+        """Where S_{r.step} goes, taken now if it was not: the memory tier's slot (once the commit
+        before it is done; what the schedule does not cover copied in from the device first), or a
+        host buffer of the pool."""
+        if r.buffer is None:
+            if self.tier is None:
+                r.buffer = self._pool.acquire(TensorLayout.of(r.tensors))
+            else:
+                with tracing.span("checkflow takes the memory tier's slot"):
+                    r.buffer = self.tier.begin(r.tensors, r.skeleton)  # type: ignore[assignment]
+            if r.early:
+                self._copy_out(r, list(r.early.values()), [r.buffer.views[k] for k in r.early])  # type: ignore[union-attr]
+                self._alive -= sum(t.nbytes for t in r.early.values())
+                r.early = {}
+        assert r.buffer is not None
+        return r.buffer
+
     def _snapshot(self, r: _Round, piece: int) -> None:
         if piece in r.snapshots or piece in r.offloaded:
             return
         assert r.schedule is not None
-        held = []
         with torch.no_grad():
-            for key, lo, hi in r.ranges[piece]:
-                source = r.tensors[key].detach().reshape(-1)[lo:hi]
-                held.append((source.clone(), r.buffer.views[key].view(-1)[lo:hi]))
+            held = [(r.tensors[key].detach().reshape(-1)[lo:hi].clone(), key, lo, hi) for key, lo, hi in r.ranges[piece]]
         r.snapshots[piece] = held
-        self._alive += sum(t.numel() * t.element_size() for t, _ in held)
+        self._alive += sum(t.nbytes for t, _, _, _ in held)
         self.peak_snapshot_bytes = max(self.peak_snapshot_bytes, self._alive)
 
     def _offload(self, r: _Round, piece: int) -> None:
         held = r.snapshots.pop(piece, None)
         if held is None:
             return
-        with torch.no_grad():
-            if self._stream is not None and held[0][0].is_cuda:
-                self._stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._stream), tracing.device_span("checkflow offload", self._stream):
-                    for snap, target in held:
-                        target.copy_(snap, non_blocking=True)
-                        snap.record_stream(self._stream)
-            else:
-                for snap, target in held:
-                    target.copy_(snap)
+        views = self._target(r).views
+        self._copy_out(r, [snap for snap, _, _, _ in held], [views[key].view(-1)[lo:hi] for _, key, lo, hi in held])
         crash_point("checkflow.offload")
         r.offloaded.add(piece)
-        self._alive -= sum(t.numel() * t.element_size() for t, _ in held)
+        self._alive -= sum(t.nbytes for t, _, _, _ in held)
+
+    def _copy_out(self, r: _Round, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """Copy device ``sources`` into their ``targets`` in the host buffer in one batched copy: on
+        CUDA on the copy stream, after the work queued on the training stream before it."""
+        with torch.no_grad():
+            if self._stream is not None and sources and sources[0].is_cuda:
+                self._stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._stream), tracing.device_span("checkflow offload", self._stream):
+                    torch._foreach_copy_(targets, sources, non_blocking=True)
+                    for snap in sources:
+                        snap.record_stream(self._stream)
+            elif sources:
+                torch._foreach_copy_(targets, sources)
 
     def _finish_snapshots(self, r: _Round) -> None:
         """Snapshot now, late, what the schedule left uncopied (before the update changes it)."""
@@ -276,17 +311,24 @@ class Checkflow(FullState):
             self._snapshot(r, piece)
 
     def _finish(self, r: _Round) -> None:
-        """Offload what is held, then write S_{r.step} in the background."""
+        """Offload what is held, then write S_{r.step} in the background (on CUDA once the copies
+        are in: an event the background thread waits for)."""
+        self._target(r)
         if r.schedule is not None:
             self.late += len(r.snapshots)
             for piece in list(r.snapshots):
                 self._offload(r, piece)
+        copied = None
         if self._stream is not None:
-            self._stream.synchronize()
-        self._persister.post(f"background write of the checkpoint at step {r.step}", self._persist, r)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        self._persister.post(f"background write of the checkpoint at step {r.step}", self._persist, r, copied)
 
-    def _persist(self, r: _Round) -> None:
+    def _persist(self, r: _Round, copied: Any) -> None:
+        assert r.buffer is not None
         try:
+            if copied is not None:
+                copied.synchronize()
             if self.tier is not None:
                 self.tier.commit(r.buffer, r.step, r.skeleton)  # type: ignore[arg-type]
             else:
