@@ -373,3 +373,22 @@ def test_a_trace_of_a_gpu_run_holds_its_streams_on_the_threads_clock(tmp_path, s
     steps = [e for t, e in spans if t == "MainThread" and e["name"] == "step"]
     copies = [e for t, e in spans if t.startswith("cuda stream") and e["name"] == "lightcheck copy"]
     assert all(steps[0]["ts"] <= c["ts"] <= steps[-1]["ts"] + steps[-1]["dur"] + 1e6 for c in copies)
+
+
+@gpu
+def test_to_host_copies_into_pinned_memory_on_a_side_stream_after_the_work_before_it():
+    """LowDiff's records and end states go to the host this way: the copies wait for the work queued
+    before them on the training stream, land in pinned memory, and the host tensors are right once
+    the event has passed; what lies on the CPU is handed back as it is."""
+    from everystep.transport.host import to_host
+
+    x = torch.randn(2048, 2048, device="cuda")
+    y = x
+    for _ in range(20):
+        y = torch.tanh(y @ x)
+    cpu = torch.arange(5)
+    got, event = to_host({"y": y, "idx": y.argmax(dim=1), "cpu": cpu}, torch.cuda.Stream())
+    assert event is not None and got["cpu"] is cpu and got["y"].is_pinned() and got["idx"].is_pinned()
+    event.synchronize()
+    assert torch.equal(got["y"], y.cpu()) and torch.equal(got["idx"], y.argmax(dim=1).cpu())
+    assert to_host({"cpu": cpu}, None) == ({"cpu": cpu}, None)

@@ -35,6 +35,7 @@ from ..replay import Replayer, StepRecord
 from ..state import check_group_settings, group_scalars
 from ..storage.base import malformed, manifest_name
 from ..storage.sharded import RankShare, commit_tensors
+from ..transport.host import to_host
 from .base import StrategyConfig
 from .differential import Differential
 
@@ -128,6 +129,7 @@ class LowDiff(Differential):
         if self.config.adapt and ctx.ranks.distributed:
             raise ConfigError("adapt=True re-plans (F, b) from one process's measurements; under several ranks give "
                               "every and batch (everystep share computes them)")
+        self._stream = self.ctx.copy_stream()  # (CUDA: records and end states go to pinned memory on it)
         # The reusing queue: the writer is at most `queue` steps behind, else training waits.
         self._attach_full(self.interval, Worker("everystep-lowdiff-writer", self.errors, bound=self.config.queue))
 
@@ -142,34 +144,46 @@ class LowDiff(Differential):
         if self._step_started:
             self._step_seconds = (self._step_seconds + [now - self._step_started])[-20:]
         self._step_started = now
-        grads = self.compression.take()
-        record = StepRecord(step=step, skipped=grads is None, groups=group_scalars(self.ctx.components.optimizer),
-                            grads=grads or {})
+        taken = self.compression.take()
+        grads = taken or {}
+        # (CUDA: into pinned memory on the side stream, one batched copy; the writer waits for it)
+        flat, copied = to_host({f"{n}\0{k}": t for n, c in grads.items() for k, t in c.items()}, self._stream)
+        record = StepRecord(step=step, skipped=taken is None, groups=group_scalars(self.ctx.components.optimizer),
+                            grads={n: {k: flat[f"{n}\0{k}"] for k in c} for n, c in grads.items()})
         t0 = time.perf_counter()
-        self._writer.post(_TAKING, self._take, record)  # blocks while the writer is `queue` steps behind
+        self._writer.post(_TAKING, self._take, record, copied)  # blocks while the writer is `queue` steps behind
         self.ctx.waited(time.perf_counter() - t0)
         self._pending += 1
 
     def _on_state_ready(self, step: int, final: bool) -> None:
         if self._pending and (final or due(step, self.interval) or self._pending >= self.batch):
-            end = self.ctx.components.end_state(self.ctx.boundary, step, residuals=self.config.residual == "keep")
-            self._writer.post(f"writing the differential batch ending at step {step}", self._flush, self._base, *end)
+            tensors, skeleton = self.ctx.components.end_state(self.ctx.boundary, step,
+                                                              residuals=self.config.residual == "keep")
+            tensors, copied = to_host(tensors, self._stream)
+            self._writer.post(f"writing the differential batch ending at step {step}", self._flush, self._base, tensors,
+                              skeleton, copied)
             self._pending = 0
         if self._full_if_due(step, self.interval, final) and self.config.adapt:
             self._adapt()
 
     # -- the writer ----------------------------------------------------------------------------
 
-    def _take(self, record: StepRecord) -> None:
+    def _take(self, record: StepRecord, copied: Any) -> None:
+        """Writer thread: a step's record into the batch, once its copy to the host (``copied``, an
+        event; None: nothing to wait for) is in."""
         try:
+            if copied is not None:
+                copied.synchronize()
             self._records.append(self._to_host(record))
         except BaseException:
             self._records = []  # a batch without this step must not be written: the chain ends before it
             raise
 
-    def _flush(self, base: int, end_tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
+    def _flush(self, base: int, end_tensors: dict[str, torch.Tensor], end_skeleton: Any, copied: Any) -> None:
         records, self._records = self._records, []
         if records:
+            if copied is not None:
+                copied.synchronize()
             self._write_batch(base, records, end_tensors, end_skeleton)
 
     @staticmethod

@@ -17,7 +17,7 @@ import torch
 from .. import tracing
 from ..layout import LayoutEntry, TensorLayout, tensor_bytes
 
-__all__ = ["LayoutEntry", "TensorLayout", "HostBuffer", "HostBufferPool", "snapshot_into", "tensor_bytes",
+__all__ = ["LayoutEntry", "TensorLayout", "HostBuffer", "HostBufferPool", "snapshot_into", "to_host", "tensor_bytes",
            "copy_bandwidth"]
 
 
@@ -70,6 +70,30 @@ def snapshot_into(
         event = torch.cuda.Event()
         event.record(stream)
     return event
+
+
+def to_host(tensors: dict[str, torch.Tensor], stream: "torch.cuda.Stream | None"
+            ) -> tuple[dict[str, torch.Tensor], "torch.cuda.Event | None"]:
+    """``tensors`` in host memory: those on the CPU as they are; those on CUDA copied into pinned
+    memory (the caching host allocator's, reused from step to step) in one batched copy on
+    ``stream``, after the work queued on the current stream before it, without waiting for it here.
+    The event (None: nothing to wait for) completes with the copies: read the host tensors only after it."""
+    keys = [k for k, t in tensors.items() if t.is_cuda]
+    if not keys or stream is None:
+        return dict(tensors), None
+    found = dict(tensors)
+    with torch.no_grad():
+        for k in keys:
+            found[k] = torch.empty(tensors[k].shape, dtype=tensors[k].dtype, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), tracing.device_span("to host", stream):
+            sources = [tensors[k].detach() for k in keys]
+            torch._foreach_copy_([found[k] for k in keys], sources, non_blocking=True)
+            for t in sources:
+                t.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+    return found, event
 
 
 class HostBufferPool:
