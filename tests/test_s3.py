@@ -17,7 +17,7 @@ import pytest
 
 from everystep.distributed import free_port
 from everystep.errors import CorruptCheckpointError, RemoteStoreError
-from everystep.storage.base import Manifest, checksum
+from everystep.storage.base import Manifest, ObjectInfo, checksum
 from everystep.storage.catalog import Catalog
 
 from .conftest import ROOT, torch_libraries
@@ -935,6 +935,27 @@ def test_a_newest_remote_checkpoint_that_verifies_but_is_malformed_is_passed_ove
     before = ("remote", steps[-2]) if len(steps) > 1 else (None, 0)  # (the uploads may have put up only the final one)
     assert (resumed["source"], resumed["start"]) == (before if forged == "a bad skeleton" else ("remote", steps[-1]))
     assert forged == "a rank's part" or any("does not read as a state" in m for m in resumed["warned"]), resumed["warned"]
+
+
+@pytest.mark.parametrize("step", [100, 999_999_999_999])
+def test_a_newest_remote_checkpoint_that_does_not_verify_stops_no_upload_after_it(tmp_path, bucket, step):
+    """A manifest newer than anything the job made, whose object is not there: the restarted job
+    warns once, resumes from its own directory, and still uploads every checkpoint it makes after
+    (the remote's newest that verifies is what it holds, not the newest that parses)."""
+    import boto3
+
+    url = f"s3://{bucket}/job"
+    _job(tmp_path, tmp_path / "first", url, "checkfreq", 6)
+    s3 = boto3.client("s3")
+    real = Manifest.from_bytes(s3.get_object(Bucket=bucket, Key="job/manifests/full-000000000006.json")["Body"].read())
+    objects = {k: ObjectInfo(name=o.name.replace("000000000006", f"{step:012d}"), nbytes=o.nbytes, checksum=o.checksum)
+               for k, o in real.objects.items()}
+    forged = Manifest(kind="full", step=step, objects=objects, meta=real.meta)
+    s3.put_object(Bucket=bucket, Key=f"job/manifests/{forged.name}.json", Body=forged.to_bytes())
+    (resumed,) = _job(tmp_path, tmp_path / "first", url, "checkfreq", 12)
+    assert (resumed["source"], resumed["start"]) == ("disk", 6)
+    assert [m for m in resumed["warned"] if "does not verify" in m] != []
+    assert max(s for s in _remote_steps(bucket, "job") if s != step) == 12 and resumed["remote_step"] == 12
 
 
 # -- what the bucket holds, fuzzed ---------------------------------------------------------------

@@ -163,20 +163,21 @@ class RemoteTier:
         """Take the newest remote full checkpoint that verifies into the local directory, if it is newer
         than the local newest; its step, or None. Under several ranks every rank calls it at once
         (the training thread's ``control`` channel): each downloads its share."""
-        found: dict[str, Any] = {"candidates": [], "newest": -1}
+        found: dict[str, Any] = {"candidates": [], "held": -1}
         error: BaseException | None = None
         if self.lead:
             try:
                 local = self.directory.newest_full_step()
                 records = sorted(self._fulls(), key=lambda r: -r.manifest.step)
-                found = {"newest": records[0].manifest.step if records else -1,
+                # IMPORTANT: what the remote holds, for the uploads that follow, is what verifies: a
+                # newer manifest counts only once its checkpoint is pulled whole (one that does not
+                # verify, or names a step no run reached, must not stop every upload after it)
+                found = {"held": max((r.manifest.step for r in records if r.manifest.step <= local), default=-1),
                          "candidates": [r.manifest.to_bytes() for r in records if r.manifest.step > local]}
             except BaseException as e:
                 error = e
         found = self.ranks.exchange("control", found, error, f"the listing of {self.url}")[0]
-        if found["newest"] > self.uploaded_step:
-            self.uploaded_step = found["newest"]
-            self._uploaded(found["newest"])
+        self._holds(found["held"])
         for body in found["candidates"]:
             manifest = Manifest.from_bytes(body)
             step, data, bad = manifest.step, {}, None
@@ -206,6 +207,7 @@ class RemoteTier:
             self.ranks.exchange("control", {}, error, what)  # every rank's share in the local directory
             bad = self._check_pulled(manifest, data, what)
             if bad is None:
+                self._holds(step)
                 return step
             for name in written:  # each rank its own share: nothing of it stays in the local directory
                 catalog.delete_object(name)
@@ -213,6 +215,12 @@ class RemoteTier:
                 warnings.warn(f"the remote checkpoint of step {step} at {self.url} verifies but does not read as a "
                               f"state ({bad}); trying the one before", RuntimeWarning, stacklevel=2)
         return None
+
+    def _holds(self, step: int) -> None:
+        """The remote holds the checkpoint of ``step``, whole: uploads take only newer ones."""
+        if step > self.uploaded_step:
+            self.uploaded_step = step
+            self._uploaded(step)
 
     def _check_pulled(self, manifest: Manifest, data: dict[str, tuple[ObjectInfo, bytearray]], what: str) -> str | None:
         """Why the pulled checkpoint does not read as a state (:meth:`_malformed`), or None, once it is
