@@ -10,7 +10,8 @@ from .storage.base import Reader
 from .storage.directory import CheckpointDirectory
 from .storage.hosts import elsewhere
 from .recovery import read_full
-from .storage.region_open import memory_path, open_region
+from .storage.region import UnreadableRegionError, UntrustedRegionError
+from .storage.region_open import memory_path, open_region, region_path
 
 __all__ = ["inspect_store", "verify_store", "region_rows"]
 
@@ -63,7 +64,11 @@ def region_rows(directory: CheckpointDirectory) -> list[dict[str, Any]]:
 
 def _slot_rows(directory: CheckpointDirectory, option: str | None, rank: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    region = open_region(directory, option, rank=rank, read=True)  # (what is there: a listing makes nothing)
+    try:
+        region = open_region(directory, option, rank=rank, read=True)  # (what is there: a listing makes nothing)
+    except (UnreadableRegionError, UntrustedRegionError) as e:  # (one row: the rest of the directory is still read)
+        path = region_path(directory.root, option, rank, int(directory.marker.get("world_size", 1)))
+        return [{"name": str(path), "kind": "region", "step": -1, "bytes": 0, "valid": False, "reason": str(e)}]
     if region is not None:
         try:
             complete = {s.slot: s for s in region.slots(warn=False)}

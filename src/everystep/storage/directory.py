@@ -30,6 +30,7 @@ from typing import Any
 
 from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError
+from ..files import read_regular
 from .base import Access, Manifest, ManifestRecord, checksum
 from .location import is_remote, open_remote
 from .catalog import MANIFESTS, OBJECTS, PINNED, Catalog
@@ -41,6 +42,8 @@ from .retention import plan_retention
 __all__ = ["CheckpointDirectory", "MARKER", "LOCK", "FORMAT_VERSION", "marker_bytes", "parse_marker", "collect_garbage"]
 
 MARKER = "everystep.json"
+MARKER_LIMIT = 1 << 20
+"""The most bytes a marker is read of: a marker is a few hundred."""
 FORMAT_VERSION = 2
 """Version 2 markers carry a checksum; version 1 (no checksum) is still read."""
 _OWN_NAME = r"[a-z]+-\d{12}(?:-r\d+)?"
@@ -348,9 +351,9 @@ class CheckpointDirectory:
 
     @staticmethod
     def _read_marker(marker_path: Path) -> dict[str, Any]:
-        try:
-            data = marker_path.read_bytes()
-        except OSError as e:
+        try:  # (a regular file only, of a marker's size: not a FIFO, not a link to /dev/zero)
+            data = read_regular(marker_path, limit=MARKER_LIMIT)
+        except (OSError, ValueError) as e:
             raise CheckpointDirectoryError(f"cannot read {marker_path}: {e}") from None
         return parse_marker(data, str(marker_path))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 from pathlib import Path
 
 from ..errors import CheckpointDirectoryError, DirectoryInUseError
@@ -20,7 +21,7 @@ class DirectoryLock:
     def __init__(self, root: Path) -> None:
         self.fd = -1
         self.path = path = root / LOCK
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # (a FIFO there: refused below)
         try:
             try:
                 self.fd, self.created = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
@@ -29,6 +30,11 @@ class DirectoryLock:
         except OSError as e:
             raise CheckpointDirectoryError(f"cannot open {path} to take the directory for writing: "
                                            f"{e.strerror or e}") from None
+        mode = os.fstat(self.fd).st_mode
+        if not stat.S_ISREG(mode):
+            self.release()
+            raise CheckpointDirectoryError(f"{path} is not a regular file (mode {stat.filemode(mode)}), not the lock "
+                                           "everystep writes: delete it to go on (nothing was changed)")
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -63,10 +69,12 @@ def holder(root: Path) -> int | None:
     """The pid of the process that holds ``root``'s lock (0 if it cannot be told), or None when no
     process does. Creates nothing: a reader may ask."""
     try:
-        fd = os.open(root / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(root / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None  # (not a lock everystep writes: no process holds it)
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return owner_pid(fd) or 0

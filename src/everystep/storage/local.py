@@ -24,6 +24,7 @@ from typing import BinaryIO, TypeVar
 
 from .._faults import crash_point
 from ..errors import CheckpointDirectoryError, EverystepError, ReadOnlyStoreError
+from ..files import open_regular
 from .base import Access
 
 __all__ = ["LocalStore", "StoreWriteError", "check_own_folder", "fsync_dir"]
@@ -228,24 +229,7 @@ class LocalStore:
         """The value's file, open for reading, and its size. Only a regular file is opened, never
         through a symbolic link and never waiting to open (a FIFO put where a value was): anything
         else is a ValueError naming it, as is a file longer than ``limit``."""
-        path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise ValueError(f"{path} is a symbolic link, not a value everystep wrote: not followed") from None
-            raise
-        f = open(fd, "rb", buffering=0)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"{path} is not a regular file, not a value everystep wrote: not read")
-            if limit is not None and st.st_size > limit:
-                raise ValueError(f"{path} holds {st.st_size} bytes, more than the {limit} expected")
-        except BaseException:
-            f.close()
-            raise
-        return f, st.st_size
+        return open_regular(self._path(key), limit=limit)
 
     def get(self, key: str, *, limit: int | None = None) -> bytearray:
         """The value's bytes, from :meth:`open_value`'s file."""

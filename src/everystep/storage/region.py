@@ -151,10 +151,11 @@ class Region(SlotObjects):
             raise UntrustedRegionError(f"the region's folder {path.parent} cannot be trusted: {folder}; "
                                        "give region= a folder of your own (or /dev/shm)")
         try:
+            # (never waiting to open: a FIFO put where the region was is refused below, not waited on)
             if access == "read":
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             else:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise UntrustedRegionError(f"the region {path} cannot be trusted: it is a symbolic link") from None

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointDirectoryError
+from ..files import read_regular
 from .region import Region, UnreadableRegionError, UntrustedRegionError
 
 if TYPE_CHECKING:
@@ -40,6 +41,19 @@ def memory_path(directory: Path, region: str | None, rank: int, world: int) -> P
     return MEMORY_ROOT / f"everystep-{os.geteuid()}" / name / f"rank-{rank}.bin"
 
 
+CLAIM_LIMIT = 64
+"""The most bytes a region's claim (``region-r<rank>.owner``, a 32-character token) is read of."""
+
+
+def _claimed(claim: Path) -> str | None:
+    """The token of the directory's claim of its region (None: no claim); a :class:`ValueError` for
+    a file that is not a regular file of a claim's size (:func:`~everystep.files.read_regular`)."""
+    try:
+        return read_regular(claim, limit=CLAIM_LIMIT).decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        return None
+
+
 def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: bool | None = None,
                 rank: int | None = None, read: bool = False) -> Region | None:
     """This rank's region of ``directory``: made if absent (a writer), or ``None`` for a reader
@@ -55,7 +69,13 @@ def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: 
     world = ranks.world if not read else int(directory.marker.get("world_size", ranks.world))
     path = region_path(directory.root, region, rank, world)
     claim = directory.root / f"region-r{rank}.owner"
-    token = claim.read_text().strip() if claim.exists() else None
+    try:
+        token = _claimed(claim)
+    except ValueError as e:  # (a FIFO, a link, a device: never opened, never waited on)
+        if read:
+            warnings.warn(f"the region of {directory.root} is not read: its claim {e}", stacklevel=3)
+            return None
+        raise CheckpointDirectoryError(f"the region's claim {e}; delete it to go on (nothing was changed)") from None
     if read:
         if not os.path.lexists(path):
             return None

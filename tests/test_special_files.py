@@ -1,0 +1,83 @@
+"""A file of the checkpoint directory swapped for something that is not a file everystep wrote — a
+FIFO (which an open would wait on for ever), a link to ``/dev/zero`` (which a read would follow for
+gigabytes), bytes that are no region: ``verify``, ``inspect`` and ``train`` answer at once, name the
+file, and a reader still reads the rest of the directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from .conftest import call_cli
+
+pytestmark = pytest.mark.timeout(120)  # (a hang fails here, not at the suite's end)
+
+REGION = "region/rank-0.bin"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A lightcheck directory of the mlp at step 4: a full checkpoint, its region and the region's claim."""
+    from everystep.eval.train import TrainConfig, run
+
+    directory = tmp_path_factory.mktemp("special") / "c"
+    run(TrainConfig(workload="mlp", strategy="lightcheck", steps=4, directory=str(directory), progress=False))
+    return directory
+
+
+def _swapped(trained, tmp_path, name: str, kind: str):
+    directory = tmp_path / "c"
+    shutil.copytree(trained, directory)
+    path = directory / name
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "zero":
+        os.symlink("/dev/zero", path)
+    else:
+        path.write_bytes(os.urandom(300_000))
+        path.chmod(0o600)
+    return directory, path
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+@pytest.mark.parametrize("name", ["everystep.json", "everystep.lock"])
+def test_a_marker_or_lock_that_is_no_file_is_one_line_naming_it(trained, tmp_path, capsys, name, kind):
+    directory, path = _swapped(trained, tmp_path, name, kind)
+    for args in (("verify", str(directory)), ("inspect", str(directory)),
+                 ("train", "--workload", "mlp", "--strategy", "lightcheck", "--steps", "6", "--dir", str(directory))):
+        code, out, err = call_cli(capsys, *args)
+        if name == "everystep.lock" and args[0] != "train":  # (a reader takes no lock: it reads on)
+            assert code == 0, err
+            continue
+        assert code == 2 and str(path) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert (os.path.islink(path) if kind == "zero" else not path.is_file())  # (left as it was)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+def test_a_region_claim_that_is_no_file_is_skipped_by_a_reader_and_refused_to_a_writer(trained, tmp_path, capsys, kind):
+    directory, path = _swapped(trained, tmp_path, "region-r0.owner", kind)
+    with pytest.warns(UserWarning, match=f"is not read: its claim {path}"):
+        code, out, err = call_cli(capsys, "verify", str(directory))
+    assert code == 0 and "1 checkpoint(s), all verify" in out
+    code, out, err = call_cli(capsys, "train", "--workload", "mlp", "--strategy", "lightcheck", "--steps", "6", "--dir",
+                              str(directory))
+    assert code == 2 and f"the region's claim {path}" in err and "delete it" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero", "garbage"])
+def test_a_region_that_is_no_region_is_one_problem_and_the_rest_is_verified(trained, tmp_path, capsys, kind):
+    """B1 and B13: verify names the region and verifies the full checkpoint beside it (exit 1), inspect
+    lists it as invalid with the rest; a writer refuses it, naming it."""
+    directory, path = _swapped(trained, tmp_path, REGION, kind)
+    code, out, err = call_cli(capsys, "verify", str(directory))
+    assert code == 1 and out.startswith(f"{path}: ") and "1 problem(s)" in out, (out, err)
+    code, out, err = call_cli(capsys, "inspect", str(directory))
+    assert code == 0 and "INVALID" in out and "full step        4" in out and "valid" in out.split("full step")[1]
+    code, out, err = call_cli(capsys, "train", "--workload", "mlp", "--strategy", "lightcheck", "--steps", "6", "--dir",
+                              str(directory))
+    assert code in (0, 2) and "Traceback" not in err
+    if kind != "garbage":  # (bytes that are no region are made anew from the full checkpoint, with a warning)
+        assert code == 2 and str(path) in err
