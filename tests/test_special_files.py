@@ -1,10 +1,12 @@
 """A file of the checkpoint directory swapped for something that is not a file everystep wrote — a
 FIFO (which an open would wait on for ever), a link to ``/dev/zero`` (which a read would follow for
 gigabytes), bytes that are no region: ``verify``, ``inspect`` and ``train`` answer at once, name the
-file, and a reader still reads the rest of the directory."""
+file, and a reader still reads the rest of the directory. And a reader opens, or contacts, nothing
+the directory's marker names outside it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -81,3 +83,54 @@ def test_a_region_that_is_no_region_is_one_problem_and_the_rest_is_verified(trai
     assert code in (0, 2) and "Traceback" not in err
     if kind != "garbage":  # (bytes that are no region are made anew from the full checkpoint, with a warning)
         assert code == 2 and str(path) in err
+
+
+# -- B2: a reader opens and contacts nothing the marker names ------------------------------------
+
+
+def _remark(directory, **options) -> None:
+    """The marker's run record given ``options``, re-signed as anyone who can write the directory can."""
+    from everystep.storage.directory import MARKER, marker_bytes
+
+    marker = json.loads((directory / MARKER).read_text())
+    marker["run"]["options"] = {**marker["run"]["options"], **options}
+    (directory / MARKER).write_bytes(marker_bytes(marker))
+
+
+def test_a_region_the_marker_names_elsewhere_is_opened_only_when_the_user_names_it(tmp_path, capsys):
+    """The marker re-signed to name a FIFO outside the directory as the run's region: verify, inspect
+    and recover neither open nor wait on it, and say how to read a region that lies there; given
+    ``--region``, the user's word, they read the one there."""
+    from everystep.eval.train import TrainConfig, run
+
+    elsewhere = tmp_path / "elsewhere"
+    option = f"{elsewhere}/r-{{rank}}.bin"
+    directory = tmp_path / "c"
+    run(TrainConfig(workload="mlp", strategy="lightcheck", steps=4, directory=str(directory), progress=False,
+                    options={"region": option}))
+    trap = tmp_path / "trap"
+    trap.mkdir()
+    os.mkfifo(trap / "r-0.bin")
+    _remark(directory, region=f"{trap}/r-{{rank}}.bin")
+    for args in (("verify", str(directory)), ("inspect", str(directory)), ("recover", "--dir", str(directory))):
+        with pytest.warns(UserWarning, match="outside the directory .* not opened by a reader; give --region"):
+            code, out, err = call_cli(capsys, *args)
+        assert code == 0 and "region" not in out.replace(str(directory), ""), (args, out, err)
+    code, out, _ = call_cli(capsys, "recover", "--dir", str(directory), "--region", option)
+    assert code == 0 and out.startswith("step 4,") and out.rstrip().endswith("from region")
+    code, out, _ = call_cli(capsys, "inspect", str(directory), "--region", option)
+    assert code == 0 and out.count("region step") == 2
+
+
+def test_a_remote_the_marker_names_is_never_contacted_by_recover(tmp_path, capsys, monkeypatch):
+    """A run record re-signed to hold ``remote`` (and other arguments of a Checkpointer's) among its
+    options: recover recovers from the directory, names what it left out, and asks no server."""
+    from everystep.eval.train import TrainConfig, run
+
+    directory = tmp_path / "c"
+    run(TrainConfig(workload="mlp", strategy="checkfreq", steps=4, directory=str(directory), progress=False))
+    _remark(directory, remote="s3://someone-elses-bucket/job", remote_every=1, every=3)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # (a request would fail: nothing listens there)
+    with pytest.warns(UserWarning, match="options every, remote, remote_every are not checkfreq's own"):
+        code, out, err = call_cli(capsys, "recover", "--dir", str(directory))
+    assert code == 0 and out.startswith("step 4,") and out.rstrip().endswith("from disk"), err

@@ -68,7 +68,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_recover(args: argparse.Namespace) -> int:
     from .eval.train import recover_run
 
-    result = recover_run(args.dir)
+    result = recover_run(args.dir, region=args.region)
     _write_json(args.json, result)
     found = result["state_sha256"] is not None
     print(f"step {result['step']}" + (f", state sha256 {result['state_sha256']}, from {result['source']}" if found
@@ -83,7 +83,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         from .inventory import inspect_store
 
-        rows = inspect_store(store)
+        rows = inspect_store(store, args.region)
     finally:
         store.close()  # (a remote's: the folder its DCP files were fetched into goes)
     print(f"{store.root}: strategy {store.marker.get('strategy')}, world size {store.marker.get('world_size')}")
@@ -104,7 +104,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         from .inventory import inspect_store, verify_store
 
-        rows = inspect_store(store)
+        rows = inspect_store(store, args.region)
         problems = verify_store(store, rows)
     finally:
         store.close()
@@ -341,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dir")
     v.add_argument("--json", metavar="PATH")
     v.set_defaults(func=cmd_verify)
+    for reader in (r, i, v):  # (a reader opens no region a stored file points it to outside the directory)
+        reader.add_argument("--region", metavar="PATH", help="where the run's region lies, as its region= option "
+                            "said ({rank} replaced by each rank); default: the directory's and the memory tier's")
 
     b = sub.add_parser("bench", help="measure every strategy side by side on one workload, interleaved")
     b.add_argument("--workload", choices=[*WORKLOAD_NAMES, "native"], default="gpt2-tiny",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 from .errors import CorruptCheckpointError
@@ -11,15 +12,16 @@ from .storage.directory import CheckpointDirectory
 from .storage.hosts import elsewhere
 from .recovery import read_full
 from .storage.region import UnreadableRegionError, UntrustedRegionError
-from .storage.region_open import memory_path, open_region, region_path
+from .storage.region_open import memory_path, named_region, open_region, region_path
 
 __all__ = ["inspect_store", "verify_store", "region_rows"]
 
 
-def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
+def inspect_store(directory: CheckpointDirectory, region: str | None = None) -> list[dict[str, Any]]:
     """One row per manifest, oldest step first: kind, step, bytes, valid, reason; and ``where``, for a
     checkpoint written to node-local directories (:func:`~everystep.storage.hosts.elsewhere`): of
-    such a checkpoint only the parts this directory holds are read, each object verified."""
+    such a checkpoint only the parts this directory holds are read, each object verified. ``region``:
+    where the regions lie (:func:`region_rows`)."""
     rows = []
     catalog = directory.catalog
     for record in catalog.manifests():
@@ -45,16 +47,28 @@ def inspect_store(directory: CheckpointDirectory) -> list[dict[str, Any]]:
         if reasons:
             row.update(valid=False, reason="; ".join(reasons))
         rows.append(row)
-    rows += region_rows(directory)
+    rows += region_rows(directory, region)
     return sorted(rows, key=lambda r: (r["step"], r["name"]))
 
 
-def region_rows(directory: CheckpointDirectory) -> list[dict[str, Any]]:
-    """lightcheck's regions and the memory tiers of ``directory`` (where its run record says, else
-    the default places): one row per complete or damaged slot, verified (read as a reader reads, as a copy)."""
-    option = ((directory.marker.get("run") or {}).get("options") or {}).get("region")
+def region_rows(directory: CheckpointDirectory, region: str | None = None) -> list[dict[str, Any]]:
+    """lightcheck's regions and the memory tiers of ``directory`` — where ``region`` says (a
+    ``region=`` option), else where its run record says if that lies in the directory or the memory
+    tiers' folder (:func:`~everystep.storage.region_open.named_region`: a reader opens nothing else a
+    stored file names, and warns), else the default places: one row per complete or damaged slot,
+    verified (read as a reader reads, as a copy)."""
+    run = directory.marker.get("run")
+    options = run.get("options") if isinstance(run, dict) else None
+    option = options.get("region") if isinstance(options, dict) else None
     world = int(directory.marker.get("world_size", 1))
     rows = []
+    refused = named_region(option, directory.root) if isinstance(option, (str, type(None))) \
+        else f"its marker names a region that is not a path ({option!r})"
+    if region is not None:  # (the user's word: read where it says)
+        option = region
+    elif refused is not None:
+        warnings.warn(f"{directory.root}: {refused}; give --region to read it", stacklevel=3)
+        option = None
     for rank in range(world):
         places = [option] if option is not None else [None, str(memory_path(directory.root, None, rank, world))]
         for place in places:

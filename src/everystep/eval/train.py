@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -31,7 +32,7 @@ from ..recovery import recover
 from ..storage.directory import MARKER, CheckpointDirectory
 from ..tree import state_hash
 from ..storage.region_map import on_volatile_memory
-from ..storage.region_open import memory_path, region_path
+from ..storage.region_open import memory_path, named_region, region_path
 from ..strategies import STRATEGIES
 from .faults import FailurePlan, Injector
 from .workloads import build, needs_ddp
@@ -50,16 +51,18 @@ def run_record(cfg: TrainConfig) -> dict[str, Any]:
             "device": cfg.device, "in_backward": cfg.in_backward, "parallel": cfg.parallel}
 
 
-def recover_run(directory: str) -> dict[str, Any]:
-    """Recover a directory written by ``everystep train``; returns step, hash and source."""
+def recover_run(directory: str, *, region: str | None = None) -> dict[str, Any]:
+    """Recover a directory written by ``everystep train``; returns step, hash and source. ``region``:
+    where its region lies (its ``region=``; default: what its run record says, if in the directory or
+    the memory tiers' folder)."""
     store = CheckpointDirectory.open(directory, create=False, access="read")
     try:
-        return _recover_read(store, directory)
+        return _recover_read(store, directory, region)
     finally:
         store.close()
 
 
-def _recover_read(store: CheckpointDirectory, directory: str) -> dict[str, Any]:
+def _recover_read(store: CheckpointDirectory, directory: str, region: str | None) -> dict[str, Any]:
     run = store.marker.get("run")
     if run is None:
         if any(r.manifest and r.manifest.kind != "full" for r in store.catalog.manifests()):
@@ -73,7 +76,7 @@ def _recover_read(store: CheckpointDirectory, directory: str) -> dict[str, Any]:
     device = run.get("device", "cpu") if torch.cuda.is_available() else "cpu"  # the state is the same on either
     owns_group = init_process_group(one_process=needs_ddp(run["compress"]), device=device)
     try:
-        return _recover_with(store, run, directory, device)
+        return _recover_with(store, run, directory, device, region)
     finally:
         if owns_group:
             dist.destroy_process_group()
@@ -107,17 +110,45 @@ def preflight(cfg: TrainConfig, world: int, *, owner: bool = True) -> None:
         store.close()
 
 
-def _recover_with(store: CheckpointDirectory, run: dict[str, Any], directory: str, device: str) -> dict[str, Any]:
+def _recover_with(store: CheckpointDirectory, run: dict[str, Any], directory: str, device: str,
+                  region: str | None) -> dict[str, Any]:
     w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"], compress=run["compress"], device=device,
               in_backward=run.get("in_backward", False))
     with Checkpointer(store, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
                       strategy=store.marker["strategy"], every=run["every"], keep=run["keep"], final=False,
-                      full_format=run.get("full_format", "safetensors"), **run["options"]) as ckpt:
+                      full_format=run.get("full_format", "safetensors"),
+                      **_reader_options(store, run.get("options") or {}, region)) as ckpt:
         step = ckpt.restore()
         tree = {"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
         found = ckpt.recovered
         return {"step": step, "state_sha256": training_state_hash(tree) if found else None,
                 "source": found.source if found else "none", "recovery_seconds": found.seconds if found else 0.0}
+
+
+def _reader_options(store: CheckpointDirectory, options: Any, region: str | None) -> dict[str, Any]:
+    """Of the options a run record holds (read from storage: anyone who could write the directory
+    wrote them), those ``recover`` passes on: the strategy's own, but for what would make a reader
+    contact or open something else — peers, or a region outside the directory and the memory tiers'
+    folder (:func:`~everystep.storage.region_open.named_region`) unless the user named it
+    (``region``); each left out said once."""
+    from dataclasses import fields
+
+    options = options if isinstance(options, dict) else {}
+    name = store.marker.get("strategy")
+    own = {f.name for f in fields(STRATEGIES[name].Config)} - {"every", "keep", "peers"} if name in STRATEGIES else set()
+    taken = {k: v for k, v in options.items() if k in own}
+    named = taken.get("region")
+    refused = named_region(named, store.root) if isinstance(named, str) or named is None \
+        else f"its marker names a region that is not a path ({named!r})"
+    if region is not None:
+        taken["region"] = region
+    elif refused is not None:
+        del taken["region"]
+        warnings.warn(f"{store.root}: {refused}; give --region to read it", stacklevel=3)
+    if set(options) - set(taken) - {"region"}:  # (remote, peers, a Checkpointer's arguments: not a reader's)
+        warnings.warn(f"{store.root}: its run record's options {', '.join(sorted(set(options) - set(taken)))} are not "
+                      f"{name}'s own: not used by a reader", stacklevel=3)
+    return taken
 
 
 def training_state_hash(tree: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from .region import Region, UnreadableRegionError, UntrustedRegionError
 if TYPE_CHECKING:
     from .directory import CheckpointDirectory
 
-__all__ = ["region_path", "open_region", "memory_path", "MEMORY_ROOT"]
+__all__ = ["region_path", "open_region", "memory_path", "named_region", "MEMORY_ROOT"]
 
 MEMORY_ROOT = Path("/dev/shm")
 """Where a full-state strategy's memory tier lies unless ``region=`` says otherwise."""
@@ -39,6 +39,21 @@ def memory_path(directory: Path, region: str | None, rank: int, world: int) -> P
         return region_path(directory, region, rank, world)
     name = hashlib.sha256(os.path.realpath(directory).encode()).hexdigest()[:16]
     return MEMORY_ROOT / f"everystep-{os.geteuid()}" / name / f"rank-{rank}.bin"
+
+
+def named_region(option: str | None, root: Path) -> str | None:
+    """Of a ``region=`` that a directory's marker names, what a reader may open: the option where the
+    folder it names lies in the directory (``root``) or in the user's folder of memory tiers, else
+    why not (None: the default place, always). A reader opens nothing a file it did not write points
+    it to elsewhere."""
+    if option is None:
+        return None
+    folder = Path(os.path.realpath(Path(option.replace("{rank}", "0")).parent))
+    mine = [Path(os.path.realpath(root)), Path(os.path.realpath(MEMORY_ROOT / f"everystep-{os.geteuid()}"))]
+    if any(folder == place or place in folder.parents for place in mine):
+        return None
+    return (f"its marker names the region {option!r}, outside the directory and the memory tiers' folder "
+            f"{mine[1]}: not opened by a reader")
 
 
 CLAIM_LIMIT = 64
