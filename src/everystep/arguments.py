@@ -13,7 +13,7 @@ __all__ = ["check_arguments"]
 
 
 def check_arguments(*, model: Any, optimizer: Any, final: Any, deadline: Any, k1: Any, k2: Any, stop_signals: Any,
-                     stagger: Any, full_format: Any, **stateful: Any) -> None:
+                     stagger: Any, full_format: Any, close_timeout: Any = None, **stateful: Any) -> None:
     """Raise TypeError naming the first argument of the Checkpointer that has a wrong type."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -24,10 +24,11 @@ def check_arguments(*, model: Any, optimizer: Any, final: Any, deadline: Any, k1
             raise TypeError(f"{name} must have state_dict() and load_state_dict(); got {type(value).__name__}")
     if not isinstance(final, bool):
         raise TypeError(f"final must be True or False, got {final!r}")
-    for name, value in (("deadline", deadline), ("k1", k1), ("k2", k2)):
-        if (value is not None or name != "deadline") and (isinstance(value, bool) or not isinstance(value, (int, float))
+    for name, value in (("deadline", deadline), ("k1", k1), ("k2", k2), ("close_timeout", close_timeout)):
+        if (value is not None or name not in ("deadline", "close_timeout")) and (isinstance(value, bool) or not isinstance(value, (int, float))
                                                             or not math.isfinite(value)):
-            raise TypeError(f"{name} must be a finite number{' or None' if name == 'deadline' else ''}, got {value!r}")
+            raise TypeError(f"{name} must be a finite number{' or None' if name in ('deadline', 'close_timeout') else ''}, "
+                            f"got {value!r}")
     if isinstance(stop_signals, (str, bytes)) or not all(isinstance(s, int) for s in stop_signals):
         raise TypeError(f"stop_signals must be a sequence of signal numbers (signal.SIGTERM, …), got {stop_signals!r}")
     if stagger is not None and (isinstance(stagger, bool) or not isinstance(stagger, int)):

@@ -29,6 +29,7 @@ import torch
 from .arguments import check_arguments
 from .capture import StepHooks
 from .distributed import Ranks, sample_digests
+from .slow_storage import WaitReport, bounded, gave_up
 from .errors import (
     CheckpointDirectoryError,
     ConfigError,
@@ -102,6 +103,9 @@ class Checkpointer:
         remote_every: upload every this many steps; ``None``: Young/Daly's interval for the
             measured upload time and ``remote_mtbf`` (seconds between losses of a machine).
         remote_lease: seconds without renewal after which the remote's writer lock is taken over.
+        close_timeout: the most seconds :meth:`close` waits for storage (the final checkpoint, the
+            writes in flight) before it raises :class:`~everystep.errors.StorageTimeoutError` naming
+            the step that is durable and the one only in memory, and where; ``None``: no bound.
         stagger: at most this many ranks read the checkpoint at once in :meth:`restore` (ranks
             0..k-1 first, then k..2k-1, …), so that many ranks starting together do not all hit
             storage at the same instant; ``None``: all at once.
@@ -139,12 +143,17 @@ class Checkpointer:
         remote_every: int | None = None,
         remote_mtbf: float = 86400.0,
         remote_lease: float = 60.0,
+        close_timeout: float | None = 300.0,
         **options: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
         check_arguments(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data,
                          compression=compression, final=final, deadline=deadline, k1=k1, k2=k2,
-                         stop_signals=stop_signals, stagger=stagger, full_format=full_format)
+                         stop_signals=stop_signals, stagger=stagger, full_format=full_format, close_timeout=close_timeout)
+        if close_timeout is not None and close_timeout <= 0:
+            raise ConfigError(f"close_timeout must be a positive number of seconds or None, got {close_timeout}")
+        self.close_timeout = close_timeout
+        self._waits = WaitReport()
         if full_format not in ("safetensors", "dcp", None):
             raise ConfigError(f"full_format must be 'safetensors', 'dcp' or None, got {full_format!r}")
         given = {k: v for k, v in (("every", every), ("keep", keep)) if v is not None}
@@ -274,7 +283,7 @@ class Checkpointer:
         if self.ranks.distributed:  # every rank from the same step, or none
             hosts.check_restored(self.directory.catalog, found.step if found is not None else 0, held)
         if found is not None:
-            self.step = found.step  # (from memory, the directory holds an older one, or none)
+            self.step = self.stats.step = found.step  # (from memory, the directory holds an older one, or none)
             self.stats.last_durable_step = max(self.directory.newest_full_step(), 0) if found.source == "memory" else found.step
             from_remote = found.step == pulled and found.source == "disk"
             self.recovered = Recovered(
@@ -350,6 +359,13 @@ class Checkpointer:
         self._closed = True
         self._hooks.remove()
         self._watch.restore_signals()
+        try:
+            bounded(self._close_all, self.close_timeout, lambda seconds: gave_up(self.stats, self.strategy, seconds))
+        finally:
+            self._waits.close()
+
+    def _close_all(self) -> None:
+        """The close's work, which waits for storage (:meth:`close` bounds it by ``close_timeout``)."""
         failed = getattr(self, "_failed", False)
         try:
             if self.final and self.step and not failed and not self._reading:
@@ -411,10 +427,13 @@ class Checkpointer:
             if me is None:
                 return
             t0 = time.perf_counter()
+            me._waits.enter(me.step, me.stats)  # (a wait of a second or more is said, while it lasts too)
             try:
                 getattr(me, name)(*args)
             finally:
-                me.stats.stall_seconds += time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                me.stats.stall_seconds += took
+                me._waits.took(took, me.step, me.stats)
 
         return hook
 
@@ -431,6 +450,7 @@ class Checkpointer:
             self._start_unrestored()
         self.step += 1
         self.stats.steps += 1
+        self.stats.step = self.step
         self._watch.step_ended()
         self._ctx.boundary = self.components.capture_boundary()
         self._state_ready_pending = True

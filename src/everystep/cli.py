@@ -38,7 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, fail_at=args.fail_at, fail_mode=args.fail_mode, compress=args.compress,
         options={**({"batch": args.batch} if args.batch is not None else {}), **dict(args.option)},
         device=args.device, max_nproc=args.max_nproc, in_backward=args.in_backward,
-        remote=args.remote, remote_every=args.remote_every,
+        remote=args.remote, remote_every=args.remote_every, close_timeout=args.close_timeout,
     )
     summary = run(cfg)
     if os.environ.get("RANK", "0") != "0":
@@ -319,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the AWS chain: AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...)")
     t.add_argument("--remote-every", type=whole(1), metavar="N", help="upload every N steps (default: Young/Daly's "
                    "interval for the measured upload time and a one-day MTBF)")
+    t.add_argument("--close-timeout", type=POSITIVE, default=300.0, metavar="SECONDS", help="the most the end of "
+                   "the run waits for storage before it exits with an error naming what is durable (default 300)")
     t.add_argument("--stagger", type=whole(1), metavar="K", help="at most K ranks read a checkpoint at once when they "
                    "restore (default: all)")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

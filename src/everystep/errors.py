@@ -12,6 +12,7 @@ __all__ = [
     "NoValidCheckpointError",
     "BackgroundWriteError",
     "PeerFailedError",
+    "StorageTimeoutError",
     "UnclosedCheckpointerWarning",
     "ConfigError",
     "one_line_warnings",
@@ -67,6 +68,11 @@ class NoValidCheckpointError(EverystepError):
 
 class BackgroundWriteError(EverystepError):
     """Checkpoint work running in the background failed; raised in the training thread."""
+
+
+class StorageTimeoutError(EverystepError):
+    """``close()`` waited ``close_timeout`` seconds for storage and gave up: the message says which
+    step is durable and which is only in memory, and where."""
 
 
 class PeerFailedError(BackgroundWriteError):

@@ -43,6 +43,8 @@ class TrainConfig:
     ZeroRedundancyOptimizer); under FSDP2 and HSDP full checkpoints are in DCP's format."""
     deadline: float | None = None
     """Unix time by which the run must have ended: it stops early with a final checkpoint."""
+    close_timeout: float | None = 300.0
+    """The most seconds the Checkpointer's close waits for storage (``close_timeout``)."""
     full_format: str | None = None
     """How full checkpoints are stored: ``safetensors`` or ``dcp`` (torch.distributed.checkpoint); None:
     ``dcp`` when sharded, else ``safetensors``."""

@@ -215,7 +215,7 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
     with Checkpointer(
         store, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
         strategy=strategy, every=cfg.every, keep=cfg.keep, deadline=cfg.deadline, full_format=cfg.full_format,
-        stagger=cfg.stagger, remote=cfg.remote, remote_every=cfg.remote_every,
+        stagger=cfg.stagger, remote=cfg.remote, remote_every=cfg.remote_every, close_timeout=cfg.close_timeout,
         stop_signals=(signal.SIGTERM, signal.SIGUSR1), **cfg.options,
     ) as ckpt:
         t0 = time.perf_counter()

@@ -46,6 +46,13 @@ class CheckpointStats:
     """The longest time one full checkpoint took to become durable (write and commit)."""
     last_remote_step: int = -1
     """The newest step committed in the remote tier (``remote=``); -1: none."""
+    step: int = 0
+    """The newest step trained."""
+
+    @property
+    def steps_not_durable(self) -> int:
+        """The steps trained since the newest one on storage: what a lost host would lose now."""
+        return max(0, self.step - self.last_durable_step)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +63,7 @@ class CheckpointStats:
             "stall_per_checkpoint_seconds": self.stall_seconds / self.checkpoints if self.checkpoints else 0.0,
             "last_durable_step": self.last_durable_step,
             "last_remote_step": self.last_remote_step,
+            "steps_not_durable": self.steps_not_durable,
         }
 
 
