@@ -154,3 +154,30 @@ def test_train_on_storage_held_for_good_finishes_its_steps_and_exits_non_zero_wi
     region = Path(re.search(r"in (/dev/shm/\S+\.bin):", line).group(1))
     assert region.is_file()  # (the run's newest step, kept for a restart; removed here)
     shutil.rmtree(region.parent)
+
+
+def test_a_hashing_process_stopped_by_sigstop_is_an_error_naming_it_not_a_hang(tmp_path):
+    """The region's hashing process stopped (SIGSTOP) while a commit asks it: the commit fails with
+    an error naming it within seconds, and the next question starts a new one."""
+    import os
+    import signal
+
+    import torch
+
+    from everystep.errors import EverystepError
+    from everystep.storage.region import Region
+    from everystep.storage.region_map import RegionLayout
+
+    tensors = {"t": torch.arange(4096, dtype=torch.float32)}
+    region = Region.open(tmp_path / "r.bin")
+    try:
+        writer = region.begin(RegionLayout.of(tensors), 100)
+        writer.views["t"].copy_(tensors["t"])
+        first = region.checksums(writer)
+        stopped = region._hasher._process.pid
+        os.kill(stopped, signal.SIGSTOP)
+        with pytest.raises(EverystepError, match="the hashing process was stopped \\(SIGSTOP\\?\\) while asked"):
+            region.checksums(writer)
+        assert region.checksums(writer) == first and region._hasher._process.pid != stopped
+    finally:
+        region.close()

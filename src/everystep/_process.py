@@ -72,6 +72,10 @@ class HelperClient:
                 while not self._conn.poll(1.0):  # (a watch on the child, not a synchronisation)
                     if self._process.poll() is not None:
                         break  # the read that follows reports how it exited
+                    if _stopped(self._process.pid):  # (SIGSTOP: it would never answer, and nothing would say so)
+                        self._stop(wait=0)
+                        raise self._failure(f"{self._name} was stopped (SIGSTOP?) while asked: ended, and started "
+                                            "again at the next question")
                 answer: dict[str, Any] = json.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
                 status = self._process.poll()
@@ -164,3 +168,14 @@ def run_helper(argv: list[str], serve: Callable[..., None], role: str) -> int:
     finally:
         tracing.stop()
     return 0
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (by SIGSTOP, or traced), as the kernel says."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
+
