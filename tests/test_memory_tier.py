@@ -419,3 +419,33 @@ def test_a_region_read_hands_on_as_views_only_the_optimizer_state_that_its_load_
     own = OwnLoad(params)
     assert not replaces_state(own)
     assert not LiveShards({}, params, {}, onto_devices=replaces_state(own)).moved_by_load("/optimizer/state/2/exp_avg")
+
+
+def test_every_slot_damaged_and_no_full_checkpoint_is_an_error_and_the_region_is_kept(tmp_path, shm):
+    """A crashed run's memory tier, both slots damaged, and a directory with no full checkpoint:
+    the restart refuses (as lightcheck does), naming the region, and leaves it where it is — it
+    neither trains from step 0 nor deletes what may be the only copy of the run."""
+    from everystep import NoValidCheckpointError
+    from everystep.storage.region import Region
+
+    options = {"memory": True, "region": f"{shm}/rank-{{rank}}.bin", "persist_every": 1000}
+    w = make("mlp", 0)
+    with pytest.raises(KeyboardInterrupt):
+        with attach(w, tmp_path / "c", "checkfreq", every=1, **options) as ckpt:  # (a crash: no final write)
+            ckpt.restore()
+            loop(w, ckpt, 0, 4)
+            ckpt.wait()
+            raise KeyboardInterrupt
+    path = shm / "rank-0.bin"
+    region = Region.open(path, access="read")
+    spans = [(s.area_offset, s.meta_nbytes) for s in region.slots(warn=False)]
+    region.close()
+    raw = bytearray(path.read_bytes())
+    for offset, n in spans:
+        raw[offset:offset + n] = b"\0" * n
+    path.write_bytes(raw)
+    again = make("mlp", 0)
+    with pytest.raises(NoValidCheckpointError, match=f"its memory tier holds none .* to start over, delete {path}"):
+        with attach(again, tmp_path / "c", "checkfreq", every=1, **options) as ckpt:
+            ckpt.restore()
+    assert path.is_file() and path.read_bytes() == bytes(raw)

@@ -49,7 +49,7 @@ import torch
 
 from .._faults import crash_point
 from ..background import BackgroundErrors, Worker
-from ..errors import ConfigError, CorruptCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..policy.interval import busy_interval, median_gap, persist_due
 from ..recovery import Candidate
@@ -231,8 +231,10 @@ class MemoryTier:
         if chosen is not None and chosen.step >= self.ctx.directory.newest_full_step():
             return chosen
         disk = own()
-        if disk is None and chosen is None and self.damaged is not None:
-            warnings.warn(f"the memory tier holds nothing to recover: {self.damaged}", stacklevel=3)
+        if disk is None and chosen is None and self.damaged is not None:  # (as a directory whose every checkpoint fails)
+            raise NoValidCheckpointError(f"no valid checkpoint for {self.ctx.directory.root}: its memory tier holds "
+                                         f"none ({self.damaged}), and the directory holds no full checkpoint; nothing "
+                                         f"was changed: to start over, delete {self.path}")
         return chosen if disk is None or (chosen is not None and chosen.step > disk.step) else disk
 
     def on_start(self, step: int) -> None:
