@@ -64,6 +64,24 @@ remote tier and the peers: each must fail when recovery recovers nothing."""
 
 MUTATIONS = (
     Mutation(
+        name="lightning-position-behind",
+        what="the Lightning integration records its data position one batch behind: a mid-epoch resume retrains a batch",
+        path="src/everystep/integrations/lightning.py",
+        before='"samples": in_epoch * batch_size,',
+        after='"samples": (in_epoch - 1) * batch_size,',
+        tests=cases("tests/test_integrations.py::test_killed_and_resumed_equals_the_trainer_alone",
+                    "lightning-lowdiff_plus-8-resumes0"),
+    ),
+    Mutation(
+        name="transformers-position-behind",
+        what="the Hugging Face trainer resumes one batch behind its step: a mid-epoch resume retrains a batch",
+        path="src/everystep/integrations/transformers.py",
+        before="step % self._per_epoch * self.args.gradient_accumulation_steps)",
+        after="step % self._per_epoch * self.args.gradient_accumulation_steps - 1)",
+        tests=cases("tests/test_integrations.py::test_killed_and_resumed_equals_the_trainer_alone",
+                    "transformers-checkfreq-8-resumes1"),
+    ),
+    Mutation(
         name="restore-nothing",
         what="recovery returns nothing: Checkpointer.restore() never asks the strategy",
         path="src/everystep/checkpointer.py",
