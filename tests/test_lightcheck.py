@@ -296,6 +296,34 @@ def test_a_fresh_optimizer_keeps_the_state_lent_out_of_the_slot_and_trains_on_bi
         state_hash({"model": uninterrupted.model.state_dict(), "optimizer": uninterrupted.optimizer.state_dict()})
 
 
+@pytest.mark.skipif(not lending_supported(), reason="this kernel cannot make a private mapping's pages the process's own")
+@pytest.mark.parametrize("change", ["made anew", "cut short"])
+def test_state_lent_out_of_a_region_is_the_processs_own_once_its_checkpointer_closes(tmp_path, change):
+    """A process restored from a region (its optimizer's state lent out of the slot) closes its
+    Checkpointer and trains on; the region file is then made anew by another writer (cut to nothing,
+    grown, filled) or cut short: the optimizer's state keeps its bytes, and training on goes on, where
+    the file's new bytes had shown in it (Linux drops a private mapping's pages past a file's new end,
+    copied or not) or a bus error had ended it."""
+    w = build("mlp", seed=3)
+    with Checkpointer(tmp_path / "c", w.model, w.optimizer, data=w.data, strategy="lightcheck", persist_every=0) as ckpt:
+        ckpt.restore()
+        _steps(w, 4)
+    w2 = build("mlp", seed=3)
+    with Checkpointer(tmp_path / "c", w2.model, w2.optimizer, data=w2.data, strategy="lightcheck", final=False) as again:
+        assert again.restore() == 4 and again.recovered.source == "region" and again.strategy.region.lending.bytes
+    state = [t for entry in w2.optimizer.state.values() for t in entry.values() if t.dim()]
+    kept = [t.clone() for t in state]
+    path = tmp_path / "c" / "region" / "rank-0.bin"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        os.ftruncate(f.fileno(), 0)
+        if change == "made anew":
+            os.ftruncate(f.fileno(), size)
+            f.write(os.urandom(size))
+    assert all(torch.equal(t, k) for t, k in zip(state, kept))
+    _steps(w2, 2)  # (its pages are written: no bus error)
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return run(TrainConfig(workload="mlp", strategy="none", steps=STEPS, seed=3, progress=False))

@@ -458,7 +458,7 @@ class Region(SlotObjects):
 
     def close(self) -> None:
         try:
-            self.lending.settle()
+            self.lending.detach()  # (what was lent no longer lies in this file: its later changes do not show)
         except EverystepError as e:
             warnings.warn(str(e), stacklevel=2)
         if self._hasher is not None:

@@ -22,11 +22,14 @@ for reading during each call).
 Where the kernel cannot (before Linux 5.14: ``EINVAL``), nothing is lent and the restore copies as
 before.
 
-The lent tensors keep the file mapped while they live, as those of ``torch.load(mmap=True)`` do
-theirs: a region deleted by a clean close frees its memory once they are dropped, and a file cut
-short meanwhile (``truncate``) would take their pages with it (Linux drops a private mapping's pages
-past the new end of its file, copied or not). A region's writer truncates only a file whose header
-does not parse (made anew).
+While the region is open its writer holds the file (its lock), and truncates only a file whose
+header does not parse (made anew). When the region closes (the Checkpointer's close, when training
+does not step), the lent pages are moved out of the file's mapping into memory of the process's own
+(:meth:`Lending.detach`: each range copied into anonymous memory, which ``mremap`` then puts at the
+same addresses): a file cut short afterwards (``truncate``, or another writer making the region
+anew) would otherwise take them with it — Linux drops a private mapping's pages past the new end of
+its file, copied or not — and the live optimizer would train on the new file's bytes, or die of a
+bus error.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import torch
 from ..errors import EverystepError
 from ..layout import LayoutEntry
 
-__all__ = ["Lending", "lending_supported"]
+__all__ = ["Lending", "lending_supported", "detached"]
 
 MADV_POPULATE_WRITE = 23
 """Linux's ``madvise`` advice (from 5.14) that faults pages in writable, breaking copy-on-write."""
@@ -78,6 +81,40 @@ def _populate(address: int, nbytes: int) -> None:
         code = ctypes.get_errno()
         if code not in (errno.EINTR, errno.EAGAIN):
             raise OSError(code, os.strerror(code))
+
+
+_MAP_PRIVATE, _MAP_ANONYMOUS, _MREMAP_MAYMOVE, _MREMAP_FIXED = 0x02, 0x20, 1, 2
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_FAILED = ctypes.c_void_p(-1).value
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    libc.mremap.restype = ctypes.c_void_p
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def detached(address: int, nbytes: int) -> None:
+    """Put memory of the process's own (anonymous) at ``nbytes`` from ``address`` (page-aligned, in a
+    private mapping of a file), holding what is there: copied into fresh anonymous pages, which
+    ``mremap`` moves onto those addresses in one call. Nothing may write there meanwhile. OSError
+    where the kernel refuses (the range is then as it was)."""
+    libc = _libc()
+    fresh = libc.mmap(None, nbytes, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+    if fresh in (None, _FAILED):
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    ctypes.memmove(fresh, address, nbytes)
+    moved = libc.mremap(fresh, nbytes, nbytes, _MREMAP_MAYMOVE | _MREMAP_FIXED, address)
+    if moved != address:
+        code = ctypes.get_errno()
+        libc.munmap(fresh, nbytes)
+        raise OSError(code, os.strerror(code))
 
 
 @functools.cache
@@ -114,6 +151,8 @@ class Lending:
         self.where = where
         self._lock = threading.Lock()
         self._lent: list[_Lent] = []
+        self._moved: list[_Lent] = []
+        """Those made the process's own, still in the file's mapping until :meth:`detach`."""
         self._thread: threading.Thread | None = None
         self._error: OSError | None = None
         self.bytes = 0
@@ -181,6 +220,30 @@ class Lending:
             raise EverystepError(f"the state recovered from {self.where} could not be made this process's own "
                                  f"(madvise: {self._error.strerror}); the region writes no slot while it lies there")
 
+    def detach(self) -> None:
+        """Move every lent page still in use out of the file's mapping into memory of the process's
+        own (:func:`detached`), once made its own (:meth:`settle`): called as the region closes,
+        when nothing writes the lent tensors. A range the kernel refuses to move stays in the
+        file's private mapping, said in the error raised after the others are moved."""
+        self.settle()
+        with self._lock:
+            lent, self._moved = self._moved, []
+        failed: OSError | None = None
+        for item in lent:
+            mapping = item.mapping()
+            if mapping is None:
+                continue  # (its tensors are gone)
+            for address, nbytes in item.ranges:
+                try:
+                    detached(address, nbytes)
+                except OSError as e:
+                    failed = failed or e
+            del mapping
+        if failed is not None:
+            raise EverystepError(f"the state recovered from {self.where} could not be moved out of its file "
+                                 f"(mremap: {failed.strerror}): a change to that file while this process trains "
+                                 "would show in its optimizer's state")
+
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -203,4 +266,5 @@ class Lending:
             with self._lock:
                 if lent in self._lent:  # (not when a settle beside this thread took it first)
                     self._lent.remove(lent)
+                    self._moved.append(lent)
             lent.then_drop = None
