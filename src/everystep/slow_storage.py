@@ -106,20 +106,22 @@ def bounded(work: Callable[[], None], seconds: float | None, why: Callable[[floa
     """Run ``work()`` (the close's waits for storage) on a thread of its own, and wait for it at most
     ``seconds`` (None: for as long as it takes): its failure is raised here; past the bound,
     :class:`StorageTimeoutError` with ``why(seconds)``, the work left to finish, or not, on its own
-    (a daemon thread: it does not keep the process alive). On CUDA the thread issues its work on the
-    calling thread's current stream."""
-    stream = _current_stream()
+    (a daemon thread: it does not keep the process alive). The thread works as the calling one would:
+    with its grad mode, and on CUDA on its current device and stream (each thread has its own)."""
+    import torch
+
+    stream, grad = _current_stream(), torch.is_grad_enabled()
     failed: list[BaseException] = []
 
     def run() -> None:
         try:
-            if stream is None:
-                work()
-            else:
-                import torch
-
-                with torch.cuda.stream(stream):
+            with torch.set_grad_enabled(grad):
+                if stream is None:
                     work()
+                else:
+                    torch.cuda.set_device(stream.device)
+                    with torch.cuda.stream(stream):
+                        work()
         except BaseException as e:
             failed.append(e)
 
