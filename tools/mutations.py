@@ -49,6 +49,7 @@ def cases(test: str, *ids: str) -> tuple[str, ...]:
 
 KILLS = (
     "tests/test_strategies.py::test_killed_runs_recover_the_uninterrupted_runs_state",
+    "tests/test_publish_points.py::test_a_kill_at_any_publish_point_leaves_the_newest_good_checkpoint",
     "tests/test_distributed.py::test_a_killed_rank_and_the_restarted_job_recover_bitwise",
     "tests/test_distributed.py::test_naive_diff_on_two_ranks_restarts_every_rank_from_the_same_lossy_state",
     "tests/test_distributed.py::test_four_ranks_restart_bitwise_when_ddp_keeps_its_first_buckets",

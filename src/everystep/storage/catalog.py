@@ -285,6 +285,7 @@ class Catalog:
         except (OSError, ValueError, KeyError, TypeError):
             names = set()
         self.store.delete(key)
+        crash_point("store.retention.uncommitted")  # (its objects still there: garbage a restart collects)
         still_used = {o.name for r in self.manifests() if r.manifest for o in r.manifest.objects.values()}
         for name in sorted(names - still_used):  # (not durably: one a crash brings back is garbage collected)
             self.store.delete(OBJECTS + name, durable=False)
