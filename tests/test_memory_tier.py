@@ -449,3 +449,22 @@ def test_every_slot_damaged_and_no_full_checkpoint_is_an_error_and_the_region_is
         with attach(again, tmp_path / "c", "checkfreq", every=1, **options) as ckpt:
             ckpt.restore()
     assert path.is_file() and path.read_bytes() == bytes(raw)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a folder of another user's (chown)")
+def test_a_memory_tier_folder_another_user_made_is_refused_with_advice_this_user_can_follow(tmp_path, monkeypatch):
+    """The folder's name is known in advance (``everystep-UID``), so another user can make it first:
+    refused, and the message says what this user can do (a folder of their own with region=), not to
+    delete a folder they cannot delete."""
+    from everystep.storage import region_open
+    from everystep.storage.region import UntrustedRegionError
+
+    monkeypatch.setattr(region_open, "MEMORY_ROOT", tmp_path)
+    theirs = tmp_path / f"everystep-{os.geteuid()}"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 12345, 12345)
+    w = make("mlp", 0)
+    with pytest.raises(UntrustedRegionError, match=r"owned by uid 12345.*give region= a path in a folder of your own "
+                                                   r".*region='.*/<a name of yours>/rank-\{rank\}\.bin'"):
+        attach(w, tmp_path / "c", "checkfreq", every=1, memory=True)
+    assert list(theirs.iterdir()) == []

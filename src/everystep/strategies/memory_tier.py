@@ -116,9 +116,12 @@ def _own_folder(folder: Path) -> None:
     except FileExistsError:
         pass
     problem = untrusted_folder(folder)
-    if problem is not None:
-        raise UntrustedRegionError(f"the memory tier's folder {folder} cannot be trusted: {problem}; delete it, or give "
-                                   "region= a folder of your own")
+    if problem is not None:  # (another user's, in a sticky folder: this user cannot delete it)
+        raise UntrustedRegionError(
+            f"the memory tier's folder {folder} cannot be trusted: {problem}; give region= a path in a folder of "
+            f"your own on a filesystem in memory, which everystep makes (mode 0700), e.g. "
+            f"region='{region_open.MEMORY_ROOT}/<a name of yours>/rank-{{rank}}.bin', or have the folder's owner, or "
+            "root, delete it")
 
 
 Finish = Callable[[Candidate, dict[str, torch.Tensor], dict[str, Any]], Candidate]
