@@ -468,3 +468,37 @@ def test_a_memory_tier_folder_another_user_made_is_refused_with_advice_this_user
                                                    r".*region='.*/<a name of yours>/rank-\{rank\}\.bin'"):
         attach(w, tmp_path / "c", "checkfreq", every=1, memory=True)
     assert list(theirs.iterdir()) == []
+
+
+def test_a_directory_moved_after_a_crash_finds_its_memory_tier_and_a_copy_does_not_take_it(tmp_path):
+    """B8: the memory tier's default place is drawn from the directory's path; the directory records
+    where it lies, for that very folder. Moved (renamed) after a crash, it resumes from its tier, and
+    its clean close removes it (it was ignored and left in /dev/shm for good); a copy of the directory
+    is told its original's tier is not its own, and takes none."""
+    import shutil
+
+    from everystep.storage.region_open import memory_path
+
+    w = make("mlp", 0)
+    with pytest.raises(KeyboardInterrupt):
+        with attach(w, tmp_path / "c", "checkfreq", every=1, memory=True, persist_every=1000) as ckpt:
+            ckpt.restore()
+            loop(w, ckpt, 0, 4)
+            ckpt.wait()
+            raise KeyboardInterrupt  # (a crash: the tier holds the newest steps, the directory none of them)
+    tier = memory_path(tmp_path / "c", None, 0, 1)
+    assert tier.is_file()
+    try:
+        shutil.copytree(tmp_path / "c", tmp_path / "copy")
+        (tmp_path / "c").rename(tmp_path / "moved")
+        again = make("mlp", 0)
+        with attach(again, tmp_path / "moved", "checkfreq", every=1, memory=True) as ckpt:
+            assert ckpt.restore() >= 3 and ckpt.recovered.source == "memory" and ckpt.strategy.tier.path == tier
+        assert not tier.exists()  # (its clean close wrote the directory and removed the tier)
+        copy = make("mlp", 0)
+        with pytest.warns(UserWarning, match="made for a folder elsewhere \\(a copy of it\\?\\): not used"):
+            with attach(copy, tmp_path / "copy", "checkfreq", every=1, memory=True, final=False) as ckpt:
+                assert ckpt.strategy.tier.path != tier and ckpt.restore() == 0
+    finally:
+        shutil.rmtree(tier.parent, ignore_errors=True)
+        shutil.rmtree(memory_path(tmp_path / "copy", None, 0, 1).parent, ignore_errors=True)

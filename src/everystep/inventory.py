@@ -12,7 +12,7 @@ from .storage.directory import CheckpointDirectory
 from .storage.hosts import elsewhere
 from .recovery import read_full
 from .storage.region import UnreadableRegionError, UntrustedRegionError
-from .storage.region_open import memory_path, named_region, open_region, region_path
+from .storage.region_open import memory_place, named_region, open_region, region_path
 
 __all__ = ["inspect_store", "verify_store", "region_rows"]
 
@@ -70,7 +70,7 @@ def region_rows(directory: CheckpointDirectory, region: str | None = None) -> li
         warnings.warn(f"{directory.root}: {refused}; give --region to read it", stacklevel=3)
         option = None
     for rank in range(world):
-        places = [option] if option is not None else [None, str(memory_path(directory.root, None, rank, world))]
+        places = [option] if option is not None else [None, str(memory_place(directory.root, rank, world)[0])]
         for place in places:
             rows += _slot_rows(directory, place, rank)
     return rows

@@ -32,7 +32,7 @@ from ..recovery import recover
 from ..storage.directory import MARKER, CheckpointDirectory
 from ..tree import state_hash
 from ..storage.region_map import on_volatile_memory
-from ..storage.region_open import memory_path, named_region, region_path
+from ..storage.region_open import memory_path, memory_place, named_region, region_path
 from ..strategies import STRATEGIES
 from .faults import FailurePlan, Injector
 from .workloads import build, needs_ddp
@@ -440,7 +440,9 @@ def _lose_host_memory(cfg: TrainConfig) -> None:
     for rank in range(cfg.nproc):
         paths = [region_path(Path(cfg.directory), cfg.options.get("region"), rank, cfg.nproc)]
         if cfg.options.get("memory"):  # a full-state strategy's memory tier
-            paths.append(memory_path(Path(cfg.directory), cfg.options.get("region"), rank, cfg.nproc))
+            region = cfg.options.get("region")
+            paths.append(memory_path(Path(cfg.directory), region, rank, cfg.nproc) if region is not None
+                         else memory_place(Path(cfg.directory), rank, cfg.nproc)[0])
         for path in paths:
             if path.exists() and on_volatile_memory(path):
                 path.unlink()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import uuid
 import warnings
@@ -16,7 +17,8 @@ from .region import Region, UnreadableRegionError, UntrustedRegionError
 if TYPE_CHECKING:
     from .directory import CheckpointDirectory
 
-__all__ = ["region_path", "open_region", "memory_path", "named_region", "MEMORY_ROOT"]
+__all__ = ["region_path", "open_region", "memory_path", "memory_place", "memory_record", "record_memory", "named_region",
+           "MEMORY_ROOT"]
 
 MEMORY_ROOT = Path("/dev/shm")
 """Where a full-state strategy's memory tier lies unless ``region=`` says otherwise."""
@@ -39,6 +41,45 @@ def memory_path(directory: Path, region: str | None, rank: int, world: int) -> P
         return region_path(directory, region, rank, world)
     name = hashlib.sha256(os.path.realpath(directory).encode()).hexdigest()[:16]
     return MEMORY_ROOT / f"everystep-{os.geteuid()}" / name / f"rank-{rank}.bin"
+
+
+def memory_record(root: Path, rank: int) -> Path:
+    """The file in a directory that records where its rank's memory tier lies (:func:`memory_place`)."""
+    return root / f"memory-r{rank}.json"
+
+
+def memory_place(root: Path, rank: int, world: int) -> tuple[Path, str | None]:
+    """Where rank ``rank``'s memory tier lies by default: where the directory's record says
+    (:func:`memory_record`) when it was made for this folder — the same one, by device and inode, so
+    moved or renamed since, which changes the place :func:`memory_path` draws from the path — and it
+    lies in the memory tiers' folder; else :func:`memory_path`'s place. And why a record was passed
+    over (a copy of the directory holds its original's record), or None."""
+    default = memory_path(root, None, rank, world)
+    try:
+        record = json.loads(read_regular(memory_record(root, rank), limit=4096))
+        path, folder = Path(record["path"]), tuple(record["folder"])
+    except FileNotFoundError:
+        return default, None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return default, f"its record of the memory tier cannot be read ({e}): not used"
+    st = os.stat(root)
+    if folder != (st.st_dev, st.st_ino):
+        return default, f"it records the memory tier {path}, made for a folder elsewhere (a copy of it?): not used"
+    if named_region(str(path), root) is not None:
+        return default, f"it records the memory tier {path}, outside the memory tiers' folder: not used"
+    return path, None
+
+
+def record_memory(directory: "CheckpointDirectory", rank: int, path: Path) -> None:
+    """Record (its writer) where ``directory``'s memory tier of ``rank`` lies, for this very folder."""
+    st = os.stat(directory.root)
+    body = json.dumps({"path": str(path), "folder": [st.st_dev, st.st_ino]}).encode()
+    try:
+        if read_regular(memory_record(directory.root, rank), limit=4096) == body:
+            return
+    except (OSError, ValueError):
+        pass
+    directory.put_file(memory_record(directory.root, rank).name, body)
 
 
 def named_region(option: str | None, root: Path) -> str | None:

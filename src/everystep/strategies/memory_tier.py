@@ -58,7 +58,7 @@ from ..storage.region import Region, UnreadableRegionError, UntrustedRegionError
 from ..storage.region_map import RegionLayout, SlotWriter
 from ..files import untrusted_folder
 from ..storage import region_open
-from ..storage.region_open import memory_path, open_region
+from ..storage.region_open import memory_path, memory_place, open_region
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool
 from ..tree import unflatten
@@ -79,7 +79,8 @@ class FullStateConfig(StrategyConfig):
     newest one to the directory every ``persist_every`` steps (:mod:`everystep.strategies.memory_tier`)."""
     region: str | None = None
     """``memory=True``: the region's file (``{rank}`` in it is replaced by the rank). Default:
-    ``/dev/shm/everystep-UID/`` and a name drawn from the checkpoint directory's path."""
+    ``/dev/shm/everystep-UID/`` and a name drawn from the checkpoint directory's path, recorded in the
+    directory (:func:`~everystep.storage.region_open.memory_place`: found again once it is moved)."""
     persist_every: int | None = None
     """``memory=True``: write the newest checkpoint to the directory every this many steps; None:
     as often as keeps the disk busy ``busy`` of the time (measured)."""
@@ -187,7 +188,12 @@ class MemoryTier:
         assert directory is not None
         self.ctx, self.config, self._finish = ctx, config, finish
         config.check_job(ctx.ranks.world, ctx.full_format)
-        self.path = memory_path(directory.root, config.region, ctx.ranks.rank, ctx.ranks.world)
+        if config.region is None:  # (where the directory's record says, if it moved since the tier was made)
+            self.path, passed_over = memory_place(directory.root, ctx.ranks.rank, ctx.ranks.world)
+            if passed_over is not None:
+                warnings.warn(f"{directory.root}: {passed_over}", stacklevel=3)
+        else:
+            self.path = memory_path(directory.root, config.region, ctx.ranks.rank, ctx.ranks.world)
         if config.region is None and directory.access != "read":  # (a reader makes nothing)
             _own_folder(self.path.parent.parent)
         self.damaged: str | None = None
@@ -197,6 +203,8 @@ class MemoryTier:
         except UnreadableRegionError as e:  # a reader's
             warnings.warn(f"skipping {e}", stacklevel=3)
             self.region, self.damaged = None, str(e)
+        if config.region is None and directory.access != "read" and self.region is not None:
+            region_open.record_memory(directory, ctx.ranks.rank, self.path)
         self._idle = threading.Event()
         """Set while no slot is being written: the other slot holds the newest complete checkpoint."""
         self._idle.set()
