@@ -502,3 +502,32 @@ def test_a_directory_moved_after_a_crash_finds_its_memory_tier_and_a_copy_does_n
     finally:
         shutil.rmtree(tier.parent, ignore_errors=True)
         shutil.rmtree(memory_path(tmp_path / "copy", None, 0, 1).parent, ignore_errors=True)
+
+
+def test_recover_reads_the_memory_tier_of_a_directory_written_through_the_python_api(tmp_path, capsys):
+    """B14: a directory the Python API wrote (no run record), its newest steps in its memory tier
+    after a crash: ``everystep recover`` reports the tier's newest step and its state, where it said
+    step 0."""
+    import shutil
+
+    from everystep.storage.region_open import memory_path
+
+    from .conftest import call_cli
+
+    w = make("mlp", 0)
+    hashes = {}
+    with pytest.raises(KeyboardInterrupt):
+        with attach(w, tmp_path / "c", "checkfreq", every=1, memory=True, persist_every=1000) as ckpt:
+            ckpt.restore()
+            for step in range(1, 6):
+                loop(w, ckpt, step - 1, step)
+                hashes[step] = live_hash(w, step)
+            ckpt.wait()
+            newest = ckpt.stats.last_memory_step
+            raise KeyboardInterrupt
+    try:
+        code, out, err = call_cli(capsys, "recover", "--dir", str(tmp_path / "c"))
+        assert code == 0 and out.split(",")[0] == f"step {newest}" and newest >= 3, (out, err)
+        assert out.rstrip().endswith("from memory") and hashes[newest] in out
+    finally:
+        shutil.rmtree(memory_path(tmp_path / "c", None, 0, 1).parent, ignore_errors=True)

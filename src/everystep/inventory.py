@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any
 
 from .errors import CorruptCheckpointError
@@ -12,7 +11,7 @@ from .storage.directory import CheckpointDirectory
 from .storage.hosts import elsewhere
 from .recovery import read_full
 from .storage.region import UnreadableRegionError, UntrustedRegionError
-from .storage.region_open import memory_place, named_region, open_region, region_path
+from .storage.region_open import open_region, region_path, region_places
 
 __all__ = ["inspect_store", "verify_store", "region_rows"]
 
@@ -52,28 +51,9 @@ def inspect_store(directory: CheckpointDirectory, region: str | None = None) -> 
 
 
 def region_rows(directory: CheckpointDirectory, region: str | None = None) -> list[dict[str, Any]]:
-    """lightcheck's regions and the memory tiers of ``directory`` — where ``region`` says (a
-    ``region=`` option), else where its run record says if that lies in the directory or the memory
-    tiers' folder (:func:`~everystep.storage.region_open.named_region`: a reader opens nothing else a
-    stored file names, and warns), else the default places: one row per complete or damaged slot,
-    verified (read as a reader reads, as a copy)."""
-    run = directory.marker.get("run")
-    options = run.get("options") if isinstance(run, dict) else None
-    option = options.get("region") if isinstance(options, dict) else None
-    world = int(directory.marker.get("world_size", 1))
-    rows = []
-    refused = named_region(option, directory.root) if isinstance(option, (str, type(None))) \
-        else f"its marker names a region that is not a path ({option!r})"
-    if region is not None:  # (the user's word: read where it says)
-        option = region
-    elif refused is not None:
-        warnings.warn(f"{directory.root}: {refused}; give --region to read it", stacklevel=3)
-        option = None
-    for rank in range(world):
-        places = [option] if option is not None else [None, str(memory_place(directory.root, rank, world)[0])]
-        for place in places:
-            rows += _slot_rows(directory, place, rank)
-    return rows
+    """lightcheck's regions and the memory tiers of ``directory``, where :func:`region_places` says:
+    one row per complete or damaged slot, verified (read as a reader reads, as a copy)."""
+    return [row for rank, place in region_places(directory, region) for row in _slot_rows(directory, place, rank)]
 
 
 def _slot_rows(directory: CheckpointDirectory, option: str | None, rank: int) -> list[dict[str, Any]]:

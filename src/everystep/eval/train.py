@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -28,20 +27,19 @@ from tqdm import tqdm
 from ..checkpointer import Checkpointer
 from ..distributed import Ranks, free_port, init_process_group
 from ..errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError, EverystepError, one_line_warnings
-from ..recovery import recover
 from ..storage.directory import MARKER, CheckpointDirectory
-from ..tree import state_hash
 from ..storage.region_map import on_volatile_memory
-from ..storage.region_open import memory_path, memory_place, named_region, region_path
+from ..storage.region_open import memory_path, memory_place, region_path
 from ..strategies import STRATEGIES
 from .faults import FailurePlan, Injector
 from .workloads import build, needs_ddp
 from .._process import die_with
 from .zygote import Forked, Zygote, shared
+from .recovering import recover_run, training_state_hash
 from .run_config import TrainConfig
 from .summary import merge_ranks, summarise
 
-__all__ = ["TrainConfig", "train", "run_supervised", "training_state_hash"]
+__all__ = ["TrainConfig", "train", "run_supervised", "training_state_hash", "recover_run"]
 
 
 def run_record(cfg: TrainConfig) -> dict[str, Any]:
@@ -49,37 +47,6 @@ def run_record(cfg: TrainConfig) -> dict[str, Any]:
     return {"workload": cfg.workload, "optimizer": cfg.optimizer, "seed": cfg.seed, "compress": cfg.compress,
             "every": cfg.every, "keep": cfg.keep, "options": cfg.options, "full_format": cfg.full_format,
             "device": cfg.device, "in_backward": cfg.in_backward, "parallel": cfg.parallel}
-
-
-def recover_run(directory: str, *, region: str | None = None) -> dict[str, Any]:
-    """Recover a directory written by ``everystep train``; returns step, hash and source. ``region``:
-    where its region lies (its ``region=``; default: what its run record says, if in the directory or
-    the memory tiers' folder)."""
-    store = CheckpointDirectory.open(directory, create=False, access="read")
-    try:
-        return _recover_read(store, directory, region)
-    finally:
-        store.close()
-
-
-def _recover_read(store: CheckpointDirectory, directory: str, region: str | None) -> dict[str, Any]:
-    run = store.marker.get("run")
-    if run is None:
-        if any(r.manifest and r.manifest.kind != "full" for r in store.catalog.manifests()):
-            raise EverystepError(f"{directory} holds differentials or spread checkpoints but no record of the model they "
-                                 "replay into; restore it with Checkpointer.restore() in the training script")
-        found = recover(store)
-        if found is None:
-            return {"step": 0, "state_sha256": None, "source": "none"}
-        return {"step": found.step, "state_sha256": training_state_hash(found.tree), "source": found.source,
-                "recovery_seconds": found.seconds}
-    device = run.get("device", "cpu") if torch.cuda.is_available() else "cpu"  # the state is the same on either
-    owns_group = init_process_group(one_process=needs_ddp(run["compress"]), device=device)
-    try:
-        return _recover_with(store, run, directory, device, region)
-    finally:
-        if owns_group:
-            dist.destroy_process_group()
 
 
 def preflight(cfg: TrainConfig, world: int, *, owner: bool = True) -> None:
@@ -108,52 +75,6 @@ def preflight(cfg: TrainConfig, world: int, *, owner: bool = True) -> None:
                               f"--steps {newest + 1} or more to train on, or choose another --dir (nothing was changed)")
     finally:
         store.close()
-
-
-def _recover_with(store: CheckpointDirectory, run: dict[str, Any], directory: str, device: str,
-                  region: str | None) -> dict[str, Any]:
-    w = build(run["workload"], seed=run["seed"], optimizer=run["optimizer"], compress=run["compress"], device=device,
-              in_backward=run.get("in_backward", False))
-    with Checkpointer(store, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
-                      strategy=store.marker["strategy"], every=run["every"], keep=run["keep"], final=False,
-                      full_format=run.get("full_format", "safetensors"),
-                      **_reader_options(store, run.get("options") or {}, region)) as ckpt:
-        step = ckpt.restore()
-        tree = {"step": step, **ckpt.components.capture(), **ckpt.components.capture_boundary()}
-        found = ckpt.recovered
-        return {"step": step, "state_sha256": training_state_hash(tree) if found else None,
-                "source": found.source if found else "none", "recovery_seconds": found.seconds if found else 0.0}
-
-
-def _reader_options(store: CheckpointDirectory, options: Any, region: str | None) -> dict[str, Any]:
-    """Of the options a run record holds (read from storage: anyone who could write the directory
-    wrote them), those ``recover`` passes on: the strategy's own, but for what would make a reader
-    contact or open something else — peers, or a region outside the directory and the memory tiers'
-    folder (:func:`~everystep.storage.region_open.named_region`) unless the user named it
-    (``region``); each left out said once."""
-    from dataclasses import fields
-
-    options = options if isinstance(options, dict) else {}
-    name = store.marker.get("strategy")
-    own = {f.name for f in fields(STRATEGIES[name].Config)} - {"every", "keep", "peers"} if name in STRATEGIES else set()
-    taken = {k: v for k, v in options.items() if k in own}
-    named = taken.get("region")
-    refused = named_region(named, store.root) if isinstance(named, str) or named is None \
-        else f"its marker names a region that is not a path ({named!r})"
-    if region is not None:
-        taken["region"] = region
-    elif refused is not None:
-        del taken["region"]
-        warnings.warn(f"{store.root}: {refused}; give --region to read it", stacklevel=3)
-    if set(options) - set(taken) - {"region"}:  # (remote, peers, a Checkpointer's arguments: not a reader's)
-        warnings.warn(f"{store.root}: its run record's options {', '.join(sorted(set(options) - set(taken)))} are not "
-                      f"{name}'s own: not used by a reader", stacklevel=3)
-    return taken
-
-
-def training_state_hash(tree: dict[str, Any]) -> str:
-    """The hash reported as ``final_state_sha256``: S_t without strategy-private bookkeeping."""
-    return state_hash({k: v for k, v in tree.items() if k != "strategy"})
 
 
 class Journal:
