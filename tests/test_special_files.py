@@ -134,3 +134,78 @@ def test_a_remote_the_marker_names_is_never_contacted_by_recover(tmp_path, capsy
     with pytest.warns(UserWarning, match="options every, remote, remote_every are not checkfreq's own"):
         code, out, err = call_cli(capsys, "recover", "--dir", str(directory))
     assert code == 0 and out.startswith("step 4,") and out.rstrip().endswith("from disk"), err
+
+
+# -- B3/B4: a shape no tensor can have -------------------------------------------------------------
+
+HUGE = [0, 2**62, 4]
+"""No bytes, and strides that overflow 64 bits: torch refuses to make it with a RuntimeError."""
+
+
+def _forge_tensor_file(directory, step: int) -> None:
+    """Give the first model tensor of the full checkpoint of ``step`` the shape :data:`HUGE` (its
+    bytes taken out, the later tensors moved up), file and manifest re-signed as anyone can."""
+    import struct
+
+    from everystep.storage.base import checksum
+
+    obj = sorted((directory / "objects").glob(f"full-{step:012d}*"))[0]
+    raw = obj.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    key = next(k for k in header if k != "__metadata__" and "/model/" in k)
+    start, end = header[key]["data_offsets"]
+    header[key] = {"dtype": header[key]["dtype"], "shape": HUGE, "data_offsets": [start, start]}
+    for k, v in header.items():
+        if k not in ("__metadata__", key) and v["data_offsets"][0] >= end:
+            v["data_offsets"] = [o - (end - start) for o in v["data_offsets"]]
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    forged = struct.pack("<Q", len(body)) + body + data[:start] + data[end:]
+    obj.write_bytes(forged)
+    path = directory / "manifests" / f"full-{step:012d}.json"
+    manifest = json.loads(path.read_text())
+    for o in manifest["objects"].values():
+        if o["name"] == obj.name:
+            o.update(nbytes=len(forged), checksum=checksum(forged))
+    manifest.pop("checksum")
+    manifest["checksum"] = checksum(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode())
+    path.write_text(json.dumps(manifest))
+
+
+def test_a_tensor_file_with_a_shape_no_tensor_can_have_is_skipped_for_the_checkpoint_before(tmp_path, capsys):
+    from everystep.eval.train import TrainConfig, run
+
+    directory = tmp_path / "c"
+    run(TrainConfig(workload="mlp", strategy="checkfreq", steps=3, directory=str(directory), progress=False))
+    _forge_tensor_file(directory, 3)
+    code, out, _ = call_cli(capsys, "verify", str(directory))
+    assert code == 1 and "strides overflow" in out
+    with pytest.warns(UserWarning, match="skipping the checkpoint at step 3: .* strides overflow"):
+        code, out, err = call_cli(capsys, "recover", "--dir", str(directory))
+    assert code == 0 and out.startswith("step 2,"), err
+
+
+def test_a_region_slot_with_a_shape_no_tensor_can_have_is_skipped_for_the_slot_before(tmp_path):
+    """The newest slot's metadata given :data:`HUGE` for one tensor, its checksum that of no bytes,
+    re-signed: the restore takes the slot before, where it failed with a RuntimeError."""
+    from everystep.storage.base import checksum
+
+    from .test_checkpointer import attach, loop, make
+    from .test_hostile import _rewrite_slot_meta
+
+    w = make("mlp", 0)
+    with attach(w, tmp_path / "c", "lightcheck", every=1, persist_every=0, final=False) as ckpt:
+        ckpt.restore()
+        loop(w, ckpt, 0, 5)
+
+    def forge(meta):
+        i = next(i for i, row in enumerate(meta["tensors"]) if row[0].startswith("/model/"))
+        meta["tensors"][i][2], meta["tensors"][i][4], meta["checksums"][i] = HUGE, 0, checksum(b"")
+        return meta
+
+    newest = _rewrite_slot_meta(tmp_path / "c" / "region" / "rank-0.bin", forge)
+    again = make("mlp", 0)
+    with pytest.warns(UserWarning, match="strides overflow"):
+        with attach(again, tmp_path / "c", "lightcheck", every=1, persist_every=0, final=False) as ckpt:
+            assert ckpt.restore() == newest - 1 and ckpt.recovered.source == "region"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LayoutEntry", "TensorLayout", "tensor_bytes"]
+__all__ = ["LayoutEntry", "TensorLayout", "tensor_bytes", "shape_overflows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +80,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.dtype in _NUMPY_DTYPES:
         return memoryview(t.numpy()).cast("B")
     return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def shape_overflows(shape: tuple[int, ...] | list[int], itemsize: int) -> bool:
+    """Whether a tensor of ``shape`` cannot be made: its strides (each dimension counted as at least
+    one, as a zero-size tensor's are) overflow 64 bits — a shape no state holds, which a forged
+    header can name (``[0, 2**62, 4]``: no bytes, and torch refuses it with a RuntimeError)."""
+    return math.prod(max(d, 1) for d in shape) * itemsize >= 1 << 63
+

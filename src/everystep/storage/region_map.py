@@ -17,7 +17,7 @@ import torch
 
 from .._memory import pin_in_place, unregister_host
 from ..background import in_shares
-from ..layout import LayoutEntry
+from ..layout import LayoutEntry, shape_overflows
 from .base import checksum
 from .region_hash import HASH_THREADS
 
@@ -105,6 +105,8 @@ class RegionLayout:
             if not isinstance(shape, list) or not all(type(v) is int and v >= 0 for v in (*shape, offset, nbytes)):
                 raise ValueError(f"tensor {key!r} has a shape, offset or size that is not whole numbers")
             dt, shape = _DTYPES[dtype], tuple(shape)
+            if shape_overflows(shape, dt.itemsize):
+                raise ValueError(f"tensor {key!r} has a shape {list(shape)} no tensor can have (its strides overflow)")
             if nbytes != math.prod(shape) * dt.itemsize or offset + nbytes > data_nbytes or offset % dt.itemsize:
                 raise ValueError(f"tensor {key!r} does not fit its slot ({offset}+{nbytes} of {data_nbytes} bytes)")
             entries.append(LayoutEntry(key, dt, shape, offset, nbytes))

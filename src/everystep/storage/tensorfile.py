@@ -23,7 +23,7 @@ from typing import BinaryIO
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..layout import TensorLayout, tensor_bytes
+from ..layout import TensorLayout, shape_overflows, tensor_bytes
 from .base import check_digest, new_hasher, refuse_constant
 
 __all__ = ["header_bytes", "tensor_chunks", "buffer_chunks", "load_tensors", "read_tensors", "parse_header", "CHUNK"]
@@ -136,6 +136,8 @@ def parse_header(header: bytes | bytearray | memoryview, data_nbytes: int, *, wh
                     or not all(type(v) is int and v >= 0 for v in (*shape, *offsets)):
                 raise ValueError(f"tensor {key!r} has a shape or offsets that are not whole numbers")
             start, end = offsets
+            if shape_overflows(shape, dtype.itemsize):
+                raise ValueError(f"tensor {key!r} has a shape {shape} no tensor can have (its strides overflow)")
             if end - start != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"tensor {key!r} holds {end - start} bytes, not those of its shape {shape}")
             rows.append((key, dtype, tuple(shape), start, end))
