@@ -489,3 +489,19 @@ def test_the_agents_defaults_keep_the_bitwise_path_and_one_thread_for_training_o
         _train(w, 3)
         ckpt.wait()
         assert ckpt.strategy.agent_seconds_per_step > 0
+
+
+def test_on_a_gpu_the_agent_leaves_the_training_process_its_cores(monkeypatch):
+    """Where training runs on a GPU, the agent takes this rank's share of the host's cores less those
+    the training process needs (its training thread and gradient copier), one at least: on 16 cores
+    for one rank, 14 (it took all 16, beside the training thread); for 8 ranks, none to spare: one."""
+    import everystep.strategies.lowdiff_plus as module
+    from everystep.strategies.lowdiff_plus import TRAINING_CORES, LowDiffPlus
+
+    strategy = LowDiffPlus()
+    monkeypatch.setattr(strategy, "_on_gpu", lambda: True)
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(module, "local_world_size", lambda: 1)
+    assert TRAINING_CORES == 2 and strategy._agent_threads() == 14
+    monkeypatch.setattr(module, "local_world_size", lambda: 8)
+    assert strategy._agent_threads() == 1

@@ -44,6 +44,11 @@ from .checkfreq import CheckFreq, CheckFreqConfig
 __all__ = ["LowDiffPlus", "LowDiffPlusConfig"]
 
 
+TRAINING_CORES = 2
+"""Of a rank's share of the host's cores on a GPU, those the agent leaves to the training process:
+its training thread, which launches the kernels, and its gradient copier."""
+
+
 @dataclass(kw_only=True, slots=True)
 class LowDiffPlusConfig(StrategyConfig):
     every: int | None = None  # type: ignore[assignment]
@@ -60,7 +65,8 @@ class LowDiffPlusConfig(StrategyConfig):
     """Seconds without a free slot or an answer after which the agent counts as lost."""
     agent_threads: int | None = None
     """The agent's CPU threads; None: one where training runs on the CPU (its threads are training's),
-    else the cores this process may use shared among the ranks on this host."""
+    else this rank's share of the cores this process may use (shared among the ranks on this host),
+    less :data:`TRAINING_CORES` left to the training process."""
     fused: bool | None = None
     """The replica's optimizer runs torch's fused CPU kernel where its class has one (Adam, AdamW):
     the same update in another order of arithmetic, several times faster. None: where training runs on
@@ -232,7 +238,7 @@ class LowDiffPlus(Strategy):
         if not self._on_gpu():
             return 1
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, cores // local_world_size())
+        return max(1, cores // local_world_size() - TRAINING_CORES)
 
     def _fused(self) -> bool:
         return self._on_gpu() if self.config.fused is None else self.config.fused
