@@ -2,15 +2,18 @@
 
 On a machine whose torch sees a GPU it runs, in order, each part in its own processes and inside a
 time box of its own (:data:`GPU`'s ``boxes``, 9 minutes in all; what a part leaves of its box goes
-to the next, and the boxes of default parts not asked for to those asked for, in proportion):
+to the next, and the boxes of default parts not asked for to those asked for, in proportion); the
+bench, bound and regime parts in interleaved rounds (:func:`~everystep.eval.gpu_rounds.rounds`: the
+checks in the first, the runs bound by the disk in it alone), each run traced into the report's folder:
 
-1. ``tests``: ``tests/test_cuda.py`` under pytest, every test's outcome (a failure's traceback);
+1. ``tests``, only when asked for (``--parts tests``, a call of its own): ``tests/test_cuda.py``
+   under pytest, every test's outcome (a failure's traceback);
 2. ``bandwidth``: device-to-host copies of :attr:`Sizes.copy_bytes` into pageable, pinned and
    registered (a shared mapping pinned in place, as LightCheck's region and checkfreq's writer
    process use) host memory, on the training stream with the GPU otherwise idle and on a side stream
    while matmuls run on the training stream, against the PCIe link's limit;
-3. ``bench``: :data:`EVERY_STEP` checkpointing every step (``lowdiff`` with top-k 1%, the paper's
-   setting, over a ``none`` that trains with the same compression), :data:`MEMORY_TIER` every step
+3. ``bench``: :data:`EVERY_STEP` checkpointing every step (``lowdiff`` with top-k 1%, F and b its
+   paper's, over a ``none`` that trains with the same compression), :data:`MEMORY_TIER` every step
    with their memory tier (``NAME+memory``) and CheckFreq snapshotting on the device first
    (:data:`DEVICE_SNAPSHOT`), each against its target
    (:data:`EVERY_STEP_TARGETS`) beside ``none``'s spread between rounds, and :data:`SPREAD` with a
