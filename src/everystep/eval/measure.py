@@ -256,7 +256,8 @@ def _checkflow_memory(strategy: Any) -> dict[str, Any]:
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One run as ``spec`` says (:func:`~everystep.eval.bench.run_spec`): the timed steps, and, unless
     ``spec["checks"]`` is false, the recovery and resume checks after them. ``seconds`` says where
-    the run's own time went: building the workload, the steps, the checks."""
+    the run's own time went: building the workload (and the Checkpointer, its restore), the steps,
+    the checks (and the Checkpointer's close)."""
     torch.set_num_threads(spec["threads"])
     init_process_group(one_process=needs_ddp(spec.get("compress")), device=spec.get("device", "cpu"))  # PowerSGD: DDP's hook
     name = spec["strategy"]
