@@ -49,7 +49,7 @@ from ..layout import TensorLayout
 from ..policy.schedule import ScheduleResult, StepProfile, coarsen, drifted, plan
 from ..parallelism import DTENSOR_LAYOUTS
 from ..storage.sharded import RankShare
-from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
+from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, copy_out, snapshot_into
 from .memory_tier import FullState, FullStateConfig
 
 __all__ = ["Checkflow", "CheckflowConfig"]
@@ -263,7 +263,8 @@ class Checkflow(FullState):
                 with tracing.span("checkflow takes the memory tier's slot"):
                     r.buffer = self.tier.begin(r.tensors, r.skeleton)  # type: ignore[assignment]
             if r.early:
-                self._copy_out(r, list(r.early.values()), [r.buffer.views[k] for k in r.early])  # type: ignore[union-attr]
+                copy_out([r.buffer.views[k] for k in r.early], list(r.early.values()), self._stream,  # type: ignore[union-attr]
+                         what="checkflow offload")
                 self._alive -= sum(t.nbytes for t in r.early.values())
                 r.early = {}
         assert r.buffer is not None
@@ -284,23 +285,11 @@ class Checkflow(FullState):
         if held is None:
             return
         views = self._target(r).views
-        self._copy_out(r, [snap for snap, _, _, _ in held], [views[key].view(-1)[lo:hi] for _, key, lo, hi in held])
+        copy_out([views[key].view(-1)[lo:hi] for _, key, lo, hi in held], [snap for snap, _, _, _ in held], self._stream,
+                 what="checkflow offload")
         crash_point("checkflow.offload")
         r.offloaded.add(piece)
         self._alive -= sum(t.nbytes for t, _, _, _ in held)
-
-    def _copy_out(self, r: _Round, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-        """Copy device ``sources`` into their ``targets`` in the host buffer in one batched copy: on
-        CUDA on the copy stream, after the work queued on the training stream before it."""
-        with torch.no_grad():
-            if self._stream is not None and sources and sources[0].is_cuda:
-                self._stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._stream), tracing.device_span("checkflow offload", self._stream):
-                    torch._foreach_copy_(targets, sources, non_blocking=True)
-                    for snap in sources:
-                        snap.record_stream(self._stream)
-            elif sources:
-                torch._foreach_copy_(targets, sources)
 
     def _finish_snapshots(self, r: _Round) -> None:
         """Snapshot now, late, what the schedule left uncopied (before the update changes it)."""

@@ -174,7 +174,7 @@ class LowDiff(Differential):
         try:
             if copied is not None:
                 copied.synchronize()
-            self._records.append(self._to_host(record))
+            self._records.append(record)  # (its tensors in host memory: to_host's, or the CPU's own)
         except BaseException:
             self._records = []  # a batch without this step must not be written: the chain ends before it
             raise
@@ -185,13 +185,6 @@ class LowDiff(Differential):
             if copied is not None:
                 copied.synchronize()
             self._write_batch(base, records, end_tensors, end_skeleton)
-
-    @staticmethod
-    def _to_host(record: StepRecord) -> StepRecord:
-        if all(t.device.type == "cpu" for c in record.grads.values() for t in c.values()):
-            return record
-        grads = {n: {k: t.to("cpu") for k, t in c.items()} for n, c in record.grads.items()}
-        return StepRecord(step=record.step, skipped=record.skipped, groups=record.groups, grads=grads)
 
     def _write_batch(self, base: int, records: list[StepRecord], end_tensors: dict[str, torch.Tensor], end_skeleton: Any) -> None:
         assert self.ctx.catalog is not None

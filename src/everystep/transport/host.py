@@ -17,7 +17,7 @@ import torch
 from .. import tracing
 from ..layout import LayoutEntry, TensorLayout, tensor_bytes
 
-__all__ = ["LayoutEntry", "TensorLayout", "HostBuffer", "HostBufferPool", "snapshot_into", "to_host", "tensor_bytes",
+__all__ = ["LayoutEntry", "TensorLayout", "HostBuffer", "HostBufferPool", "copy_out", "snapshot_into", "to_host", "tensor_bytes",
            "copy_bandwidth"]
 
 
@@ -40,6 +40,30 @@ class HostBuffer:
         return memoryview(self.data.numpy()) if self.layout.nbytes else memoryview(b"")
 
 
+def copy_out(targets: list[torch.Tensor], sources: list[torch.Tensor], stream: "torch.cuda.Stream | None" = None, *,
+             what: str = "snapshot copy") -> "torch.cuda.Event | None":
+    """Copy each of ``sources`` into its target in host memory, in one batched copy. From the CPU
+    alone, at once; where one lies on CUDA, asynchronously on ``stream`` (default: the current one),
+    after the work queued on the current stream before it, each CUDA source kept from the allocator
+    until then: the returned event completes with the copies. ``what``: the copy's name in a trace."""
+    with torch.no_grad():
+        sources = [t.detach() for t in sources]
+        if not any(t.is_cuda for t in sources):
+            if sources:  # (one call for all: a copy per tensor would hold the GIL per tensor)
+                torch._foreach_copy_(targets, sources)
+            return None
+        stream = stream or torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), tracing.device_span(what, stream):
+            torch._foreach_copy_(targets, sources, non_blocking=True)
+            for src in sources:
+                if src.is_cuda:
+                    src.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+    return event
+
+
 def snapshot_into(
     buffer: HostBuffer,
     tensors: dict[str, torch.Tensor],
@@ -47,53 +71,25 @@ def snapshot_into(
     *,
     stream: "torch.cuda.Stream | None" = None,
 ) -> "torch.cuda.Event | None":
-    """Copy ``tensors[k]`` into ``buffer.views[k]`` for each key (all when ``keys`` is None).
-
-    CPU sources are copied synchronously. CUDA sources are copied asynchronously on ``stream``
-    (which first waits for the current stream); the returned event completes with the copies.
-    """
+    """Copy ``tensors[k]`` into ``buffer.views[k]`` for each key (all when ``keys`` is None)
+    (:func:`copy_out`): CPU sources synchronously, CUDA ones on ``stream``; the returned event
+    completes with the copies."""
     keys = list(tensors) if keys is None else keys
-    on_cuda = any(tensors[k].is_cuda for k in keys)
-    if not on_cuda:
-        if keys:
-            with torch.no_grad():  # one call for all: a copy per tensor would hold the GIL per tensor
-                torch._foreach_copy_([buffer.views[k] for k in keys], [tensors[k] for k in keys])
-        return None
-    stream = stream or torch.cuda.current_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), tracing.device_span("snapshot copy", stream):
-        for k in keys:
-            src = tensors[k].detach()
-            buffer.views[k].copy_(src, non_blocking=True)
-            if src.is_cuda:
-                src.record_stream(stream)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return event
+    return copy_out([buffer.views[k] for k in keys], [tensors[k] for k in keys], stream)
 
 
 def to_host(tensors: dict[str, torch.Tensor], stream: "torch.cuda.Stream | None"
             ) -> tuple[dict[str, torch.Tensor], "torch.cuda.Event | None"]:
-    """``tensors`` in host memory: those on the CPU as they are; those on CUDA copied into pinned
-    memory (the caching host allocator's, reused from step to step) in one batched copy on
-    ``stream``, after the work queued on the current stream before it, without waiting for it here.
-    The event (None: nothing to wait for) completes with the copies: read the host tensors only after it."""
+    """``tensors`` in host memory: those on the CPU as they are; those on CUDA copied into a pinned
+    :class:`HostBuffer` (the caching host allocator's, reused from step to step) on ``stream``
+    (:func:`snapshot_into`), without waiting for it here. The event (None: nothing to wait for)
+    completes with the copies: read the host tensors only after it."""
     keys = [k for k, t in tensors.items() if t.is_cuda]
     if not keys or stream is None:
         return dict(tensors), None
-    found = dict(tensors)
-    with torch.no_grad():
-        for k in keys:
-            found[k] = torch.empty(tensors[k].shape, dtype=tensors[k].dtype, pin_memory=True)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), tracing.device_span("to host", stream):
-            sources = [tensors[k].detach() for k in keys]
-            torch._foreach_copy_([found[k] for k in keys], sources, non_blocking=True)
-            for t in sources:
-                t.record_stream(stream)
-            event = torch.cuda.Event()
-            event.record(stream)
-    return found, event
+    buffer = HostBuffer(TensorLayout.of({k: tensors[k] for k in keys}), pin=True)
+    event = snapshot_into(buffer, tensors, keys, stream=stream)
+    return {**tensors, **buffer.views}, event
 
 
 class HostBufferPool:
