@@ -80,5 +80,5 @@ def read_regular(path: str | os.PathLike[str], *, limit: int) -> bytes:
     """The bytes of the regular file ``path`` (:func:`open_regular`), at most ``limit`` of them."""
     f, _ = open_regular(path, limit=limit)
     with f:
-        return f.read(limit + 1)[:limit]
+        return f.read(limit)
 

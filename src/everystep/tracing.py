@@ -46,8 +46,7 @@ class _Recorder:
         self.anchor: tuple[Any, int] | None = None
         """CUDA: an event on the device and the host time it passed at (the device clock's origin)."""
         if self.sink is not None:
-            self.write({"ph": "M", "name": "process_name", "pid": self.pid, "tid": 0,
-                        "args": {"name": f"{role} ({self.pid})"}})
+            self.write(_named("process_name", self.pid, 0, f"{role} ({self.pid})"))
 
     def write(self, event: dict[str, Any]) -> None:
         assert self.sink is not None
@@ -67,16 +66,25 @@ def active() -> bool:
     return _recorder is not None
 
 
+def _named(kind: str, pid: int, tid: int, name: str) -> dict[str, Any]:
+    """The trace's metadata event naming a process (``process_name``) or a thread (``thread_name``)."""
+    return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
+
+
+def _span_event(name: str, pid: int, tid: int, ts: int, dur: int, args: dict[str, Any] | None) -> dict[str, Any]:
+    """The trace's event of a span (``X``: complete, with its duration)."""
+    return {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, **({"args": args} if args else {})}
+
+
 @contextlib.contextmanager
 def _recording(name: str, args: dict[str, Any] | None) -> Iterator[None]:
     r = _recorder
     assert r is not None
-    thread = threading.current_thread()
     tid = threading.get_native_id()
     if tid not in r.threads:
-        r.threads[tid] = thread.name
+        r.threads[tid] = threading.current_thread().name
         if r.sink is not None:
-            r.write({"ph": "M", "name": "thread_name", "pid": r.pid, "tid": tid, "args": {"name": thread.name}})
+            r.write(_named("thread_name", r.pid, tid, r.threads[tid]))
     t0 = _now()
     try:
         yield
@@ -84,8 +92,7 @@ def _recording(name: str, args: dict[str, Any] | None) -> Iterator[None]:
         if r.sink is None:
             r.events.append((name, tid, t0, _now() - t0, args))
         else:
-            r.write({"ph": "X", "name": name, "pid": r.pid, "tid": tid, "ts": t0, "dur": _now() - t0,
-                     **({"args": args} if args else {})})
+            r.write(_span_event(name, r.pid, tid, t0, _now() - t0, args))
 
 
 def span(name: str, **args: Any) -> contextlib.AbstractContextManager[None]:
@@ -166,13 +173,9 @@ def stop() -> Path | None:
         return Path(r.sink.name)
     if os.environ.get(ENV) == r.stem:
         del os.environ[ENV]
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": r.pid, "tid": 0, "args": {"name": f"{r.role} ({r.pid})"}}]
-    events += [{"ph": "M", "name": "thread_name", "pid": r.pid, "tid": tid, "args": {"name": name}}
-               for tid, name in r.threads.items()]
-    for name, tid, ts, dur, args in list(r.events):
-        events.append({"ph": "X", "name": name, "pid": r.pid, "tid": tid, "ts": ts, "dur": dur,
-                       **({"args": args} if args else {})})
+    events = [_named("process_name", r.pid, 0, f"{r.role} ({r.pid})")]
+    events += [_named("thread_name", r.pid, tid, name) for tid, name in r.threads.items()]
+    events += [_span_event(name, r.pid, tid, ts, dur, args) for name, tid, ts, dur, args in list(r.events)]
     events += _device_events(r)
     path = Path(f"{r.stem}.{r.pid}.part.json")
     path.write_text(json.dumps({"traceEvents": events}))
@@ -190,11 +193,9 @@ def _device_events(r: _Recorder) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     for name, track, begin, end, args in r.device:
         tid = tracks.setdefault(track, -1 - len(tracks))  # (negative: no thread has such an id)
-        ts = host + int(anchor.elapsed_time(begin) * 1000)
-        events.append({"ph": "X", "name": name, "pid": r.pid, "tid": tid, "ts": ts,
-                       "dur": max(int(begin.elapsed_time(end) * 1000), 0), **({"args": args} if args else {})})
-    events += [{"ph": "M", "name": "thread_name", "pid": r.pid, "tid": tid, "args": {"name": track}}
-               for track, tid in tracks.items()]
+        events.append(_span_event(name, r.pid, tid, host + int(anchor.elapsed_time(begin) * 1000),
+                                  max(int(begin.elapsed_time(end) * 1000), 0), args))
+    events += [_named("thread_name", r.pid, tid, track) for track, tid in tracks.items()]
     return events
 
 
