@@ -18,7 +18,7 @@ from ..distributed import init_process_group
 from ..errors import EverystepError
 from ..recovery import recover
 from ..storage.directory import CheckpointDirectory
-from ..storage.region_open import named_region, open_region, region_places
+from ..storage.region_open import open_region, readable_region, region_places
 from ..strategies import STRATEGIES
 from ..tree import state_hash, unflatten
 from .workloads import build, needs_ddp
@@ -104,22 +104,16 @@ def _reader_options(store: CheckpointDirectory, options: Any, region: str | None
     """Of the options a run record holds (read from storage: anyone who could write the directory
     wrote them), those ``recover`` passes on: the strategy's own, but for what would make a reader
     contact or open something else — peers, or a region outside the directory and the memory tiers'
-    folder (:func:`~everystep.storage.region_open.named_region`) unless the user named it
+    folder (:func:`~everystep.storage.region_open.readable_region`) unless the user named it
     (``region``); each left out said once."""
     from dataclasses import fields
 
     options = options if isinstance(options, dict) else {}
     name = store.marker.get("strategy")
     own = {f.name for f in fields(STRATEGIES[name].Config)} - {"every", "keep", "peers"} if name in STRATEGIES else set()
-    taken = {k: v for k, v in options.items() if k in own}
-    named = taken.get("region")
-    refused = named_region(named, store.root) if isinstance(named, str) or named is None \
-        else f"its marker names a region that is not a path ({named!r})"
-    if region is not None:
-        taken["region"] = region
-    elif refused is not None:
-        del taken["region"]
-        warnings.warn(f"{store.root}: {refused}; give --region to read it", stacklevel=3)
+    taken = {k: v for k, v in options.items() if k in own and k != "region"}
+    if (chosen := readable_region(options.get("region") if "region" in own else None, store.root, region)) is not None:
+        taken["region"] = chosen
     if set(options) - set(taken) - {"region"}:  # (remote, peers, a Checkpointer's arguments: not a reader's)
         warnings.warn(f"{store.root}: its run record's options {', '.join(sorted(set(options) - set(taken)))} are not "
                       f"{name}'s own: not used by a reader", stacklevel=3)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .directory import CheckpointDirectory
 
 __all__ = ["region_path", "open_region", "memory_path", "memory_place", "memory_record", "record_memory", "named_region",
-           "region_places", "MEMORY_ROOT"]
+           "readable_region", "region_places", "MEMORY_ROOT"]
 
 MEMORY_ROOT = Path("/dev/shm")
 """Where a full-state strategy's memory tier lies unless ``region=`` says otherwise."""
@@ -97,6 +97,20 @@ def named_region(option: str | None, root: Path) -> str | None:
             f"{mine[1]}: not opened by a reader")
 
 
+def readable_region(named: object, root: Path, given: str | None) -> str | None:
+    """The ``region=`` a reader opens: ``given`` (the user's word), else ``named`` (what a run
+    record says) where :func:`named_region` lets a reader open it, else None (the default places),
+    with a warning saying to give ``--region``."""
+    if given is not None:
+        return given
+    refused = named_region(named, root) if isinstance(named, (str, type(None))) \
+        else f"its marker names a region that is not a path ({named!r})"
+    if refused is not None:
+        warnings.warn(f"{root}: {refused}; give --region to read it", stacklevel=4)
+        return None
+    return named  # type: ignore[return-value]
+
+
 def region_places(directory: "CheckpointDirectory", region: str | None = None) -> list[tuple[int, str | None]]:
     """Where a reader looks for ``directory``'s regions, as (rank, ``region=`` option) pairs: where
     ``region`` says, else where its run record says if that lies in the directory or the memory
@@ -105,15 +119,8 @@ def region_places(directory: "CheckpointDirectory", region: str | None = None) -
     memory tier's (:func:`memory_place`)."""
     run = directory.marker.get("run")
     options = run.get("options") if isinstance(run, dict) else None
-    option = options.get("region") if isinstance(options, dict) else None
+    option = readable_region(options.get("region") if isinstance(options, dict) else None, directory.root, region)
     world = int(directory.marker.get("world_size", 1))
-    refused = named_region(option, directory.root) if isinstance(option, (str, type(None))) \
-        else f"its marker names a region that is not a path ({option!r})"
-    if region is not None:  # (the user's word: read where it says)
-        option = region
-    elif refused is not None:
-        warnings.warn(f"{directory.root}: {refused}; give --region to read it", stacklevel=3)
-        option = None
     return [(rank, place) for rank in range(world)
             for place in ([option] if option is not None else [None, str(memory_place(directory.root, rank, world)[0])])]
 
