@@ -214,6 +214,17 @@ def test_both_region_slots_damaged_and_no_full_checkpoint_is_an_error_not_step_0
         _train(root, None, 5, strategy="lightcheck")
 
 
+def newest_slot_meta(path: Path):
+    """The region file's newest complete slot, the file's bytes, and that slot's metadata as JSON."""
+    store = Region.open(path, access="read")
+    try:
+        newest = store.slots(warn=False)[0]
+    finally:
+        store.close()
+    raw = bytearray(path.read_bytes())
+    return newest, raw, json.loads(bytes(raw[newest.area_offset:newest.area_offset + newest.meta_nbytes]))
+
+
 def _rewrite_slot_meta(path: Path, edit) -> int:
     """Rewrite the metadata of the newest slot with ``edit(meta)``, its digests recomputed (the
     metadata's in its header, the header's own), as someone with the file would."""
@@ -221,14 +232,8 @@ def _rewrite_slot_meta(path: Path, edit) -> int:
 
     from everystep.storage import region as rg
 
-    store = Region.open(path, access="read")
-    try:
-        newest = store.slots(warn=False)[0]
-    finally:
-        store.close()
-    raw = bytearray(path.read_bytes())
+    newest, raw, meta = newest_slot_meta(path)
     start = newest.area_offset
-    meta = json.loads(bytes(raw[start:start + newest.meta_nbytes]))
     body = json.dumps(edit(meta)).encode()
     raw[start:start + len(body)] = body
     at = (1 + newest.slot) * rg.PAGE

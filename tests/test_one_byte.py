@@ -4,15 +4,11 @@ every byte is checked, not a header or a first page."""
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
-import pytest
-
-from everystep.storage.region import Region
-
 from .test_checkpointer import attach, loop, make
+from .test_hostile import newest_slot_meta
 
 PAGE = 4096
 
@@ -49,13 +45,7 @@ def test_a_byte_of_a_full_checkpoints_tensor_past_its_first_page(tmp_path):
 def test_a_byte_of_a_region_slots_tensor_past_its_first_page(tmp_path):
     _trained(tmp_path / "c", "lightcheck", 4, persist_every=0, final=False)  # (its newest steps are in the region alone)
     path = tmp_path / "c" / "region" / "rank-0.bin"
-    region = Region.open(path, access="read")
-    try:
-        newest = region.slots(warn=False)[0]
-    finally:
-        region.close()
-    raw = bytearray(path.read_bytes())
-    meta = json.loads(bytes(raw[newest.area_offset:newest.area_offset + newest.meta_nbytes]))
+    newest, raw, meta = newest_slot_meta(path)
     key, _, _, offset, nbytes = max(meta["tensors"], key=lambda row: row[4])[:5]
     assert nbytes > 2 * PAGE, key
     at = newest.area_offset + meta["meta_section"] + offset + nbytes - PAGE - 7  # (past the tensor's first page)
