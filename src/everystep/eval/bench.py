@@ -230,11 +230,20 @@ def run_spec(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) ->
 def measure_run(spec: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
     """Measure one run in a process of its own and return what it reports. A run that fails raises
     :class:`EverystepError` with its output's end; one still running after ``timeout`` seconds is
-    killed, with whatever it started (a process group of its own).
+    killed, with whatever it started (a process group of its own). Its trace (``spec["trace"]``), in
+    parts one per process, is merged into one file once it has ended, whatever its end.
 
     On Linux each run is forked from a process that imported torch and the run's module once and ran
     nothing (:mod:`everystep.eval.zygote`): a new process in all but the imports, which a fresh
     interpreter spends seconds on; elsewhere each run is a new interpreter."""
+    try:
+        return _measure_run(spec, timeout)
+    finally:
+        if spec.get("trace"):
+            tracing.merge(spec["trace"])
+
+
+def _measure_run(spec: dict[str, Any], timeout: float | None) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
     module = "everystep.eval.trainers" if spec.get("trainer") else "everystep.eval.measure"
     zygote = shared(f"{module}:forked")
@@ -348,12 +357,7 @@ def _kill_group(pid: int) -> None:
 
 
 def _run_one(cfg: BenchConfig, repeat: int, strategy: str, every: int | None) -> dict[str, Any]:
-    spec = run_spec(cfg, repeat, strategy, every)
-    try:
-        return measure_run(spec)
-    finally:
-        if spec["trace"] is not None:
-            tracing.merge(spec["trace"])
+    return measure_run(run_spec(cfg, repeat, strategy, every))
 
 
 def run_bench(cfg: BenchConfig, *, progress: bool = True) -> list[dict[str, Any]]:

@@ -180,9 +180,6 @@ def rounds(sizes: Sizes, chosen: list[Variant], repeats: int, box: Box, failures
                 if v.label == "none" or box.left() <= 0:
                     break
                 continue
-            finally:
-                if stem is not None:
-                    tracing.merge(stem)
             wall = time.monotonic() - started
             took[v.label] = wall - got.get("seconds", {}).get("checks", 0.0)
             mine.append({**got, "strategy": v.label, "run_strategy": v.strategy, "workload": v.workload or sizes.workload,
