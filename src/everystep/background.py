@@ -18,7 +18,6 @@ is dealt out to them by size (:func:`in_shares`).
 from __future__ import annotations
 
 import queue
-import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, wait
@@ -65,8 +64,6 @@ def settled(*futures: Future[Any] | None) -> None:
 
 
 _STOP = object()
-_STEP_NUMBER = re.compile(r"\d+")
-"""A job's name in a trace: what it does with its step numbers as ``N`` (one name for every step's)."""
 
 
 class Worker:
@@ -108,7 +105,7 @@ class Worker:
             what, fn, args, future = job
             try:
                 if future is None or future.set_running_or_notify_cancel():
-                    with tracing.span(_STEP_NUMBER.sub("N", what), what=what):
+                    with tracing.job(what):
                         result = fn(*args)
                     if future is not None:
                         future.set_result(result)

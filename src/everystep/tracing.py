@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV", "span", "device_span", "start", "start_from_env", "stop", "run_stem", "merge", "merge_all", "active",
+__all__ = ["ENV", "span", "job", "device_span", "start", "start_from_env", "stop", "run_stem", "merge", "merge_all", "active",
            "load"]
 
 ENV = "EVERYSTEP_TRACE"
@@ -95,11 +95,24 @@ def _recording(name: str, args: dict[str, Any] | None) -> Iterator[None]:
             r.write(_span_event(name, r.pid, tid, t0, _now() - t0, args))
 
 
+_OFF = contextlib.nullcontext()
+"""What a span is while tracing is off (stateless: one serves every call)."""
+_NUMBERS = re.compile(r"\d+")
+
+
 def span(name: str, **args: Any) -> contextlib.AbstractContextManager[None]:
     """A span of this thread's time named ``name`` (``args``: shown beside it), recorded when tracing is on."""
     if _recorder is None:
-        return contextlib.nullcontext()
+        return _OFF
     return _recording(name, args or None)
+
+
+def job(what: str) -> contextlib.AbstractContextManager[None]:
+    """The span of a background job that does ``what``: named by it with its numbers as ``N`` (one
+    name for every step's job), ``what`` itself beside it; the name made only when tracing is on."""
+    if _recorder is None:
+        return _OFF
+    return _recording(_NUMBERS.sub("N", what), {"what": what})
 
 
 @contextlib.contextmanager
@@ -121,7 +134,7 @@ def device_span(name: str, stream: Any, **args: Any) -> contextlib.AbstractConte
     """A span of ``stream``'s work (a CUDA stream; None: nothing on a device) issued inside it, timed
     by CUDA events, recorded when tracing is on."""
     if _recorder is None or stream is None:
-        return contextlib.nullcontext()
+        return _OFF
     if _recorder.anchor is None:
         _anchor(_recorder)
     return _device_recording(name, stream, args or None)
