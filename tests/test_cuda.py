@@ -113,6 +113,53 @@ def test_lowdiff_plus_trained_on_the_gpu_recovers_to_within_cpu_arithmetic(tmp_p
 
 
 @gpu
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_gradient_copies_left_running_at_the_step_end_are_waited_for_by_the_stream_not_the_host(set_to_none):
+    # overlap: the step ends with its copies to the slot still on the side stream; the next steps
+    # zero the gradients (in place where set_to_none is False) and accumulate into them. The slot
+    # must hold each step's gradients exactly as the update consumed them.
+    from everystep.background import BackgroundErrors
+    from everystep.capture.grads import GradientCapture
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    layout = TensorLayout.of({f"g/{i}": p for i, p in enumerate(params)})
+    slots = [HostBuffer(layout, pin=True) for _ in range(3)]
+    turn = iter(range(10**6))
+    current: list[HostBuffer] = []
+
+    def target() -> HostBuffer:
+        if not current:
+            current.append(slots[next(turn) % len(slots)])
+        return current[0]
+
+    errors = BackgroundErrors()
+    capture = GradientCapture(model, params, None, layerwise=True, errors=errors, target=target, overlap=True,
+                              optimizer=optimizer)
+    seen: list[tuple[HostBuffer, list[torch.Tensor]]] = []
+    try:
+        for _ in range(6):
+            for _ in range(2):
+                model(torch.randn(64, 2048, device="cuda")).square().sum().backward()
+            capture.at_update()
+            expected = [p.grad.detach().clone() for p in params]
+            optimizer.step()
+            capture.settle()
+            buffer = current.pop()
+            capture.after_copies("checking the slot", lambda b=buffer, e=expected: seen.append((b, [
+                b.views[f"g/{i}"].clone() for i in range(len(e))], e)))
+            optimizer.zero_grad(set_to_none=set_to_none)
+        capture.quiesce()
+    finally:
+        capture.close()
+    errors.raise_pending()
+    assert len(seen) == 6
+    for _, got, expected in seen:
+        assert all(torch.equal(g, e.cpu()) for g, e in zip(got, expected))
+
+
+@gpu
 def test_the_replica_of_a_gpu_trained_model_is_rebased_and_its_final_checkpoint_is_exact(tmp_path):
     w = build("gpt2-tiny", seed=0, optimizer="adamw", device="cuda")
     with warnings.catch_warnings():

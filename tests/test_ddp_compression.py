@@ -109,11 +109,13 @@ def _train_unclipped(w, n):
         w.scheduler.step()
 
 
-@pytest.mark.parametrize("hook", [None, "topk:0.05", "powersgd:rank=2", "foreign"])
-def test_lowdiff_plus_copies_reduced_buckets_from_the_communication_hook(tmp_path, hook):
+@pytest.mark.parametrize("hook,overlap", [(None, False), (None, True), ("topk:0.05", False), ("topk:0.05", True),
+                                          ("powersgd:rank=2", False), ("foreign", True)])
+def test_lowdiff_plus_copies_reduced_buckets_from_the_communication_hook(tmp_path, hook, overlap):
     # Each gradient is copied from its bucket's reduced result during backward and never again at the
     # step; with a hook everystep does not own, at the step. Training is unchanged (I6) and the
-    # replica equals the live state every step (a divergence warns).
+    # replica equals the live state every step (a divergence warns), with the slots handed over at
+    # the step or after their copies (``overlap``: the next backward's buckets wait for them).
     def make():
         w = build("gpt2-tiny", seed=0)
         w.model = DDP(w.model, bucket_cap_mb=0.05)
@@ -130,7 +132,7 @@ def test_lowdiff_plus_copies_reduced_buckets_from_the_communication_hook(tmp_pat
         warnings.simplefilter("error", RuntimeWarning)
         with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,
                           compression=w.compression, strategy="lowdiff_plus", every=50, verify_every=1,
-                          verify_sample=0) as ckpt:
+                          verify_sample=0, overlap=overlap) as ckpt:
             ckpt.restore()
             _train_unclipped(w, 4)
     s, n = ckpt.strategy, len(list(w.model.parameters()))

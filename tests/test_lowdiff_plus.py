@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -92,11 +93,12 @@ def _assert_stored(directory: Path, w, step: int) -> None:
     assert manifest.step == step and _stored_hash(tree) == _live_hash(w, step)
 
 
-def test_the_replica_equals_the_live_state_bitwise_after_every_step(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_replica_equals_the_live_state_bitwise_after_every_step(tmp_path, overlap):
     w = build("gpt2-tiny", seed=0, optimizer="adam")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a divergence would be a RuntimeWarning
-        with _attach(w, tmp_path / "c", every=4, verify_every=1, verify_sample=0) as ckpt:
+        with _attach(w, tmp_path / "c", every=4, verify_every=1, verify_sample=0, overlap=overlap) as ckpt:
             ckpt.restore()
             _train(w, 9)
             pid = _agent_pid(tmp_path / "c")
@@ -119,6 +121,47 @@ def test_gradients_are_copied_during_backward_until_clipping_changes_them_every_
     s, n = ckpt.strategy, len(list(w.model.parameters()))
     assert (s.early_copies, s.recopies, s.layerwise) == ((2 * n, 2 * n, False) if clip else (5 * n, 0, True))
     _assert_stored(tmp_path / "c", w, 5)
+
+
+def _accumulate(w, steps: int, *, micro: int) -> None:
+    """Steps of ``micro`` backward passes each, the gradients zeroed in place (set_to_none=False)."""
+    for _ in range(steps):
+        for _ in range(micro):
+            w.loss(w.data.next()).backward()
+        w.optimizer.step()
+        w.optimizer.zero_grad(set_to_none=False)
+        w.scheduler.step()
+
+
+def test_with_overlap_gradients_changed_in_place_after_the_step_wait_for_their_copies(tmp_path, monkeypatch):
+    # The copies of a step are still running when the step ends; the gradients then change in place
+    # twice before the next update (zero_grad without set_to_none, then accumulation over three
+    # backward passes). Each copy is slowed so that it is still under way when they do: the guard
+    # must hold them back, or the slot would hold zeros or the next step's gradients.
+    from everystep.capture import grads
+    copy = grads.GradientCapture._copy_all_into
+
+    def slow(self, *args):
+        time.sleep(0.05)  # (a slow copy, not synchronisation: the guard is what is tested)
+        return copy(self, *args)
+
+    monkeypatch.setattr(grads.GradientCapture, "_copy_all_into", slow)
+    w = build("mlp", seed=0, optimizer="adam")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a divergence would be a RuntimeWarning
+        with _attach(w, tmp_path / "c", every=100, verify_every=1, verify_sample=0, overlap=True) as ckpt:
+            ckpt.restore()
+            _accumulate(w, 6, micro=3)
+            assert vars(w.optimizer)["zero_grad"] is not None  # guarded while attached
+    assert "zero_grad" not in vars(w.optimizer) and "zero_grad" not in vars(w.model)
+    assert ckpt.stats.last_memory_step == 6
+    _assert_stored(tmp_path / "c", w, 6)
+
+
+def test_overlap_is_refused_where_the_gradients_must_be_in_the_slot_at_the_step(tmp_path):
+    w = build("mlp", seed=0, optimizer="adam")
+    with pytest.raises(ConfigError, match="overlap=True with peers=True"):
+        _attach(w, tmp_path / "c", overlap=True, peers=True)
 
 
 def test_a_divergence_is_reported_and_repaired(tmp_path):
@@ -153,7 +196,7 @@ def test_sigkill_at_20_instants_recovers_from_memory_bit_exactly(tmp_path):
     """The training process is killed 20 times — in the middle of the gradients' copy, an update, a
     message — at a random step each time, and restarted; every restart takes the replica from the
     agent. Each lifetime is killed by an armed crash point (SIGKILL, as from outside): 20 kills on
-    any machine."""
+    any machine. Every other lifetime hands its slots over after their copies (``overlap``)."""
     steps, lifetimes = 120, 20
     cfg = TrainConfig(workload="mlp", strategy="lowdiff_plus", optimizer="adamw", steps=steps,
                       directory=str(tmp_path / "c"), options={"verify_every": 1, "verify_sample": 0}, progress=False)
@@ -161,11 +204,12 @@ def test_sigkill_at_20_instants_recovers_from_memory_bit_exactly(tmp_path):
     rng = random.Random(0)
     kills = [(KILL_POINTS[i % len(KILL_POINTS)], rng.randint(1, 5)) for i in range(lifetimes)]
     with Zygote(WORKER) as zygote:  # each lifetime forked from one process that imported torch (as `everystep train` does)
-        for kill in [*kills, None]:  # the last lifetime runs to the end
+        for i, kill in enumerate([*kills, None]):  # the last lifetime runs to the end
             env = dict(os.environ)
             if kill is not None:
                 env["EVERYSTEP_CRASH"] = f"{kill[0]}:{kill[1]}"  # SIGKILL at that point's kill[1]-th arrival
-            code = zygote.fork(env, worker_argv(cfg, str(journal))).wait()
+            life = dataclasses.replace(cfg, options={**cfg.options, "overlap": i % 2 == 1})
+            code = zygote.fork(env, worker_argv(life, str(journal))).wait()
             assert code == (-signal.SIGKILL if kill else 0), f"killed at {kill}: exit status {code}"
     records = Journal.read(str(journal))
     starts = [r for r in records if r["event"] == "start"]

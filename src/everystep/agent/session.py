@@ -17,11 +17,12 @@ session stops sending, and its strategy falls back to checkpoints written by the
 from __future__ import annotations
 
 import collections
+import functools
 import queue
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -108,6 +109,9 @@ class AgentSession:
         self._volatile: TensorLayout | None = None
         self.greeting: dict[str, Any] = {}
         """What this rank's agent answered to ``hello``, if one was found."""
+        self.quiesce: Callable[[], None] = lambda: None
+        """Waits for the steps handed on after their slot's copies (``send_step``'s ``after_copies``):
+        run before any other message, so that the agent reads them in order."""
 
     @property
     def index_keys(self) -> list[str]:
@@ -357,11 +361,13 @@ class AgentSession:
 
     def send_step(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, replayed: list[str],
                   volatile: dict[str, torch.Tensor], *, groups: list[dict[str, Any]], skipped: bool,
-                  has_grad: list[int], persist: bool, verify: bool) -> HostBuffer | None:
+                  has_grad: list[int], persist: bool, verify: bool,
+                  after_copies: Callable[[str, Callable[[], None]], None] | None = None) -> HostBuffer | None:
         """The step's slot, finished with its volatile state, goes to the agent (``verify``: with a
         digest of the live parameters and optimizer state to compare its replica with). Returns the
         slot, which stays as it is until the agent has applied the step, or None if the agent was
-        lost."""
+        lost. ``after_copies``: what sends the message once the gradients' copies into the slot are
+        done (:meth:`GradientCapture.after_copies`); None: here and now."""
         assert self.link is not None
         if self.slot() is None:
             return None  # lost while waiting; the strategy falls back at its next step
@@ -374,15 +380,25 @@ class AgentSession:
             check = {"keys": replayed, "sample": self.verify_sample,
                      "value": digest(tensors, replayed, self.verify_sample)}
         self.expect_part(step, persist)
+        message = dict(step=step, slot=self.pool.current, groups=groups, skipped=skipped,
+                       has_grad=[] if skipped else has_grad, skeleton=Plain(skeleton), digest=check, persist=persist)
+        self.pool.hand_over()
+        if after_copies is None:
+            self._send_step(message)
+        else:
+            after_copies("handing the step's slot to the agent", functools.partial(self._send_step, message))
+        return sent
+
+    def _send_step(self, message: dict[str, Any]) -> None:
         crash_point("lowdiff_plus.step.before_send")  # the slot filled, the agent not told
+        link = self.link
+        if link is None or self.lost is not None:
+            return
         try:
-            self.link.send("step", step=step, slot=self.pool.current, groups=groups, skipped=skipped,
-                           has_grad=[] if skipped else has_grad, skeleton=Plain(skeleton), digest=check, persist=persist)
+            link.send("step", **message)
         except AgentLostError as e:
             self.lose(str(e))
-        crash_point("lowdiff_plus.step.sent")  # the agent told, the slot not yet handed over here
-        self.pool.hand_over()
-        return sent
+        crash_point("lowdiff_plus.step.sent")  # the agent told
 
     def expect_part(self, step: int, persist: bool) -> None:
         """Several ranks: the agent will write its part of ``step``; the committer commits it."""
@@ -430,6 +446,7 @@ class AgentSession:
         """Wait for every step in flight, then give the agent S_step whole, and new slots if the
         step's volatile state no longer fits the old ones (the agent keeps its slots across a new
         state). False if the agent was lost on the way."""
+        self.quiesce()
         if self.shared:
             self.sync(persist=False)  # the step an agent holds back frees its slot
         held = [self.pool.current] if self.pool.current is not None else []
@@ -453,6 +470,7 @@ class AgentSession:
     def sync(self, *, persist: bool) -> None:
         """Wait until the agent has applied every step sent (``persist``: and persisted the newest)."""
         assert self.link is not None
+        self.quiesce()
         try:
             self.link.call("sync", reply="synced", timeout=self.timeout + 600, persist=persist)
         except AgentLostError as e:
@@ -468,6 +486,7 @@ class AgentSession:
     def close(self, *, clean: bool) -> None:
         """``clean``: the agent persists what it holds and exits; else, as after a crash, the link
         is dropped without a word and the agent keeps its replica for a restarted process."""
+        self.quiesce()
         self.pool.release()
         if self.commits is not None:
             self.commits.close(wait=clean)

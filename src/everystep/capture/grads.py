@@ -12,11 +12,22 @@ is copied before the step instead.
 Right before ``optimizer.step()`` (:meth:`GradientCapture.at_update`) every gradient is checked
 against what was copied — same tensor, same version counter as when it became final — and copied
 again where clipping, unscaling or another backward changed it in place, so the slot holds exactly
-what the optimizer consumes; those copies overlap the optimizer's update (:meth:`settle`, after
-it, waits for them). Clipping multiplies every gradient in place, every step, even by 1: then
-every copy made during backward is wasted memory bandwidth. With ``layerwise=None`` capture
-during backward stops after two steps in a row in which most of its copies had to be made again,
-and the gradients are copied once, at the step (``True``: always during backward; ``False``: never).
+what the optimizer consumes; those copies overlap the optimizer's update. Clipping multiplies
+every gradient in place, every step, even by 1: then every copy made during backward is wasted
+memory bandwidth. With ``layerwise=None`` capture during backward stops after two steps in a row in
+which most of its copies had to be made again, and the gradients are copied once, at the step
+(``True``: always during backward; ``False``: never).
+
+When the copies end. Without ``overlap``, :meth:`settle` (after the update) waits for them. With
+``overlap`` the training thread never waits for them at the step: what needs the slot whole (the
+message that hands it to the agent) runs after them on the copier (:meth:`after_copies`, which on
+CUDA waits for the copies' events there), and the copies are guarded only where the gradients can
+next change in place (:meth:`guard`): at the first gradient of the next backward (accumulation,
+DDP's buckets) and at ``zero_grad(set_to_none=False)`` of the optimizer or the model. On CUDA the
+guard is the training stream waiting for the copies' event, not the host; on the CPU the thread
+waits there for the copier. Gradients changed in place by other means between two steps (a
+``p.grad.zero_()`` by hand) are not guarded: the agent's replica then diverges, which its periodic
+comparison with the live state finds and repairs with the full state.
 """
 
 from __future__ import annotations
@@ -47,7 +58,8 @@ class GradientCapture:
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], compression: Any, *,
                  layerwise: bool | None, errors: BackgroundErrors,
-                 target: Callable[[], HostBuffer | None]) -> None:
+                 target: Callable[[], HostBuffer | None], overlap: bool = False,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.params = params
         self.mode = layerwise
         self.layerwise = layerwise is not False
@@ -81,6 +93,23 @@ class GradientCapture:
         self._posted = False
         self._buffer: HostBuffer | None = None
         """The slot this step's gradients go to, once its first one took it."""
+        self.overlap = overlap
+        self._unguarded = False
+        """``overlap``: the last step's copies may still run, and nothing guarded them yet."""
+        self._last_copy: torch.cuda.Event | None = None
+        """The newest copy's event (copier thread), and that of the settled step's last copy."""
+        self._step_copy: torch.cuda.Event | None = None
+        self._marked = threading.Event()
+        """Set on the copier once it has issued every copy of the settled step."""
+        self._zeroing: list[Any] = []
+        if overlap:
+            grads = [p for p in params if p.requires_grad]
+            if grads:  # before the gradient is accumulated into ``.grad`` or DDP's bucket
+                self._hooks.append(torch.autograd.graph.register_multi_grad_hook(
+                    grads, lambda grad: self.guard(), mode="any"))
+            self._zeroing = [o for o in (optimizer, model) if o is not None]
+            for owner in self._zeroing:
+                owner.zero_grad = functools.partial(self._zero_grad, owner.zero_grad)  # (removed by close)
 
     # -- during backward -----------------------------------------------------------------------
 
@@ -178,7 +207,12 @@ class GradientCapture:
             for target, g in zip(targets, grads):
                 target.copy_(g, non_blocking=True)  # (DMA where the slot is registered)
                 g.record_stream(self._stream)
-        self._stream.synchronize()
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        if self.overlap:
+            self._last_copy = done  # (waited for where the slot is handed on, or by the next guard)
+        else:
+            done.synchronize()
 
     def _copy_at_update(self, buffer: HostBuffer, due: list[tuple[int, torch.Tensor]],
                         event: torch.cuda.Event | None) -> None:
@@ -221,14 +255,66 @@ class GradientCapture:
             self.layerwise = False
 
     def settle(self) -> None:
-        """After the update: wait until the slot holds every copy (its gradients may change next);
-        the next step's first gradient takes the next slot."""
-        self._copier.drain()
+        """After the update: the next step's first gradient takes the next slot. Without ``overlap``,
+        wait until the slot holds every copy (its gradients may change next); with it, only mark
+        where this step's copies end, for :meth:`guard` and :meth:`after_copies`."""
         self._copied.clear()
         self._buffer = None
+        if not self.overlap:
+            self._copier.drain()
+            return
+        self._flush()
+        self._marked.clear()
+        self._copier.post("marking the step's gradient copies", self._mark)
+        self._unguarded = True
+
+    def _mark(self) -> None:
+        """(Copier thread, after the step's copies were issued.)"""
+        self._step_copy = self._last_copy
+        self._marked.set()
+
+    def after_copies(self, what: str, then: Callable[[], None]) -> None:
+        """Run ``then`` on the copier once the settled step's copies are in the slot."""
+        self._copier.post(what, self._when_copied, then)
+
+    def _when_copied(self, then: Callable[[], None]) -> None:
+        done = self._step_copy
+        if done is not None:
+            done.synchronize()  # (the copier waits for the device, not the training thread)
+        then()
+
+    def guard(self) -> None:
+        """Before the gradients can change in place after :meth:`settle` (training thread): on CUDA
+        the current stream waits for the step's copies; on the CPU this thread waits for them."""
+        if not self._unguarded:
+            return
+        self._unguarded = False
+        if self._stream is None:
+            self._copier.drain()
+            return
+        self._marked.wait()  # (the copies issued: normally long before the next backward)
+        if self._step_copy is not None:
+            torch.cuda.current_stream().wait_event(self._step_copy)
+
+    def quiesce(self) -> None:
+        """Wait until every copy and everything posted after them has run (training thread)."""
+        self._unguarded = False
+        self._copier.drain()
+        if self._last_copy is not None:
+            self._last_copy.synchronize()
+
+    def _zero_grad(self, zero_grad: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``zero_grad`` of the optimizer or the model: guarded where it zeroes in place."""
+        if not kwargs.get("set_to_none", args[0] if args else True):
+            self.guard()
+        return zero_grad(*args, **kwargs)
 
     def close(self) -> None:
         self._copier.close()
+        for owner in self._zeroing:
+            if "zero_grad" in vars(owner):
+                del owner.zero_grad
+        self._zeroing = []
         for h in self._hooks:
             h.remove()
         if self._tap is not None:

@@ -75,6 +75,14 @@ class LowDiffPlusConfig(StrategyConfig):
     layerwise: bool | None = None
     """Copy gradients while backward produces them: True always, False never (at the optimizer
     step), None until most of those copies turn out changed before the step two steps in a row."""
+    overlap: bool | None = None
+    """The training thread never waits for the gradients' copies into the slot: the copier hands
+    the slot to the agent once they are done, and the copies are guarded only where the gradients
+    next change in place (the next backward, ``zero_grad(set_to_none=False)``; on CUDA by the
+    training stream waiting for their event, not the host: :mod:`everystep.capture.grads`). None:
+    on a GPU, where the layout is plain or DDP and there are no peers (a sharded layout changes its
+    gradients outside backward's hooks; the peers' mirroring reads the slot as it is handed over);
+    False: the step waits for its copies at its end."""
     busy: float = 0.25
     """With ``every=None``: the share of time the agent's writer may spend writing."""
     peers: bool = False
@@ -96,6 +104,9 @@ class LowDiffPlusConfig(StrategyConfig):
             raise ConfigError("verify_every and verify_sample must be >= 0")
         if self.grace <= 0 or self.agent_timeout <= 0 or not 0 < self.busy <= 1:
             raise ConfigError("grace and agent_timeout must be positive and busy in (0, 1]")
+        if self.overlap and self.peers:
+            raise ConfigError("overlap=True with peers=True: the peers' mirroring reads the slot as the step hands it "
+                              "over, so its gradients must be in it when the step ends (overlap=None or False)")
 
 
 class LowDiffPlus(Strategy):
@@ -165,12 +176,21 @@ class LowDiffPlus(Strategy):
         self.session = AgentSession(ctx.directory, ctx.ranks, c, ctx, self.errors, timeout=self.config.agent_timeout,
                                     slots=self.config.queue, keep=self.config.keep,
                                     verify_sample=self.config.verify_sample, shards=ctx)
-        self.capture = GradientCapture(c.model, self.session.params, c.compression, layerwise=layerwise,
-                                       errors=self.errors, target=self.session.slot)
         self._rebase = any(p.device.type != "cpu" for p in self.session.params)
         if self.config.peers and ctx.directory.access != "read":
             team = peers.Team.join(ctx.ranks)
             self.peers = AgentPeers(self, team, sharded=ctx.layout is not None) if team is not None else None
+        overlap = self.config.overlap
+        if overlap and ctx.layout in DTENSOR_LAYOUTS:
+            raise ConfigError(f"overlap=True: under {ctx.layout} the gradients change outside backward's hooks and "
+                              "must be in the slot when the step ends (overlap=None or False)")
+        if overlap is None:
+            overlap = self._rebase and ctx.layout not in DTENSOR_LAYOUTS and not self.config.peers
+        self.capture = GradientCapture(c.model, self.session.params, c.compression, layerwise=layerwise,
+                                       errors=self.errors, target=self.session.slot, overlap=overlap,
+                                       optimizer=c.optimizer)
+        if overlap:
+            self.session.quiesce = self.capture.quiesce
 
     def _agree_restore(self) -> None:
         """Every rank asks its agent what it holds; together they choose a step every agent can
@@ -229,7 +249,8 @@ class LowDiffPlus(Strategy):
         return any(p.device.type != "cpu" for p in self.session.params)
 
     def setting(self) -> dict[str, Any]:
-        return {**super().setting(), "agent_threads": self._agent_threads(), "fused": self._fused()}
+        return {**super().setting(), "agent_threads": self._agent_threads(), "fused": self._fused(),
+                "overlap": self.capture.overlap}
 
     def _agent_threads(self) -> int:
         """``agent_threads``, or its default (see :class:`LowDiffPlusConfig`)."""
@@ -321,7 +342,8 @@ class LowDiffPlus(Strategy):
         else:
             sent = session.send_step(step, tensors, skeleton, replayed, volatile, groups=self._groups,
                                      skipped=self._skipped, has_grad=self._has_grad, persist=persist,
-                                     verify=checked and not self._rebase)
+                                     verify=checked and not self._rebase,
+                                     after_copies=self.capture.after_copies if self.capture.overlap else None)
         if mates is not None and session.lost is None:
             if not mates.sharded:
                 message: Any = peers.pack(step, self.ctx.ranks.rank, volatile, skeleton)
