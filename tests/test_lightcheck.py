@@ -340,7 +340,7 @@ directory, point, nth, steps, progress = sys.argv[1], sys.argv[2], int(sys.argv[
 w = build("mlp", seed=3, in_backward=sys.argv[6] == "1")
 arm(point, after=nth)
 with Checkpointer(directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="lightcheck",
-                  persist_every=3, region=sys.argv[7] or None) as ckpt:
+                  persist_every=3, region=sys.argv[7] or None, wait=sys.argv[8]) as ckpt:
     ckpt.restore()
     for t in range(1, steps + 1):
         w.loss(w.data.next()).backward()
@@ -401,25 +401,30 @@ def _resume(directory: str, losses: list[float], in_backward: bool = False) -> t
 
 _POINTS = [("store.object.mid_write", 2, 7), ("lightcheck.copy.unit", 3, 20), ("store.region.before_header", 2, 7),
            ("store.region.mid_header", 3, 14)]
-_CASES = [(point, random.Random(f"{point}/{mode}").randint(lo, hi), mode, False)
+_CASES = [(point, random.Random(f"{point}/{mode}").randint(lo, hi), mode, False, "commit")
           for point, lo, hi in _POINTS for mode in ("software", "hardware")]
-_CASES += [(point, random.Random(f"{point}/in-backward").randint(lo, hi), "software", True) for point, lo, hi in _POINTS]
+_CASES += [(point, random.Random(f"{point}/in-backward").randint(lo, hi), "software", True, "commit")
+           for point, lo, hi in _POINTS]
+_CASES += [(point, random.Random(f"{point}/copies").randint(lo, min(hi, STEPS - 1)), "software", False, "copies")
+           for point, lo, hi in _POINTS]  # (one copy unit a step: the copies' points arrive once a step)
 
 
-@pytest.mark.parametrize("point, nth, mode, in_backward", _CASES)
-def test_a_kill_anywhere_in_a_copy_or_a_commit_loses_at_most_one_step(tmp_path, point, nth, mode, in_backward,
+@pytest.mark.parametrize("point, nth, mode, in_backward, wait", _CASES)
+def test_a_kill_anywhere_in_a_copy_or_a_commit_loses_at_most_one_step(tmp_path, point, nth, mode, in_backward, wait,
                                                                       uninterrupted):
     """I1, I2, I3: SIGKILL at the nth arrival at a point inside the copy or the commit of a slot; a
     software failure loses at most one step done (with updates in backward as well: the step's end
-    waits for the commit), a host loss (the region gone) what was not persisted; training goes on to the
-    uninterrupted run's state bitwise."""
+    waits for the commit) — two where the update waits for the copies alone (``wait="copies"``) —, a
+    host loss (the region gone) what was not persisted; training goes on to the uninterrupted run's
+    state bitwise."""
     directory, progress = str(tmp_path / "c"), tmp_path / "progress"
     # a host loss takes the region with the host's memory: it lies in /dev/shm, so that what the run
     # reports durable is what storage holds
     memory = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-")) if mode == "hardware" else None
     try:
         killed = run_script(_KILLED, directory, point, str(nth), str(STEPS), str(progress), str(int(in_backward)),
-                            str(memory / "rank-0.bin") if memory else "", env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+                            str(memory / "rank-0.bin") if memory else "", wait,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     finally:
         if memory is not None:
             shutil.rmtree(memory)  # the host's memory is gone
@@ -429,7 +434,7 @@ def test_a_kill_anywhere_in_a_copy_or_a_commit_loses_at_most_one_step(tmp_path, 
         start, final, losses = _resume(directory, [], in_backward)
     # The newest step recoverable in this failure mode when the last finished step ended, or a newer
     # one: a software failure loses at most one step done, a host loss what was not persisted.
-    recoverable = max(in_memory, durable, done - 1) if mode == "software" else durable
+    recoverable = max(in_memory, durable, done - (1 if wait == "commit" else 2)) if mode == "software" else durable
     assert recoverable <= start <= done, (start, done, durable, in_memory)
     ref_losses, ref_final = uninterrupted[in_backward]
     assert losses == ref_losses[start:] and final == ref_final
@@ -455,6 +460,28 @@ def test_slow_copies_make_the_update_wait_for_them_and_recovery_stays_exact(tmp_
         _faults.disarm("lightcheck.copy.unit")
     assert set(strategy.layer_waits) == {WHOLE} and strategy.layer_waits[WHOLE] > 0  # (its copies slept)
     assert ckpt.stats.snapshot_wait_seconds >= sum(strategy.layer_waits.values())
+
+
+@pytest.mark.parametrize("wait", ["commit", "copies"])
+def test_the_update_waits_for_the_commit_or_for_the_copies_alone(tmp_path, wait):
+    # Each slot's header is held back 50 ms: the update of the next step waits for it with
+    # wait="commit", not with wait="copies", where the next copy waits for it instead. Every step is
+    # committed in the end, and the newest slot is the final state either way.
+    w = build("mlp", seed=3)
+    strategy = LightCheck(LightCheck.Config(persist_every=0, wait=wait))
+    _faults.arm("store.region.before_header", action=functools.partial(time.sleep, 0.05), repeat=True)
+    try:
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy=strategy) as ckpt:
+            ckpt.restore()
+            _steps(w, 4)
+    finally:
+        _faults.disarm("store.region.before_header")
+    assert strategy.setting()["wait"] == wait
+    if wait == "commit":
+        assert strategy.commit_wait_seconds >= 3 * 0.05
+    else:
+        assert strategy.commit_wait_seconds == 0
+    assert ckpt.stats.last_memory_step == 4
 
 
 def test_with_updates_in_backward_each_layer_waits_only_for_its_own_copy(tmp_path):

@@ -13,7 +13,9 @@ header last. The training process's threads make a few hundred Python calls a st
 
 The update of step t+1 waits until S_t is committed: for each unit's copy in turn (how long each
 one kept it waiting is in :attr:`LightCheck.layer_waits`, on the CPU), then for the commit
-(:attr:`LightCheck.commit_wait_seconds`). With per-layer updates (:class:`~everystep.OptimizerInBackward`:
+(:attr:`LightCheck.commit_wait_seconds`). With ``wait="copies"`` (the paper's, the default on a
+GPU) it waits for the copies alone, and the commit of S_t goes on beside step t+1: the copy of S_t+1
+into the other slot waits for it instead, and a failure loses at most two finished steps. With per-layer updates (:class:`~everystep.OptimizerInBackward`:
 each layer updated during backward, under DDP once its bucket is all-reduced) each layer's update
 waits only for that layer's copy (on CUDA the wait is an event on the GPU, not on the CPU), and the
 end of step t+1 waits for the commit of S_t. Either way a failure loses at most the step being
@@ -91,10 +93,20 @@ class LightCheckConfig(StrategyConfig):
     ranks recover from the survivors' memory, not storage. Give ``region`` a path on each host's
     own memory (``/dev/shm/…{rank}…``)."""
 
+    wait: str | None = None
+    """What the next update waits for: ``"commit"``, S_t committed (its copies, checksums and
+    header: a failure loses at most one finished step); ``"copies"``, the paper's, S_t's copies only
+    (on CUDA on the GPU, not the host), the checksums and header going on beside the next step, and
+    the next copy into the other slot waiting for them, so that one slot always holds a complete
+    checkpoint: a failure loses at most two finished steps. None: ``"copies"`` on a GPU, where the
+    hashing of a large state outlasts the copies' DMA; ``"commit"`` on the CPU."""
+
     def __post_init__(self) -> None:
         StrategyConfig.__post_init__(self)
         if self.persist_every < 0:
             raise ConfigError(f"persist_every must be 0 (never) or a positive number of steps, got {self.persist_every}")
+        if self.wait not in (None, "commit", "copies"):
+            raise ConfigError(f"wait must be 'commit', 'copies' or None, got {self.wait!r}")
 
 
 class LightCheck(Strategy):
@@ -226,7 +238,8 @@ class LightCheck(Strategy):
     def setting(self) -> dict[str, Any]:
         """With the parts its slot is hashed in on CUDA (:func:`~.lightcheck_copy.part_count`), once a copy was laid out."""
         order = next(iter(self._orders.values()), None)
-        return {**super().setting(), **({"hash_parts": len(order.parts)} if order is not None else {})}
+        return {**super().setting(), "wait": "commit" if self._waits_for_commit() else "copies",
+                **({"hash_parts": len(order.parts)} if order is not None else {})}
 
     def _freeze(self) -> dict[int, torch.Tensor]:
         """Copies, taken now, of what the next forward or backward changes: model buffers and
@@ -299,12 +312,13 @@ class LightCheck(Strategy):
             order = self._copy_order(tensors, skeleton, sharded)
             copy.progress.start([name for name, _ in order.units], order.index)
             settled(self._committing[slot])  # the slot's previous commit is done
+            # and the other slot's, the step before (with wait="copies" it may still be hashing): a
+            # slot is rewritten only while the other one holds a complete checkpoint.
+            settled(self._committing[1 - slot])
             if self.peers is not None:
                 # and the mirroring of every step before: so that the region always holds a step its
                 # buddy's mirror holds too (and this rank's mirror of its wards' part), and a slot is
-                # not rewritten while read. The step before's mirroring is started by its commit,
-                # in the other slot: only once that is done is it the newest one.
-                settled(self._committing[1 - slot])
+                # not rewritten while read. The step before's mirroring is started by its commit.
                 peers.mirrored(self._mirrored)
             assert self.region is not None
             writer = self.region.begin(order.layout, order.meta_hint, slot=slot)
@@ -416,11 +430,16 @@ class LightCheck(Strategy):
 
     # -- before the next update ----------------------------------------------------------------
 
+    def _waits_for_commit(self) -> bool:
+        wait = self.config.wait
+        return (wait or ("copies" if self._on_cuda() else "commit")) == "commit"
+
     def _before_update(self, step: int) -> None:
-        """The update may change the state once S_{step-1} is committed: its copies are in the slot
-        (waited for layer by layer on the CPU) and the slot's header is written. So a failure at
-        any instant loses at most the step being computed. (Per-layer updates wait per layer, and
-        for the commit at the step's end.)"""
+        """The update may change the state once S_{step-1}'s copies are in the slot (waited for layer
+        by layer on the CPU, on CUDA by the stream) and, with ``wait="commit"``, the slot's header is
+        written. So a failure at any instant loses at most the step being computed (and with
+        ``wait="copies"`` the one before it). (Per-layer updates wait per layer, and for the commit
+        at the step's end.)"""
         if not self._layered:
             self._settle()
 
@@ -448,10 +467,13 @@ class LightCheck(Strategy):
         t0 = time.perf_counter()
         if copy.ready is None:
             copy.progress.wait(self.layer_waits)
-        settled(copy.future)
+        settled(copy.future)  # (on CUDA: the copies issued, and their events made)
         copied = time.perf_counter()
-        settled(copy.commit)
-        self.commit_wait_seconds += time.perf_counter() - copied
+        if self._waits_for_commit():
+            settled(copy.commit)
+            self.commit_wait_seconds += time.perf_counter() - copied
+        elif copy.events and not self._layered:
+            torch.cuda.current_stream().wait_event(copy.events[-1])  # (the GPU waits, not the host)
         self.ctx.waited(time.perf_counter() - t0)
         self.errors.raise_pending()
 
