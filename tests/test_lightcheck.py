@@ -324,6 +324,74 @@ def test_state_lent_out_of_a_region_is_the_processs_own_once_its_checkpointer_cl
     _steps(w2, 2)  # (its pages are written: no bus error)
 
 
+_CHANGED_WHILE_OPEN = """
+import os, sys, torch
+from everystep import Checkpointer
+from everystep.errors import EverystepError
+from everystep.eval.workloads import build
+directory, change, strategy = sys.argv[1], sys.argv[2], sys.argv[3]
+options = {"persist_every": 0} if strategy == "lightcheck" else {"memory": True, "persist_every": 1000,
+                                                                 "region": directory + "-region-{rank}.bin"}
+
+def steps(w, n):
+    for _ in range(n):
+        w.loss(w.data.next()).backward()
+        w.optimizer.step()
+        w.optimizer.zero_grad()
+
+class Failed(Exception):
+    pass
+
+w = build("mlp", seed=3)
+try:  # (a software failure: the region stays for the restart)
+    with Checkpointer(directory, w.model, w.optimizer, data=w.data, strategy=strategy, **options) as ckpt:
+        ckpt.restore()
+        steps(w, 3)
+        raise Failed
+except Failed:
+    pass
+w = build("mlp", seed=3)
+with Checkpointer(directory, w.model, w.optimizer, data=w.data, strategy=strategy, final=False, **options) as ckpt:
+    assert ckpt.restore() and ckpt.recovered.source in ("region", "memory"), ckpt.recovered
+    region = ckpt.strategy.region if strategy == "lightcheck" else ckpt.strategy.tier.region
+    assert region.lending.bytes
+    for _ in range(500):  # (the lent state leaves the file between updates)
+        if region.lending.moved_out:
+            break
+        steps(w, 1)
+    assert region.lending.moved_out and region.lending.detached_bytes
+    ckpt.wait()
+    state = [t for entry in w.optimizer.state.values() for t in entry.values() if t.dim()]
+    kept = [t.clone() for t in state]
+    with open(region.path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        os.ftruncate(f.fileno(), 0)
+        if change == "made anew":
+            os.ftruncate(f.fileno(), size)
+            f.write(os.urandom(size))
+    assert all(torch.equal(t, k) for t, k in zip(state, kept)), "the lent state changed with its file"
+    try:
+        steps(w, 3)
+    except EverystepError as e:
+        print("refused:", e)
+"""
+
+
+@pytest.mark.skipif(not lending_supported(), reason="this kernel cannot make a private mapping's pages the process's own")
+@pytest.mark.parametrize("strategy", ["lightcheck", "checkfreq"])
+@pytest.mark.parametrize("change", ["made anew", "cut short"])
+def test_a_region_file_changed_while_training_holds_its_lent_state_is_refused_not_a_bus_error(tmp_path, change,
+                                                                                               strategy):
+    """Item 5: a process restored from a region (the optimizer's state lent out of a slot) trains on
+    with its Checkpointer open; another process cuts the region file short, or makes it anew. The
+    lent state left the file between updates after the restore: it keeps its bytes, and the next
+    slot is refused with an error naming the region, where a bus error had ended the process."""
+    done = run_script(_CHANGED_WHILE_OPEN, str(tmp_path / "c"), change, strategy,
+                      env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert done.returncode == 0, done.stdout
+    assert "refused:" in done.stdout and "by another process while this one writes it" in done.stdout, done.stdout
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return run(TrainConfig(workload="mlp", strategy="none", steps=STEPS, seed=3, progress=False))

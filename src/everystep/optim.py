@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from .capture.hooks import after_backward, reduction_tap
 from .errors import ConfigError, EverystepError
 
-__all__ = ["OptimizerInBackward", "LayerPreHook"]
+__all__ = ["OptimizerInBackward", "LayerPreHook", "stepping"]
 
 LayerPreHook = Callable[["OptimizerInBackward", list[torch.Tensor]], None]
 """Called with the optimizer and the parameters about to be updated, on the thread that updates them."""
@@ -180,6 +180,14 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 self.optimizers[p].step()
             finally:
                 p.grad = saved
+
+
+def stepping(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers whose ``step`` writes ``optimizer``'s state: each parameter's own for an
+    :class:`OptimizerInBackward` (its ``step`` is never called), else ``optimizer`` itself."""
+    if isinstance(optimizer, OptimizerInBackward):
+        return list(optimizer.optimizers.values())
+    return [optimizer]
 
 
 def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:

@@ -115,6 +115,8 @@ class Region(SlotObjects):
         """Whether commits are flushed (``msync``) before the header: the file is meant to survive the host
         (by default, unless it lies in memory)."""
         self._fd = fd
+        self._head = b""
+        """The file's header as this process opened or made it (:meth:`begin` checks it is still there)."""
         self.owner = ""
         """What the region belongs to, as recorded when it was made."""
         self._lock = threading.Lock()
@@ -190,6 +192,7 @@ class Region(SlotObjects):
                                             f"with {PAGE}-byte pages")
             region = cls(path, fd, access=access, ranks=ranks or Ranks(), flush=flush)
             region.owner = stored_owner.rstrip(b"\0").decode("ascii", "replace")
+            region._head = head
             return region
         except BaseException:
             os.close(fd)
@@ -198,7 +201,10 @@ class Region(SlotObjects):
     # -- headers ---------------------------------------------------------------------------------
 
     def _header_bytes(self, slot: int) -> bytes:
-        return self._headers[(1 + slot) * PAGE:(1 + slot) * PAGE + _SLOT.size + 16]
+        start, stop = (1 + slot) * PAGE, (1 + slot) * PAGE + _SLOT.size + 16
+        if os.fstat(self._fd).st_size < stop:  # (cut short by another process: its mapping is gone)
+            return bytes(stop - start)
+        return self._headers[start:stop]
 
     def _parse(self, slot: int) -> tuple[RegionSlot | None, str | None]:
         raw = self._header_bytes(slot)
@@ -243,6 +249,26 @@ class Region(SlotObjects):
         if self.access == "read":
             raise ReadOnlyStoreError(f"{self.path} was opened for reading; nothing may be written there")
 
+    def _check_unchanged(self) -> None:
+        """Refuse a file another process changed under this writer (cut short, deleted, or replaced
+        at its path): its stores into the mapping past the new end would end the process with a
+        bus error, or go where no reader looks."""
+        st = os.fstat(self._fd)
+        end = max((a.offset + a.nbytes for a in self._areas.values()), default=_AREAS_START)
+        try:
+            here = os.lstat(self.path)
+            replaced = (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            replaced = True
+        rewritten = os.pread(self._fd, _FILE_HEADER.size, 0) != self._head
+        if st.st_size < end or st.st_nlink == 0 or replaced or rewritten:
+            what = (f"cut short to {st.st_size} bytes (its slots need {end})" if st.st_size < end
+                    else "deleted or replaced at its path" if st.st_nlink == 0 or replaced else "written over")
+            raise CheckpointDirectoryError(
+                f"the region {self.path} was {what} by another process while this one writes it; it writes no "
+                "more slots there. The state this process trains on is its own: close the Checkpointer and start "
+                "again, and keep other processes off the region's file")
+
     def next_slot(self) -> int:
         """The slot a writer takes first: the one not holding the newest complete checkpoint."""
         found = self.slots(warn=False)
@@ -279,6 +305,7 @@ class Region(SlotObjects):
         that commits slots in the background alternates them itself, and begins a slot only once
         its previous commit is done."""
         self.check_writable()
+        self._check_unchanged()
         self.lending.settle()  # (no page lent out of a slot may still be the file's)
         slot = self.next_slot() if slot is None else slot
         with self._lock:

@@ -22,14 +22,19 @@ for reading during each call).
 Where the kernel cannot (before Linux 5.14: ``EINVAL``), nothing is lent and the restore copies as
 before.
 
-While the region is open its writer holds the file (its lock), and truncates only a file whose
-header does not parse (made anew). When the region closes (the Checkpointer's close, when training
-does not step), the lent pages are moved out of the file's mapping into memory of the process's own
-(:meth:`Lending.detach`: each range copied into anonymous memory, which ``mremap`` then puts at the
-same addresses): a file cut short afterwards (``truncate``, or another writer making the region
-anew) would otherwise take them with it — Linux drops a private mapping's pages past the new end of
-its file, copied or not — and the live optimizer would train on the new file's bytes, or die of a
-bus error.
+Made its own is not yet out of the file's reach: Linux drops a private mapping's pages past the new
+end of its file, copied or not, so a file cut short (``truncate``, another writer making the region
+anew, a user's hand) would take the lent state with it, and the live optimizer would train on the
+new file's bytes, or die of a bus error. So the same thread then moves the lent pages out of the
+file's mapping into memory of the process's own (:func:`detached`: each few MiB copied into
+anonymous memory, which ``mremap`` puts at the same addresses). A write into a range while it is
+copied would be lost, so the thread moves a range only while no update runs: the optimizers that
+write the lent state (:meth:`Lending.start`'s ``writers``) hold it off for their step, and wait at
+most for the one range being moved. What is left when the region closes (the Checkpointer's close,
+when training does not step) is moved there (:meth:`Lending.detach`). Until the thread is done (a
+second or so after a restore of gpt2-small's state) a file cut short by hand still takes the lent
+pages; once it is done, nothing done to the file reaches them, and the region's writer refuses the
+changed file at its next slot (:meth:`~everystep.storage.region.Region.begin`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -155,6 +161,16 @@ class Lending:
         """Those made the process's own, still in the file's mapping until :meth:`detach`."""
         self._thread: threading.Thread | None = None
         self._error: OSError | None = None
+        self._populated = threading.Event()
+        """Set once :meth:`start`'s thread has made every lent page the process's own (or failed)."""
+        self._quiet = threading.Condition()
+        self._writing = 0
+        """Updates under way that may write lent state (their ranges are not moved meanwhile)."""
+        self._moving = False
+        self._stop = False
+        self._hooks: list[Any] = []
+        self.detached_bytes = 0
+        """Bytes moved out of the file's mapping so far."""
         self.bytes = 0
         """Bytes lent so far (the pages they lie in)."""
         self.seconds = 0.0
@@ -198,27 +214,57 @@ class Lending:
                 self.bytes += sum(n for _, n in lent.ranges)
         return tensors
 
-    def start(self) -> None:
-        """Make the lent pages the process's own on a thread of their own (once the restore is done:
-        those of a slot it did not take are gone with its tensors)."""
+    def start(self, writers: Sequence[Any] = ()) -> None:
+        """Make the lent pages the process's own, then move them out of the file, on a thread of
+        their own (once the restore is done: those of a slot it did not take are gone with its
+        tensors). ``writers``: the optimizers whose steps write the lent state (each ``step`` holds
+        the moving off while it runs); none: the pages are moved at :meth:`detach`."""
         with self._lock:
             if not self._lent or self._thread is not None:
                 return
-            self._thread = threading.Thread(target=self._run, name="everystep-region-lent", daemon=True)
+            for optimizer in writers:
+                self._hooks += [optimizer.register_step_pre_hook(self._enter),
+                                optimizer.register_step_post_hook(self._leave)]
+            self._thread = threading.Thread(target=self._background, name="everystep-region-lent", daemon=True)
             self._thread.start()
+
+    def _enter(self, *_: Any) -> None:
+        with self._quiet:
+            while self._moving:
+                self._quiet.wait()
+            self._writing += 1
+
+    def _leave(self, *_: Any) -> None:
+        with self._quiet:
+            self._writing = max(0, self._writing - 1)
+            self._quiet.notify_all()
+
+    def _background(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._populated.set()
+        if self._error is None and self._hooks:
+            self._move_out(between_updates=True)
 
     def settle(self) -> None:
         """Return once every lent page still in use is the process's own (waiting for :meth:`start`'s
         thread, or doing it here); raises :class:`~everystep.errors.EverystepError` where the
         kernel refused, before anything the pages lie over is written."""
         with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+            started = self._thread is not None
+        if started:
+            self._populated.wait()
         self._run()
         if self._error is not None:
             raise EverystepError(f"the state recovered from {self.where} could not be made this process's own "
                                  f"(madvise: {self._error.strerror}); the region writes no slot while it lies there")
+
+    @property
+    def moved_out(self) -> bool:
+        """Whether every lent page still in use lies out of the file's mapping."""
+        with self._lock:
+            return not self._lent and not self._moved
 
     def detach(self) -> None:
         """Move every lent page still in use out of the file's mapping into memory of the process's
@@ -226,23 +272,62 @@ class Lending:
         when nothing writes the lent tensors. A range the kernel refuses to move stays in the
         file's private mapping, said in the error raised after the others are moved."""
         self.settle()
+        with self._quiet:
+            self._stop = True
+            self._quiet.notify_all()
         with self._lock:
-            lent, self._moved = self._moved, []
-        failed: OSError | None = None
-        for item in lent:
-            mapping = item.mapping()
-            if mapping is None:
-                continue  # (its tensors are gone)
-            for address, nbytes in item.ranges:
-                try:
-                    detached(address, nbytes)
-                except OSError as e:
-                    failed = failed or e
-            del mapping
+            thread, self._thread = self._thread, None
+            hooks, self._hooks = self._hooks, []
+        if thread is not None:
+            thread.join()
+        for hook in hooks:
+            hook.remove()
+        failed = self._move_out(between_updates=False)
         if failed is not None:
             raise EverystepError(f"the state recovered from {self.where} could not be moved out of its file "
                                  f"(mremap: {failed.strerror}): a change to that file while this process trains "
                                  "would show in its optimizer's state")
+
+    def _move_out(self, *, between_updates: bool) -> OSError | None:
+        """Move the lent ranges made the process's own out of the file's mapping, a few MiB at a
+        time (``between_updates``: each while no update runs, until :meth:`detach` stops it)."""
+        failed: OSError | None = None
+        while True:
+            with self._lock:
+                if not self._moved:
+                    return failed
+                item = self._moved[0]
+            mapping = item.mapping()
+            try:
+                for address, nbytes in item.ranges if mapping is not None else ():
+                    for at in range(0, nbytes, _CHUNK):
+                        if between_updates and not self._hold_updates():
+                            return failed
+                        try:
+                            detached(address + at, min(_CHUNK, nbytes - at))
+                            self.detached_bytes += min(_CHUNK, nbytes - at)
+                        except OSError as e:
+                            failed = failed or e
+                            if between_updates:
+                                return failed  # (left for detach, which says so)
+                        finally:
+                            if between_updates:
+                                with self._quiet:
+                                    self._moving = False
+                                    self._quiet.notify_all()
+            finally:
+                del mapping
+            with self._lock:
+                if item in self._moved:
+                    self._moved.remove(item)
+
+    def _hold_updates(self) -> bool:
+        """Wait until no update runs and keep the next from starting; False once told to stop."""
+        with self._quiet:
+            while self._writing and not self._stop:
+                self._quiet.wait()
+            self._moving = not self._stop
+            return not self._stop
 
     def _run(self) -> None:
         while True:

@@ -52,7 +52,7 @@ from .._faults import crash_point
 from ..background import Worker, settled
 from ..errors import ConfigError, NoValidCheckpointError
 from ..layout import TensorLayout
-from ..optim import OptimizerInBackward
+from ..optim import OptimizerInBackward, stepping
 from ..recovery import Candidate, recover
 from ..state import bare_module, local_optimizer
 from ..parallelism import SHARDED_LAYOUTS
@@ -208,7 +208,8 @@ class LightCheck(Strategy):
     def _on_start(self, step: int) -> None:
         if self.region is not None and self.region.access != "read":
             self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
-            self.region.lending.start()  # (what the restore lent becomes this process's own, beside training)
+            # (what the restore lent becomes this process's own, and leaves the file, beside training)
+            self.region.lending.start(stepping(self.ctx.components.optimizer))
             self._slot = self.region.next_slot()
         if self.peers is not None:
             self.peers.discard_newer(step)

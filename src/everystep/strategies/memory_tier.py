@@ -52,6 +52,7 @@ from ..background import BackgroundErrors, Worker
 from ..errors import ConfigError, CorruptCheckpointError, NoValidCheckpointError
 from ..layout import TensorLayout
 from ..policy.interval import busy_interval, median_gap, persist_due
+from ..optim import stepping
 from ..recovery import Candidate
 from ..spread import commit_spread
 from ..storage.region import Region, UnreadableRegionError, UntrustedRegionError
@@ -252,7 +253,8 @@ class MemoryTier:
         assert self.ctx.directory is not None
         if self.region is not None and self.region.access != "read":
             self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
-            self.region.lending.start()  # (what the restore lent becomes this process's own, beside training)
+            # (what the restore lent becomes this process's own, and leaves the file, beside training)
+            self.region.lending.start(stepping(self.ctx.components.optimizer))
         self.last_persisted = min(step, self.ctx.directory.newest_full_step())
 
     # -- every checkpoint ----------------------------------------------------------------------
