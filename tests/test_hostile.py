@@ -772,3 +772,49 @@ def test_a_restore_refused_in_another_world_size_leaves_the_marker_as_it_was(tmp
     assert (root / MARKER).read_bytes() == before
     _train(root, 2, 3)
     assert json.loads((root / MARKER).read_bytes())["world_size"] == 1
+
+
+_SPARSE_RESTORE = """
+import resource, sys, warnings
+from everystep import Checkpointer
+from everystep.eval.workloads import build
+w = build("mlp", seed=0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with Checkpointer(sys.argv[1], w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy="full_sync",
+                      final=False) as ckpt:
+        step = ckpt.restore()
+print(step, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+print(*(str(c.message) for c in caught), sep="\\n")
+"""
+
+
+def test_a_sparse_tensor_file_of_gigabytes_is_refused_without_taking_its_size_in_memory(tmp_path):
+    """B5: the newest checkpoint's tensor file swapped for a sparse one of 4 GiB (a valid header, one
+    tensor over the rest, nothing but a hole), its manifest re-signed with that size. The restore
+    refuses it by its checksum and takes the checkpoint before, its memory peak far below the
+    file's size: the hole is not read into memory."""
+    from everystep.layout import TensorLayout
+    from everystep.storage.tensorfile import header_bytes
+
+    from .forked import run_script
+    from .conftest import ROOT
+
+    root = tmp_path / "c"
+    _train(root, 0, 2)
+    body = _body(root, 2)
+    (name, info), = body["objects"].items()
+    nbytes = 4 << 30
+    head = header_bytes(TensorLayout.of({"x": torch.empty(nbytes // 4, dtype=torch.float32, device="meta")}))
+    path = root / "objects" / info["name"]
+    path.unlink()
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + nbytes)
+    body["objects"][name] = {**info, "nbytes": len(head) + nbytes}
+    _resign(root, "full-000000000002.json", body)
+    done = run_script(_SPARSE_RESTORE, str(root), env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert done.returncode == 0, done.stdout
+    step, peak_mib = map(int, done.stdout.splitlines()[0].split())
+    assert step == 1 and "full-000000000002" in done.stdout, done.stdout
+    assert peak_mib < 1024, f"the restore peaked at {peak_mib} MiB for a 4 GiB sparse file"

@@ -509,6 +509,36 @@ def test_the_safetensors_librarys_files_are_read_once_each_byte_into_tensors_of_
     assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in got.values())
 
 
+def test_a_tensor_file_with_holes_reads_back_the_same_tensors(tmp_path):
+    """A filesystem may store blocks of zeros as holes (ZFS with compression): a file with holes
+    reads back bitwise, the large tensors' holes left unread in zeroed memory, small ones and the
+    data around the holes read."""
+    from everystep.layout import TensorLayout
+    from everystep.storage.base import CHECKSUM_ALGORITHM, new_hasher
+    from everystep.storage.tensorfile import read_tensors, tensor_chunks
+
+    tensors = {"a": torch.arange(1000, dtype=torch.float32), "zeros": torch.zeros(3 << 20, dtype=torch.float32),
+               "b": torch.randn(5 << 18), "small": torch.zeros(100, dtype=torch.int64)}
+    tensors["zeros"][-5:] = 7.0  # (data in the last block of a tensor that is mostly hole)
+    layout = TensorLayout.of(tensors)
+    path, hasher = tmp_path / "t.safetensors", new_hasher()
+    with open(path, "wb") as f:
+        for chunk in tensor_chunks(layout, tensors):  # (the header first)
+            hasher.update(chunk)
+            if any(chunk.tobytes()):
+                f.write(chunk)
+            else:
+                f.seek(len(chunk), os.SEEK_CUR)  # a hole
+        f.truncate()
+    size = path.stat().st_size
+    with open(path, "rb") as probe:
+        if os.lseek(probe.fileno(), 0, os.SEEK_HOLE) >= size:
+            pytest.skip("this filesystem makes no holes")
+    with open(path, "rb") as f:
+        got = read_tensors(f, size, f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}", what="object t")
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
 def _header_file(header: dict, data: bytes) -> bytes:
     raw = json.dumps(header).encode()
     return struct.pack("<Q", len(raw)) + raw + data

@@ -9,9 +9,11 @@ from a file (:func:`read_tensors`) each byte is read once, straight into the ten
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
+import mmap
 import os
 import stat
 import struct
@@ -199,9 +201,11 @@ def read_tensors(f: BinaryIO, size: int, checksum: str, *, what: str) -> dict[st
     hasher.update(prefix)
     hasher.update(header)
     rows = parse_header(header, size - 8 - n, what=what)
-    tensors = {key: torch.empty(shape, dtype=dtype) for key, dtype, shape, _, _ in rows}
-    views = [memoryview(tensors[key].view(-1).view(torch.uint8).numpy()) for key, _, _, start, end in rows if end > start]
     fd = _file_descriptor(f)
+    extents = _data_extents(fd, size) if fd is not None else None
+    tensors = {key: _empty(shape, dtype, end - start, zeroed=extents is not None) for key, dtype, shape, start, end in rows}
+    views = [memoryview(tensors[key].view(-1).view(torch.uint8).numpy()) for key, _, _, start, end in rows if end > start]
+    zeroed = [extents is not None and len(v) >= _ZEROED for v in views]
     if fd is None:
         with ThreadPoolExecutor(1, thread_name_prefix="everystep-read-hash") as hashing:  # (one thread: in order)
             for view in views:
@@ -212,14 +216,16 @@ def read_tensors(f: BinaryIO, size: int, checksum: str, *, what: str) -> dict[st
     else:
         if os.fstat(fd).st_size != size:
             raise CorruptCheckpointError(f"{what} is not the {size} bytes its manifest says (truncated?)")
-        first, second = _halves(views, 8 + n)
+        first, second = _halves(views, zeroed, 8 + n)
+        if extents is not None:  # a file with holes: only its data is read (see _data_extents)
+            first, second = _in_extents(first, extents), _in_extents(second, extents)
         with ThreadPoolExecutor(1, thread_name_prefix="everystep-read") as reading:
-            later = reading.submit(_pread_into, fd, second, what)
-            _pread_into(fd, first, what)
-            for view, _ in first:
+            later = reading.submit(_pread_into, fd, [s for s in second if s[2]], what)
+            _pread_into(fd, [s for s in first if s[2]], what)
+            for view, _, _ in first:
                 hasher.update(view)
             later.result()
-        for view, _ in second:
+        for view, _, _ in second:
             hasher.update(view)
     check_digest(hasher, checksum, what)
     return tensors
@@ -234,32 +240,93 @@ def _file_descriptor(f: BinaryIO) -> int | None:
     return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
-Segments = list[tuple[memoryview, int]]
-"""Buffers to read into, each with the offset in the file where its bytes lie."""
+Segments = list[tuple[memoryview, int, bool]]
+"""Buffers to read into, each with the offset in the file where its bytes lie, and whether to read
+them (False: they lie in a hole of the file, and the buffer holds its zeros already)."""
+
+_ZEROED = 1 << 20
+"""Tensors of at least this many bytes read from a file with holes lie in fresh anonymous memory."""
 
 
-def _halves(views: list[memoryview], at: int) -> tuple[Segments, Segments]:
+def _data_extents(fd: int, size: int) -> list[tuple[int, int]] | None:
+    """Where a file with holes (sparse) holds data, as (start, end) offsets; None where it has no
+    hole (or the filesystem cannot say). A tensor file is written whole; one with holes is read
+    without reading its holes into memory: a forged sparse file of many gigabytes, refused by its
+    checksum, would otherwise take as much memory before the refusal. (A filesystem that stores
+    blocks of zeros as holes, ZFS with compression, gives the same tensors either way.)"""
+    try:
+        if os.lseek(fd, 0, os.SEEK_HOLE) >= size:
+            return None
+        extents, at = [], 0
+        while at < size:
+            try:
+                start = os.lseek(fd, at, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # (only a hole past ``at``)
+                    break
+                raise
+            at = os.lseek(fd, start, os.SEEK_HOLE)
+            extents.append((start, min(at, size)))
+        return extents
+    except OSError:
+        return None
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, *, zeroed: bool) -> torch.Tensor:
+    """A tensor to read into; ``zeroed`` and large: over fresh anonymous memory, whose pages cost no
+    memory until written (and read as zeros: what a file's hole holds)."""
+    if not zeroed or nbytes < _ZEROED:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
+
+
+def _in_extents(segments: Segments, extents: list[tuple[int, int]]) -> Segments:
+    """``segments`` cut where the file's data ``extents`` begin and end: the parts in a hole are not
+    read where their buffer is zeroed memory (:func:`_empty`; marked not to read by :func:`_halves`),
+    and read (as zeros) where it is not."""
+    out: Segments = []
+    for view, offset, read in segments:
+        if read:
+            out.append((view, offset, True))
+            continue
+        at = offset
+        for start, end in extents:
+            lo, hi = max(start, offset), min(end, offset + len(view))
+            if lo >= hi:
+                continue
+            if lo > at:
+                out.append((view[at - offset:lo - offset], at, False))
+            out.append((view[lo - offset:hi - offset], lo, True))
+            at = hi
+        if at < offset + len(view):
+            out.append((view[at - offset:], at, False))
+    return out
+
+
+def _halves(views: list[memoryview], zeroed: list[bool], at: int) -> tuple[Segments, Segments]:
     """``views``, which the file holds one after another from offset ``at``, cut at the middle of
-    their bytes (a view that spans the middle in two): the first half's and the second's, in order."""
+    their bytes (a view that spans the middle in two): the first half's and the second's, in order,
+    each to be read unless its buffer is ``zeroed`` (then only where the file holds data:
+    :func:`_in_extents`)."""
     total = sum(len(v) for v in views)
     middle = at + total // 2
     first: Segments = []
     second: Segments = []
-    for view in views:
+    for view, zero in zip(views, zeroed, strict=True):
         end = at + len(view)
         if end <= middle:
-            first.append((view, at))
+            first.append((view, at, not zero))
         elif at >= middle:
-            second.append((view, at))
+            second.append((view, at, not zero))
         else:
-            first.append((view[:middle - at], at))
-            second.append((view[middle - at:], middle))
+            first.append((view[:middle - at], at, not zero))
+            second.append((view[middle - at:], middle, not zero))
         at = end
     return first, second
 
 
 def _pread_into(fd: int, segments: Segments, what: str) -> None:
-    for view, offset in segments:
+    for view, offset, _ in segments:
         got = 0
         while got < len(view):
             n = os.preadv(fd, [view[got:]], offset + got)
