@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import time
 import warnings
 from pathlib import Path
@@ -451,25 +452,6 @@ def test_every_slot_damaged_and_no_full_checkpoint_is_an_error_and_the_region_is
     assert path.is_file() and path.read_bytes() == bytes(raw)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="makes a folder of another user's (chown)")
-def test_a_memory_tier_folder_another_user_made_is_refused_with_advice_this_user_can_follow(tmp_path, monkeypatch):
-    """The folder's name is known in advance (``everystep-UID``), so another user can make it first:
-    refused, and the message says what this user can do (a folder of their own with region=), not to
-    delete a folder they cannot delete."""
-    from everystep.storage import region_open
-    from everystep.storage.region import UntrustedRegionError
-
-    monkeypatch.setattr(region_open, "MEMORY_ROOT", tmp_path)
-    theirs = tmp_path / f"everystep-{os.geteuid()}"
-    theirs.mkdir(mode=0o700)
-    os.chown(theirs, 12345, 12345)
-    w = make("mlp", 0)
-    with pytest.raises(UntrustedRegionError, match=r"owned by uid 12345.*give region= a path in a folder of your own "
-                                                   r".*region='.*/<a name of yours>/rank-\{rank\}\.bin'"):
-        attach(w, tmp_path / "c", "checkfreq", every=1, memory=True)
-    assert list(theirs.iterdir()) == []
-
-
 def test_a_directory_moved_after_a_crash_finds_its_memory_tier_and_a_copy_does_not_take_it(tmp_path):
     """B8: the memory tier's default place is drawn from the directory's path; the directory records
     where it lies, for that very folder. Moved (renamed) after a crash, it resumes from its tier, and
@@ -531,3 +513,28 @@ def test_recover_reads_the_memory_tier_of_a_directory_written_through_the_python
         assert out.rstrip().endswith("from memory") and hashes[newest] in out
     finally:
         shutil.rmtree(memory_path(tmp_path / "c", None, 0, 1).parent, ignore_errors=True)
+
+
+def test_a_memory_tiers_folder_another_user_made_first_moves_the_tier_not_the_job(tmp_path, shm, monkeypatch):
+    """B10: another user made ``everystep-UID`` (its name is known in advance) before this user's
+    first run. The run keeps its memory tier in a folder of a name no one can know, with a warning;
+    a killed run's restart finds it there through the directory's record, recovers from memory, and
+    a clean close leaves nothing of it behind."""
+    from everystep.storage import region_open
+
+    if os.geteuid() != 0:
+        pytest.skip("making a folder another user owns needs root")
+    monkeypatch.setattr(region_open, "MEMORY_ROOT", shm)
+    squatted = shm / f"everystep-{os.geteuid()}"
+    squatted.mkdir(mode=0o755)
+    os.chown(squatted, 4242, 4242)
+    options = dict(strategy="checkfreq", memory=True, persist_every=10)
+    with pytest.warns(RuntimeWarning, match=r"cannot be trusted \(it is owned by uid 4242.*lies in .*everystep-0-"):
+        hashes = _crashed(tmp_path / "c", make("mlp", 0), 5, options)
+    spare = [p for p in shm.iterdir() if p.name.startswith(f"everystep-{os.geteuid()}-")]
+    assert len(spare) == 1 and stat.S_IMODE(spare[0].stat().st_mode) == 0o700
+    w = make("mlp", 0)
+    with attach(w, tmp_path / "c", **options) as again:
+        assert again.restore() == 4 and again.recovered.source == "memory"
+        assert live_hash(w, 4) == hashes[4]
+    assert sorted(p.name for p in shm.iterdir()) == [squatted.name]  # (the spare folder gone with its tier)

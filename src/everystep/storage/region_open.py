@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
+import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
     from .directory import CheckpointDirectory
 
 __all__ = ["region_path", "open_region", "memory_path", "memory_place", "memory_record", "record_memory", "named_region",
-           "readable_region", "region_places", "MEMORY_ROOT"]
+           "readable_region", "region_places", "memory_folders", "spare_memory_folder", "MEMORY_ROOT"]
 
 MEMORY_ROOT = Path("/dev/shm")
 """Where a full-state strategy's memory tier lies unless ``region=`` says otherwise."""
@@ -90,11 +92,39 @@ def named_region(option: str | None, root: Path) -> str | None:
     if option is None:
         return None
     folder = Path(os.path.realpath(Path(option.replace("{rank}", "0")).parent))
-    mine = [Path(os.path.realpath(root)), Path(os.path.realpath(MEMORY_ROOT / f"everystep-{os.geteuid()}"))]
+    mine = [Path(os.path.realpath(root)), *memory_folders()]
     if any(folder == place or place in folder.parents for place in mine):
         return None
     return (f"its marker names the region {option!r}, outside the directory and the memory tiers' folder "
             f"{mine[1]}: not opened by a reader")
+
+
+def memory_folders() -> list[Path]:
+    """The user's folders of memory tiers: ``everystep-UID`` in :data:`MEMORY_ROOT`, then those made
+    in its stead where another user holds that name (``everystep-UID-*``, :func:`spare_memory_folder`),
+    each this user's own, mode 0700."""
+    uid = os.geteuid()
+    found = [Path(os.path.realpath(MEMORY_ROOT / f"everystep-{uid}"))]
+    try:
+        names = sorted(os.listdir(MEMORY_ROOT))
+    except OSError:
+        return found
+    for name in names:
+        if name.startswith(f"everystep-{uid}-"):
+            try:
+                st = os.lstat(MEMORY_ROOT / name)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077:
+                found.append(MEMORY_ROOT / name)
+    return found
+
+
+def spare_memory_folder() -> Path:
+    """A folder of memory tiers of a name no one can know in advance (``everystep-UID-<random>``, mode
+    0700), for a user whose ``everystep-UID`` another user made: the directory's record of the tier
+    (:func:`record_memory`) says where it lies."""
+    return Path(tempfile.mkdtemp(prefix=f"everystep-{os.geteuid()}-", dir=MEMORY_ROOT))
 
 
 def readable_region(named: object, root: Path, given: str | None) -> str | None:

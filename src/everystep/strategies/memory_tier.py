@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import operator
+import os
 import threading
 from pathlib import Path
 import time
@@ -107,23 +108,31 @@ class FullStateConfig(StrategyConfig):
                               "(each rank's whole state in its region, mirrored to a peer with peers=True)")
 
 
-def _own_folder(folder: Path) -> None:
-    """Make the user's folder of memory tiers (``/dev/shm/everystep-UID``), mode 0700, or refuse one
-    that another user could change (its name is known in advance: anyone may have made it)."""
+def _own_folder(path: Path) -> Path:
+    """Where the memory tier ``path`` (``<folder>/<name>/rank-R.bin``) lies: in the user's folder of
+    memory tiers (``/dev/shm/everystep-UID``), made mode 0700. Its name is known in advance, so
+    another user may have made it: then in a folder of a name no one can know, made for it
+    (:func:`~everystep.storage.region_open.spare_memory_folder`), with a warning; the directory's
+    record of the tier says where, for the restart."""
     if not region_open.MEMORY_ROOT.is_dir():
         raise ConfigError(f"memory=True keeps its region in {region_open.MEMORY_ROOT}, which this machine lacks: "
                           "give region= a path on a filesystem in memory (tmpfs)")
+    folder = path.parent.parent
     try:
         folder.mkdir(mode=0o700)
     except FileExistsError:
         pass
     problem = untrusted_folder(folder)
-    if problem is not None:  # (another user's, in a sticky folder: this user cannot delete it)
-        raise UntrustedRegionError(
-            f"the memory tier's folder {folder} cannot be trusted: {problem}; give region= a path in a folder of "
-            f"your own on a filesystem in memory, which everystep makes (mode 0700), e.g. "
-            f"region='{region_open.MEMORY_ROOT}/<a name of yours>/rank-{{rank}}.bin', or have the folder's owner, or "
-            "root, delete it")
+    if problem is None:
+        return path
+    if not folder.is_symlink() and folder.stat().st_uid == os.geteuid():  # (this user's own: theirs to mend)
+        raise UntrustedRegionError(f"the memory tiers' folder {folder} cannot be trusted: {problem}; "
+                                   f"make it this user's alone (chmod 700 {folder}) or delete it")
+    spare = region_open.spare_memory_folder()  # (another user's, in a sticky folder: this user cannot delete it)
+    warnings.warn(f"the memory tiers' folder {folder} cannot be trusted ({problem}): this run's memory tier lies in "
+                  f"{spare} instead, which the checkpoint directory records for its restarts; have root delete "
+                  f"{folder}", RuntimeWarning, stacklevel=4)
+    return spare / path.parent.name / path.name
 
 
 Finish = Callable[[Candidate, dict[str, torch.Tensor], dict[str, Any]], Candidate]
@@ -196,7 +205,7 @@ class MemoryTier:
         else:
             self.path = memory_path(directory.root, config.region, ctx.ranks.rank, ctx.ranks.world)
         if config.region is None and directory.access != "read":  # (a reader makes nothing)
-            _own_folder(self.path.parent.parent)
+            self.path = _own_folder(self.path)
         self.damaged: str | None = None
         """Why the region holds no checkpoint that verifies, where it holds a damaged one."""
         try:
@@ -412,10 +421,12 @@ class MemoryTier:
         self.region.close()
         if clean and self.config.region is None and self.region.access != "read" and newest <= self.last_persisted:
             self.path.unlink(missing_ok=True)
-            try:
-                self.path.parent.rmdir()  # (another rank's may still be there)
-            except OSError:
-                pass
+            spare = self.path.parent.parent.name != f"everystep-{os.geteuid()}"  # (made in its stead: its own)
+            for folder in (self.path.parent, self.path.parent.parent)[:1 + spare]:
+                try:
+                    folder.rmdir()  # (another rank's may still be there)
+                except OSError:
+                    break
 
 
 class FullState(Strategy):
