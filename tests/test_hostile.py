@@ -818,3 +818,23 @@ def test_a_sparse_tensor_file_of_gigabytes_is_refused_without_taking_its_size_in
     step, peak_mib = map(int, done.stdout.splitlines()[0].split())
     assert step == 1 and "full-000000000002" in done.stdout, done.stdout
     assert peak_mib < 1024, f"the restore peaked at {peak_mib} MiB for a 4 GiB sparse file"
+
+
+def test_a_refused_run_leaves_nothing_that_blocks_a_fresh_start(tmp_path):
+    """B9: a first run refused once its region's claim is written (a region= where no region can be
+    made) left the claim, and every later start was refused as a foreign directory. The claim goes
+    with the refusal, the refusal names the option, and a directory holding only what a run writes
+    before its marker (a run killed there) starts afresh."""
+    from everystep.errors import ConfigError
+
+    root = tmp_path / "c"
+    w = build("mlp", seed=0)
+    (tmp_path / "file").write_text("a file where the region's folder would be")
+    with pytest.raises(ConfigError, match=r"region=.*cannot be made there"):
+        with Checkpointer(root, w.model, w.optimizer, strategy="lightcheck",
+                          region=str(tmp_path / "file" / "x" / "{rank}.bin")) as ckpt:
+            ckpt.restore()
+    assert list(root.iterdir()) == []
+    (root / "region-r0.owner").write_text("0" * 32)  # (what a run killed before its marker leaves)
+    _train(root, 0, 2, strategy="lightcheck")
+    _train(root, 2, 3, strategy="lightcheck")

@@ -39,6 +39,9 @@ from .hosts import PROBE, Hosts, agree_markers, discard_hidden, listing, probe, 
 from .local import LocalStore, fsync_dir
 from .retention import plan_retention
 
+_LEFT_BEFORE_MARKER = re.compile(r"region-r\d+\.owner|memory-r\d+\.json")
+"""What a run writes before its directory's marker: a region's claim, a memory tier's record."""
+
 __all__ = ["CheckpointDirectory", "MARKER", "LOCK", "FORMAT_VERSION", "marker_bytes", "parse_marker", "collect_garbage"]
 
 MARKER = "everystep.json"
@@ -295,8 +298,10 @@ class CheckpointDirectory:
 
     @staticmethod
     def _refuse_foreign(path: Path) -> None:
-        found = sorted(p.name for p in path.iterdir() if p.name != LOCK and not p.name.startswith(PROBE)) \
-            if path.is_dir() else []
+        """Refuse a folder that holds files of anything but everystep (a run that died before its
+        marker was written may have left a region's claim or a memory tier's record: its own)."""
+        found = sorted(p.name for p in path.iterdir() if p.name != LOCK and not p.name.startswith(PROBE)
+                       and not _LEFT_BEFORE_MARKER.fullmatch(p.name)) if path.is_dir() else []
         if found:
             raise CheckpointDirectoryError(
                 f"{path} is not empty and is not an everystep checkpoint directory (found: {', '.join(found[:5])}); "

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import CheckpointDirectoryError
+from ..errors import CheckpointDirectoryError, ConfigError, EverystepError
 from ..files import read_regular
 from .region import Region, UnreadableRegionError, UntrustedRegionError
 
@@ -155,6 +155,21 @@ def region_places(directory: "CheckpointDirectory", region: str | None = None) -
             for place in ([option] if option is not None else [None, str(memory_place(directory.root, rank, world)[0])])]
 
 
+def _open_claimed(directory: "CheckpointDirectory", path: Path, token: str, flush: bool | None) -> Region:
+    """The writer's region at ``path``, made for ``token`` if absent; one whose header does not parse
+    is made anew only where the directory's full checkpoints replace what it may hold."""
+    try:
+        return Region.open(path, ranks=directory.ranks, flush=flush, owner=token)
+    except UnreadableRegionError as e:
+        if not directory.fulls():
+            raise CheckpointDirectoryError(
+                f"{e}; nothing was changed, since it may hold checkpoints that no full checkpoint in "
+                f"{directory.root} replaces: to start over, delete {path}") from None
+        warnings.warn(f"{e}: training resumes from the full checkpoints of {directory.root}, and the region is "
+                      "made anew", stacklevel=4)
+        return Region.open(path, ranks=directory.ranks, flush=flush, owner=token, remake=True)
+
+
 CLAIM_LIMIT = 64
 """The most bytes a region's claim (``region-r<rank>.owner``, a 32-character token) is read of."""
 
@@ -205,19 +220,15 @@ def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: 
         token = uuid.uuid4().hex
         directory.put_file(claim.name, token.encode())  # before the region: a region is always claimed
     try:
-        found = Region.open(path, ranks=ranks, flush=flush, owner=token)
-    except UntrustedRegionError:
+        found = _open_claimed(directory, path, token, flush)
+    except BaseException as e:
         if claimed:
             claim.unlink(missing_ok=True)  # the directory stays as it was found
+        if isinstance(e, OSError) and not isinstance(e, EverystepError):
+            raise ConfigError(f"region={region!r}: the region {path} cannot be made there "
+                              f"({e.strerror or e}); give region= a folder of your own on a filesystem in memory "
+                              "(/dev/shm) or a disk") from None
         raise
-    except UnreadableRegionError as e:
-        if not directory.fulls():
-            raise CheckpointDirectoryError(
-                f"{e}; nothing was changed, since it may hold checkpoints that no full checkpoint in "
-                f"{directory.root} replaces: to start over, delete {path}") from None
-        warnings.warn(f"{e}: training resumes from the full checkpoints of {directory.root}, and the region is "
-                      "made anew", stacklevel=3)
-        found = Region.open(path, ranks=ranks, flush=flush, owner=token, remake=True)
     if found.owner != token:
         found.close()
         raise CheckpointDirectoryError(
