@@ -51,7 +51,29 @@ from .context import StrategyContext
 if TYPE_CHECKING:
     from ..peers import Peers
 
-__all__ = ["Strategy", "StrategyConfig"]
+__all__ = ["Strategy", "StrategyConfig", "Tier"]
+
+
+class Tier(typing.Protocol):
+    """A tier in memory a strategy keeps its checkpoints in beside the directory, which the base
+    class drives (:class:`~everystep.strategies.memory_tier.MemoryTier`)."""
+
+    path: typing.Any
+    region: typing.Any
+
+    def agree(self) -> None: ...
+
+    def recover(self, own: typing.Callable[[], Candidate | None]) -> Candidate | None: ...
+
+    def on_start(self, step: int) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def close(self, *, clean: bool = False) -> None: ...
+
+    def report(self) -> dict[str, int]: ...
 
 
 RATE_PLAUSIBLE = 1e5
@@ -162,7 +184,7 @@ class Strategy:
     def __init__(self, config: StrategyConfig | None = None) -> None:
         self._taken = -1
         """The newest step handed to this strategy (:meth:`_first`; with :meth:`_due`, checkpointed)."""
-        self.tier: typing.Any = None
+        self.tier: Tier | None = None
         """With ``memory=True`` (a strategy that writes the whole state): its memory tier
         (:class:`~everystep.strategies.memory_tier.MemoryTier`), made at attach by :meth:`_make_tier`."""
         self.peers: Peers | None = None
@@ -324,7 +346,7 @@ class Strategy:
     def _attach(self) -> None:
         """Check the components, start threads, allocate what does not depend on the step."""
 
-    def _make_tier(self) -> typing.Any:
+    def _make_tier(self) -> Tier | None:
         """The memory tier, or None (the default: none)."""
         return None
 

@@ -50,7 +50,7 @@ from ..policy.schedule import ScheduleResult, StepProfile, coarsen, drifted, pla
 from ..parallelism import DTENSOR_LAYOUTS
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, copy_out, snapshot_into
-from .memory_tier import FullState, FullStateConfig
+from .full_state import FullState, FullStateConfig
 
 __all__ = ["Checkflow", "CheckflowConfig"]
 

@@ -28,7 +28,7 @@ from ..storage.full import write_full
 from ..storage.sharded import RankShare
 from ..storage.region_map import SlotWriter
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
-from .memory_tier import FullState, FullStateConfig
+from .full_state import FullState, FullStateConfig
 
 __all__ = ["CheckFreq", "CheckFreqConfig", "AsyncSnapshot"]
 

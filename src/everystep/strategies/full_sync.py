@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ..parallelism import SHARDED_LAYOUTS
-from .memory_tier import FullState, FullStateConfig
+from .full_state import FullState, FullStateConfig
 
 __all__ = ["FullSync"]
 

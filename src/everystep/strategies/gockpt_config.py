@@ -12,7 +12,7 @@ import torch
 from ..errors import ConfigError
 from ..policy.parts import ALIGN, PartSplit
 from ..tree import local_shard
-from .memory_tier import FullStateConfig
+from .full_state import FullStateConfig
 
 __all__ = ["ELEMENTWISE", "GoCkptConfig", "Param", "Chunk", "Spread"]
 

@@ -12,7 +12,7 @@ import torch
 from ..recovery import Candidate
 from ..spread import bring_forward, recover_spread
 from ..storage.base import malformed
-from .memory_tier import FullState
+from .full_state import FullState
 
 __all__ = ["SpreadRecovery"]
 

@@ -44,7 +44,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 import torch
 
@@ -64,12 +64,10 @@ from ..storage.region_open import memory_path, memory_place, open_region
 from ..storage.sharded import RankShare
 from ..transport.host import HostBuffer, HostBufferPool
 from ..tree import unflatten
-from .base import Strategy, StrategyConfig
+from .base import StrategyConfig
 from .context import LiveShards, StrategyContext, as_shards
 
-__all__ = ["FullState", "FullStateConfig", "MemoryTier", "region_candidates"]
-
-_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
+__all__ = ["FullStateConfig", "MemoryTier", "region_candidates"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,6 +104,8 @@ class FullStateConfig(StrategyConfig):
         if self.memory and world != 1:
             raise ConfigError("memory=True serves one training process: under several, use strategy='lightcheck' "
                               "(each rank's whole state in its region, mirrored to a peer with peers=True)")
+
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 def _own_folder(path: Path) -> Path:
@@ -427,31 +427,3 @@ class MemoryTier:
                     folder.rmdir()  # (another rank's may still be there)
                 except OSError:
                     break
-
-
-class FullState(Strategy):
-    """A strategy that writes the whole state: it takes ``memory=True`` (:class:`FullStateConfig`)."""
-
-    Config = FullStateConfig
-    config: FullStateConfig
-    tier: MemoryTier | None
-    takes_memory: ClassVar[bool] = True
-
-    def _make_tier(self) -> MemoryTier | None:
-        if not self.config.memory or self.ctx.directory is None:
-            return None
-        return MemoryTier(self.ctx, self.config, self.errors, finish=self._from_memory)
-
-    def _from_memory(self, candidate: Candidate, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Candidate:
-        """The state a slot of the memory tier recovers (:data:`Finish`): its candidate, as it is."""
-        return candidate
-
-    def _write_full(self, step: int, source: HostBuffer | dict[str, torch.Tensor], skeleton: Any, *,
-                    share: RankShare) -> tuple[int, float]:
-        """Write this rank's full checkpoint of ``step`` from ``source`` (a host buffer, or tensors):
-        to the memory tier where there is one, else to the directory (keeping the newest ``keep``);
-        the bytes written and the seconds it took. The caller releases ``source``."""
-        if self.tier is not None:
-            return self.tier.write(step, source, skeleton)
-        manifest, seconds = self.ctx.persist(step, source, skeleton, share=share, keep=self.config.keep)
-        return manifest.nbytes, seconds
