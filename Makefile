@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-long test-mutations install clean gpu-check gpu-deps
+.PHONY: demo test test-long test-mutations install install-peers clean gpu-check gpu-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,17 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The checkpointing libraries the bench compares everystep with (the peers extra: DLRover's flash
+# checkpoint, lm-resiliency, torch_checkpointing), with the same pinned torch. Not in `make test`:
+# tests/test_libraries.py runs them where they are installed, and `make test-long` installs them.
+PEERS_STAMP := $(VENV)/.peers
+
+$(PEERS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt -e ".[peers]"
+	touch $(PEERS_STAMP)
+
+install-peers: $(PEERS_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/everystep demo
@@ -33,7 +44,7 @@ test: $(STAMP)
 # The runs at an issue's acceptance scale (marked `long`): hosts lost again and again, four ranks, a
 # lost machine of two ranks, node-local disks, the trainers on two and four ranks. Each restart starts
 # interpreters anew, seconds of CPU apiece: 17 min on two cores for its 47 tests.
-test-long: $(STAMP)
+test-long: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python -m compileall -q src
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m long tests
 

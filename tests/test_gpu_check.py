@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from everystep.eval import gpu_check
+from everystep.eval.libraries import LIBRARIES, missing
 from everystep.eval.gpu_check import DRY, EVERY_STEP, SPREAD, Variant
 from everystep import tracing
 from everystep.eval.gpu_sizes import (ALL_PARTS, BOUND, BOUND_MEMORY_TIER, BOUND_TARGETS, COMPRESSED, DEVICE_SNAPSHOT, GPU,
@@ -79,12 +80,14 @@ def test_the_dry_run_measures_the_copies_it_can_and_says_why_not_the_others(dry)
 def test_the_dry_run_benches_every_variant_interleaved_and_each_resumes_bitwise(dry):
     bench = dry[1]["parts"]["bench"]
     references = [f"none+{c}" for c in dict.fromkeys(COMPRESSED.values())]
-    labels = ["none", *references, *EVERY_STEP, *(f"{n}+memory" for n in MEMORY_TIER), DEVICE_SNAPSHOT,
+    installed = [name for name in LIBRARIES if missing(name) is None]  # (the peers extra, where installed)
+    labels = ["none", *references, *EVERY_STEP, *(f"{n}+memory" for n in MEMORY_TIER), *installed, DEVICE_SNAPSHOT,
               *(f"{n}{tier}/{DRY.spread_every}" for n in SPREAD for tier in ("", "+memory"))]
     assert list(bench["summary"]) == labels and bench["rounds"] == DRY.repeats >= 3
+    assert set(bench["not_run"]) == set(LIBRARIES) - set(installed)
     for label, s in bench["summary"].items():
         assert s["mean_step_seconds"] > 0
-        if label.split("+")[0] not in ("none", "torch_save", "dcp_async"):  # the baselines keep no RNG or data position
+        if label.split("+")[0] not in ("none", "torch_save", "dcp_async", *LIBRARIES):  # (no RNG or data position)
             assert s["resumes_bitwise"] is True, label
     assert bench["summary"]["lowdiff_plus"]["recovery_seconds_memory"] > 0  # from its agent's memory
     assert bench["summary"]["lightcheck"]["recovery_seconds_memory"] > 0  # from its region

@@ -1,4 +1,5 @@
-"""Copy the test runner (pytest and the plugins ``tests/test_cuda.py`` runs under) out of this
+"""Copy the test runner (pytest and the plugins ``tests/test_cuda.py`` runs under), and the
+pure-Python checkpointing libraries the bench compares with where installed, out of this
 environment into a folder that a GPU machine with no network puts on its ``PYTHONPATH``.
 
     python tools/gpu_deps.py .gpu-deps      (``make gpu-deps``)
@@ -16,13 +17,23 @@ from pathlib import Path
 
 DISTRIBUTIONS = ("pytest", "pluggy", "iniconfig", "packaging", "pytest-timeout", "pytest-xdist", "execnet")
 
+LIBRARIES = ("lm-resiliency", "torch-checkpointing", "typing-extensions")
+"""The checkpointing libraries the GPU check's bench part compares with, where installed here (``make
+install-peers``): the pure-Python ones. DLRover's flash checkpoint needs grpcio and psutil, compiled
+for this Python: the check reports it not run."""
+
 
 def copy(to: Path) -> int:
     if to.exists():
         shutil.rmtree(to)
     count = 0
-    for name in DISTRIBUTIONS:
-        dist = metadata.distribution(name)
+    for name in DISTRIBUTIONS + LIBRARIES:
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            if name in DISTRIBUTIONS:
+                raise
+            continue  # (the peers extra is not installed here)
         for file in dist.files or ():
             parts = Path(file).parts
             if parts[0] == ".." or "__pycache__" in parts or file.suffix in (".so", ".pyd", ".pyc"):
@@ -37,4 +48,4 @@ def copy(to: Path) -> int:
 
 if __name__ == "__main__":
     target = Path(sys.argv[1] if len(sys.argv) > 1 else ".gpu-deps")
-    print(f"{copy(target)} files of {', '.join(DISTRIBUTIONS)} copied into {target}")
+    print(f"{copy(target)} files of {', '.join(DISTRIBUTIONS + LIBRARIES)} (those installed) copied into {target}")

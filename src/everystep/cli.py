@@ -180,6 +180,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"the median): an overhead within it (*) is not resolved")
     for line in bench.strategy_notes(result["summary"], after=True):
         print(line)
+    for name, error in result["not_run"].items():
+        print(f"not run: {name}: {error.strip().splitlines()[-1] if error.strip() else error}")
     if read := bench.recovery_reads(result["summary"]):
         print(f"recovery read (median; peak host memory above what the process held, most of the repeats): {read}")
     if "upload_throughput" in result:

@@ -95,3 +95,17 @@ def one_line_warnings(rank: str | None = None) -> None:
 
     who = f" (rank {rank})" if rank else ""
     warnings.formatwarning = lambda message, *args, **kwargs: f"everystep: warning{who}: {message}\n"  # type: ignore[assignment]
+    quiet_imports()
+
+
+def quiet_imports() -> None:
+    """Leave out what an import says that a user cannot act on: torch imports pynvml where it is
+    installed, and the pynvml that DLRover (the ``peers`` extra) needs says at each import that it
+    is deprecated."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
+    # and lm-resiliency (the same extra) offers torchrun a rendezvous handler that torch cannot
+    # register, which torch logs with its traceback at each import of torch.distributed.elastic
+    logging.getLogger("torch.distributed.elastic.rendezvous.registry").setLevel(logging.ERROR)

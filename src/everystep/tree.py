@@ -282,11 +282,12 @@ def state_hash(tree: Any) -> str:
 
 
 def state_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Relative L2 distance ‖a − b‖ / ‖b‖ over the floating-point tensors both have."""
+    """Relative L2 distance ‖a − b‖ / ‖b‖ over the floating-point tensors of ``b``: one that ``a``
+    lacks (a restore that left out the optimizer's state) counts as all wrong, as zeros would."""
     num = den = 0.0
     for k, t in b.items():
-        if k in a and t.is_floating_point():
-            num += float((a[k].double() - t.double()).square().sum())
+        if t.is_floating_point():
+            num += float(((a[k].double() - t.double()) if k in a else t.double()).square().sum())
             den += float(t.double().square().sum())
     return math.sqrt(num / den) if den else 0.0
 

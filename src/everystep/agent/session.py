@@ -110,8 +110,7 @@ class AgentSession:
         self.greeting: dict[str, Any] = {}
         """What this rank's agent answered to ``hello``, if one was found."""
         self.quiesce: Callable[[], None] = lambda: None
-        """Waits for the steps handed on after their slot's copies (``send_step``'s ``after_copies``):
-        run before any other message, so that the agent reads them in order."""
+        """Waits for the steps ``send_step`` handed on after their copies: run before any other message."""
 
     @property
     def index_keys(self) -> list[str]:
@@ -243,8 +242,7 @@ class AgentSession:
     # -- starting ------------------------------------------------------------------------------
 
     def start(self, step: int, tensors: dict[str, torch.Tensor], skeleton: Any, config: AgentConfig) -> None:
-        """Spawn the agent unless one was found, give it S_step (unless it holds it) and the slots,
-        and start reading its messages."""
+        """Spawn the agent unless one was found, give it S_step (unless it holds it) and the slots."""
         self._index_keys = self._keys_of_params(tensors)
         if self.link is None:
             self.link = AgentLink.spawn(config)
@@ -325,8 +323,7 @@ class AgentSession:
         return self.link is not None and self.lost is None and bool(self.pool)
 
     def slot(self) -> HostBuffer | None:
-        """The slot this step fills, taking a free one if needed (the wait is reported to
-        ``progress``); None when the agent is not active."""
+        """The slot this step fills, taking a free one if needed (the wait is reported); None when inactive."""
         if not self.active:
             return None
         if self.pool.current is None and not self._take():
@@ -364,10 +361,9 @@ class AgentSession:
                   has_grad: list[int], persist: bool, verify: bool,
                   after_copies: Callable[[str, Callable[[], None]], None] | None = None) -> HostBuffer | None:
         """The step's slot, finished with its volatile state, goes to the agent (``verify``: with a
-        digest of the live parameters and optimizer state to compare its replica with). Returns the
-        slot, which stays as it is until the agent has applied the step, or None if the agent was
-        lost. ``after_copies``: what sends the message once the gradients' copies into the slot are
-        done (:meth:`GradientCapture.after_copies`); None: here and now."""
+        digest of the live parameters and optimizer state to compare its replica with); the message
+        is sent by ``after_copies`` once the gradients' copies are in (None: here). Returns the slot,
+        unchanged until the agent has applied the step, or None if the agent was lost."""
         assert self.link is not None
         if self.slot() is None:
             return None  # lost while waiting; the strategy falls back at its next step
@@ -391,11 +387,9 @@ class AgentSession:
 
     def _send_step(self, message: dict[str, Any]) -> None:
         crash_point("lowdiff_plus.step.before_send")  # the slot filled, the agent not told
-        link = self.link
-        if link is None or self.lost is not None:
-            return
         try:
-            link.send("step", **message)
+            if self.link is not None and self.lost is None:
+                self.link.send("step", **message)
         except AgentLostError as e:
             self.lose(str(e))
         crash_point("lowdiff_plus.step.sent")  # the agent told

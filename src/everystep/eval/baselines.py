@@ -35,10 +35,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-__all__ = ["BASELINES", "Baseline", "TorchSave", "DcpSave", "DcpAsyncSave"]
+__all__ = ["BASELINES", "Baseline", "checkpoint_size", "TorchSave", "DcpSave", "DcpAsyncSave"]
 
 
-def _size(path: Path) -> int:
+def checkpoint_size(path: Path) -> int:
+    """The bytes of a checkpoint: a file's, or a folder's files'."""
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -53,6 +54,9 @@ class Baseline:
     """
 
     name: ClassVar[str]
+    recovers_from: ClassVar[str] = "disk"
+    """Where :meth:`load` reads in the bench's check (a restore within the process): ``"disk"`` or
+    ``"memory"``."""
 
     def __init__(self, directory: Path, workload: Any, every: int) -> None:
         self.directory, self.w, self.every = directory, workload, every
@@ -85,6 +89,11 @@ class Baseline:
         """Restore the newest checkpoint into ``workload``'s model, optimizer and scheduler; its step."""
         raise NotImplementedError
 
+    def resume(self, workload: Any) -> int | None:
+        """In a restarted process (made on ``workload``): restore what is found; its step, or None
+        where nothing is."""
+        return self.load(workload)
+
 
 class TorchSave(Baseline):
     name = "torch_save"
@@ -102,7 +111,7 @@ class TorchSave(Baseline):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._path)
-        self.bytes_written += _size(self._path)
+        self.bytes_written += checkpoint_size(self._path)
         self.last_durable_step = step
 
     def load(self, workload: Any) -> int:
@@ -133,7 +142,7 @@ class _AppState(Stateful):
 def _ranks() -> tuple[int, int]:
     """This process's rank and the job's world size (0 and 1 outside torch.distributed)."""
     if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(), dist.get_worldcheckpoint_size()
     return 0, 1
 
 
@@ -154,8 +163,8 @@ class DcpSave(Baseline):
     def _committed(self, step: int) -> None:
         path = self._checkpoint(step)
         # this rank's files (DCP names them __<rank>_<n>.distcp), and its index on the coordinator
-        self.bytes_written += _size(path) if self.world == 1 else \
-            sum(_size(p) for p in path.glob(f"__{self.rank}_*")) + (_size(path / ".metadata") if self.rank == 0 else 0)
+        self.bytes_written += checkpoint_size(path) if self.world == 1 else \
+            sum(checkpoint_size(p) for p in path.glob(f"__{self.rank}_*")) + (checkpoint_size(path / ".metadata") if self.rank == 0 else 0)
         self.last_durable_step = step
         old = sorted(self.directory.glob("step-*"))[:-self.keep] if self.rank == 0 else []
         for path in old:

@@ -31,7 +31,7 @@ from ..strategies import STRATEGIES, full_format_refusal
 from .bench_table import (markdown_table, recovery_reads, reference_spread, strategy_notes, summarise, summarise_trainer,
                           trainer_table)
 from .measure import base_strategy
-from .baselines import BASELINES
+from .libraries import ALL_BASELINES, LIBRARIES
 from .workloads import LAYOUT_OF, WORKLOADS, check_device
 from .plotting import pyplot
 from .run_config import check_layout
@@ -95,10 +95,12 @@ class BenchConfig:
             self._check_trainer()
         elif self.workload not in WORKLOADS:
             raise ConfigError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
-        unknown = [s for s in self.strategies if s not in STRATEGIES and s not in BASELINES]
+        unknown = [s for s in self.strategies if s not in STRATEGIES and s not in ALL_BASELINES
+                   and not (s.endswith("+memory") and s[:-7] in STRATEGIES and STRATEGIES[s[:-7]].takes_memory)]
         if unknown:
             raise ConfigError(f"unknown strategies {', '.join(unknown)}; choose from {', '.join(sorted(STRATEGIES))} "
-                              f"or the baselines {', '.join(BASELINES)}")
+                              f"(NAME+memory: with its memory tier, for those that take one) or the baselines "
+                              f"{', '.join(ALL_BASELINES)}")
         if "none" not in self.strategies:
             self.strategies = ("none", *self.strategies)
         if self.steps <= self.warmup:
@@ -199,11 +201,14 @@ class BenchConfig:
         if self.nproc > 1 and "torch_save" in self.strategies:
             raise ConfigError("--nproc: torch_save writes one process's state_dict to one file; under several ranks "
                               "compare with dcp or dcp_async, which every rank writes")
+        libraries = [s for s in self.strategies if s in LIBRARIES]
+        if self.nproc > 1 and libraries:
+            raise ConfigError(f"--nproc: the libraries {', '.join(libraries)} run in one process here")
 
     def _check_in_backward(self) -> None:
         if self.compress:
             raise ConfigError("--in-backward takes no --compress (updates in backward train dense)")
-        unable = [s for s in self.strategies if s in BASELINES or not STRATEGIES[s].layer_updates]
+        unable = [s for s in self.strategies if s in ALL_BASELINES or not STRATEGIES[s].layer_updates]
         if unable:
             raise ConfigError(f"--in-backward cannot run {', '.join(unable)}: they read the gradients after the "
                               "update, or call optimizer.step() themselves")
@@ -364,11 +369,20 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> list[dict[str, Any]
     """Every (repeat, strategy) run of ``cfg``, interleaved (:func:`interleaved_order`); with
     ``cfg.trace``, each one's trace in that folder."""
     order = interleaved_order(cfg.strategies, cfg.repeats)
-    runs = []
+    runs: list[dict[str, Any]] = []
     what = f"{cfg.trainer} {cfg.workload}" if cfg.trainer else cfg.workload
+    failed: dict[str, str] = {}
     try:
         for repeat, strategy in tqdm(order, desc=f"bench {what}", disable=None if progress else True):
-            runs.append(_run_one(cfg, repeat, strategy, cfg.every))
+            if strategy in failed:
+                continue
+            try:
+                runs.append(_run_one(cfg, repeat, strategy, cfg.every))
+            except EverystepError as e:
+                if strategy not in LIBRARIES:
+                    raise
+                failed[strategy] = str(e)  # (a library that cannot run here: said, not dropped)
+                runs.append({"strategy": strategy, "repeat": repeat, "not_run": str(e)})
     finally:
         if cfg.trace is not None:
             tracing.merge_all(cfg.trace)  # (what helpers that outlived their run wrote since)
@@ -435,6 +449,10 @@ def plot(summary: dict[str, dict[str, Any]], path: str, title: str) -> None:
 
 
 def report(cfg: BenchConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bench's result: the summary of the runs that ran, and ``not_run``, each library that could
+    not run here with its own error (:func:`run_bench`)."""
+    not_run = {r["strategy"]: r["not_run"] for r in runs if "not_run" in r}
+    runs = [r for r in runs if r["strategy"] not in not_run]
     summary = summarise_trainer(runs) if cfg.trainer else summarise(runs)
     return {"machine": machine_info(cfg.threads), "config": asdict(cfg), "summary": summary,
-            "reference_spread": reference_spread(runs), "runs": runs}
+            "reference_spread": reference_spread(runs), "runs": runs, "not_run": not_run}

@@ -61,6 +61,7 @@ from ..errors import EverystepError
 from .bandwidth import measure_bandwidth
 from .machine import machine
 from .gpu_report import markdown
+from .libraries import LIBRARIES, missing
 from .interval_search import search_intervals, smallest_within
 from .gpu_rounds import Variant, bound_variants, exact, over_references, regime_variants, rounds, targets, variants
 from .gpu_sizes import (ASYNC_O, BOUND_TARGETS, DEVICE_SNAPSHOT, DRY, EVERY_STEP, EVERY_STEP_TARGETS, GOCKPT_TARGETS, GPU,
@@ -244,6 +245,7 @@ def run_bench_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: 
     chosen = variants(sizes)
     runs, done, summary = _measured(sizes, chosen, box, failures, "bench", say, traces)
     return {"variants": [asdict(v) for v in chosen], "rounds": done, "summary": summary,
+            "not_run": {name: why for name in LIBRARIES if (why := missing(name)) is not None},
             "reference_spread": reference_spread(runs), "targets": targets(summary, EVERY_STEP_TARGETS),
             "gockpt_stall_over_async_o": _stall_over_async_o(summary, sizes.spread_every),
             "gockpt_stall_over_async_o_memory": _stall_over_async_o(summary, sizes.spread_every, "+memory"),

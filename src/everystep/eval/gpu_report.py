@@ -90,6 +90,7 @@ def _bench_md(p: dict[str, Any]) -> list[str]:
            "step time over the same round's `none` (for a strategy that trains with a gradient compression, the `none` "
            "that trains with it), minus one, median over rounds.", "",
            markdown_table(p["summary"], p.get("reference_spread")), *_spread_md(p), *_targets_md(p)]
+    out += [f"Not run: `{name}`: {why}" for name, why in p.get("not_run", {}).items()]
     out += _stall_md(p["gockpt_stall_over_async_o"])
     if p.get("gockpt_stall_over_async_o_memory"):
         out += _stall_md(p["gockpt_stall_over_async_o_memory"], " with their memory tier (`NAME+memory/K`)")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EverystepError
+from .libraries import LIBRARIES, missing
 from .gpu_sizes import (BOUND, BOUND_MEMORY_TIER, COMPRESSED, DEVICE_SNAPSHOT, EVERY_STEP, MEMORY_TIER, ONCE, REGIME, SPREAD,
                         Box, Sizes, failure)
 
@@ -41,13 +42,15 @@ class Variant:
 
 def variants(sizes: Sizes) -> list[Variant]:
     """``none``, :data:`EVERY_STEP` every step, :data:`MEMORY_TIER` every step with their memory tier
-    (``NAME+memory``), CheckFreq snapshotting on the device (:data:`DEVICE_SNAPSHOT`), :data:`SPREAD`
+    (``NAME+memory``), the checkpointing libraries every step where they import
+    (:mod:`~everystep.eval.libraries`), CheckFreq snapshotting on the device (:data:`DEVICE_SNAPSHOT`), :data:`SPREAD`
     every ``spread_every`` steps (labelled ``NAME/K``) to the directory and with their memory tier
     (``NAME+memory/K``), and a ``none`` with each compression a strategy reuses (``none+C``);
     lightcheck's checkpoint directory, and so its region, in ``/dev/shm``. What writes the whole state
     to the directory every step or every K, :data:`ONCE`, runs in the first round only."""
     found = [Variant("none", "none", None)] + _compressed_references()
     found += [_every_step(name, sizes, sizes.warmup) for name in EVERY_STEP] + [_memory_tier(name) for name in MEMORY_TIER]
+    found += [Variant(name, name, 1) for name in LIBRARIES if missing(name) is None]  # (where the device machine has them)
     found.append(Variant(DEVICE_SNAPSHOT, "checkfreq", 1, {"snapshot": "device"}, once=True))
     for name in SPREAD:
         options = {"parts": sizes.spread_parts} if name.startswith("gockpt") else {}

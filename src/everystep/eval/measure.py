@@ -411,13 +411,14 @@ def _copy_and_hash(strategy: Any) -> dict[str, float | None]:
 
 def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
     """:func:`measure` for a baseline (:mod:`everystep.eval.baselines`): the same loop, counters and checks."""
-    from .baselines import BASELINES, Baseline
+    from .baselines import Baseline
+    from .libraries import ALL_BASELINES
 
     steps, warmup, checks = spec["steps"], spec["warmup"], spec.get("checks", True)
     clock, seconds = time.perf_counter(), {}
     with _scratch(spec) as tmp:
         w = _build(spec, spec["seed"])
-        baseline: Baseline = BASELINES[spec["strategy"]](Path(tmp) / "ckpt", w, spec.get("every") or 1)
+        baseline: Baseline = ALL_BASELINES[spec["strategy"]](Path(tmp) / "ckpt", w, spec.get("every") or 1)
         times, lost = [], []
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -457,7 +458,8 @@ def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
             took = time.perf_counter() - t0
             if recovered != steps:
                 raise RuntimeError(f"{spec['strategy']} recovered step {recovered}, expected {steps}")
-            result.update(recovery_seconds_disk=took, recovery_peak_extra_bytes=extra, recovery_mapped_bytes=0,
+            result.update({f"recovery_seconds_{baseline.recovers_from}": took}, recovery_peak_extra_bytes=extra,
+                          recovery_mapped_bytes=0,
                           recovery_new_memory_seconds=new_memory_seconds(extra),
                           recovery_error=state_error(_model_and_optimizer(fresh), live), **_resume_check(fresh, after))
         seconds["checks"] = time.perf_counter() - clock

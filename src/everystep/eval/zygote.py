@@ -37,7 +37,7 @@ from typing import Any
 
 from .._forking import AGENT_ENTRY, ENV, MAX_MESSAGE, Channel, Forked
 from .._process import die_with, exit_after
-from ..errors import EverystepError
+from ..errors import EverystepError, quiet_imports
 
 __all__ = ["Zygote", "Forked", "start_ranks", "shared", "report_entry"]
 
@@ -261,6 +261,7 @@ def _serve(asker: _Asker, sel: selectors.BaseSelector, default: str) -> bool:
 def main(argv: list[str]) -> None:
     fd, supervisor, default = int(argv[0]), int(argv[1]), argv[2]
     die_with(supervisor)
+    quiet_imports()  # (before torch is imported: it may warn as it imports)
     _entry(default)  # the imports every rank needs, done once
     if "torch" in sys.modules:
         # Imported by the first optimizer a process builds (torch.optim's constructor is wrapped to

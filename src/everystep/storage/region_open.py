@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckpointDirectoryError, ConfigError, EverystepError
 from ..files import read_regular
-from .region import Region, UnreadableRegionError, UntrustedRegionError
+from .region import Region, UnreadableRegionError
 
 if TYPE_CHECKING:
     from .directory import CheckpointDirectory
