@@ -116,6 +116,7 @@ class Region(SlotObjects):
         (by default, unless it lies in memory)."""
         self._fd = fd
         self._head = b""
+        self._where = os.path.abspath(path)  # (the path it was opened at, whatever the working folder later)
         """The file's header as this process opened or made it (:meth:`begin` checks it is still there)."""
         self.owner = ""
         """What the region belongs to, as recorded when it was made."""
@@ -256,7 +257,7 @@ class Region(SlotObjects):
         st = os.fstat(self._fd)
         end = max((a.offset + a.nbytes for a in self._areas.values()), default=_AREAS_START)
         try:
-            here = os.lstat(self.path)
+            here = os.lstat(self._where)
             replaced = (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino)
         except FileNotFoundError:
             replaced = True
