@@ -312,3 +312,14 @@ def test_full_format_sets_how_every_strategy_that_stores_writes_and_the_run_says
         BenchConfig(strategies=("checkfreq",), full_format="zip")
     with pytest.raises(ConfigError, match="--full-format"):
         BenchConfig(trainer="lightning", workload="native", strategies=("checkfreq",), full_format="dcp")
+
+
+def test_a_baseline_whose_last_step_it_would_not_save_is_refused_before_anything_runs():
+    from everystep.errors import ConfigError
+
+    # The check restores the last step; a baseline saves at multiples of --every only. Found after a
+    # 20-minute bench otherwise (dcp_async recovered step 30, expected 33).
+    with pytest.raises(ConfigError, match=r"--steps \(33\) must be a multiple of --every \(10\) for the baselines "
+                                          r"\(dcp_async\)"):
+        BenchConfig(workload="mlp", strategies=("checkfreq", "dcp_async"), steps=33, every=10)
+    BenchConfig(workload="mlp", strategies=("checkfreq",), steps=33, every=10)  # (everystep's own check any step)

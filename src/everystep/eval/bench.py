@@ -108,6 +108,11 @@ class BenchConfig:
         if self.repeats < 1 or (self.every is not None and self.every < 1) or self.threads < 1 \
                 or (self.samples is not None and self.samples < 1):
             raise ConfigError("--repeats, --every, --threads and --samples must be at least 1")
+        baselines = [s for s in self.strategies if s in ALL_BASELINES]
+        if baselines and self.every and self.steps % self.every:
+            raise ConfigError(f"--steps ({self.steps}) must be a multiple of --every ({self.every}) for the baselines "
+                              f"({', '.join(baselines)}): their check restores the last step, which they save "
+                              "only at a multiple of --every")
         if self.in_backward:
             self._check_in_backward()
         if self.nproc != 1 or self.parallel != "ddp":
