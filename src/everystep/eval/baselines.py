@@ -142,7 +142,7 @@ class _AppState(Stateful):
 def _ranks() -> tuple[int, int]:
     """This process's rank and the job's world size (0 and 1 outside torch.distributed)."""
     if dist.is_initialized():
-        return dist.get_rank(), dist.get_worldcheckpoint_size()
+        return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
@@ -164,7 +164,8 @@ class DcpSave(Baseline):
         path = self._checkpoint(step)
         # this rank's files (DCP names them __<rank>_<n>.distcp), and its index on the coordinator
         self.bytes_written += checkpoint_size(path) if self.world == 1 else \
-            sum(checkpoint_size(p) for p in path.glob(f"__{self.rank}_*")) + (checkpoint_size(path / ".metadata") if self.rank == 0 else 0)
+            sum(checkpoint_size(p) for p in path.glob(f"__{self.rank}_*")) \
+            + (checkpoint_size(path / ".metadata") if self.rank == 0 else 0)
         self.last_durable_step = step
         old = sorted(self.directory.glob("step-*"))[:-self.keep] if self.rank == 0 else []
         for path in old:
