@@ -97,8 +97,9 @@ class GradientCapture:
         self._unguarded = False
         """``overlap``: the last step's copies may still run, and nothing guarded them yet."""
         self._last_copy: torch.cuda.Event | None = None
-        """The newest copy's event (copier thread), and that of the settled step's last copy."""
+        """The newest copy's event (copier thread)."""
         self._step_copy: torch.cuda.Event | None = None
+        """The event of the settled step's last copy."""
         self._marked = threading.Event()
         """Set on the copier once it has issued every copy of the settled step."""
         self._zeroing: list[Any] = []
