@@ -7,8 +7,9 @@ extra (``pip install "everystep[peers]"``, ``make install-peers``), never a depe
   dict is copied into shared memory (``StorageType.MEMORY``), and every :data:`DISK_EVERY` steps
   its saver process writes it to the directory (``StorageType.DISK``). Without ``dlrover-run`` (a
   job master and its elastic agent), the checkpointer starts the saver process itself, as its
-  documentation says of jobs under ``torchrun``: that process ends with the training process, so
-  its memory serves a restore within the process, not a restarted one.
+  documentation says of jobs under ``torchrun``: a child that ends with the training process's own
+  exit, but lives on, orphaned, after a SIGKILL of it, when a restarted process may still find its
+  memory (:mod:`everystep.eval.library_kills` shows both). The bench restores it within the process.
 - ``lm_resiliency``: GEMINI's in-memory checkpoints (``enable_resiliency``), taken by its hook
   after ``optimizer.step()`` every ``every`` steps into host slots (pinned on a GPU) with the RNG
   and the caller's state (the scheduler and the data position, through ``extra_state_fn``), flushed
