@@ -508,6 +508,20 @@ def test_a_kill_anywhere_in_a_copy_or_a_commit_loses_at_most_one_step(tmp_path, 
     assert losses == ref_losses[start:] and final == ref_final
 
 
+def _slowed(directory: Path, strategy: LightCheck, point: str, seconds: float) -> Checkpointer:
+    """Four steps of the mlp checkpointed by ``strategy``, each arrival at ``point`` taking ``seconds``
+    longer (a slow copy or commit, not synchronisation); the closed Checkpointer."""
+    w = build("mlp", seed=3)
+    _faults.arm(point, action=functools.partial(time.sleep, seconds), repeat=True)
+    try:
+        with Checkpointer(directory, w.model, w.optimizer, strategy=strategy) as ckpt:
+            ckpt.restore()
+            _steps(w, 4)
+    finally:
+        _faults.disarm(point)
+    return ckpt
+
+
 def test_slow_copies_make_the_update_wait_for_them_and_recovery_stays_exact(tmp_path, monkeypatch, reference):
     """The copies never see a half-updated state: the copy is slowed down, and a kill-and-recover run
     still ends bitwise where the reference does (an update that did not wait for the copy would
@@ -517,15 +531,8 @@ def test_slow_copies_make_the_update_wait_for_them_and_recovery_stays_exact(tmp_
     s = run(TrainConfig(workload="mlp", strategy="lightcheck", steps=STEPS, seed=3, directory=str(tmp_path / "c"),
                         every=1, fail_at=(5,), progress=False))
     assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]
-    w = build("mlp", seed=3)
     strategy = LightCheck(LightCheck.Config(persist_every=0))
-    _faults.arm("lightcheck.copy.unit", action=functools.partial(time.sleep, 0.01), repeat=True)
-    try:
-        with Checkpointer(tmp_path / "d", w.model, w.optimizer, strategy=strategy) as ckpt:
-            ckpt.restore()
-            _steps(w, 4)
-    finally:
-        _faults.disarm("lightcheck.copy.unit")
+    ckpt = _slowed(tmp_path / "d", strategy, "lightcheck.copy.unit", 0.01)
     assert set(strategy.layer_waits) == {WHOLE} and strategy.layer_waits[WHOLE] > 0  # (its copies slept)
     assert ckpt.stats.snapshot_wait_seconds >= sum(strategy.layer_waits.values())
 
@@ -535,15 +542,8 @@ def test_the_update_waits_for_the_commit_or_for_the_copies_alone(tmp_path, wait)
     # Each slot's header is held back 50 ms: the update of the next step waits for it with
     # wait="commit", not with wait="copies", where the next copy waits for it instead. Every step is
     # committed in the end, and the newest slot is the final state either way.
-    w = build("mlp", seed=3)
     strategy = LightCheck(LightCheck.Config(persist_every=0, wait=wait))
-    _faults.arm("store.region.before_header", action=functools.partial(time.sleep, 0.05), repeat=True)
-    try:
-        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy=strategy) as ckpt:
-            ckpt.restore()
-            _steps(w, 4)
-    finally:
-        _faults.disarm("store.region.before_header")
+    ckpt = _slowed(tmp_path / "c", strategy, "store.region.before_header", 0.05)
     assert strategy.setting()["wait"] == wait
     if wait == "commit":
         assert strategy.commit_wait_seconds >= 3 * 0.05

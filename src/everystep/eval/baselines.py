@@ -35,7 +35,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-__all__ = ["BASELINES", "Baseline", "checkpoint_size", "TorchSave", "DcpSave", "DcpAsyncSave"]
+__all__ = ["BASELINES", "Baseline", "checkpoint_size", "user_state", "load_user_state", "TorchSave", "DcpSave", "DcpAsyncSave"]
+
+
+def user_state(w: Any, step: int) -> dict[str, Any]:
+    """What a user saves of a workload in the documentation's examples: the model's, optimizer's and
+    scheduler's state dicts, and the step (no RNG, no data position)."""
+    return {"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
+            "scheduler": w.scheduler.state_dict(), "step": step}
+
+
+def load_user_state(w: Any, state: dict[str, Any]) -> int:
+    """Load what :func:`user_state` saved into workload ``w``; its step."""
+    w.model.load_state_dict(state["model"])
+    w.optimizer.load_state_dict(state["optimizer"])
+    w.scheduler.load_state_dict(state["scheduler"])
+    return int(state["step"])
 
 
 def checkpoint_size(path: Path) -> int:
@@ -106,8 +121,7 @@ class TorchSave(Baseline):
         w = self.w
         tmp = self.directory / "checkpoint.pt.tmp"
         with open(tmp, "wb") as f:
-            torch.save({"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
-                        "scheduler": w.scheduler.state_dict(), "step": step}, f)
+            torch.save(user_state(w, step), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._path)
@@ -115,11 +129,7 @@ class TorchSave(Baseline):
         self.last_durable_step = step
 
     def load(self, workload: Any) -> int:
-        state = torch.load(self._path, map_location="cpu", weights_only=True)
-        workload.model.load_state_dict(state["model"])
-        workload.optimizer.load_state_dict(state["optimizer"])
-        workload.scheduler.load_state_dict(state["scheduler"])
-        return int(state["step"])
+        return load_user_state(workload, torch.load(self._path, map_location="cpu", weights_only=True))
 
 
 class _AppState(Stateful):

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .baselines import BASELINES, Baseline, checkpoint_size
+from .baselines import BASELINES, Baseline, checkpoint_size, load_user_state, user_state
 
 __all__ = ["LIBRARIES", "ALL_BASELINES", "DlroverFlash", "LmResiliency", "TorchCheckpointing", "DISK_EVERY", "missing"]
 
@@ -74,16 +74,11 @@ class DlroverFlash(Baseline):
         self._kinds = StorageType
         self._checkpointer = DdpCheckpointer(str(directory))
 
-    def _state(self, step: int) -> dict[str, Any]:
-        w = self.w
-        return {"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
-                "scheduler": w.scheduler.state_dict(), "step": step}
-
     def _save(self, step: int) -> None:
         disk = step % DISK_EVERY == 0
         # (at its default path, <dir>/<step>/rank_0.pt, the one its load_checkpoint reads: its example's
         # own path, given, is written but never found by the load)
-        self._checkpointer.save_checkpoint(step, self._state(step),
+        self._checkpointer.save_checkpoint(step, user_state(self.w, step),
                                            storage_type=self._kinds.DISK if disk else self._kinds.MEMORY)
         if disk:
             self.last_durable_step = step  # (written by its saver process in the background)
@@ -102,10 +97,7 @@ class DlroverFlash(Baseline):
         state = self._checkpointer.load_checkpoint()
         if not state:
             raise LookupError("dlrover's load_checkpoint found nothing")
-        workload.model.load_state_dict(state["model"])
-        workload.optimizer.load_state_dict(state["optimizer"])
-        workload.scheduler.load_state_dict(state["scheduler"])
-        return int(state["step"])
+        return load_user_state(workload, state)
 
     def close(self) -> None:
         self._checkpointer.close() if hasattr(self._checkpointer, "close") else None
@@ -193,10 +185,6 @@ class TorchCheckpointing(Baseline):
     def _path(self, step: int) -> Path:
         return self.directory / f"step-{step:012d}"
 
-    def _payload(self, w: Any, step: int) -> dict[str, Any]:
-        return {"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict(),
-                "scheduler": w.scheduler.state_dict(), "step": step}
-
     def before_update(self) -> None:
         t0 = time.perf_counter()
         self._held = self._manager.lock()  # (waits while a capture of the state is in progress)
@@ -211,7 +199,7 @@ class TorchCheckpointing(Baseline):
 
     def _save(self, step: int) -> None:
         self._finish()
-        self._write = self._manager.save(str(self._path(step)), self._payload(self.w, step))
+        self._write = self._manager.save(str(self._path(step)), user_state(self.w, step))
         self._writing = step
 
     def _finish(self) -> None:
@@ -239,10 +227,7 @@ class TorchCheckpointing(Baseline):
         # fresh optimizer's empty state would take none of the saved one)
         got = self._manager.load(str(newest), into={"model": workload.model.state_dict(), "optimizer": None,
                                                     "scheduler": None, "step": None})
-        workload.model.load_state_dict(got["model"])
-        workload.optimizer.load_state_dict(got["optimizer"])
-        workload.scheduler.load_state_dict(got["scheduler"])
-        return int(got["step"])
+        return load_user_state(workload, got)
 
     def close(self) -> None:
         try:
