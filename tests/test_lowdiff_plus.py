@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from everystep import Checkpointer
+from everystep import Checkpointer, _faults
 from everystep.agent.channel import AgentAddress, message, send
 from everystep.agent.client import AgentLink
 from everystep.agent.session import AgentSession
@@ -347,13 +347,21 @@ def test_a_slow_persist_copy_holds_the_next_step_back_and_each_checkpoint_is_its
     assert sorted(stored) == list(range(7)) and stored == live
 
 
-def test_an_optimizer_the_agent_cannot_import_is_named_and_training_goes_on(tmp_path):
+@pytest.mark.parametrize("exited_first", [False, True])
+def test_an_optimizer_the_agent_cannot_import_is_named_and_training_goes_on(tmp_path, exited_first):
+    """``exited_first``: the agent has failed and exited before the session sends it the slots
+    (sending them then fails; what the agent said before it exited must still be read)."""
     w = build("mlp", seed=0, optimizer="adamw")
     local = type("Adam", (torch.optim.Adam,), {"__qualname__": "f.<locals>.Adam", "__module__": __name__})
     w.optimizer = local(w.model.parameters(), lr=1e-3)
     w.scheduler = torch.optim.lr_scheduler.StepLR(w.optimizer, step_size=2)
     with _attach(w, tmp_path / "c", every=100) as ckpt:
-        ckpt.restore()
+        if exited_first:
+            _faults.arm("lowdiff_plus.start.slots", action=lambda: ckpt.strategy.session.link.process.wait(timeout=60))
+        try:
+            ckpt.restore()
+        finally:
+            _faults.disarm("lowdiff_plus.start.slots")
         ckpt.wait()  # the agent has read the state it was sent, and failed
         with pytest.warns(RuntimeWarning, match="taking over the training state of step 0 failed: .*cannot import "
                                                 "the optimizer class .*f.<locals>.Adam"):

@@ -184,6 +184,9 @@ class AgentLink:
                 if fds:
                     send_fds(self.conn, fds)
         except OSError as e:
+            reader = self._reader
+            if reader is not None and reader is not threading.current_thread():
+                reader.join(timeout=10.0)  # what it said before it went (why) is handled first
             self._mark_lost(f"sending to it failed ({e})")
             raise AgentLostError(self.lost) from e
 

@@ -82,10 +82,8 @@ class AgentSession:
                  errors: BackgroundErrors, *, timeout: float, slots: int, keep: int, verify_sample: int,
                  shards: ShardedState) -> None:
         self.directory, self.ranks, self.components, self.progress = directory, ranks, components, progress
-        self.shards = shards
-        self.errors = errors
+        self.shards, self.errors, self.verify_sample = shards, errors, verify_sample
         self.timeout, self.slots, self.keep = timeout, slots, keep
-        self.verify_sample = verify_sample
         self.shared = ranks.distributed
         self.params = [p for g in components.optimizer.param_groups for p in g["params"]]
         """The optimizer's parameters (DTensors where the state is sharded: the agent holds their local shards)."""
@@ -94,17 +92,15 @@ class AgentSession:
         self.pool = SlotPool()
         self.persisted: list[int] = []
         """The two newest steps persisted (or marked for persistence, several ranks)."""
-        self.last_persist = 0
-        self.write_seconds = 0.0
+        self.last_persist, self.write_seconds = 0, 0.0
         """How long the agent's newest write of its part took (several ranks)."""
         self.commits: PartCommits | None = None
         self.apply_seconds: collections.deque[float] = collections.deque(maxlen=64)
         """How long the agent took to apply each of the newest steps to its replica."""
         self._diverged: list[str] = []
-        self._fetched = False
+        self._fetched, self._released = False, False
         self._handover: threading.Event | None = None
         """Set when the agent has moved its replica out of the region recovery took over."""
-        self._released = False
         self._index_keys: list[str] = []
         self._volatile: TensorLayout | None = None
         self.greeting: dict[str, Any] = {}
@@ -251,9 +247,13 @@ class AgentSession:
             self.commits = PartCommits(self.directory, rank=self.ranks.rank, keep=self.keep, timeout=self.timeout + 600,
                                        errors=self.errors, lost=lambda: self.lost, lose=self.lose,
                                        committed=lambda s, seconds: self.progress.record_durable(s, count=False, seconds=seconds))
-        if not self._fetched:
-            self.send_state(step, tensors, skeleton, persist=step == 0)
-        self._make_slots(tensors)
+        try:
+            if not self._fetched:
+                self.send_state(step, tensors, skeleton, persist=step == 0)
+            crash_point("lowdiff_plus.start.slots")
+            self._make_slots(tensors)
+        except AgentLostError:
+            pass  # it has exited: why (its last message) is read below, and the connection's end loses it
         self.link.start_reader(
             {"done": self._on_done, "persisted": self._on_persisted, "part": self._on_part, "diverged": self._on_diverged,
              "error": self._on_error, "released": self._on_released},
