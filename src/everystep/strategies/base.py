@@ -49,23 +49,41 @@ from ..recovery import Candidate, recover
 from .context import StrategyContext
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..peers import Peers
+    from ..storage.region import Region
+    from ..storage.region_map import SlotWriter
+    from ..transport.host import HostBuffer
 
 __all__ = ["Strategy", "StrategyConfig", "Tier"]
 
 
 class Tier(typing.Protocol):
-    """A tier in memory a strategy keeps its checkpoints in beside the directory, which the base
-    class drives (:class:`~everystep.strategies.memory_tier.MemoryTier`)."""
+    """A tier in memory a strategy keeps its checkpoints in beside the directory
+    (:class:`~everystep.strategies.memory_tier.MemoryTier`): the base class drives its restore and
+    its end; the strategy puts each checkpoint in it, copied (:meth:`write`) or taken straight into
+    a slot (:meth:`begin`, then :meth:`commit`, or :meth:`abort`)."""
 
-    path: typing.Any
-    region: typing.Any
+    path: Path
+    region: Region | None
 
     def agree(self) -> None: ...
 
     def recover(self, own: typing.Callable[[], Candidate | None]) -> Candidate | None: ...
 
     def on_start(self, step: int) -> None: ...
+
+    def write(self, step: int, source: HostBuffer | dict[str, torch.Tensor], skeleton: typing.Any,
+              meta: dict[str, typing.Any] | None = None) -> tuple[int, float]: ...
+
+    def begin(self, tensors: dict[str, torch.Tensor], skeleton: typing.Any,
+              meta: dict[str, typing.Any] | None = None) -> SlotWriter: ...
+
+    def abort(self) -> None: ...
+
+    def commit(self, writer: SlotWriter, step: int, skeleton: typing.Any,
+               meta: dict[str, typing.Any] | None = None) -> tuple[int, float]: ...
 
     def wait(self) -> None: ...
 

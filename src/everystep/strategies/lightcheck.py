@@ -40,7 +40,6 @@ import functools
 import json
 import operator
 import time
-import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -51,21 +50,20 @@ from .. import tracing
 from .._faults import crash_point
 from ..background import Worker, settled
 from ..errors import ConfigError, NoValidCheckpointError
-from ..layout import TensorLayout
-from ..optim import OptimizerInBackward, stepping
+from ..optim import OptimizerInBackward
 from ..recovery import Candidate, recover
 from ..state import bare_module, local_optimizer
 from ..parallelism import SHARDED_LAYOUTS
 from ..tree import flatten, local_shard
-from ..storage.region import Region, UnreadableRegionError
+from ..storage.region import Region
 from ..storage.region_map import RegionLayout, SlotWriter
 from ..storage.region_open import open_region, region_path
 from .. import peers
 from ..storage.sharded import RankShare
-from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
+from ..transport.host import HostBuffer
 from .base import Strategy, StrategyConfig
 from .lightcheck_copy import Copy, CopyOrder
-from .memory_tier import region_candidates
+from .region_tier import RegionTier
 from .mirrors import RegionPeers
 
 
@@ -127,33 +125,37 @@ class LightCheck(Strategy):
         self.hash_seconds: list[float] = []
         """Per checkpoint, the commit thread's time from its start to the last part's checksums
         (on CUDA the copies' time it overlaps included)."""
-        self.registered: bool | None = None
-        """CUDA: whether the region's mapping is registered for DMA (False: copies through pageable memory)."""
         self.commit_wait_seconds = 0.0
         """Seconds the updates waited, after the copies, for the checksums and the slot's header."""
-        self.persisted = 0
-        self.region: Region | None = None
+        self.held: RegionTier | None = None
+
+    @property
+    def region(self) -> Region | None:
+        return self.held.region if self.held is not None else None
+
+    @property
+    def registered(self) -> bool | None:
+        """CUDA: whether the region's mapping is registered for DMA (False: copies through pageable memory)."""
+        return self.held.registered if self.held is not None else None
+
+    @property
+    def persisted(self) -> int:
+        """Checkpoints written from the region to the directory."""
+        return self.held.persisted if self.held is not None else 0
 
     # -- set-up --------------------------------------------------------------------------------
 
     def _attach(self) -> None:
         directory = self.ctx.directory
         assert directory is not None
-        self._damaged: str | None = None
-        """Why the region holds no checkpoint that verifies, where it holds a damaged one."""
-        try:
-            self.region = open_region(directory, self.config.region, flush=self.config.flush)
-        except UnreadableRegionError as e:  # a reader's: a writer remakes it or refuses
-            warnings.warn(f"skipping {e}", stacklevel=2)
-            self.region, self._damaged = None, str(e)
+        self.held = RegionTier(self.ctx, self.errors, self.config.region, flush=self.config.flush, name="lightcheck",
+                               source="region")
         self._pending: Copy | None = None
         self._slot = self.region.next_slot() if self.region is not None and directory.access != "read" else 0
         self._committing: dict[int, Future[Any] | None] = {0: None, 1: None}
         self._orders: dict[Any, CopyOrder] = {}
         self._copier = Worker("everystep-lightcheck-copy", self.errors)
         self._committer = Worker("everystep-lightcheck-commit", self.errors)
-        self._persister = Worker("everystep-lightcheck-persist", self.errors)
-        self._staging = HostBufferPool(1, pin=False)
         self._stream: Any = None
         self._chosen: Candidate | None = None
         self._use_disk = False
@@ -175,7 +177,8 @@ class LightCheck(Strategy):
             self._chosen = self.peers.recover(self.ctx.directory.newest_full_step())
             self._use_disk = self._chosen is None
             return
-        verified = self._read_slots(every=ranks.distributed)
+        assert self.held is not None
+        verified = self.held.candidates(every=ranks.distributed)
         disk = self.ctx.directory.newest_full_step()
         common = set(verified)
         if ranks.distributed:
@@ -185,14 +188,6 @@ class LightCheck(Strategy):
         self._chosen = verified.get(newest)
         self._use_disk = newest < disk or newest < 0
 
-    def _read_slots(self, *, every: bool) -> dict[int, Candidate]:
-        """The region's slots that verify, by step (:func:`~.memory_tier.region_candidates`)."""
-        if self.region is None:
-            return {}
-        found, damaged = region_candidates(self.region, self.ctx.live_shards(), every=every, source="region")
-        self._damaged = damaged or self._damaged
-        return found
-
     def _recover(self) -> Candidate | None:
         """The agreed region slot, unless the directory holds a newer full checkpoint that verifies
         (every rank reads the same directory, so every rank decides alike)."""
@@ -200,16 +195,16 @@ class LightCheck(Strategy):
         chosen, self._chosen = self._chosen, None  # read and verified while agreeing
         disk = recover(self.ctx.directory, shards=self.ctx.live_shards()) if self._use_disk else None
         found = chosen if chosen is not None and (disk is None or disk.step < chosen.step) else disk
-        if found is None and self._damaged is not None:
-            raise NoValidCheckpointError(f"no valid checkpoint for {self.ctx.directory.root}: {self._damaged}, and the "
+        assert self.held is not None
+        if found is None and self.held.damaged is not None:
+            raise NoValidCheckpointError(f"no valid checkpoint for {self.ctx.directory.root}: {self.held.damaged}, and the "
                                          "directory holds no full checkpoint")
         return found
 
     def _on_start(self, step: int) -> None:
+        assert self.held is not None
+        self.held.start(step)
         if self.region is not None and self.region.access != "read":
-            self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
-            # (what the restore lent becomes this process's own, and leaves the file, beside training)
-            self.region.lending.start(stepping(self.ctx.components.optimizer))
             self._slot = self.region.next_slot()
         if self.peers is not None:
             self.peers.discard_newer(step)
@@ -344,14 +339,9 @@ class LightCheck(Strategy):
                 copy.progress.advance()
 
     def _copy_cuda(self, copy: Copy, writer: SlotWriter, tensors: dict[str, torch.Tensor], order: CopyOrder) -> None:
-        assert self.region is not None
-        refused = self.region.register(writer)
-        if refused is not None and self.registered is None:
-            warnings.warn(f"lightcheck: the region {self.region.path} cannot be pinned for the GPU's DMA ({refused}); "
-                          "its copies go through pageable memory (on an H200: 16 GB/s, against 52 into pinned "
-                          "memory). A region on tmpfs (region='/dev/shm/…{rank}…') can be pinned",
-                          RuntimeWarning, stacklevel=2)
-        self.registered = refused is None
+        assert self.held is not None
+        self.held.register(writer, " (on an H200: 16 GB/s, against 52 into pinned memory); a region on tmpfs "
+                                   "(region='/dev/shm/…{rank}…') can be pinned")
         stream = self._stream
         stream.wait_event(copy.ready)
         half, previous = len(order.units) // 2, -1
@@ -398,9 +388,8 @@ class LightCheck(Strategy):
         if self.peers is not None:  # off the training path: the slot is not reused until it is done
             self._mirrored = self.peers.submit(copy.step, functools.partial(
                 self.peers.own_part, copy.step, writer.views, skeleton, order.replicated))
-        assert self.ctx.catalog is not None
-        self.ctx.catalog.count_written_elsewhere(writer.layout.nbytes)  # the region's bytes count as written
-        self.ctx.in_memory(copy.step)
+        assert self.held is not None
+        self.held.committed(copy.step, writer.layout.nbytes)  # (the region's bytes count as written)
         if self.region.flush:
             self.ctx.record_durable(copy.step, count=False)
         every = self.config.persist_every
@@ -414,20 +403,11 @@ class LightCheck(Strategy):
         then write it to the directory in the background."""
         shard = RankShare.of(writer.views, set(order.replicated), self.ctx.ranks, split=self.ctx.splits_replicated,
                              sharded=order.sharded)
-        buffer = self._staging.acquire(TensorLayout.of(shard.local))
-        try:
-            snapshot_into(buffer, shard.local)
-        except BaseException:
-            self._staging.release(buffer)
-            raise
-        self._persister.post(f"background write of the checkpoint at step {step}", self._write, step, buffer, skeleton, shard)
+        assert self.held is not None
+        self.held.persist(step, shard.local, functools.partial(self._write, step, skeleton, shard))
 
-    def _write(self, step: int, buffer: HostBuffer, skeleton: Any, shard: RankShare) -> None:
-        try:
-            self.ctx.persist(step, buffer, skeleton, share=shard, keep=self.config.keep, count=False)
-            self.persisted += 1
-        finally:
-            self._staging.release(buffer)
+    def _write(self, step: int, skeleton: Any, shard: RankShare, buffer: HostBuffer) -> None:
+        self.ctx.persist(step, buffer, skeleton, share=shard, keep=self.config.keep, count=False)
 
     # -- before the next update ----------------------------------------------------------------
 
@@ -486,12 +466,13 @@ class LightCheck(Strategy):
         self._committer.drain()
         if self.peers is not None:
             self.peers.worker.drain()
-        self._persister.drain()
+        if self.held is not None:
+            self.held.drain()
 
     def _close(self) -> None:
-        for worker in (self._copier, self._committer, self._persister):
+        for worker in (self._copier, self._committer):
             worker.close()
         if self.peers is not None:
             self.peers.close()
-        if self.region is not None:
-            self.region.close()
+        if self.held is not None:
+            self.held.close()

@@ -39,35 +39,34 @@ import json
 import operator
 import os
 import threading
-from pathlib import Path
 import time
 import warnings
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .._faults import crash_point
-from ..background import BackgroundErrors, Worker
-from ..errors import ConfigError, CorruptCheckpointError, NoValidCheckpointError
-from ..layout import TensorLayout
+from ..background import BackgroundErrors
+from ..errors import ConfigError, NoValidCheckpointError
+from ..files import untrusted_folder
 from ..policy.interval import busy_interval, median_gap, persist_due
-from ..optim import stepping
 from ..recovery import Candidate
 from ..spread import commit_spread
-from ..storage.region import Region, UnreadableRegionError, UntrustedRegionError
-from ..storage.region_map import RegionLayout, SlotWriter
-from ..files import untrusted_folder
 from ..storage import region_open
-from ..storage.region_open import memory_path, memory_place, open_region
+from ..storage.region import UntrustedRegionError
+from ..storage.region_map import RegionLayout, SlotWriter
+from ..storage.region_open import memory_path, memory_place
 from ..storage.sharded import RankShare
-from ..transport.host import HostBuffer, HostBufferPool
-from ..tree import unflatten
+from ..transport.host import HostBuffer
 from .base import StrategyConfig
-from .context import LiveShards, StrategyContext, as_shards
+from .context import StrategyContext
+from .region_tier import Finish, RegionTier
 
-__all__ = ["FullStateConfig", "MemoryTier", "region_candidates"]
+__all__ = ["FullStateConfig", "MemoryTier"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,60 +134,6 @@ def _own_folder(path: Path) -> Path:
     return spare / path.parent.name / path.name
 
 
-Finish = Callable[[Candidate, dict[str, torch.Tensor], dict[str, Any]], Candidate]
-"""What makes a slot's candidate the state to recover: given it, the slot's tensors and the meta it
-was committed with (GoCkpt: a spread checkpoint's parts brought forward); may raise
-:class:`~everystep.errors.CorruptCheckpointError`."""
-
-
-def region_candidates(region: Region, live: LiveShards, *, every: bool, source: str, finish: Finish | None = None
-                      ) -> tuple[dict[int, Candidate], str | None]:
-    """The region's slots that verify, by step, newest first — only the newest one unless ``every``
-    — each skipped one warned about; and, where complete slots exist and none verifies, why the
-    region holds nothing to recover. ``finish``: applied to each candidate (:data:`Finish`).
-
-    What the live objects keep (the optimizer's state, the other components') is copied out of the
-    slot as it is hashed, but for the state a fresh optimizer's load keeps as it is given
-    (:meth:`LiveShards.kept_by_load`), which the writer lends (:meth:`Region.read_slot
-    <everystep.storage.region.Region.read_slot>`; its pages become the process's own once the
-    restore is done: :meth:`MemoryTier.on_start`). The model's tensors, which a restore copies into the live model, the
-    optimizer's state that its load copies onto a GPU (:meth:`LiveShards.moved_by_load`) and that
-    which goes into the live optimizer's own tensors (:meth:`LiveShards.loaded_in_place`; the
-    candidate's ``borrowed``) are views of the slot's private mapping (what is written into them
-    stays in this process) verified where they lie, by the region's writer, which holds its lock:
-    no other process rewrites a slot. A reader, and a sharded job (whose model holds DTensors),
-    read copies of all."""
-    found: dict[int, Candidate] = {}
-    t0 = time.perf_counter()
-    complete = region.slots(warn=False)
-    copy = True if len(live) else lambda key: not (key.startswith("/model/") or live.moved_by_load(key)
-                                                   or live.loaded_in_place(key))
-    for slot, tensors, meta in region.verified(copy=copy, lend=None if len(live) else live.kept_by_load):
-        if any(live.shapes.get(k, tuple(t.shape)) != tuple(t.shape) for k, t in tensors.items()):
-            warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
-                          "(written under another layout or world size)", stacklevel=3)
-            continue
-        if len(live):  # (no live DTensor: nothing to place)
-            as_shards(tensors, live)
-        borrowed = frozenset() if len(live) else frozenset(filter(live.loaded_in_place, tensors))  # (views: see above)
-        found[slot.step] = Candidate(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source=source,
-                                     manifest=None, seconds=time.perf_counter() - t0, borrowed=borrowed)
-        if finish is not None:
-            try:
-                found[slot.step] = finish(found[slot.step], tensors, meta["meta"])
-            except CorruptCheckpointError as e:
-                del found[slot.step]
-                warnings.warn(f"skipping the region's slot of step {slot.step}: {e}", stacklevel=3)
-                continue
-        if not every:
-            break
-        t0 = time.perf_counter()
-    damaged = None
-    if complete and not found:
-        damaged = f"none of the {len(complete)} complete slot(s) of the region {region.path} verifies"
-    return found, damaged
-
-
 class MemoryTier:
     """A strategy's memory tier (see the module docstring): made at attach when ``memory=True``."""
 
@@ -206,42 +151,41 @@ class MemoryTier:
             self.path = memory_path(directory.root, config.region, ctx.ranks.rank, ctx.ranks.world)
         if config.region is None and directory.access != "read":  # (a reader makes nothing)
             self.path = _own_folder(self.path)
-        self.damaged: str | None = None
-        """Why the region holds no checkpoint that verifies, where it holds a damaged one."""
-        try:
-            self.region = open_region(directory, str(self.path), flush=None)
-        except UnreadableRegionError as e:  # a reader's
-            warnings.warn(f"skipping {e}", stacklevel=3)
-            self.region, self.damaged = None, str(e)
+        self.held = RegionTier(ctx, errors, str(self.path), flush=None, name="tier", source="memory")
+        self.region = self.held.region
         if config.region is None and directory.access != "read" and self.region is not None:
             region_open.record_memory(directory, ctx.ranks.rank, self.path)
         self._idle = threading.Event()
         """Set while no slot is being written: the other slot holds the newest complete checkpoint."""
         self._idle.set()
-        self.registered: bool | None = None
-        """CUDA: whether the region's mapping is registered for DMA (False: copies through pageable memory)."""
         self._layouts: dict[Any, tuple[RegionLayout, int]] = {}
-        self._staging = HostBufferPool(1, pin=False)
-        self._writer = Worker("everystep-tier-persist", errors)
-        self._writing: Any = None
+        self._writing: Future[Any] | None = None
         self._chosen: Candidate | None = None
         self._marks: deque[float] = deque(maxlen=16)
         self._write_seconds: float | None = None
         self.last_persisted = -1
         """The newest step written to the directory (or found there at the start)."""
-        self.persisted = 0
+
+    @property
+    def damaged(self) -> str | None:
+        """Why the region holds no checkpoint that verifies, where it holds a damaged one."""
+        return self.held.damaged
+
+    @property
+    def persisted(self) -> int:
         """Checkpoints written to the directory by this tier."""
+        return self.held.persisted
+
+    @property
+    def registered(self) -> bool | None:
+        """CUDA: whether the region's mapping is registered for DMA (False: copies through pageable memory)."""
+        return self.held.registered
 
     # -- restore -------------------------------------------------------------------------------
 
     def agree(self) -> None:
         """Read the region's newest slot that verifies (one process: nothing to agree on)."""
-        if self.region is None:
-            return
-        found, damaged = region_candidates(self.region, self.ctx.live_shards(), every=False, source="memory",
-                                           finish=self._finish)
-        self.damaged = self.damaged or damaged
-        self._chosen = next(iter(found.values()), None)
+        self._chosen = next(iter(self.held.candidates(every=False, finish=self._finish).values()), None)
 
     def recover(self, own: Callable[[], Candidate | None]) -> Candidate | None:
         """The region's slot read by :meth:`agree`, unless the strategy's own recovery (``own``: the
@@ -260,10 +204,7 @@ class MemoryTier:
 
     def on_start(self, step: int) -> None:
         assert self.ctx.directory is not None
-        if self.region is not None and self.region.access != "read":
-            self.region.discard_newer(step)  # slots past the restored step belong to a run that ended
-            # (what the restore lent becomes this process's own, and leaves the file, beside training)
-            self.region.lending.start(stepping(self.ctx.components.optimizer))
+        self.held.start(step)
         self.last_persisted = min(step, self.ctx.directory.newest_full_step())
 
     # -- every checkpoint ----------------------------------------------------------------------
@@ -299,11 +240,7 @@ class MemoryTier:
         writer = self.region.begin(layout, hint)
         self._idle.clear()
         if self.ctx.device.type == "cuda":  # (each slot's area is registered once)
-            refused = self.region.register(writer)
-            if refused is not None and self.registered is None:
-                warnings.warn(f"the memory tier {self.region.path} cannot be pinned for the GPU's DMA ({refused}); its "
-                              "copies go through pageable memory", RuntimeWarning, stacklevel=3)
-            self.registered = refused is None
+            self.held.register(writer)
         return writer
 
     def abort(self) -> None:
@@ -322,9 +259,7 @@ class MemoryTier:
             self.region.commit(writer, step, skeleton, meta)
         finally:
             self._idle.set()
-        assert self.ctx.catalog is not None
-        self.ctx.catalog.count_written_elsewhere(writer.layout.nbytes)
-        self.ctx.in_memory(step)
+        self.held.committed(step, writer.layout.nbytes)
         self._marks.append(time.monotonic())
         if self._persist_due(step):
             self._persist(step, writer.views, skeleton, meta or {})
@@ -359,40 +294,26 @@ class MemoryTier:
                            writing=writing)
 
     def _persist(self, step: int, views: dict[str, torch.Tensor], skeleton: Any, meta: dict[str, Any]) -> None:
-        """Copy the committed slot to the host buffer (waiting while the previous persist writes),
-        then write it to the directory on the tier's thread."""
+        """Write the committed slot to the directory (:meth:`RegionTier.persist`)."""
         self.last_persisted = step
-        buffer = self._staging.acquire(TensorLayout.of(views))
-        try:
-            keys = list(buffer.views)
-            with torch.no_grad():
-                torch._foreach_copy_([buffer.views[k] for k in keys], [views[k] for k in keys])
-        except BaseException:
-            self._staging.release(buffer)
-            raise
-        self._writing = self._writer.submit(f"write of the checkpoint at step {step} from the memory tier",
-                                            self._write, step, buffer, skeleton, meta)
+        self._writing = self.held.persist(step, views, functools.partial(self._write, step, skeleton, meta))
 
-    def _write(self, step: int, buffer: HostBuffer, skeleton: Any, meta: dict[str, Any]) -> None:
-        try:
-            t0 = time.perf_counter()
-            share = RankShare.of(buffer.views, set(), self.ctx.ranks, split=self.ctx.splits_replicated)
-            crash_point("tier.persist")
-            if meta.get("spread") is not None:  # a spread checkpoint (GoCkpt's, brought forward at recovery)
-                assert self.ctx.catalog is not None
-                self.ctx.persist_record(step, functools.partial(commit_spread, self.ctx.catalog, step, dict(buffer.views),
-                                                                skeleton, meta["spread"]), keep=self.config.keep, count=False)
-            else:
-                self.ctx.persist(step, buffer, skeleton, share=share, keep=self.config.keep, count=False)
-            self._write_seconds = time.perf_counter() - t0
-            self.persisted += 1
-        finally:
-            self._staging.release(buffer)
+    def _write(self, step: int, skeleton: Any, meta: dict[str, Any], buffer: HostBuffer) -> None:
+        t0 = time.perf_counter()
+        share = RankShare.of(buffer.views, set(), self.ctx.ranks, split=self.ctx.splits_replicated)
+        crash_point("tier.persist")
+        if meta.get("spread") is not None:  # a spread checkpoint (GoCkpt's, brought forward at recovery)
+            assert self.ctx.catalog is not None
+            self.ctx.persist_record(step, functools.partial(commit_spread, self.ctx.catalog, step, dict(buffer.views),
+                                                            skeleton, meta["spread"]), keep=self.config.keep, count=False)
+        else:
+            self.ctx.persist(step, buffer, skeleton, share=share, keep=self.config.keep, count=False)
+        self._write_seconds = time.perf_counter() - t0
 
     # -- the end -------------------------------------------------------------------------------
 
     def wait(self) -> None:
-        self._writer.drain()
+        self.held.drain()
 
     def report(self) -> dict[str, int]:
         """What a run summary says of the tier: its persist interval now, and the persists made."""
@@ -401,7 +322,7 @@ class MemoryTier:
     def finish(self) -> None:
         """A clean close: the region's newest slot that verifies is written to the directory if it
         is not there yet (one this run committed, or the one it started from)."""
-        self._writer.drain()
+        self.held.drain()
         if self.region is None or self.region.access == "read":
             return
         found = self.region.newest(warn=False)
@@ -409,16 +330,15 @@ class MemoryTier:
             return
         slot, tensors, meta = found
         self._persist(slot.step, tensors, meta["skeleton"], meta["meta"])
-        self._writer.drain()
+        self.held.drain()
 
     def close(self, *, clean: bool = False) -> None:
         """Release the region; after a clean close (``clean``: :meth:`finish` done) one in the default
         place is deleted, its memory freed: the directory holds its newest checkpoint."""
-        self._writer.close()
+        newest = max((s.step for s in self.region.slots(warn=False)), default=-1) if self.region is not None else -1
+        self.held.close()
         if self.region is None:
             return
-        newest = max((s.step for s in self.region.slots(warn=False)), default=-1)
-        self.region.close()
         if clean and self.config.region is None and self.region.access != "read" and newest <= self.last_persisted:
             self.path.unlink(missing_ok=True)
             spare = self.path.parent.parent.name != f"everystep-{os.geteuid()}"  # (made in its stead: its own)
