@@ -181,3 +181,31 @@ def test_no_strategy_loads_what_it_recovers():
     loading = re.compile(r"components\.restore\(|\.restore\(\s*(found|tree|candidate)")
     found = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if loading.search(p.read_text()))
     assert found == ["recovery.py"], found
+
+
+STORAGE_FACES = frozenset({"everystep.storage", *(f"everystep.storage.{room}" for room in ("stores", "formats", "region",
+                                                                                           "remote"))})
+"""What code outside ``storage`` may import of it: its face and its sub-packages' faces."""
+
+
+def test_outside_storage_only_its_faces_are_imported():
+    """Outside ``storage/`` an import names ``everystep.storage`` or one of its sub-packages, and a
+    name from it that is not a module inside: what lies behind a face can move without a change outside."""
+    inside = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+              for p in (PACKAGE / "storage").rglob("*.py")}
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if (PACKAGE / "storage") in path.parents:
+            continue
+        for target, names in _imports(path):
+            if not target.startswith("everystep.storage"):
+                continue
+            behind = [n for n in names if f"{target}.{n}" in inside - STORAGE_FACES]
+            if target not in STORAGE_FACES or behind:
+                broken.append(f"{path.relative_to(ROOT)} imports {target}{' ' + ', '.join(behind) if behind else ''}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_storage_faces_are_read_from_real_imports():
+    found = {t for t, _ in _imports(PACKAGE / "strategies" / "lightcheck.py")}
+    assert "everystep.storage.region" in found

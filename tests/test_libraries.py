@@ -75,3 +75,27 @@ def test_a_library_killed_while_its_write_is_in_flight_recovers_what_it_says(nam
     trial = kill_and_resume(name, workload="mlp", steps=12, kill_at=7, disk_every=2)
     assert trial["error"] is None and trial["recovered"] in found[name], trial
     assert trial["lost"] == 7 - trial["recovered"] and trial["bitwise"] is False, trial
+
+
+@pytest.mark.skipif("dlrover" not in INSTALLED, reason="DLRover is not installed (make install-peers)")
+def test_dlrovers_saver_process_serves_its_memory_after_close_and_is_ended_by_end(tmp_path):
+    """DLRover starts a saver process of its own, which a bench run (leaving by ``os._exit``) would
+    leave behind: ``end`` ends it, after the check's load, which asks it for the memory it holds."""
+    from everystep.eval.workloads import build
+
+    w = build("mlp", seed=0, optimizer="adamw")
+    flash = LIBRARIES["dlrover"](tmp_path / "c", w, 1)
+    try:
+        for step in range(1, 4):
+            w.loss(w.data.next()).backward()
+            w.optimizer.step()
+            w.optimizer.zero_grad()
+            flash.after_step(step)
+        flash.wait()
+        flash.close()
+        saver = flash._checkpointer._engine.saver_proc
+        assert saver is not None and saver.is_alive()
+        assert flash.load(build("mlp", seed=0, optimizer="adamw")) == 3
+    finally:
+        flash.end()
+    assert not saver.is_alive()

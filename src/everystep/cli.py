@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", choices=[*WORKLOAD_NAMES, "native"], default="gpt2-tiny",
                    help="native: with --trainer, the trainer's own small model")
     b.add_argument("--strategies", type=comma_list, default=("none", "full_sync", "checkfreq"), help="comma-separated: "
-                   "everystep strategies and the baselines torch_save, dcp, dcp_async")
+                   "everystep strategies (NAME+memory: with its memory tier), the baselines torch_save, dcp, "
+                   "dcp_async, and with the peers extra the libraries dlrover, lm_resiliency, torch_checkpointing")
     b.add_argument("--steps", type=whole(1), default=20)
     b.add_argument("--warmup", type=whole(0), default=3, help="steps left out of the timing (default 3)")
     b.add_argument("--every", type=whole(1), help="checkpoint interval for every strategy (default: each strategy's own)")

@@ -64,7 +64,8 @@ class Baseline:
     """A baseline's checkpointing, driven by the bench's training loop.
 
     Call order: :meth:`before_update` before each ``optimizer.step()``; :meth:`after_step` after
-    each step; :meth:`wait`, then :meth:`close` at the end; :meth:`load` into a fresh workload.
+    each step; :meth:`wait`, then :meth:`close` at the end; :meth:`load` into a fresh workload;
+    :meth:`end` last, whatever happened.
     The counters match :class:`~everystep.strategies.CheckpointStats`'s names.
     """
 
@@ -96,6 +97,9 @@ class Baseline:
 
     def close(self) -> None:
         self.wait()
+
+    def end(self) -> None:
+        """After the checks (:meth:`load`): end what the baseline started that outlives :meth:`close`."""
 
     def _save(self, step: int) -> None:
         raise NotImplementedError

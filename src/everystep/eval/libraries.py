@@ -99,8 +99,14 @@ class DlroverFlash(Baseline):
             raise LookupError("dlrover's load_checkpoint found nothing")
         return load_user_state(workload, state)
 
-    def close(self) -> None:
-        self._checkpointer.close() if hasattr(self._checkpointer, "close") else None
+    def end(self) -> None:
+        """End the saver process it started: a daemon, which multiprocessing ends only at an
+        interpreter's normal exit (a bench run leaves by ``os._exit``). Not at :meth:`close`: its
+        :meth:`load` from memory asks the saver."""
+        saver = getattr(getattr(self._checkpointer, "_engine", None), "saver_proc", None)
+        if saver is not None and saver.is_alive():
+            saver.terminate()
+            saver.join(timeout=10)
 
 
 class LmResiliency(Baseline):

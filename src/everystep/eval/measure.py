@@ -419,51 +419,55 @@ def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
     with _scratch(spec) as tmp:
         w = _build(spec, spec["seed"])
         baseline: Baseline = ALL_BASELINES[spec["strategy"]](Path(tmp) / "ckpt", w, spec.get("every") or 1)
-        times, lost = [], []
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        seconds["build"], clock = time.perf_counter() - clock, time.perf_counter()
         try:
-            with _traced(spec):
-                for step in range(1, steps + 1):
-                    if step == warmup + 1:
-                        baseline.wait()
-                        at_warmup = (baseline.stall_seconds, baseline.checkpoints, baseline.bytes_written)
-                    t0 = time.perf_counter()
-                    _timed_step(w, step, baseline.before_update)
-                    with tracing.span("baseline after_step", step=step):
-                        baseline.after_step(step)  # (its save is part of the step)
-                    if step > warmup:
-                        times.append(time.perf_counter() - t0)
-                    lost.append(step - baseline.last_durable_step)
-                baseline.wait()
+            times, lost = [], []
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            seconds["build"], clock = time.perf_counter() - clock, time.perf_counter()
+            try:
+                with _traced(spec):
+                    for step in range(1, steps + 1):
+                        if step == warmup + 1:
+                            baseline.wait()
+                            at_warmup = (baseline.stall_seconds, baseline.checkpoints, baseline.bytes_written)
+                        t0 = time.perf_counter()
+                        _timed_step(w, step, baseline.before_update)
+                        with tracing.span("baseline after_step", step=step):
+                            baseline.after_step(step)  # (its save is part of the step)
+                        if step > warmup:
+                            times.append(time.perf_counter() - t0)
+                        lost.append(step - baseline.last_durable_step)
+                    baseline.wait()
+            finally:
+                baseline.close()
+            peaks = _peaks()
+            seconds["steps"], clock = time.perf_counter() - clock, time.perf_counter()
+            result = {
+                "strategy": spec["strategy"], "repeat": spec["repeat"], "every": spec["every"],
+                "setting": {"every": spec.get("every") or 1, **_loop_setting(spec)}, "step_seconds": times,
+                "mean_step_seconds": sum(times) / len(times), "stall_seconds": baseline.stall_seconds - at_warmup[0],
+                "checkpoints": baseline.checkpoints - at_warmup[1],
+                "bytes_per_step": (baseline.bytes_written - at_warmup[2]) / (steps - warmup), **peaks,
+                "lost_steps_software": max(lost), "lost_steps_hardware": max(lost), **_UNCHECKED,
+            }
+            if checks:
+                live = _model_and_optimizer(w)
+                after = _train_on(w)
+                fresh = _build(spec, spec["seed"])
+                t0 = time.perf_counter()
+                recovered, extra = peak_during(lambda: baseline.load(fresh))
+                took = time.perf_counter() - t0
+                if recovered != steps:
+                    raise RuntimeError(f"{spec['strategy']} recovered step {recovered}, expected {steps}")
+                result.update({f"recovery_seconds_{baseline.recovers_from}": took}, recovery_peak_extra_bytes=extra,
+                              recovery_mapped_bytes=0,
+                              recovery_new_memory_seconds=new_memory_seconds(extra),
+                              recovery_error=state_error(_model_and_optimizer(fresh), live),
+                              **_resume_check(fresh, after))
+            seconds["checks"] = time.perf_counter() - clock
+            return _across_ranks({**result, "seconds": seconds})
         finally:
-            baseline.close()
-        peaks = _peaks()
-        seconds["steps"], clock = time.perf_counter() - clock, time.perf_counter()
-        result = {
-            "strategy": spec["strategy"], "repeat": spec["repeat"], "every": spec["every"],
-            "setting": {"every": spec.get("every") or 1, **_loop_setting(spec)}, "step_seconds": times,
-            "mean_step_seconds": sum(times) / len(times), "stall_seconds": baseline.stall_seconds - at_warmup[0],
-            "checkpoints": baseline.checkpoints - at_warmup[1],
-            "bytes_per_step": (baseline.bytes_written - at_warmup[2]) / (steps - warmup), **peaks,
-            "lost_steps_software": max(lost), "lost_steps_hardware": max(lost), **_UNCHECKED,
-        }
-        if checks:
-            live = _model_and_optimizer(w)
-            after = _train_on(w)
-            fresh = _build(spec, spec["seed"])
-            t0 = time.perf_counter()
-            recovered, extra = peak_during(lambda: baseline.load(fresh))
-            took = time.perf_counter() - t0
-            if recovered != steps:
-                raise RuntimeError(f"{spec['strategy']} recovered step {recovered}, expected {steps}")
-            result.update({f"recovery_seconds_{baseline.recovers_from}": took}, recovery_peak_extra_bytes=extra,
-                          recovery_mapped_bytes=0,
-                          recovery_new_memory_seconds=new_memory_seconds(extra),
-                          recovery_error=state_error(_model_and_optimizer(fresh), live), **_resume_check(fresh, after))
-        seconds["checks"] = time.perf_counter() - clock
-        return _across_ranks({**result, "seconds": seconds})
+            baseline.end()
 
 
 def forked(argv: list[str]) -> int:
