@@ -22,7 +22,7 @@ from everystep.eval.workloads import build
 from everystep.recovery import latest_full
 from everystep.tree import flatten, state_hash
 from everystep.storage import CheckpointDirectory
-from everystep.storage.region import Region
+from everystep.storage.region.slots import Region
 from everystep.strategies import STRATEGIES
 from everystep.transport.host import HostBuffer, HostBufferPool, TensorLayout, snapshot_into
 

@@ -29,7 +29,7 @@ from everystep.tree import state_hash, unflatten
 from everystep.storage.directory import CheckpointDirectory
 from everystep.policy import deadline_margin
 from everystep.stopping import StopWatch, deadline_from_environment
-from everystep.storage.sharded import RankShare
+from everystep.storage.formats.sharded import RankShare
 from everystep.recovery import common_step
 
 from .conftest import assert_recovered, running

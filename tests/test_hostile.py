@@ -25,7 +25,7 @@ from everystep.state import TrainingComponents
 from everystep.tree import state_hash
 from everystep.storage import CheckpointDirectory
 from everystep.storage.base import checksum
-from everystep.storage.region import Region, UntrustedRegionError
+from everystep.storage.region.slots import Region, UntrustedRegionError
 
 from .conftest import files_of
 
@@ -230,7 +230,7 @@ def _rewrite_slot_meta(path: Path, edit) -> int:
     metadata's in its header, the header's own), as someone with the file would."""
     import xxhash
 
-    from everystep.storage import region as rg
+    from everystep.storage.region import slots as rg
 
     newest, raw, meta = newest_slot_meta(path)
     start = newest.area_offset
@@ -698,7 +698,7 @@ def test_dcp_metadata_resigned_with_a_huge_tensor_allocates_nothing(tmp_path):
     before it restored."""
     import pickle
 
-    from everystep.storage.dcp import load_metadata
+    from everystep.storage.formats.dcp import load_metadata
 
     from .test_trust import _poison_dcp
 
@@ -795,7 +795,7 @@ def test_a_sparse_tensor_file_of_gigabytes_is_refused_without_taking_its_size_in
     refuses it by its checksum and takes the checkpoint before, its memory peak far below the
     file's size: the hole is not read into memory."""
     from everystep.layout import TensorLayout
-    from everystep.storage.tensorfile import header_bytes
+    from everystep.storage.formats.tensorfile import header_bytes
 
     from .forked import run_script
     from .conftest import ROOT

@@ -26,9 +26,9 @@ from everystep.eval.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.state import TrainingComponents
 from everystep.tree import state_hash
-from everystep.storage.region import Region
-from everystep.storage.region_lend import lending_supported
-from everystep.storage.region_map import ALIGN, RegionLayout
+from everystep.storage.region.slots import Region
+from everystep.storage.region.lending import lending_supported
+from everystep.storage.region.mapping import ALIGN, RegionLayout
 from everystep.strategies.lightcheck import WHOLE, LightCheck
 
 from .conftest import ROOT, assert_recovered, call_cli, run_cli
@@ -122,7 +122,7 @@ def test_a_slots_checksums_come_from_a_process_without_pytorch_started_again_whe
 
 @pytest.mark.parametrize("flush", [True, False])
 def test_a_commit_flushes_the_slot_marked_writing_then_its_area_then_its_header(tmp_path, monkeypatch, flush):
-    import everystep.storage.region as region_module
+    import everystep.storage.region.slots as region_module
 
     tensors = _tensors()
     region = Region.open(tmp_path / "r.bin", flush=flush)
@@ -264,7 +264,7 @@ def test_a_tensor_lent_out_of_a_slot_keeps_its_bytes_when_the_writer_writes_that
 
 
 def test_where_the_kernel_cannot_lend_a_restarted_writer_copies_the_slot_out(tmp_path, monkeypatch):
-    monkeypatch.setattr("everystep.storage.region.lending_supported", lambda: False)
+    monkeypatch.setattr("everystep.storage.region.slots.lending_supported", lambda: False)
     tensors = _tensors()
     region, got, expected, _ = _lent_from_the_newest_slot(tmp_path / "r.bin", tensors)
     assert region.lending.bytes == 0 and all(torch.equal(got[k], expected[k]) for k in tensors)

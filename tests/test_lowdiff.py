@@ -16,7 +16,7 @@ from everystep.eval.workloads import build
 from everystep.state import TrainingComponents
 from everystep.tree import flatten, state_hash
 from everystep.storage import CheckpointDirectory
-from everystep.storage.tensorfile import load_tensors
+from everystep.storage.formats.tensorfile import load_tensors
 from everystep.strategies import context as strategy_context
 from everystep.strategies.lowdiff import LowDiff
 from everystep.tree import state_error

@@ -26,8 +26,8 @@ from everystep._faults import arm, disarm
 from everystep.errors import CheckpointDirectoryError, ConfigError
 from everystep.eval.train import TrainConfig, run
 from everystep.storage.directory import CheckpointDirectory
-from everystep.storage.region import Region
-from everystep.storage.region_open import memory_path
+from everystep.storage.region.slots import Region
+from everystep.storage.region.paths import memory_path
 
 from .conftest import assert_recovered
 from .test_checkpointer import attach, live_hash, loop, make
@@ -253,10 +253,10 @@ def test_the_default_region_lies_in_memory_and_goes_at_a_clean_close(tmp_path):
 def test_a_folder_of_memory_tiers_others_could_change_is_refused_by_name(tmp_path, shm, monkeypatch):
     """The user's folder of memory tiers has a name known in advance: one that another user made, or
     that others may write, is refused before anything is written there."""
-    from everystep.storage import region_open
-    from everystep.storage.region import UntrustedRegionError
+    from everystep.storage.region import paths
+    from everystep.storage.region.slots import UntrustedRegionError
 
-    monkeypatch.setattr(region_open, "MEMORY_ROOT", shm)
+    monkeypatch.setattr(paths, "MEMORY_ROOT", shm)
     theirs = shm / f"everystep-{os.geteuid()}"
     theirs.mkdir()
     theirs.chmod(0o777)
@@ -324,11 +324,11 @@ def test_inspect_and_verify_list_the_memory_tiers_slots_and_name_a_damaged_one(t
 
 
 def test_a_reader_recovers_from_the_memory_tier_and_changes_nothing(tmp_path, shm, monkeypatch):
-    from everystep.storage import region_open
+    from everystep.storage.region import paths
 
     from .conftest import files_of
 
-    monkeypatch.setattr(region_open, "MEMORY_ROOT", shm)  # (its default place, in a folder of the test's)
+    monkeypatch.setattr(paths, "MEMORY_ROOT", shm)  # (its default place, in a folder of the test's)
     w = make("mlp", 0)
     hashes = _crashed(tmp_path / "c", w, 5, dict(strategy="checkfreq", memory=True, persist_every=10))
     before = files_of(shm), files_of(tmp_path / "c")
@@ -341,7 +341,7 @@ def test_a_reader_recovers_from_the_memory_tier_and_changes_nothing(tmp_path, sh
     assert (files_of(shm), files_of(tmp_path / "c")) == before
     empty = shm / "elsewhere"  # a memory with no tier of this directory: the reader makes no folder there
     empty.mkdir()
-    monkeypatch.setattr(region_open, "MEMORY_ROOT", empty)
+    monkeypatch.setattr(paths, "MEMORY_ROOT", empty)
     with Checkpointer(CheckpointDirectory.open(tmp_path / "c", create=False, access="read"), w2.model, w2.optimizer,
                       scheduler=w2.scheduler, data=w2.data, strategy="checkfreq", memory=True) as again:
         again.restore()
@@ -352,11 +352,11 @@ def test_a_listing_through_a_writable_directory_makes_no_region(tmp_path, shm, m
     """``verify_store`` on a directory opened for writing (as a test or a tool may) lists the regions
     that are there, and makes none: neither lightcheck's in the directory nor a memory tier in memory."""
     from everystep.inventory import verify_store
-    from everystep.storage import region_open
+    from everystep.storage.region import paths
 
     from .conftest import files_of
 
-    monkeypatch.setattr(region_open, "MEMORY_ROOT", shm)
+    monkeypatch.setattr(paths, "MEMORY_ROOT", shm)
     w = make("mlp", 0)
     with attach(w, tmp_path / "c", "checkfreq") as ckpt:
         ckpt.restore()
@@ -375,9 +375,9 @@ def test_a_clean_close_persists_the_step_restored_from_memory_and_leaves_no_regi
     """Restored from the region past the directory's newest and closed at once: the close writes that
     step to the directory before the region in its default place goes; a run that committed nothing
     leaves no region either."""
-    from everystep.storage import region_open
+    from everystep.storage.region import paths
 
-    monkeypatch.setattr(region_open, "MEMORY_ROOT", shm)
+    monkeypatch.setattr(paths, "MEMORY_ROOT", shm)
     w = make("mlp", 0)
     options = dict(strategy="checkfreq", memory=True, persist_every=10)
     hashes = _crashed(tmp_path / "c", w, 5, options)  # slots of 3 and 4 in memory, step 1 on disk
@@ -427,7 +427,7 @@ def test_every_slot_damaged_and_no_full_checkpoint_is_an_error_and_the_region_is
     the restart refuses (as lightcheck does), naming the region, and leaves it where it is — it
     neither trains from step 0 nor deletes what may be the only copy of the run."""
     from everystep import NoValidCheckpointError
-    from everystep.storage.region import Region
+    from everystep.storage.region.slots import Region
 
     options = {"memory": True, "region": f"{shm}/rank-{{rank}}.bin", "persist_every": 1000}
     w = make("mlp", 0)
@@ -459,7 +459,7 @@ def test_a_directory_moved_after_a_crash_finds_its_memory_tier_and_a_copy_does_n
     is told its original's tier is not its own, and takes none."""
     import shutil
 
-    from everystep.storage.region_open import memory_path
+    from everystep.storage.region.paths import memory_path
 
     w = make("mlp", 0)
     with pytest.raises(KeyboardInterrupt):
@@ -492,7 +492,7 @@ def test_recover_reads_the_memory_tier_of_a_directory_written_through_the_python
     step 0."""
     import shutil
 
-    from everystep.storage.region_open import memory_path
+    from everystep.storage.region.paths import memory_path
 
     from .conftest import call_cli
 
@@ -520,11 +520,11 @@ def test_a_memory_tiers_folder_another_user_made_first_moves_the_tier_not_the_jo
     first run. The run keeps its memory tier in a folder of a name no one can know, with a warning;
     a killed run's restart finds it there through the directory's record, recovers from memory, and
     a clean close leaves nothing of it behind."""
-    from everystep.storage import region_open
+    from everystep.storage.region import paths
 
     if os.geteuid() != 0:
         pytest.skip("making a folder another user owns needs root")
-    monkeypatch.setattr(region_open, "MEMORY_ROOT", shm)
+    monkeypatch.setattr(paths, "MEMORY_ROOT", shm)
     squatted = shm / f"everystep-{os.geteuid()}"
     squatted.mkdir(mode=0o755)
     os.chown(squatted, 4242, 4242)

@@ -264,7 +264,7 @@ def test_a_size_a_peer_announces_is_refused_below_a_header_and_above_the_free_me
 
 
 def test_a_mirror_another_directory_made_is_not_written_over(tmp_path, monkeypatch):
-    from everystep.storage.region import Region
+    from everystep.storage.region.slots import Region
 
     from .test_distributed import _spawn_two
 

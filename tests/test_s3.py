@@ -23,7 +23,7 @@ from everystep.storage.catalog import Catalog
 from .conftest import ROOT, torch_libraries
 from .forked import run_script, start_script, wait_all
 
-from everystep.storage.s3 import PART_BYTES, S3Store, parse_url
+from everystep.storage.stores.s3 import PART_BYTES, S3Store, parse_url
 
 from .conftest import S3_SECRET as SECRET
 
@@ -87,7 +87,7 @@ def test_of_two_writers_creating_one_key_exactly_one_succeeds(bucket):
 
 _KILLED_MID_UPLOAD = """
 import os, signal, sys
-from everystep.storage.s3 import PART_BYTES, S3Store
+from everystep.storage.stores.s3 import PART_BYTES, S3Store
 
 def chunks():
     yield os.urandom(PART_BYTES + 1)  # the first part goes up with the next chunk
@@ -316,7 +316,7 @@ def test_a_pull_never_writes_over_a_local_object(tmp_path, bucket):
     import warnings
 
     from everystep.storage import CheckpointDirectory
-    from everystep.storage.remote import RemoteTier
+    from everystep.storage.remote.tier import RemoteTier
 
     url = f"s3://{bucket}/job"
     _job(tmp_path, tmp_path / "first", url, "checkfreq", 6)
@@ -344,7 +344,7 @@ def test_a_server_that_ignores_conditional_writes_is_refused_naming_them_never_t
 
     from everystep.errors import RemoteStoreError
     from everystep.storage import CheckpointDirectory
-    from everystep.storage.remote import RemoteTier
+    from everystep.storage.remote.tier import RemoteTier
 
     class Unconditional(S3Store):
         def _conditional(self, what, key, data, **condition):
@@ -771,7 +771,7 @@ def test_a_stale_lock_whose_age_cannot_be_read_is_taken_over_after_one_lease_at_
     import datetime
     import warnings
 
-    from everystep.storage.remote_lock import LOCK_KEY, RemoteLock
+    from everystep.storage.remote.lock import LOCK_KEY, RemoteLock
 
     url = f"s3://{bucket}/job"
     store = S3Store(url)
@@ -802,7 +802,7 @@ def test_a_forged_lock_prints_no_control_characters(bucket):
     them escaped, on one line."""
     import warnings
 
-    from everystep.storage.remote_lock import LOCK_KEY, RemoteLock
+    from everystep.storage.remote.lock import LOCK_KEY, RemoteLock
 
     url = f"s3://{bucket}/job"
     store = S3Store(url)
@@ -822,7 +822,7 @@ def test_uploads_in_progress_that_are_not_everysteps_are_left_and_its_own_aborte
     import boto3
 
     from everystep.storage import CheckpointDirectory
-    from everystep.storage.remote import RemoteTier
+    from everystep.storage.remote.tier import RemoteTier
 
     s3 = boto3.client("s3")
     for key in ("job/objects/a b/full-000000000004.safetensors", "job/notes/full-000000000005.safetensors",
@@ -844,7 +844,7 @@ def test_a_server_that_cannot_list_uploads_is_used_without_it_with_one_warning(b
     from botocore.exceptions import ClientError
 
     from everystep.storage import CheckpointDirectory
-    from everystep.storage.remote import RemoteTier
+    from everystep.storage.remote.tier import RemoteTier
 
     class NoListing(_Tampered):
         def get_paginator(self, name):
@@ -1003,7 +1003,7 @@ def test_any_value_in_any_field_of_what_the_bucket_holds_ends_in_a_fallback_or_o
     from everystep.errors import EverystepError
     from everystep.eval.train import recover_run
     from everystep.storage.directory import marker_bytes
-    from everystep.storage.remote_lock import RemoteLock
+    from everystep.storage.remote.lock import RemoteLock
 
     s3 = boto3.client("s3")
     _as_made(s3, fuzz_bucket)

@@ -416,7 +416,7 @@ def test_a_checkpoint_loads_bitwise_at_another_world_size_and_layout(resharded, 
     ([[[0], [2, 3], [4, 3]], [[2, 0], [2, 3], [4, 3]]], "inside the shape"),
 ])
 def test_boxes_that_do_not_tile_their_tensor_once_are_refused_before_anything_is_read(boxes, why):
-    from everystep.storage.sharded import _check_parts
+    from everystep.storage.formats.sharded import _check_parts
 
     good = [{"pieces": {}, "boxes": {"/model/w": [[0, 0], [2, 3], [4, 3]]}, "meta": {}},
             {"pieces": {}, "boxes": {"/model/w": [[2, 0], [2, 3], [4, 3]]}, "meta": {}}]
@@ -428,7 +428,7 @@ def test_boxes_that_do_not_tile_their_tensor_once_are_refused_before_anything_is
 def test_a_box_that_is_all_this_rank_reads_of_its_tensor_is_taken_as_read_and_a_view_is_copied():
     import torch
 
-    from everystep.storage.sharded import _Boxes
+    from everystep.storage.formats.sharded import _Boxes
 
     whole = torch.arange(12.0).view(4, 3)
     boxes = _Boxes({})  # (no live DTensor: every tensor is read whole)

@@ -165,8 +165,8 @@ def test_a_hashing_process_stopped_by_sigstop_is_an_error_naming_it_not_a_hang(t
     import torch
 
     from everystep.errors import EverystepError
-    from everystep.storage.region import Region
-    from everystep.storage.region_map import RegionLayout
+    from everystep.storage.region.slots import Region
+    from everystep.storage.region.mapping import RegionLayout
 
     tensors = {"t": torch.arange(4096, dtype=torch.float32)}
     region = Region.open(tmp_path / "r.bin")

@@ -28,12 +28,12 @@ from safetensors import safe_open
 from everystep.errors import CheckpointDirectoryError, CorruptCheckpointError, ReadOnlyStoreError
 from everystep.storage import Catalog, CheckpointDirectory, LocalStore, Manifest, plan_retention
 from everystep.storage.directory import marker_bytes
-from everystep.storage.region import Region
-from everystep.storage.s3 import S3Store
-from everystep.storage.region_map import RegionLayout
-from everystep.storage.tensorfile import load_tensors, tensor_chunks
+from everystep.storage.region.slots import Region
+from everystep.storage.stores.s3 import S3Store
+from everystep.storage.region.mapping import RegionLayout
+from everystep.storage.formats.tensorfile import load_tensors, tensor_chunks
 from everystep.transport import HostBuffer, TensorLayout, snapshot_into
-from everystep.storage.tensorfile import buffer_chunks
+from everystep.storage.formats.tensorfile import buffer_chunks
 
 from .conftest import ROOT, FullDisk, files_of
 from .forked import run_script
@@ -487,7 +487,7 @@ def test_the_safetensors_librarys_files_are_read_once_each_byte_into_tensors_of_
     from safetensors.torch import save
 
     from everystep.storage.base import checksum
-    from everystep.storage.tensorfile import read_tensors
+    from everystep.storage.formats.tensorfile import read_tensors
 
     data = save(_EVERY_DTYPE)
     for got in (load_tensors(data, what="object x"), load_tensors(bytearray(data), what="object x")):
@@ -515,7 +515,7 @@ def test_a_tensor_file_with_holes_reads_back_the_same_tensors(tmp_path):
     data around the holes read."""
     from everystep.layout import TensorLayout
     from everystep.storage.base import CHECKSUM_ALGORITHM, new_hasher
-    from everystep.storage.tensorfile import read_tensors, tensor_chunks
+    from everystep.storage.formats.tensorfile import read_tensors, tensor_chunks
 
     tensors = {"a": torch.arange(1000, dtype=torch.float32), "zeros": torch.zeros(3 << 20, dtype=torch.float32),
                "b": torch.randn(5 << 18), "small": torch.zeros(100, dtype=torch.int64)}
@@ -558,7 +558,7 @@ def _header_file(header: dict, data: bytes) -> bytes:
 ])
 def test_a_tensor_file_whose_header_the_format_does_not_allow_is_refused(tmp_path, header, data, why):
     from everystep.storage.base import checksum
-    from everystep.storage.tensorfile import read_tensors
+    from everystep.storage.formats.tensorfile import read_tensors
 
     raw = _header_file(header, data)
     with pytest.raises(CorruptCheckpointError, match=f"not a valid safetensors file.*{why}"):
@@ -572,7 +572,7 @@ def test_a_tensor_file_read_once_is_refused_when_a_byte_changed_or_it_is_shorter
     """From a stream (read in turn) and from a file on disk (its two halves read at once), wherever
     the byte that changed lies."""
     from everystep.storage.base import checksum
-    from everystep.storage.tensorfile import read_tensors
+    from everystep.storage.formats.tensorfile import read_tensors
 
     def read(raw: bytes, size: int, digest: str):
         if source == "stream":
@@ -713,7 +713,7 @@ def test_a_region_is_offered_for_pinning_only_in_memory_and_says_why_not(tmp_pat
     """Linux refuses to pin a writable shared mapping of a file whose pages it writes back (and the
     refusal is left behind as the thread's CUDA error), so a region off tmpfs is not offered to the
     driver at all; one on tmpfs is, and without a GPU says so."""
-    from everystep.storage.region_map import on_volatile_memory
+    from everystep.storage.region.mapping import on_volatile_memory
 
     root = tmp_path if where == "disk" else Path("/dev/shm")
     if (where == "disk") == on_volatile_memory(root):

@@ -19,7 +19,7 @@ from everystep.eval.train import TrainConfig, run
 from everystep.tree import state_hash
 from everystep.recovery import Candidate
 from everystep.storage import CheckpointDirectory
-from everystep.storage.region import Region
+from everystep.storage.region.slots import Region
 from everystep.strategies import STRATEGIES, Strategy, StrategyContext
 
 from .conftest import assert_recovered, loss_gap

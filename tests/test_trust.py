@@ -39,7 +39,7 @@ from everystep.errors import CorruptCheckpointError
 from everystep.eval.workloads import build
 from everystep.storage import CheckpointDirectory
 from everystep.storage.base import Manifest, ObjectInfo, checksum
-from everystep.storage.dcp import load_metadata
+from everystep.storage.formats.dcp import load_metadata
 from everystep.transport import TensorLayout
 
 
@@ -332,7 +332,7 @@ def test_a_region_slot_forged_to_hold_a_pickle_is_refused_without_running_code(t
     """I5/I8 for lightcheck's region: someone who can write the file replaces the newest slot's
     metadata with a pickle and recomputes every checksum; loading skips that slot as unreadable,
     runs nothing, and recovers the other slot."""
-    from everystep.storage import region as rg
+    from everystep.storage.region import slots as rg
 
     w = build("mlp", seed=0)
     with Checkpointer(tmp_path / "c", w.model, w.optimizer, scheduler=w.scheduler, data=w.data,

@@ -32,7 +32,7 @@ import torch
 
 from everystep import Checkpointer
 from everystep.eval.workloads import build
-from everystep.storage import region
+from everystep.storage.region import slots as region
 
 
 @contextlib.contextmanager

@@ -49,4 +49,4 @@ __getattr__, __dir__ = exports(__name__, {
     **{name: ".errors" for name in __all__ if name.endswith(("Error", "Warning"))},
 })
 """Each name is imported at its first use (``from everystep import Checkpointer`` imports PyTorch;
-``import everystep.storage.s3`` does not)."""
+``import everystep.storage.stores.s3`` does not)."""

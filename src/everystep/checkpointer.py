@@ -40,11 +40,10 @@ from .errors import (
 from .optim import OptimizerInBackward
 from .parallelism import restart_rounding, sharded_layout
 from .recovery import Recovered, load
-from .storage import hosts
+from .storage import CheckpointDirectory, agree_across_hosts, check_restored_across_hosts
 from .storage.remote import RemoteTier
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
-from .storage.directory import CheckpointDirectory
 from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, create, default_full_format, sharded_refusal
 
 __all__ = ["Checkpointer"]
@@ -91,7 +90,7 @@ class Checkpointer:
             notice such as ``signal.SIGTERM`` or ``signal.SIGUSR1``); handlers are installed
             while the Checkpointer is open, and a second signal of a kind acts as before.
         full_format: ``"safetensors"`` (everystep's own) or ``"dcp"``: full checkpoints that plain
-            ``torch.distributed.checkpoint`` calls can load (see :mod:`everystep.storage.dcp`).
+            ``torch.distributed.checkpoint`` calls can load (see :mod:`everystep.storage.formats.dcp`).
             ``None`` (default): the format the
             directory holds; for a new one, ``"dcp"`` under sharding (FSDP2, HSDP, TP, FSDP+TP)
             where the strategy writes it (all but ``lowdiff_plus``, whose agent writes everystep's
@@ -99,7 +98,7 @@ class Checkpointer:
         remote: an ``s3://bucket/prefix`` URL: full checkpoints are also uploaded there in the
             background, and :meth:`restore` takes the newest one from there when the directory holds
             nothing as new (a new machine); under several ranks each uploads and downloads a share
-            of each checkpoint, rank 0 committing it. See :mod:`everystep.storage.remote`.
+            of each checkpoint, rank 0 committing it. See :mod:`everystep.storage.remote.tier`.
         remote_every: upload every this many steps; ``None``: Young/Daly's interval for the
             measured upload time and ``remote_mtbf`` (seconds between losses of a machine).
         remote_lease: seconds without renewal after which the remote's writer lock is taken over.
@@ -259,7 +258,8 @@ class Checkpointer:
             self.strategy.on_start(0)
             return 0
         found, t0 = None, 0.0
-        held = hosts.agree(self.directory.catalog) if self.directory.catalog.hosts is not None else None  # (node-local disks)
+        node_local = self.directory.catalog.hosts is not None
+        held = agree_across_hosts(self.directory.catalog) if node_local else None
         pulled = self.remote.pull() if self.remote is not None and self.directory.access != "read" else None
         agreeing = time.perf_counter()
         self.strategy.agree_restore()  # collective: before the staggered waves, every rank at once
@@ -281,7 +281,7 @@ class Checkpointer:
         if error is not None:
             raise error
         if self.ranks.distributed:  # every rank from the same step, or none
-            hosts.check_restored(self.directory.catalog, found.step if found is not None else 0, held)
+            check_restored_across_hosts(self.directory.catalog, found.step if found is not None else 0, held)
         if found is not None:
             self.step = self.stats.step = found.step  # (from memory, the directory holds an older one, or none)
             self.stats.last_durable_step = max(self.directory.newest_full_step(), 0) if found.source == "memory" else found.step

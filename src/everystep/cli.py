@@ -77,7 +77,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .storage.directory import CheckpointDirectory
+    from .storage import CheckpointDirectory
 
     store = CheckpointDirectory.open(args.dir, create=False, access="read")  # (before torch is imported: a wrong path is said at once)
     try:
@@ -98,7 +98,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .storage.directory import CheckpointDirectory
+    from .storage import CheckpointDirectory
 
     store = CheckpointDirectory.open(args.dir, create=False, access="read")  # (as cmd_inspect's)
     try:

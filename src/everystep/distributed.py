@@ -16,7 +16,7 @@ rank issues them, in step order. Across groups no order is assumed, so a backgro
 never deadlock against a barrier or an all-reduce the training thread is waiting in.
 
 PyTorch is imported where a collective is issued, not with this module: a process of one rank that
-only reads and writes objects (the upload process, :mod:`everystep.storage.uploader`) holds none of it.
+only reads and writes objects (the upload process, :mod:`everystep.storage.remote.uploader`) holds none of it.
 """
 
 from __future__ import annotations

@@ -6,12 +6,9 @@ import re
 from typing import Any
 
 from .errors import CorruptCheckpointError
-from .storage.base import Reader
-from .storage.directory import CheckpointDirectory
-from .storage.hosts import elsewhere
+from .storage import Reader, CheckpointDirectory, elsewhere
 from .recovery import read_full
-from .storage.region import UnreadableRegionError, UntrustedRegionError
-from .storage.region_open import open_region, region_path, region_places
+from .storage.region import UnreadableRegionError, UntrustedRegionError, open_region, region_path, region_places
 
 __all__ = ["inspect_store", "verify_store", "region_rows"]
 

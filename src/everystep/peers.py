@@ -50,9 +50,8 @@ from .background import BackgroundErrors, Worker, settled
 from .errors import BackgroundWriteError, CorruptCheckpointError
 from .recovery import Candidate
 from .tree import check_skeleton, unflatten
-from .storage.base import MALFORMED, checksum, refuse_constant
-from .storage.region import Region
-from .storage.region_map import RegionLayout
+from .storage import MALFORMED, checksum, refuse_constant
+from .storage.region import Region, RegionLayout
 
 __all__ = ["host_name", "Peers", "Agreed", "Team", "buddies", "mirrored", "pack", "unpack", "mirror_path", "Holdings",
            "plan_recovery", "Transfer", "commit_mirror", "read_step", "read_steps", "open_read", "send", "receive", "swap",

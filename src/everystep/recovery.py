@@ -20,13 +20,11 @@ from typing import Any
 import torch
 
 from .errors import CorruptCheckpointError, NoValidCheckpointError, StateMismatchError
-from .storage.base import Manifest, Reader, malformed
-from .storage.directory import CheckpointDirectory
+from .storage import (CheckpointDirectory, Manifest, Reader, elsewhere, gather_from_hosts, malformed, read_state,
+                      read_state_together)
 from .state import TrainingComponents
 from .tree import unflatten
-from .storage import hosts
-from .storage.full import read_state, read_state_together
-from .storage.sharded import read_parts
+from .storage.formats import read_parts
 
 __all__ = ["Candidate", "Recovered", "load", "Link", "read_full", "read_state", "latest_full", "recover",
            "read_differential", "chain", "recover_chain", "common_step"]
@@ -77,7 +75,7 @@ def load(candidate: Candidate, components: TrainingComponents) -> Recovered:
 
 Shards = Mapping[str, torch.Tensor] | None
 """A sharded job's live DTensors by key, whose tensors a checkpoint's are read as shards of
-(:func:`~everystep.storage.sharded.read_parts`); None: a replicated job's."""
+(:func:`~everystep.storage.formats.sharded.read_parts`); None: a replicated job's."""
 
 
 def read_full(directory: CheckpointDirectory, manifest: Manifest, *, shards: Shards = None) -> dict[str, Any]:
@@ -125,7 +123,7 @@ def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]
         except CorruptCheckpointError as e:
             if not directory.catalog.committed(manifest.name):
                 return _DISCARDED
-            away = hosts.elsewhere(manifest, directory.catalog) if directory.catalog.hosts is None else None
+            away = elsewhere(manifest, directory.catalog) if directory.catalog.hosts is None else None
             why = f"{e} ({away[1]}: to read it whole here, copy every host's objects/ into one directory)" \
                 if away is not None and away[0] else str(e)  # (one host's directory, read alone)
             skipped.append((f"skipping the checkpoint at step {manifest.step}: {why}", f"step {manifest.step}: {why}"))
@@ -213,7 +211,7 @@ def recover_chain(directory: CheckpointDirectory, components: TrainingComponents
         links = [r.manifest for r in directory.catalog.manifests()
                  if r.manifest is not None and r.manifest.kind == kind and r.manifest.meta.get("base") == full.step]
         try:
-            reader = hosts.gather(directory.catalog, links)
+            reader = gather_from_hosts(directory.catalog, links)
         except CorruptCheckpointError as e:
             warnings.warn(f"the differential chain from step {full.step} is not read: {e}", stacklevel=2)
             reader = None

@@ -19,15 +19,12 @@ import torch
 
 from .errors import CorruptCheckpointError, NoValidCheckpointError
 from .recovery import Candidate, Shards, recover
-from .storage.full import read_state_together
+from .storage import read_state_together, Manifest, malformed, SPREAD_KIND
 from .replay import optimizer_like, replay_step
-from .storage.base import Manifest, malformed
-from .storage.retention import SPREAD_KIND
-from .storage.sharded import RankShare, commit_parts, commit_tensors
+from .storage.formats import RankShare, commit_parts, commit_tensors
 
 if TYPE_CHECKING:
-    from .storage.catalog import Catalog
-    from .storage.directory import CheckpointDirectory
+    from .storage import Catalog, CheckpointDirectory
 
 __all__ = ["SPREAD_KIND", "write_spread", "spread_state", "commit_spread", "read_spread", "bring_forward",
            "recover_spread"]

@@ -2,7 +2,7 @@
 
 Each rank's agent writes its rank's part of a marked step's full checkpoint and reports it
 (``part``); the training process commits it with the other ranks' parts (a collective on the
-``full`` channel, :func:`~everystep.storage.sharded.commit_written`). Every rank's committer
+``full`` channel, :func:`~everystep.storage.formats.sharded.commit_written`). Every rank's committer
 commits the same steps in the same order, on a worker of its own, so that training never waits
 for a commit. A part that does not come within the timeout, or an agent lost meanwhile, makes
 the commit fail on every rank; the checkpoint is then not committed, and a warning says so.
@@ -18,9 +18,8 @@ from typing import Any
 
 from ..background import BackgroundErrors, Worker
 from ..errors import BackgroundWriteError, PeerFailedError
-from ..storage.base import ObjectInfo
-from ..storage.directory import CheckpointDirectory
-from ..storage.sharded import commit_written
+from ..storage import ObjectInfo, CheckpointDirectory
+from ..storage.formats import commit_written
 from .client import AgentLostError
 
 __all__ = ["PartCommits"]

@@ -55,11 +55,9 @@ from .._faults import crash_point
 from ..background import BackgroundErrors, Worker, settled
 from ..distributed import Ranks
 from ..policy.interval import busy_interval, median_gap, persist_due
-from ..storage.full import persist_full
-from ..storage.directory import CheckpointDirectory
+from ..storage import persist_full, CheckpointDirectory
 from ..parallelism import ShardBox, state_boxes
-from ..storage.sharded import RankShare, write_part
-from ..storage.tensorfile import buffer_chunks, tensor_chunks
+from ..storage.formats import RankShare, write_part, buffer_chunks, tensor_chunks
 from ..transport.host import HostBuffer, TensorLayout
 from ..transport.shared import SharedRegion
 from .channel import (

@@ -35,7 +35,7 @@ from ..layout import TensorLayout
 from ..state import TrainingComponents
 from ..parallelism import shard_box, shard_like
 from ..tree import local_shard, storage_key, unflatten
-from ..storage.directory import CheckpointDirectory
+from ..storage import CheckpointDirectory
 from ..transport.host import HostBuffer, snapshot_into
 from ..transport.shared import SharedRegion
 from ..transport.slots import SlotPool

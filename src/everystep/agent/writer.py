@@ -154,9 +154,8 @@ class WriterProcess:
 
 def _serve(conn: connection.Connection, directory: Path, keep: int) -> None:
     from .channel import recv, recv_fds, send
-    from ..storage.directory import CheckpointDirectory
-    from ..storage.full import persist_full
-    from ..storage.tensorfile import buffer_chunks
+    from ..storage import CheckpointDirectory, persist_full
+    from ..storage.formats import buffer_chunks
 
     checkpoints = CheckpointDirectory.open(directory, strategy=None, create=False, access="shared")
     buffers: dict[int, tuple[SharedRegion, HostBuffer]] = {}

@@ -161,7 +161,7 @@ class BenchConfig:
             self.options[s] = {**self.options.get(s, {}), "full_format": self.full_format}
 
     def _add_remote(self) -> None:
-        from ..storage.s3 import parse_url
+        from ..storage.stores import parse_url
 
         try:
             parse_url(self.remote or "")

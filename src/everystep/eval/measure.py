@@ -28,7 +28,7 @@ from ..checkpointer import Checkpointer
 from ..state import capture_rng, restore_rng
 from ..distributed import init_process_group
 from ..tree import flatten, state_error
-from ..storage.region_open import memory_path
+from ..storage.region import memory_path
 from ..strategies import STRATEGIES
 from .workloads import build, needs_ddp
 

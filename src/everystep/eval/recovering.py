@@ -17,8 +17,8 @@ from ..checkpointer import Checkpointer
 from ..distributed import init_process_group
 from ..errors import EverystepError
 from ..recovery import recover
-from ..storage.directory import CheckpointDirectory
-from ..storage.region_open import open_region, readable_region, region_places
+from ..storage import CheckpointDirectory
+from ..storage.region import open_region, readable_region, region_places
 from ..strategies import STRATEGIES
 from ..tree import state_hash, unflatten
 from .workloads import build, needs_ddp
@@ -79,7 +79,7 @@ def _recover_with(store: CheckpointDirectory, run: dict[str, Any], directory: st
 
 def _in_regions(store: CheckpointDirectory, region: str | None) -> Iterator[tuple[int, Any, str]]:
     """Of a directory without a run record (written through the Python API), the newest slot that
-    verifies of each region a reader looks in (:func:`~everystep.storage.region_open.region_places`:
+    verifies of each region a reader looks in (:func:`~everystep.storage.region.paths.region_places`:
     lightcheck's, the memory tier's), rank 0's: its step, its state, and where it lies."""
     for rank, place in region_places(store, region):
         if rank:
@@ -104,7 +104,7 @@ def _reader_options(store: CheckpointDirectory, options: Any, region: str | None
     """Of the options a run record holds (read from storage: anyone who could write the directory
     wrote them), those ``recover`` passes on: the strategy's own, but for what would make a reader
     contact or open something else — peers, or a region outside the directory and the memory tiers'
-    folder (:func:`~everystep.storage.region_open.readable_region`) unless the user named it
+    folder (:func:`~everystep.storage.region.paths.readable_region`) unless the user named it
     (``region``); each left out said once."""
     from dataclasses import fields
 

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from ..tree import flatten
-from ..storage.region import Region
-from ..storage.region_map import RegionLayout, on_volatile_memory
+from ..storage.region import Region, RegionLayout, on_volatile_memory
 from .workloads import build
 
 __all__ = ["measure_layouts"]

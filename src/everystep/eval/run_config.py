@@ -55,7 +55,7 @@ class TrainConfig:
     max_nproc: int | None = None
     """The most ranks ``nproc`` may ask for; None: the cores this process may run on."""
     remote: str | None = None
-    """An s3:// URL the full checkpoints are also uploaded to (:class:`~everystep.storage.remote.RemoteTier`)."""
+    """An s3:// URL the full checkpoints are also uploaded to (:class:`~everystep.storage.remote.tier.RemoteTier`)."""
     remote_every: int | None = None
     """Steps between uploads; None: Young/Daly's."""
     in_backward: bool = False

@@ -27,9 +27,8 @@ from tqdm import tqdm
 from ..checkpointer import Checkpointer
 from ..distributed import Ranks, free_port, init_process_group
 from ..errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError, EverystepError, one_line_warnings
-from ..storage.directory import MARKER, CheckpointDirectory
-from ..storage.region_map import on_volatile_memory
-from ..storage.region_open import memory_path, memory_place, region_path
+from ..storage import MARKER, CheckpointDirectory
+from ..storage.region import on_volatile_memory, memory_path, memory_place, region_path
 from ..strategies import STRATEGIES
 from .faults import FailurePlan, Injector
 from .workloads import build, needs_ddp

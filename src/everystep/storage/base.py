@@ -2,7 +2,7 @@
 records they exchange: objects, manifests, checksums.
 
 Three layers keep a checkpoint directory: a :class:`Store` keeps values whole under keys (a local
-folder: :class:`~everystep.storage.local.LocalStore`); a
+folder: :class:`~everystep.storage.stores.local.LocalStore`); a
 :class:`~everystep.storage.catalog.Catalog` makes checkpoints of them (objects checksummed, a
 manifest committed last, discarded manifest first); a
 :class:`~everystep.storage.directory.CheckpointDirectory` manages the directory as a whole (its
@@ -345,7 +345,7 @@ class Store(Protocol):
 class ConditionalStore(Store, Protocol):
     """A store whose writes can be made conditional on a value's version, as object storage's are
     (``If-None-Match``, ``If-Match``): what the lock that keeps one writer on a remote prefix rests
-    on (:class:`~everystep.storage.remote_lock.RemoteLock`)."""
+    on (:class:`~everystep.storage.remote.lock.RemoteLock`)."""
 
     def create(self, key: str, data: bytes) -> str | None:
         """Write ``key`` only if no value has it: its version when this call created it, None when one

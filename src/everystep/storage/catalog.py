@@ -219,10 +219,10 @@ class Catalog:
     def read_tensors(self, info: ObjectInfo) -> "dict[str, torch.Tensor]":
         """A tensor object's tensors, its size and checksum verified before they are returned. From a
         local store each byte is read once, straight into the tensor it belongs to, and hashed on
-        the way (:func:`~everystep.storage.tensorfile.read_tensors`); from another, the object is
+        the way (:func:`~everystep.storage.formats.tensorfile.read_tensors`); from another, the object is
         read whole and each tensor copied out of it."""
-        from .local import LocalStore
-        from .tensorfile import load_tensors, read_tensors  # (PyTorch: not for the processes that only move bytes)
+        from .stores.local import LocalStore
+        from .formats.tensorfile import load_tensors, read_tensors  # (PyTorch: not for the processes that only move bytes)
 
         key = OBJECTS + info.name
         where = self.where(key)
@@ -335,7 +335,7 @@ class Catalog:
 class Supplemented:
     """A catalog, but for the objects ``data`` holds (by name: their info and bytes, verified
     already), read from those bytes: a :class:`~everystep.storage.base.Reader` over what a pull
-    downloaded, or what other hosts sent (:func:`~everystep.storage.hosts.gather`)."""
+    downloaded, or what other hosts sent (:func:`~everystep.storage.hosts.gather_from_hosts`)."""
 
     def __init__(self, catalog: Catalog, data: dict[str, tuple[ObjectInfo, bytearray]]) -> None:
         self._catalog, self._data = catalog, data
@@ -351,6 +351,6 @@ class Supplemented:
         found = self._data.get(info.name)
         if found is None or found[0] != info:
             return self._catalog.read_tensors(info)
-        from .tensorfile import load_tensors
+        from .formats.tensorfile import load_tensors
 
         return load_tensors(found[1], what=f"object {info.name}")

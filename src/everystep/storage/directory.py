@@ -1,7 +1,7 @@
 """The checkpoint directory: a manager above the catalog of checkpoints.
 
 The catalog (:class:`~everystep.storage.catalog.Catalog`) keeps objects and manifests in a store
-(:class:`~everystep.storage.local.LocalStore`), each write atomic and durable. Everything about the
+(:class:`~everystep.storage.stores.local.LocalStore`), each write atomic and durable. Everything about the
 directory as a whole lives here:
 
 - identity: the marker ``everystep.json`` (format, version, strategy, world size, full-checkpoint
@@ -32,11 +32,11 @@ from ..distributed import Ranks
 from ..errors import CheckpointDirectoryError
 from ..files import read_regular
 from .base import Access, Manifest, ManifestRecord, checksum
-from .location import is_remote, open_remote
+from .stores.location import is_remote, open_remote
 from .catalog import MANIFESTS, OBJECTS, PINNED, Catalog
 from .dirlock import LOCK, DirectoryLock, holder
 from .hosts import PROBE, Hosts, agree_markers, discard_hidden, listing, probe, readers_hosts
-from .local import LocalStore, fsync_dir
+from .stores.local import LocalStore, fsync_dir
 from .retention import plan_retention
 
 _LEFT_BEFORE_MARKER = re.compile(r"region-r\d+\.owner|memory-r\d+\.json")
@@ -242,7 +242,7 @@ class CheckpointDirectory:
 
     @classmethod
     def _open_remote(cls, url: str, access: Access) -> "CheckpointDirectory":
-        """The checkpoints a remote tier uploaded to ``url`` (:mod:`everystep.storage.remote`), for
+        """The checkpoints a remote tier uploaded to ``url`` (:mod:`everystep.storage.remote.tier`), for
         reading: ``inspect``, ``verify`` and ``recover`` take the URL."""
         if access != "read":
             raise CheckpointDirectoryError(f"{url} is read here, never written: a job writes to a local directory and "
@@ -291,7 +291,7 @@ class CheckpointDirectory:
         """The pid of the process that holds ``root`` for writing (0 if it cannot be told), or None
         when no process does. Creates nothing: a reader may ask."""
         if is_remote(str(root)):
-            from .remote_lock import LOCK_KEY
+            from .remote.lock import LOCK_KEY
 
             return None if open_remote(str(root), access="read").age(LOCK_KEY) is None else 0
         return holder(Path(root))

@@ -13,10 +13,10 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..tree import unflatten
 from .base import Manifest, Reader, malformed
-from . import hosts
+from .hosts import gather_from_hosts
 from .catalog import Catalog
 
-from .sharded import RankShare, commit_parts, read_parts
+from .formats.sharded import RankShare, commit_parts, read_parts
 
 if TYPE_CHECKING:
     from .directory import CheckpointDirectory
@@ -50,7 +50,7 @@ def write_full(
         if error is not None:
             raise error
         assert tensors is not None
-        from .dcp import write_dcp  # torch.distributed.checkpoint takes a second to import
+        from .formats.dcp import write_dcp  # torch.distributed.checkpoint takes a second to import
         return write_dcp(catalog, "full", step, tensors, set(share.replicated), skeleton, meta, sharded=share.sharded)
     return commit_parts(catalog, "full", kind="full", step=step, chunks=chunks, share=share, meta=meta or {},
                         rank_meta={"skeleton": skeleton}, error=error)
@@ -74,7 +74,7 @@ def read_state(directory: "CheckpointDirectory", manifest: Manifest, *, shards: 
                reader: Reader | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """Read and verify a checkpoint that holds a whole state (a full one, or GoCkpt's spread one):
     its state tree, all its tensors (the tree's and any others) and its meta. ``shards``: a sharded
-    job's live DTensors by key (:func:`~everystep.storage.sharded.read_parts`); None: a replicated job's.
+    job's live DTensors by key (:func:`~everystep.storage.formats.sharded.read_parts`); None: a replicated job's.
     ``reader``: where its objects are read (default: the directory's catalog, unless the directory
     keeps the state read ahead: :meth:`~everystep.storage.directory.CheckpointDirectory.read_ahead`)."""
     if reader is None:
@@ -94,14 +94,14 @@ def read_state(directory: "CheckpointDirectory", manifest: Manifest, *, shards: 
 def read_state_together(directory: "CheckpointDirectory", manifest: Manifest, shards: Mapping[str, torch.Tensor] | None = None
                         ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """:func:`read_state`, and under node-local directories on every rank at once: each part a rank
-    reads from the host that holds it (:func:`~everystep.storage.hosts.gather`), or none where every
+    reads from the host that holds it (:func:`~everystep.storage.hosts.gather_from_hosts`), or none where every
     rank keeps the state read ahead (a pull read it so, and every rank took part); raises
     :class:`CorruptCheckpointError` on every rank where it fails on any."""
     if directory.catalog.hosts is None:
         return read_state(directory, manifest, shards=shards)
     if not shards and (ahead := directory.take_read_ahead(manifest.name)) is not None:
         return ahead  # type: ignore[no-any-return]
-    reader = hosts.gather(directory.catalog, [manifest], shards)
+    reader = gather_from_hosts(directory.catalog, [manifest], shards)
     error, found = None, None
     try:
         found = read_state(directory, manifest, shards=shards, reader=reader)

@@ -13,18 +13,18 @@ Under node-local directories:
   manifest, naming every rank's part, in its own directory, so that every host records every
   commit. The leader takes the directory's lock, checks its marker (the hosts' markers must agree:
   a new host's leader copies what the others' say), retains and collects garbage there.
-- **Restoring** (:func:`agree`, collective): the ranks list what each host's directory holds and
+- **Restoring** (:func:`agree_across_hosts`, collective): the ranks list what each host's directory holds and
   keep only the checkpoints that every host committed and whose parts some host holds; the rest
   are hidden from this run (a crash between the parts and the manifest leaves the newest on some
   hosts only), and a writer's leaders discard them once training starts
-  (:func:`discard_hidden`). A checkpoint is read by every rank at once (:func:`gather`;
+  (:func:`discard_hidden`). A checkpoint is read by every rank at once (:func:`gather_from_hosts`;
   :func:`~everystep.storage.full.read_state_together`): each part
   a rank reads but its host lacks is sent by a rank of the host that holds it (read and verified
   there, verified again on arrival), over the job's own gloo group. Every rank learns whether every
   rank read it (:func:`read_together`), so that all take the same checkpoint, or all skip it.
 - A host whose directory holds none of the checkpoints the others hold (a replaced machine, an
   empty disk) takes its state from peers' memory (``peers=True``) or the remote tier (``remote=``);
-  where neither has it, the job refuses to start (:func:`check_restored`), naming what is missing.
+  where neither has it, the job refuses to start (:func:`check_restored_across_hosts`), naming what is missing.
 
 Only full checkpoints in everystep's own format (``safetensors``) are written so: DCP's metadata is
 written by one rank, which one host alone would hold.
@@ -50,8 +50,8 @@ from .catalog import MANIFESTS, Catalog, Supplemented
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PROBE", "Hosts", "probe", "hosts_of", "listing", "readers_hosts", "agree_markers", "agree", "gather",
-           "read_together", "check_restored", "discard_hidden", "elsewhere"]
+__all__ = ["PROBE", "Hosts", "probe", "hosts_of", "listing", "readers_hosts", "agree_markers", "agree_across_hosts",
+           "gather_from_hosts", "read_together", "check_restored_across_hosts", "discard_hidden", "elsewhere"]
 
 Hosts = tuple[tuple[int, ...], ...]
 """The ranks of each host (of each directory), each in order, the host of rank 0 first."""
@@ -140,7 +140,7 @@ def agree_markers(path: Path, hosts: Hosts, ranks: Ranks, marker: dict[str, Any]
     return wanted
 
 
-def agree(catalog: Catalog) -> dict[str, Any]:
+def agree_across_hosts(catalog: Catalog) -> dict[str, Any]:
     """Collective, under node-local directories: hide from each rank's listing the checkpoints that
     not every host committed (the same manifest), or whose parts no host holds. Returns what the hosts hold: for each
     host (its ranks), the steps of the full checkpoints committed there."""
@@ -164,13 +164,13 @@ def agree(catalog: Catalog) -> dict[str, Any]:
                       for g, h in zip(catalog.hosts, hosts)]}
 
 
-def gather(catalog: Catalog, manifests: list[Manifest], shards: Mapping[str, "torch.Tensor"] | None = None) -> Reader:
+def gather_from_hosts(catalog: Catalog, manifests: list[Manifest], shards: Mapping[str, "torch.Tensor"] | None = None) -> Reader:
     """Collective, under node-local directories: a reader of ``manifests`` for this rank — its own
-    host's objects from its directory, the others it reads (:func:`~everystep.storage.sharded.parts_read`)
+    host's objects from its directory, the others it reads (:func:`~everystep.storage.formats.sharded.parts_read`)
     sent by a rank of the host that holds each. Every rank calls it with the same manifests.
     :class:`CorruptCheckpointError` on every rank where a part is on no host's disk, or one sent
     fails its checksum at either end."""
-    from .sharded import parts_read  # (it imports torch, which a reader of one host's directory needs not)
+    from .formats.sharded import parts_read  # (it imports torch, which a reader of one host's directory needs not)
 
     ranks = catalog.ranks
     infos = {info.name: info for m in manifests for info in m.objects.values()}
@@ -225,10 +225,10 @@ def read_together(catalog: Catalog, error: BaseException | None) -> None:
         raise CorruptCheckpointError("; ".join(f"rank {r}: {why}" for r, why in failed))
 
 
-def check_restored(catalog: Catalog, step: int, held: dict[str, Any] | None) -> None:
+def check_restored_across_hosts(catalog: Catalog, step: int, held: dict[str, Any] | None) -> None:
     """Collective after a restore under several ranks: refuse to go on where the ranks restored
     different steps, or where none was restored while some host's directory holds a full checkpoint
-    (``held``: what :func:`agree` found) — never some ranks from step 0 and others from step N."""
+    (``held``: what :func:`agree_across_hosts` found) — never some ranks from step 0 and others from step N."""
     steps = catalog.ranks.all_gather("control", step)
     if len(set(steps)) > 1:
         raise StateMismatchError("the ranks restored different steps (" + ", ".join(f"rank {r}: {s}" for r, s in
@@ -250,7 +250,7 @@ def check_restored(catalog: Catalog, step: int, held: dict[str, Any] | None) -> 
 
 def discard_hidden(catalog: Catalog) -> list[str]:
     """A writer's start under node-local directories: each leader discards the checkpoints
-    :func:`agree` hid (not every host holds them, so the job cannot restore them), and says which."""
+    :func:`agree_across_hosts` hid (not every host holds them, so the job cannot restore them), and says which."""
     hidden = sorted(catalog.hidden)
     if not hidden or not catalog.leads or catalog.access != "write":
         return []

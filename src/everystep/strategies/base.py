@@ -52,8 +52,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ..peers import Peers
-    from ..storage.region import Region
-    from ..storage.region_map import SlotWriter
+    from ..storage.region import Region, SlotWriter
     from ..transport.host import HostBuffer
 
 __all__ = ["Strategy", "StrategyConfig", "Tier"]

@@ -48,7 +48,7 @@ from ..errors import ConfigError
 from ..layout import TensorLayout
 from ..policy.schedule import ScheduleResult, StepProfile, coarsen, drifted, plan
 from ..parallelism import DTENSOR_LAYOUTS
-from ..storage.sharded import RankShare
+from ..storage.formats import RankShare
 from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, copy_out, snapshot_into
 from .full_state import FullState, FullStateConfig
 

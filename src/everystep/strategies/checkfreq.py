@@ -24,9 +24,9 @@ from ..background import Worker, settled
 from ..errors import ConfigError
 from ..layout import TensorLayout
 from ..parallelism import SHARDED_LAYOUTS
-from ..storage.full import write_full
-from ..storage.sharded import RankShare
-from ..storage.region_map import SlotWriter
+from ..storage import write_full
+from ..storage.formats import RankShare
+from ..storage.region import SlotWriter
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from .full_state import FullState, FullStateConfig
 

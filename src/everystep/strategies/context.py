@@ -17,15 +17,12 @@ from ..state import TrainingComponents, loads_into_own_tensors, replaces_state, 
 from ..parallelism import shard_like, sharded_layout
 from ..tree import OPTIMIZER_STATE_ENTRY, flatten, local_shard
 from ..layout import TensorLayout
-from ..storage.full import persist_full
-from ..storage.sharded import RankShare
-from ..storage.tensorfile import buffer_chunks, tensor_chunks
+from ..storage import persist_full
+from ..storage.formats import RankShare, buffer_chunks, tensor_chunks
 from ..transport.host import HostBuffer
 
 if TYPE_CHECKING:
-    from ..storage.base import Manifest
-    from ..storage.catalog import Catalog
-    from ..storage.directory import CheckpointDirectory
+    from ..storage import Manifest, Catalog, CheckpointDirectory
 
 __all__ = ["StrategyContext", "CheckpointStats", "ParamKeys", "LiveShards", "as_shards"]
 
@@ -116,7 +113,7 @@ class LiveShards(Mapping[str, torch.Tensor]):
 
     def kept_by_load(self, key: str) -> bool:
         """Whether a restore's load keeps the stored tensor of ``key`` as the optimizer's own, so that
-        a region's writer may lend it (:mod:`~everystep.storage.region_lend`): an entry of the
+        a region's writer may lend it (:mod:`~everystep.storage.region.lending`): an entry of the
         optimizer's state that the live optimizer does not hold yet, whose parameter is on the host,
         the optimizer's load being torch's own (which keeps such an entry as it is given, unless its
         dtype is not the parameter's: then it casts, and the lent tensor is dropped)."""

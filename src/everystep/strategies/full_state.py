@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..recovery import Candidate
-from ..storage.sharded import RankShare
+from ..storage.formats import RankShare
 from ..transport.host import HostBuffer
 from .base import Strategy
 from .memory_tier import FullStateConfig, MemoryTier

@@ -33,9 +33,9 @@ from ..policy.parts import MAX_PARTS, PartSplit, Unit, choose_parts
 from ..parallelism import SHARDED_LAYOUTS
 from ..replay import optimizer_like, replay_step
 from ..state import group_scalars, local_optimizer
-from ..storage.full import write_full
+from ..storage import write_full
 from ..spread import spread_state, write_spread
-from ..storage.sharded import RankShare
+from ..storage.formats import RankShare
 from ..layout import TensorLayout
 from ..transport.host import HostBuffer, HostBufferPool, copy_bandwidth, snapshot_into
 from ..tree import local_shard

@@ -11,7 +11,7 @@ import torch
 
 from ..recovery import Candidate
 from ..spread import bring_forward, recover_spread
-from ..storage.base import malformed
+from ..storage import malformed
 from .full_state import FullState
 
 __all__ = ["SpreadRecovery"]

@@ -1,14 +1,14 @@
 """``lightcheck``: LightCheck's layer-wise asynchronous checkpoint into a two-slot region, every step.
 
 After the update of step t, the new state is copied into the slot of the region
-(:mod:`everystep.storage.region`) that does not hold the newest checkpoint, while step t+1's
+(:mod:`everystep.storage.region.slots`) that does not hold the newest checkpoint, while step t+1's
 forward and backward compute. With updates in backward the copies go layer by layer, in the order
 the next iteration updates the layers (backward order: the last layer first), each layer being a
 module's parameters with their optimizer state; with one update of the whole model, which waits for
 all of it anyway, in one batched copy. On CUDA the copies run on a side stream into the region's
 mapping, registered with the driver so that they move by DMA, with one event per unit; on the CPU a
 copy thread copies. A commit thread then has each tensor's checksum computed by the region's hashing
-process (:mod:`everystep.storage.region_hash`), writes the slot's metadata and commits the slot's
+process (:mod:`everystep.storage.region.hashing`), writes the slot's metadata and commits the slot's
 header last. The training process's threads make a few hundred Python calls a step at most.
 
 The update of step t+1 waits until S_t is committed: for each unit's copy in turn (how long each
@@ -55,11 +55,9 @@ from ..recovery import Candidate, recover
 from ..state import bare_module, local_optimizer
 from ..parallelism import SHARDED_LAYOUTS
 from ..tree import flatten, local_shard
-from ..storage.region import Region
-from ..storage.region_map import RegionLayout, SlotWriter
-from ..storage.region_open import open_region, region_path
+from ..storage.region import Region, RegionLayout, SlotWriter, open_region, region_path
 from .. import peers
-from ..storage.sharded import RankShare
+from ..storage.formats import RankShare
 from ..transport.host import HostBuffer
 from .base import Strategy, StrategyConfig
 from .lightcheck_copy import Copy, CopyOrder

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..storage.region_map import RegionLayout
+from ..storage.region import RegionLayout
 from ..tree import local_shard
 
 __all__ = ["Copy", "Progress", "CopyOrder", "HASH_PART_BYTES", "part_count", "hash_parts"]

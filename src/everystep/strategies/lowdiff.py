@@ -33,8 +33,8 @@ from ..policy.interval import due
 from ..recovery import Candidate, Link
 from ..replay import Replayer, StepRecord
 from ..state import check_group_settings, group_scalars
-from ..storage.base import malformed, manifest_name
-from ..storage.sharded import RankShare, commit_tensors
+from ..storage import malformed, manifest_name
+from ..storage.formats import RankShare, commit_tensors
 from ..transport.host import to_host
 from .base import StrategyConfig
 from .differential import Differential

@@ -3,7 +3,7 @@
 Without it, ``full_sync``, ``checkfreq``, ``async`` and ``checkflow`` write each checkpoint to the
 directory, and every step needs a disk that takes the whole state every step (gpt2-small on a GPU:
 11 GB/s). With it, each checkpoint goes to a two-slot region in memory that outlives the training
-process (:mod:`everystep.storage.region`, by default in ``/dev/shm``: one file per run and rank),
+process (:mod:`everystep.storage.region.slots`, by default in ``/dev/shm``: one file per run and rank),
 and the directory receives the newest complete slot every ``persist_every`` steps — by default as
 often as keeps the disk busy ``busy`` of the time, from the measured write and the measured step,
 as the checkpoint agent decides its interval (:func:`~everystep.policy.interval.busy_interval`).
@@ -44,7 +44,6 @@ import warnings
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -52,15 +51,11 @@ import torch
 from .._faults import crash_point
 from ..background import BackgroundErrors
 from ..errors import ConfigError, NoValidCheckpointError
-from ..files import untrusted_folder
 from ..policy.interval import busy_interval, median_gap, persist_due
 from ..recovery import Candidate
 from ..spread import commit_spread
-from ..storage import region_open
-from ..storage.region import UntrustedRegionError
-from ..storage.region_map import RegionLayout, SlotWriter
-from ..storage.region_open import memory_path, memory_place
-from ..storage.sharded import RankShare
+from ..storage.region import RegionLayout, SlotWriter, memory_path, memory_place, own_memory_folder, record_memory
+from ..storage.formats import RankShare
 from ..transport.host import HostBuffer
 from .base import StrategyConfig
 from .context import StrategyContext
@@ -79,7 +74,7 @@ class FullStateConfig(StrategyConfig):
     region: str | None = None
     """``memory=True``: the region's file (``{rank}`` in it is replaced by the rank). Default:
     ``/dev/shm/everystep-UID/`` and a name drawn from the checkpoint directory's path, recorded in the
-    directory (:func:`~everystep.storage.region_open.memory_place`: found again once it is moved)."""
+    directory (:func:`~everystep.storage.region.paths.memory_place`: found again once it is moved)."""
     persist_every: int | None = None
     """``memory=True``: write the newest checkpoint to the directory every this many steps; None:
     as often as keeps the disk busy ``busy`` of the time (measured)."""
@@ -107,33 +102,6 @@ class FullStateConfig(StrategyConfig):
 _DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
-def _own_folder(path: Path) -> Path:
-    """Where the memory tier ``path`` (``<folder>/<name>/rank-R.bin``) lies: in the user's folder of
-    memory tiers (``/dev/shm/everystep-UID``), made mode 0700. Its name is known in advance, so
-    another user may have made it: then in a folder of a name no one can know, made for it
-    (:func:`~everystep.storage.region_open.spare_memory_folder`), with a warning; the directory's
-    record of the tier says where, for the restart."""
-    if not region_open.MEMORY_ROOT.is_dir():
-        raise ConfigError(f"memory=True keeps its region in {region_open.MEMORY_ROOT}, which this machine lacks: "
-                          "give region= a path on a filesystem in memory (tmpfs)")
-    folder = path.parent.parent
-    try:
-        folder.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    problem = untrusted_folder(folder)
-    if problem is None:
-        return path
-    if not folder.is_symlink() and folder.stat().st_uid == os.geteuid():  # (this user's own: theirs to mend)
-        raise UntrustedRegionError(f"the memory tiers' folder {folder} cannot be trusted: {problem}; "
-                                   f"make it this user's alone (chmod 700 {folder}) or delete it")
-    spare = region_open.spare_memory_folder()  # (another user's, in a sticky folder: this user cannot delete it)
-    warnings.warn(f"the memory tiers' folder {folder} cannot be trusted ({problem}): this run's memory tier lies in "
-                  f"{spare} instead, which the checkpoint directory records for its restarts; have root delete "
-                  f"{folder}", RuntimeWarning, stacklevel=4)
-    return spare / path.parent.name / path.name
-
-
 class MemoryTier:
     """A strategy's memory tier (see the module docstring): made at attach when ``memory=True``."""
 
@@ -150,11 +118,11 @@ class MemoryTier:
         else:
             self.path = memory_path(directory.root, config.region, ctx.ranks.rank, ctx.ranks.world)
         if config.region is None and directory.access != "read":  # (a reader makes nothing)
-            self.path = _own_folder(self.path)
+            self.path = own_memory_folder(self.path)
         self.held = RegionTier(ctx, errors, str(self.path), flush=None, name="tier", source="memory")
         self.region = self.held.region
         if config.region is None and directory.access != "read" and self.region is not None:
-            region_open.record_memory(directory, ctx.ranks.rank, self.path)
+            record_memory(directory, ctx.ranks.rank, self.path)
         self._idle = threading.Event()
         """Set while no slot is being written: the other slot holds the newest complete checkpoint."""
         self._idle.set()

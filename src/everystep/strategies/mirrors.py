@@ -15,8 +15,7 @@ from .. import peers
 from ..agent.client import AgentLink, fits, served
 from ..errors import CheckpointDirectoryError, CorruptCheckpointError
 from ..recovery import Candidate
-from ..storage.region import Region
-from ..storage.region_open import region_path
+from ..storage.region import Region, region_path
 from .base import Strategy
 from .context import as_shards
 

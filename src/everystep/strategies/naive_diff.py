@@ -29,8 +29,8 @@ from ..background import Worker
 from ..errors import ConfigError
 from ..recovery import Candidate, Link
 from ..tree import flatten, state_error
-from ..storage.base import manifest_name
-from ..storage.sharded import commit_tensors
+from ..storage import manifest_name
+from ..storage.formats import commit_tensors
 from .base import StrategyConfig
 from .differential import Differential
 

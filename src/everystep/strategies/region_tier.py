@@ -2,7 +2,7 @@
 
 ``lightcheck`` (every step, its slots written by its copy and commit threads) and the memory tier
 of the full-state strategies (``memory=True``, :mod:`.memory_tier`) each hold one
-:class:`RegionTier`, which does what both need of their region (:mod:`everystep.storage.region`):
+:class:`RegionTier`, which does what both need of their region (:mod:`everystep.storage.region.slots`):
 
 - open it (or, for a reader, skip one it cannot read, keeping why: :attr:`RegionTier.damaged`);
 - read back its slots that verify, as candidates for the restore (:func:`region_candidates`);
@@ -31,9 +31,7 @@ from ..errors import CorruptCheckpointError
 from ..layout import TensorLayout
 from ..optim import stepping
 from ..recovery import Candidate
-from ..storage.region import Region, UnreadableRegionError
-from ..storage.region_map import SlotWriter
-from ..storage.region_open import open_region
+from ..storage.region import Region, UnreadableRegionError, SlotWriter, open_region
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from ..tree import unflatten
 from .context import LiveShards, StrategyContext, as_shards
@@ -48,7 +46,7 @@ was committed with (GoCkpt: a spread checkpoint's parts brought forward); may ra
 
 class RegionTier:
     """A strategy's region (see the module docstring). ``path``: the region's file (None: the
-    directory's default); ``flush``: as :func:`~everystep.storage.region_open.open_region`;
+    directory's default); ``flush``: as :func:`~everystep.storage.region.paths.open_region`;
     ``name``: the persist thread's (``everystep-NAME-persist``); ``source``: what its candidates
     say they come from."""
 
@@ -147,7 +145,7 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
     What the live objects keep (the optimizer's state, the other components') is copied out of the
     slot as it is hashed, but for the state a fresh optimizer's load keeps as it is given
     (:meth:`LiveShards.kept_by_load`), which the writer lends (:meth:`Region.read_slot
-    <everystep.storage.region.Region.read_slot>`; its pages become the process's own once the
+    <everystep.storage.region.slots.Region.read_slot>`; its pages become the process's own once the
     restore is done: :meth:`RegionTier.start`). The model's tensors, which a restore copies into the
     live model, the optimizer's state that its load copies onto a GPU (:meth:`LiveShards.moved_by_load`)
     and that which goes into the live optimizer's own tensors (:meth:`LiveShards.loaded_in_place`; the

@@ -12,15 +12,16 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import CheckpointDirectoryError, ConfigError, EverystepError
-from ..files import read_regular
-from .region import Region, UnreadableRegionError
+from ...errors import CheckpointDirectoryError, ConfigError, EverystepError
+from ...files import read_regular, untrusted_folder
+from .slots import Region, UnreadableRegionError, UntrustedRegionError
 
 if TYPE_CHECKING:
-    from .directory import CheckpointDirectory
+    from ..directory import CheckpointDirectory
 
 __all__ = ["region_path", "open_region", "memory_path", "memory_place", "memory_record", "record_memory", "named_region",
-           "readable_region", "region_places", "memory_folders", "spare_memory_folder", "MEMORY_ROOT"]
+           "readable_region", "region_places", "memory_folders", "spare_memory_folder", "own_memory_folder",
+           "MEMORY_ROOT"]
 
 MEMORY_ROOT = Path("/dev/shm")
 """Where a full-state strategy's memory tier lies unless ``region=`` says otherwise."""
@@ -235,3 +236,30 @@ def open_region(directory: "CheckpointDirectory", region: str | None, *, flush: 
             f"the region {path} belongs to another checkpoint directory than {directory.root} (it may hold that "
             f"run's checkpoints, so nothing was changed): give this run its own region= or delete {path}")
     return found
+
+
+def own_memory_folder(path: Path) -> Path:
+    """Where the memory tier ``path`` (``<folder>/<name>/rank-R.bin``) lies: in the user's folder of
+    memory tiers (``/dev/shm/everystep-UID``), made mode 0700. Its name is known in advance, so
+    another user may have made it: then in a folder of a name no one can know, made for it
+    (:func:`spare_memory_folder`), with a warning; the directory's
+    record of the tier says where, for the restart."""
+    if not MEMORY_ROOT.is_dir():
+        raise ConfigError(f"memory=True keeps its region in {MEMORY_ROOT}, which this machine lacks: "
+                          "give region= a path on a filesystem in memory (tmpfs)")
+    folder = path.parent.parent
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    problem = untrusted_folder(folder)
+    if problem is None:
+        return path
+    if not folder.is_symlink() and folder.stat().st_uid == os.geteuid():  # (this user's own: theirs to mend)
+        raise UntrustedRegionError(f"the memory tiers' folder {folder} cannot be trusted: {problem}; "
+                                   f"make it this user's alone (chmod 700 {folder}) or delete it")
+    spare = spare_memory_folder()  # (another user's, in a sticky folder: this user cannot delete it)
+    warnings.warn(f"the memory tiers' folder {folder} cannot be trusted ({problem}): this run's memory tier lies in "
+                  f"{spare} instead, which the checkpoint directory records for its restarts; have root delete "
+                  f"{folder}", RuntimeWarning, stacklevel=4)
+    return spare / path.parent.name / path.name

@@ -3,7 +3,7 @@
 A commit hashes every byte of the slot (278 MB a step on gpt2-small with AdamW). The hash itself
 releases the interpreter's lock, but handing a few hundred tensors to a pool of threads and
 collecting their digests took about 2,600 Python calls a step on the training process's threads,
-each one the lock taken from the training thread. So a writer's :class:`~everystep.storage.region.Region`
+each one the lock taken from the training thread. So a writer's :class:`~everystep.storage.region.slots.Region`
 has a :class:`RegionHasher`: a child process in a fresh interpreter (never a fork of a process that
 may hold a CUDA context) that imports neither PyTorch nor the region, is given a read-only descriptor
 of the region's file at its start — an open file of its own (:func:`reopened`), not the writer's,
@@ -30,15 +30,15 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import connection
 
-from .. import tracing
-from .._process import HelperClient, run_helper
-from ..background import in_shares
-from ..errors import EverystepError
-from .base import checksum
+from ... import tracing
+from ..._process import HelperClient, run_helper
+from ...background import in_shares
+from ...errors import EverystepError
+from ..base import checksum
 
 __all__ = ["RegionHasher", "HASH_THREADS", "hash_ranges", "reopened"]
 
-_MAIN = "import sys; from everystep.storage.region_hash import main; sys.exit(main(sys.argv[1:]))"
+_MAIN = "import sys; from everystep.storage.region.hashing import main; sys.exit(main(sys.argv[1:]))"
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
 HASH_THREADS = max(1, min(12, _CORES * 3 // 4))
 """The threads of a pool that hashes a slot (:func:`hash_ranges`), beside the thread that asks: three

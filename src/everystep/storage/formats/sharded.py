@@ -32,14 +32,14 @@ from typing import Any, Iterable
 
 import torch
 
-from ..distributed import Ranks
-from ..errors import CorruptCheckpointError
-from .base import Manifest, ObjectInfo, Reader, malformed
-from .catalog import Catalog
-from ..layout import TensorLayout
-from ..parallelism import ShardBox, shard_box, shard_like
+from ...distributed import Ranks
+from ...errors import CorruptCheckpointError
+from ..base import Manifest, ObjectInfo, Reader, malformed
+from ..catalog import Catalog
+from ...layout import TensorLayout
+from ...parallelism import ShardBox, shard_box, shard_like
 from .tensorfile import load_tensors, tensor_chunks
-from ..tree import OPTIMIZER_STATE, merged_meta
+from ...tree import OPTIMIZER_STATE, merged_meta
 
 __all__ = ["RankShare", "commit_parts", "commit_tensors", "commit_written", "part_rank", "parts_read", "read_parts", "write_part"]
 

@@ -3,7 +3,7 @@
 An upload's work is Python's as much as the network's: each object read back and verified against
 its checksum, then boto3's multipart upload — request signing, the parts' checksums, the HTTP of each
 part. In a thread of the training process all of that shares the interpreter's lock with the
-training thread. So each rank that uploads (:class:`~everystep.storage.remote.RemoteTier`) hands
+training thread. So each rank that uploads (:class:`~everystep.storage.remote.tier.RemoteTier`) hands
 its share of an upload to an :class:`UploadProcess`: a child process in a fresh interpreter (never
 a fork of a process that may hold a CUDA context) that imports the object store and not PyTorch,
 reads the objects from the local directory (read-only) and puts them; the tier's thread only sends
@@ -27,13 +27,13 @@ import json
 from multiprocessing import connection
 from pathlib import Path
 
-from .._process import HelperClient, run_helper
-from ..errors import CorruptCheckpointError, RemoteStoreError
-from .base import ObjectInfo
+from ..._process import HelperClient, run_helper
+from ...errors import CorruptCheckpointError, RemoteStoreError
+from ..base import ObjectInfo
 
 __all__ = ["UploadProcess"]
 
-_MAIN = "import sys; from everystep.storage.uploader import main; sys.exit(main(sys.argv[1:]))"
+_MAIN = "import sys; from everystep.storage.remote.uploader import main; sys.exit(main(sys.argv[1:]))"
 
 
 class UploadProcess(HelperClient):
@@ -58,10 +58,10 @@ class UploadProcess(HelperClient):
 
 
 def _serve(conn: connection.Connection, root: Path, url: str) -> None:
-    from .._faults import crash_point
-    from .catalog import Catalog
-    from .local import LocalStore
-    from .location import open_remote
+    from ..._faults import crash_point
+    from ..catalog import Catalog
+    from ..stores.local import LocalStore
+    from ..stores.location import open_remote
 
     local = Catalog(LocalStore(root, access="read"))  # (a reader: nothing of the directory is changed here)
     remote = Catalog(open_remote(url))

@@ -41,11 +41,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from ..errors import CorruptCheckpointError
-from ..parallelism import shard_like
-from .base import CHECKSUM_ALGORITHM, Manifest, ObjectInfo, new_hasher
-from .catalog import Catalog
-from ..tree import merged_meta
+from ...errors import CorruptCheckpointError
+from ...parallelism import shard_like
+from ..base import CHECKSUM_ALGORITHM, Manifest, ObjectInfo, new_hasher
+from ..catalog import Catalog
+from ...tree import merged_meta
 from .tensorfile import CHUNK
 
 __all__ = ["write_dcp", "read_dcp", "load_metadata", "DCP_SUFFIX"]

@@ -8,19 +8,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import CorruptCheckpointError
-from ..layout import LayoutEntry
-from .base import Manifest, ManifestRecord, ObjectInfo, checksum
-from .region_map import RegionSlot, SlotMeta
+from ...errors import CorruptCheckpointError
+from ...layout import LayoutEntry
+from ..base import Manifest, ManifestRecord, ObjectInfo, checksum
+from .mapping import RegionSlot, SlotMeta
 
 if TYPE_CHECKING:
-    from ..distributed import Ranks
+    from ...distributed import Ranks
 
 __all__ = ["SlotObjects"]
 
 
 class SlotObjects:
-    """The Reader protocol of :class:`~everystep.storage.region.Region`, mixed into it."""
+    """The Reader protocol of :class:`~everystep.storage.region.slots.Region`, mixed into it."""
 
     path: Path
     ranks: "Ranks"

@@ -23,8 +23,8 @@ import uuid
 import warnings
 from typing import Any
 
-from ..errors import DirectoryInUseError, EverystepError, RemoteStoreError
-from .base import ConditionalStore
+from ...errors import DirectoryInUseError, EverystepError, RemoteStoreError
+from ..base import ConditionalStore
 
 __all__ = ["LOCK_KEY", "RemoteLock", "check_conditional_writes"]
 

@@ -3,7 +3,7 @@ one place that tells the two apart and opens a prefix's store; everything else a
 
 from __future__ import annotations
 
-from .base import Access, ConditionalStore
+from ..base import Access, ConditionalStore
 
 __all__ = ["is_remote", "open_remote"]
 

@@ -24,9 +24,9 @@ from typing import BinaryIO
 
 import torch
 
-from ..errors import CorruptCheckpointError
-from ..layout import TensorLayout, shape_overflows, tensor_bytes
-from .base import check_digest, new_hasher, refuse_constant
+from ...errors import CorruptCheckpointError
+from ...layout import TensorLayout, shape_overflows, tensor_bytes
+from ..base import check_digest, new_hasher, refuse_constant
 
 __all__ = ["header_bytes", "tensor_chunks", "buffer_chunks", "load_tensors", "read_tensors", "parse_header", "CHUNK"]
 

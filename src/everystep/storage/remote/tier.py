@@ -5,9 +5,9 @@ Every strategy keeps checkpointing to its fast tier (the local directory, its re
 without a remote. At a step end on which an upload is due and none is running, the newest committed
 full checkpoint of the local directory is uploaded by a thread of its own: each object read back and
 verified against its checksum, put in the remote store under the same name — that work in a process
-of the rank's own (:class:`~everystep.storage.uploader.UploadProcess`), not sharing the training
+of the rank's own (:class:`~everystep.storage.remote.uploader.UploadProcess`), not sharing the training
 process's interpreter lock — and the manifest put last, by the thread — the commit, as locally
-(:class:`~everystep.storage.catalog.Catalog` over an :class:`~everystep.storage.s3.S3Store`). Then the
+(:class:`~everystep.storage.catalog.Catalog` over an :class:`~everystep.storage.stores.s3.S3Store`). Then the
 remote keeps its newest ``keep`` full checkpoints. The checkpoint going up is pinned in the local
 directory (:meth:`~everystep.storage.directory.CheckpointDirectory.pin`): retention keeps it until it
 is up, however many checkpoints are committed meanwhile.
@@ -33,7 +33,7 @@ every rank's share is durable. A pull is shared the same way: rank 0 names the c
 downloads and verifies its share, and rank 0 commits locally once every share verified and what
 they make reads as a state.
 
-One writer per prefix: :class:`~everystep.storage.remote_lock.RemoteLock`, taken once the server is
+One writer per prefix: :class:`~everystep.storage.remote.lock.RemoteLock`, taken once the server is
 seen to honour the conditional writes it rests on. Once the lock is held, what interrupted writers
 left (uploads in progress, objects no manifest names) is collected.
 """
@@ -48,24 +48,24 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from .._faults import crash_point
-from ..background import BackgroundErrors, Worker
-from ..errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, EverystepError
-from ..policy.interval import median_gap
-from ..policy.young_daly import young_daly_interval
-from ..distributed import Ranks
-from .base import ConditionalStore, Manifest, ObjectInfo
-from .catalog import Catalog, Supplemented
-from .retention import plan_retention
-from .full import read_state, read_state_together
-from .sharded import part_rank
-from .directory import MARKER, collect_garbage, marker_bytes, parse_marker
-from .location import is_remote, open_remote
-from .remote_lock import LOCK_KEY, RemoteLock, check_conditional_writes
+from ..._faults import crash_point
+from ...background import BackgroundErrors, Worker
+from ...errors import CheckpointDirectoryError, ConfigError, CorruptCheckpointError, EverystepError
+from ...policy.interval import median_gap
+from ...policy.young_daly import young_daly_interval
+from ...distributed import Ranks
+from ..base import ConditionalStore, Manifest, ObjectInfo
+from ..catalog import Catalog, Supplemented
+from ..retention import plan_retention
+from ..full import read_state, read_state_together
+from ..formats.sharded import part_rank
+from ..directory import MARKER, collect_garbage, marker_bytes, parse_marker
+from ..stores.location import is_remote, open_remote
+from .lock import LOCK_KEY, RemoteLock, check_conditional_writes
 from .uploader import UploadProcess
 
 if TYPE_CHECKING:
-    from .directory import CheckpointDirectory  # noqa: F811
+    from ..directory import CheckpointDirectory  # noqa: F811
 
 __all__ = ["RemoteTier", "RemoteLock", "LOCK_KEY"]
 
@@ -81,7 +81,7 @@ class RemoteTier:
 
     def __init__(self, url: str, directory: "CheckpointDirectory", *, every: int | None, mtbf: float, keep: int,
                  store: ConditionalStore | None = None, uploaded: Callable[[int], None] | None = None, lease: float = 60.0) -> None:
-        from .s3 import parse_url
+        from ..stores.s3 import parse_url
 
         if not is_remote(url):
             raise ConfigError(f"remote must be an s3://bucket/prefix URL, got {url!r}")

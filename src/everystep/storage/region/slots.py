@@ -15,7 +15,7 @@ registered with the driver), never serialised.
 Committing a slot, in this order: (1) its header is marked *writing* and flushed, so that the slot
 is not taken for a checkpoint while its data changes; (2) the data is copied; (3) each tensor's
 checksum is computed — by a process of the writer's own that maps the file
-(:mod:`~everystep.storage.region_hash`) — and the metadata written; (4) where the file survives the host (not tmpfs),
+(:mod:`~everystep.storage.region.hashing`) — and the metadata written; (4) where the file survives the host (not tmpfs),
 the area is flushed; (5) the header — step, generation, where the area lies, the metadata's size
 and checksum, and a checksum of the header itself — is written and flushed last. A crash at any
 instant leaves the other slot complete. Recovery takes the complete slot with the newest step
@@ -31,7 +31,7 @@ core — the training thread, once the GIL is free. On gpt2-tiny (2 virtual core
 overhead went from +56% to +80% and the shootdowns from about one to about 460 a step.
 
 The region implements the :class:`~everystep.storage.base.Reader` protocol
-(:mod:`~everystep.storage.region_objects`): a complete slot is a manifest of kind ``full`` whose
+(:mod:`~everystep.storage.region.objects`): a complete slot is a manifest of kind ``full`` whose
 objects are its tensors. Writing goes through
 :meth:`Region.begin` and :meth:`Region.commit`, since the data is copied into place.
 """
@@ -55,23 +55,18 @@ from typing import Any
 import torch
 import xxhash
 
-from .._faults import crash_point
-from ..distributed import Ranks
-from ..errors import (
-    CheckpointDirectoryError,
-    CorruptCheckpointError,
-    DirectoryInUseError,
-    EverystepError,
-    ReadOnlyStoreError,
-)
-from ..files import untrusted_file, untrusted_folder
-from ..tree import check_skeleton
-from .base import MALFORMED, Access, refuse_constant
-from .region_hash import RegionHasher, reopened
-from .region_lend import Lending, lending_supported
-from .region_objects import SlotObjects
-from .region_map import (HASH_THREADS, PAGE, Area, Copy, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter, read_out,
-                         on_volatile_memory, round_up)
+from ..._faults import crash_point
+from ...distributed import Ranks
+from ...errors import (CheckpointDirectoryError, CorruptCheckpointError, DirectoryInUseError, EverystepError,
+                      ReadOnlyStoreError)
+from ...files import untrusted_file, untrusted_folder
+from ...tree import check_skeleton
+from ..base import MALFORMED, Access, refuse_constant
+from .hashing import RegionHasher, reopened
+from .lending import Lending, lending_supported
+from .objects import SlotObjects
+from .mapping import (HASH_THREADS, PAGE, Area, Copy, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter,
+                      on_volatile_memory, read_out, round_up)
 
 __all__ = ["Region", "UntrustedRegionError", "UnreadableRegionError", "RegionSlot", "SlotWriter"]
 
@@ -331,7 +326,7 @@ class Region(SlotObjects):
     def checksums(self, writer: SlotWriter, part: tuple[int, int] | None = None) -> dict[str, str]:
         """Each tensor's checksum (those of the layout's entries ``first`` to ``stop`` for ``part``:
         the rest may still be being copied), computed by the region's hashing process
-        (:mod:`~everystep.storage.region_hash`): the training process's threads only wait for it."""
+        (:mod:`~everystep.storage.region.hashing`): the training process's threads only wait for it."""
         codes, area = self._codes_of(writer.layout), writer.area
         if self._hasher is None:
             self._hasher = RegionHasher(self._fd, str(self.path))
@@ -437,7 +432,7 @@ class Region(SlotObjects):
         is copied out into memory of its own and its checksum verified on the copy (a slot rewritten
         meanwhile fails them, and :meth:`newest` sees that its header changed): what a reader beside
         a live writer gets, and what a restore keeps. ``lend``: of those, the ones the writer may
-        lend instead, from a private mapping (:mod:`~everystep.storage.region_lend`; :attr:`lending`
+        lend instead, from a private mapping (:mod:`~everystep.storage.region.lending`; :attr:`lending`
         makes their pages the process's own), where the kernel can."""
         m = self._metadata(slot)
         lent = [e for e in m.layout.entries if lend(e.key)] \

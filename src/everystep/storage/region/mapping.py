@@ -1,5 +1,5 @@
 """The region's file, mapped: where each tensor lies in a slot's data section, a slot's area mapped
-into memory, and the records of a slot (see :mod:`everystep.storage.region`)."""
+into memory, and the records of a slot (see :mod:`everystep.storage.region.slots`)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from .._memory import pin_in_place, unregister_host
-from ..background import in_shares
-from ..layout import LayoutEntry, shape_overflows
-from .base import checksum
-from .region_hash import HASH_THREADS
+from ..._memory import pin_in_place, unregister_host
+from ...background import in_shares
+from ...layout import LayoutEntry, shape_overflows
+from ..base import checksum
+from .hashing import HASH_THREADS
 
 __all__ = ["ALIGN", "PAGE", "RegionLayout", "LayoutCodes", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up",
            "read_out", "Copy", "HASH_THREADS"]
@@ -132,7 +132,7 @@ class LayoutCodes:
 
 
 Copy = bool | Callable[[str], bool]
-"""Which of a slot's tensors a read copies out (:meth:`~everystep.storage.region.Region.read_slot`):
+"""Which of a slot's tensors a read copies out (:meth:`~everystep.storage.region.slots.Region.read_slot`):
 all, none, or those whose key passes the test."""
 
 

@@ -34,7 +34,7 @@ most for the one range being moved. What is left when the region closes (the Che
 when training does not step) is moved there (:meth:`Lending.detach`). Until the thread is done (a
 second or so after a restore of gpt2-small's state) a file cut short by hand still takes the lent
 pages; once it is done, nothing done to the file reaches them, and the region's writer refuses the
-changed file at its next slot (:meth:`~everystep.storage.region.Region.begin`).
+changed file at its next slot (:meth:`~everystep.storage.region.slots.Region.begin`).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from typing import Any
 
 import torch
 
-from ..errors import EverystepError
-from ..layout import LayoutEntry
+from ...errors import EverystepError
+from ...layout import LayoutEntry
 
 __all__ = ["Lending", "lending_supported", "detached"]
 

@@ -37,9 +37,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .._faults import crash_point
-from ..errors import CheckpointDirectoryError, ReadOnlyStoreError, RemoteStoreError
-from .base import Access
+from ..._faults import crash_point
+from ...errors import CheckpointDirectoryError, ReadOnlyStoreError, RemoteStoreError
+from ..base import Access
 
 __all__ = ["S3Store", "parse_url", "redact", "client", "PART_BYTES"]
 

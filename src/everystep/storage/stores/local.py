@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from .._faults import crash_point
-from ..errors import CheckpointDirectoryError, EverystepError, ReadOnlyStoreError
-from ..files import open_regular
-from .base import Access
+from ..._faults import crash_point
+from ...errors import CheckpointDirectoryError, EverystepError, ReadOnlyStoreError
+from ...files import open_regular
+from ..base import Access
 
 __all__ = ["LocalStore", "StoreWriteError", "check_own_folder", "fsync_dir"]
 
