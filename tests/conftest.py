@@ -95,7 +95,7 @@ def loss_gap(losses: list[float], reference: list[float]) -> float:
 def assert_recovered(summary: dict[str, Any], *, sources: set[str] | None = None, lose: int | None = None) -> None:
     """Each restart of a run with planned kills recovered what the lifetime it replaced left behind.
 
-    Each kill is armed after a commit (:mod:`everystep.eval.faults`), so something is recoverable
+    Each kill is armed after a commit (:mod:`everystep.eval.kills.faults`), so something is recoverable
     before it: a restart from nothing fails here. Each restart resumed from a step no older than the
     newest one the failed lifetime saw recoverable in this failure mode (``recoverable_before``) and
     no newer than the step the kill landed in; from one of ``sources``; and with ``lose``, at most

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from everystep.demo import stalls
-from everystep.eval.bench import (BenchConfig, interleaved_order, markdown_table, reference_spread, run_bench,
+from everystep.eval.bench.command import (BenchConfig, interleaved_order, markdown_table, reference_spread, run_bench,
                                   smallest_interval, summarise)
 from everystep.eval.workloads import build
 from everystep.strategies.checkfreq import CheckFreqConfig
@@ -49,7 +49,7 @@ def test_the_summary_pairs_each_run_with_its_own_repeats_reference_and_takes_med
 
 
 def test_the_summary_gives_what_each_recovery_read_its_rate_and_its_memory_above_the_process():
-    from everystep.eval.bench import recovery_reads
+    from everystep.eval.bench.command import recovery_reads
 
     runs = [_run(r, "none", 0.010) for r in range(3)]
     for r, (seconds, extra, mapped) in enumerate([(0.5, 300 << 20, 0), (1.0, 100 << 20, 90 << 20),
@@ -135,8 +135,8 @@ def test_samples_set_each_runs_batch_and_a_trainer_run_refuses_them():
     """``--samples``: every run of the bench trains at that many samples a step (a longer step over the
     same state), the ``none`` reference included."""
     from everystep.errors import ConfigError
-    from everystep.eval.bench import run_spec
-    from everystep.eval.measure import _build
+    from everystep.eval.bench.command import run_spec
+    from everystep.eval.bench.measure import _build
 
     cfg = BenchConfig(workload="mlp", strategies=("full_sync",), samples=3)
     specs = [run_spec(cfg, 0, s, None) for s in cfg.strategies]
@@ -220,7 +220,7 @@ def test_dcp_async_saves_again_after_its_stager_was_closed_by_staging(tmp_path):
     """Under torch 2.11 on a GPU, DefaultStager closes its StateDictStager after each staging, and
     the next async_save failed with KeyError: <class 'type'>. The
     close is done here by hand, as that staging does it: the next save gets a new stager and lands."""
-    from everystep.eval.baselines import DcpAsyncSave
+    from everystep.eval.bench.baselines import DcpAsyncSave
 
     w = build("mlp", seed=0)
     peer = DcpAsyncSave(tmp_path / "p", w, every=1)

@@ -18,7 +18,7 @@ from everystep import (
     UnclosedCheckpointerWarning,
 )
 from everystep.errors import ConfigError
-from everystep.eval.train import training_state_hash
+from everystep.eval.kills.train import training_state_hash
 from everystep.compress import GradientCompression, make_compressor
 from everystep.eval.workloads import build
 from everystep.storage import CheckpointDirectory

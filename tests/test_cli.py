@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from everystep.eval.faults import FailurePlan
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.kills.faults import FailurePlan
+from everystep.eval.kills.train import TrainConfig, run
 from everystep.strategies.checkfreq import CheckFreqConfig
 
 from .conftest import call_cli, run_cli
@@ -163,7 +163,7 @@ def test_ranks_forked_from_the_zygote_get_their_environment_and_die_with_it(tmp_
     import select
     import signal
 
-    from everystep.eval.train import WORKER, Journal, worker_argv
+    from everystep.eval.kills.train import WORKER, Journal, worker_argv
     from everystep.eval.zygote import Zygote
 
     def argv(**kw) -> list[str]:
@@ -198,7 +198,7 @@ def test_a_ranks_agent_is_forked_from_its_zygote_into_its_process_group(tmp_path
     import psutil
 
     from everystep.agent.channel import AgentAddress
-    from everystep.eval.train import WORKER, Journal, worker_argv
+    from everystep.eval.kills.train import WORKER, Journal, worker_argv
     from everystep.eval.zygote import Zygote
 
     journal, directory = tmp_path / "journal.jsonl", tmp_path / "c"

@@ -16,8 +16,8 @@ import torch
 
 from everystep import Checkpointer
 from everystep.errors import ConfigError
-from everystep.eval.bench import BenchConfig
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.bench.command import BenchConfig
+from everystep.eval.kills.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
 from everystep.tree import flatten, state_hash
@@ -405,7 +405,7 @@ def test_a_trace_of_a_gpu_run_holds_its_streams_on_the_threads_clock(tmp_path, s
     copies on its side stream are rows of their own, timed by CUDA events, each copy inside the run's
     steps on the host's clock."""
     from everystep import tracing
-    from everystep.eval.measure import measure
+    from everystep.eval.bench.measure import measure
 
     stem = tmp_path / "lightcheck"
     measure({"workload": "gpt2-tiny", "strategy": "lightcheck", "steps": 6, "warmup": 2, "every": 1, "threads": 1,

@@ -22,7 +22,7 @@ from everystep.distributed import Ranks
 from everystep.errors import ConfigError, EverystepError, StateMismatchError
 from everystep.eval.data import SyntheticData
 from everystep.distributed import free_port as _free_port
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.kills.train import TrainConfig, run
 from everystep.inventory import verify_store
 from everystep.recovery import read_full
 from everystep.tree import state_hash, unflatten

@@ -287,7 +287,7 @@ def test_mistakes_are_refused_with_what_to_do(tmp_path):
 def test_the_training_driver_recovers_from_spread_checkpoints_bitwise(tmp_path, strategy, mode):
     """The parts brought forward at recovery, by the training driver's restarts (software: the
     process killed; hardware: what was not durable lost too), as on a GPU where this is the default."""
-    from everystep.eval.train import TrainConfig, run
+    from everystep.eval.kills.train import TrainConfig, run
 
     ref = run(TrainConfig(workload="gpt2-tiny", strategy="none", steps=14, progress=False))
     got = run(TrainConfig(workload="gpt2-tiny", strategy=strategy, steps=14, directory=str(tmp_path / "c"),

@@ -14,14 +14,14 @@ import tempfile
 import pytest
 import torch
 
-from everystep.eval import gpu_check
-from everystep.eval.libraries import LIBRARIES, missing
-from everystep.eval.gpu_check import DRY, EVERY_STEP, SPREAD, Variant
+from everystep.eval.gpu import check as gpu_check
+from everystep.eval.bench.libraries import LIBRARIES, missing
+from everystep.eval.gpu.check import DRY, EVERY_STEP, SPREAD, Variant
 from everystep import tracing
-from everystep.eval.gpu_sizes import (ALL_PARTS, BOUND, BOUND_MEMORY_TIER, BOUND_TARGETS, COMPRESSED, DEVICE_SNAPSHOT, GPU,
+from everystep.eval.gpu.sizes import (ALL_PARTS, BOUND, BOUND_MEMORY_TIER, BOUND_TARGETS, COMPRESSED, DEVICE_SNAPSHOT, GPU,
                                       EVERY_STEP_TARGETS, MEMORY_TIER, ONCE, PARTS, REGIME)
-from everystep.eval.gpu_report import markdown
-from everystep.eval.interval_search import search_intervals, smallest_within
+from everystep.eval.gpu.report import markdown
+from everystep.eval.bench.interval_search import search_intervals, smallest_within
 from everystep.eval.machine import pcie_limit
 
 from .conftest import ROOT, run_cli
@@ -299,7 +299,7 @@ def test_the_markdown_of_a_report_without_parts_still_renders():
 def test_parts_asked_for_alone_share_the_calls_time():
     """The boxes of the default parts not asked for go to those asked for, in proportion: the bench
     alone has the whole call for its rounds; every default part, or the regime, its own box."""
-    from everystep.eval.gpu_check import _scale
+    from everystep.eval.gpu.check import _scale
 
     call = sum(GPU.boxes[name] for name in PARTS)
     assert GPU.boxes["bench"] * _scale(GPU, ("bench",)) == pytest.approx(call)

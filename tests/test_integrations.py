@@ -170,8 +170,8 @@ def test_bench_measures_each_trainer_against_the_trainer_alone(tmp_path):
     """``everystep bench --trainer``'s runs, in this process: the trainer alone and with checkfreq every
     step, on each trainer's own model and on gpt2-tiny; the summary compares each with the trainer alone."""
     from everystep.errors import ConfigError
-    from everystep.eval.bench import BenchConfig, summarise_trainer, trainer_table
-    from everystep.eval.trainers import measure
+    from everystep.eval.bench.command import BenchConfig, summarise_trainer, trainer_table
+    from everystep.eval.bench.trainers import measure
 
     for trainer, workload in (("lightning", "native"), ("transformers", "gpt2-tiny")):
         runs = [measure({"trainer": trainer, "workload": workload, "strategy": strategy, "steps": 4, "warmup": 1,

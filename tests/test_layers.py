@@ -120,7 +120,7 @@ def test_tools_read_storage_without_knowing_a_strategy():
     """``inventory.py`` imports no strategy; the training driver takes strategies from the registry
     alone (``everystep.strategies``), not a strategy's module."""
     assert not [t for t, _ in _imports(PACKAGE / "inventory.py") if t.startswith("everystep.strategies")]
-    driver = [t for t, _ in _imports(PACKAGE / "eval" / "train.py") if t.startswith("everystep.strategies")]
+    driver = [t for t, _ in _imports(PACKAGE / "eval" / "kills" / "train.py") if t.startswith("everystep.strategies")]
     assert driver and set(driver) == {"everystep.strategies"}, driver
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from everystep.eval.bench import BenchConfig, report, run_bench
-from everystep.eval.libraries import LIBRARIES, missing
+from everystep.eval.bench.command import BenchConfig, report, run_bench
+from everystep.eval.bench.libraries import LIBRARIES, missing
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -21,7 +21,7 @@ INSTALLED = [name for name in LIBRARIES if missing(name) is None]
 def test_a_library_that_cannot_run_is_reported_as_not_run_with_its_own_error(monkeypatch):
     """A library whose run fails (here: one that cannot be imported) is not dropped: the report
     names it with its error, and the strategies beside it are measured as ever."""
-    from everystep.eval import bench
+    from everystep.eval.bench import command as bench
 
     real = bench._run_one
 
@@ -62,14 +62,14 @@ def test_each_installed_library_runs_in_the_bench_beside_everystep_and_restores_
 @pytest.mark.skipif(not INSTALLED, reason="the peers extra is not installed (make install-peers)")
 @pytest.mark.parametrize("name", INSTALLED)
 def test_a_library_killed_while_its_write_is_in_flight_recovers_what_it_says(name):
-    """The kill-and-resume harness (:mod:`everystep.eval.library_kills`): SIGKILL right after the
+    """The kill-and-resume harness (:mod:`everystep.eval.kills.libraries`): SIGKILL right after the
     save of step 7 returns, its write in flight, disk writes every 2 steps, a restart, training on
     to step 12. What each one does, as measured here and written in docs/measurements.md (it
     varies from trial to trial where a background write races the kill): DLRover's saver process
     outlives the training process and serves step 7 from its shared memory, or its disk step 6;
     torch_checkpointing's step 7 dies with its writer and step 6 is restored; GEMINI's node-local
     files restore step 5 or 3. None resumes bitwise."""
-    from everystep.eval.library_kills import kill_and_resume
+    from everystep.eval.kills.libraries import kill_and_resume
 
     found = {"dlrover": {6, 7}, "torch_checkpointing": {6}, "lm_resiliency": {3, 5}}
     trial = kill_and_resume(name, workload="mlp", steps=12, kill_at=7, disk_every=2)

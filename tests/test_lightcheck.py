@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from everystep import Checkpointer, _faults
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.kills.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.state import TrainingComponents
 from everystep.tree import state_hash

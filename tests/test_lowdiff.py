@@ -10,8 +10,8 @@ import torch
 from everystep import Checkpointer
 from everystep.compress import GradientCompression, make_compressor
 from everystep.errors import ConfigError
-from everystep.eval.faults import FailurePlan
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.kills.faults import FailurePlan
+from everystep.eval.kills.train import TrainConfig, run
 from everystep.eval.workloads import build
 from everystep.state import TrainingComponents
 from everystep.tree import flatten, state_hash

@@ -25,8 +25,8 @@ from everystep.agent.session import AgentSession
 from everystep.background import BackgroundErrors
 from everystep.distributed import Ranks
 from everystep.errors import BackgroundWriteError, ConfigError, StateMismatchError
-from everystep.eval.summary import summarise
-from everystep.eval.train import WORKER, Journal, TrainConfig, run, training_state_hash, worker_argv
+from everystep.eval.kills.summary import summarise
+from everystep.eval.kills.train import WORKER, Journal, TrainConfig, run, training_state_hash, worker_argv
 from everystep.eval.zygote import Zygote
 from everystep.eval.workloads import build
 from everystep.recovery import latest_full
@@ -261,7 +261,7 @@ def test_failures_in_both_modes_dense_and_compressed(tmp_path, mode, compress):
 def _spawn_trainer(tmp_path: Path, *, steps: int, options: dict, every: int | None = None) -> subprocess.Popen:
     cfg = TrainConfig(workload="mlp", strategy="lowdiff_plus", optimizer="adamw", steps=steps, every=every,
                       directory=str(tmp_path / "c"), options=options, progress=False)
-    return subprocess.Popen([sys.executable, "-m", "everystep.eval.worker",
+    return subprocess.Popen([sys.executable, "-m", "everystep.eval.kills.worker",
                              *worker_argv(cfg, str(tmp_path / "journal.jsonl"))], start_new_session=True)
 
 

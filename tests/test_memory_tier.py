@@ -24,7 +24,7 @@ import torch
 from everystep import Checkpointer
 from everystep._faults import arm, disarm
 from everystep.errors import CheckpointDirectoryError, ConfigError
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.kills.train import TrainConfig, run
 from everystep.storage.directory import CheckpointDirectory
 from everystep.storage.region.slots import Region
 from everystep.storage.region.paths import memory_path

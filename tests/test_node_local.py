@@ -1,5 +1,5 @@
 """Node-local checkpoint directories: two hosts on loopback, each a ``torchrun`` of its own with its own
-directory standing for its own disk (:mod:`everystep.eval.hosts`), no directory that both see. Hosts
+directory standing for its own disk (:mod:`everystep.eval.kills.lost_hosts`), no directory that both see. Hosts
 are lost (SIGKILLed with every process they started) at steps drawn from the seed and restarted in
 place (their disks kept) or replaced (an empty disk); every rank resumes from the same step, bitwise,
 or the job refuses to start with one message."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from everystep.eval.hosts import TwoHosts, descendants, final_hashes, lose_hosts, rank0_losses
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.kills.lost_hosts import TwoHosts, descendants, final_hashes, lose_hosts, rank0_losses
+from everystep.eval.kills.train import TrainConfig, run
 from everystep.storage.base import Manifest
 from everystep.storage.hosts import hosts_of, readers_hosts
 from everystep.errors import CheckpointDirectoryError
@@ -149,7 +149,7 @@ def test_ranks_that_see_each_other_inconsistently_are_refused(seen):
 def _is_rank(pid: int) -> bool:
     """``pid`` is a rank a host's torchrun started (not a helper of torchrun's own)."""
     try:
-        return b"everystep.eval.hosts\0rank" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"everystep.eval.kills.lost_hosts\0rank" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from everystep import Checkpointer, ConfigError, EverystepError, OptimizerInBackward
-from everystep.eval.bench import BenchConfig
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.bench.command import BenchConfig
+from everystep.eval.kills.train import TrainConfig, run
 
 from .test_distributed import _spawn_two
 

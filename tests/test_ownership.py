@@ -17,7 +17,7 @@ import pytest
 
 from everystep import Checkpointer
 from everystep.errors import ConfigError, DirectoryInUseError, ReadOnlyStoreError
-from everystep.eval.train import TrainConfig, recover_run, run
+from everystep.eval.kills.train import TrainConfig, recover_run, run
 from everystep.eval.workloads import build
 from everystep.inventory import verify_store
 from everystep.storage import CheckpointDirectory

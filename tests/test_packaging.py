@@ -74,7 +74,7 @@ sys.meta_path[:] = [_RuntimeOnly(f) if hasattr(f, "find_spec") else f for f in s
 
 _RUN_EVERY_STRATEGY = '''
 import sys, tempfile
-from everystep.eval.train import TrainConfig, recover_run, run
+from everystep.eval.kills.train import TrainConfig, recover_run, run
 from everystep.strategies import STRATEGIES
 
 try:

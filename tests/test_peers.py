@@ -1,7 +1,7 @@
 """Replicas on peers: two hosts on loopback, each a ``torchrun`` of its own (elastic rendezvous,
 restarts allowed) with its own scratch memory; a host lost — its torchrun and its training
 processes SIGKILLed together at an instant drawn from the seed — and a replacement host started
-with an empty scratch directory (:mod:`everystep.eval.hosts`). The job recovers from the survivors'
+with an empty scratch directory (:mod:`everystep.eval.kills.lost_hosts`). The job recovers from the survivors'
 memory, bitwise."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from everystep.eval.hosts import PHASES, TwoHosts, final_hashes, lose_hosts, rank0_losses
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.kills.lost_hosts import PHASES, TwoHosts, final_hashes, lose_hosts, rank0_losses
+from everystep.eval.kills.train import TrainConfig, run
 from everystep.peers import Holdings, Transfer, buddies, pack, plan_recovery, share_out, unpack
 from everystep.errors import CorruptCheckpointError
 

@@ -140,7 +140,7 @@ _JOB = """
 import json, os, signal, sys, warnings
 import torch.distributed as dist
 from everystep import Checkpointer
-from everystep.eval.train import training_state_hash
+from everystep.eval.kills.train import training_state_hash
 from everystep.eval.workloads import build
 
 local, url, strategy, steps, kill_at, parallel = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
@@ -1001,7 +1001,7 @@ def test_any_value_in_any_field_of_what_the_bucket_holds_ends_in_a_fallback_or_o
     import boto3
 
     from everystep.errors import EverystepError
-    from everystep.eval.train import recover_run
+    from everystep.eval.kills.train import recover_run
     from everystep.storage.directory import marker_bytes
     from everystep.storage.remote.lock import RemoteLock
 

@@ -124,7 +124,7 @@ def test_every_strategy_refuses_a_layout_it_does_not_checkpoint_naming_both_and_
 
 # -- FSDP2 and HSDP checkpointed: killed and restarted, resharded at load ------------------------------
 
-from everystep.eval.train import TrainConfig, recover_run, run  # noqa: E402
+from everystep.eval.kills.train import TrainConfig, recover_run, run  # noqa: E402
 from everystep.storage.directory import CheckpointDirectory  # noqa: E402
 
 FSDP_JOB = dict(workload="gpt2-tiny", steps=12, nproc=2, progress=False, parallel="fsdp")

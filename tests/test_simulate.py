@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from everystep.eval.simulate import StrategyCosts, analytic_ratio, exact_expected_seconds, simulate
+from everystep.eval.simulator.model import StrategyCosts, analytic_ratio, exact_expected_seconds, simulate
 
 
 @pytest.mark.parametrize("interval, recovery", [(1, 0.0), (5, 2.0), (20, 10.0)])

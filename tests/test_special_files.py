@@ -22,7 +22,7 @@ REGION = "region/rank-0.bin"
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A lightcheck directory of the mlp at step 4: a full checkpoint, its region and the region's claim."""
-    from everystep.eval.train import TrainConfig, run
+    from everystep.eval.kills.train import TrainConfig, run
 
     directory = tmp_path_factory.mktemp("special") / "c"
     run(TrainConfig(workload="mlp", strategy="lightcheck", steps=4, directory=str(directory), progress=False))
@@ -101,7 +101,7 @@ def test_a_region_the_marker_names_elsewhere_is_opened_only_when_the_user_names_
     """The marker re-signed to name a FIFO outside the directory as the run's region: verify, inspect
     and recover neither open nor wait on it, and say how to read a region that lies there; given
     ``--region``, the user's word, they read the one there."""
-    from everystep.eval.train import TrainConfig, run
+    from everystep.eval.kills.train import TrainConfig, run
 
     elsewhere = tmp_path / "elsewhere"
     option = f"{elsewhere}/r-{{rank}}.bin"
@@ -125,7 +125,7 @@ def test_a_region_the_marker_names_elsewhere_is_opened_only_when_the_user_names_
 def test_a_remote_the_marker_names_is_never_contacted_by_recover(tmp_path, capsys, monkeypatch):
     """A run record re-signed to hold ``remote`` (and other arguments of a Checkpointer's) among its
     options: recover recovers from the directory, names what it left out, and asks no server."""
-    from everystep.eval.train import TrainConfig, run
+    from everystep.eval.kills.train import TrainConfig, run
 
     directory = tmp_path / "c"
     run(TrainConfig(workload="mlp", strategy="checkfreq", steps=4, directory=str(directory), progress=False))
@@ -174,7 +174,7 @@ def _forge_tensor_file(directory, step: int) -> None:
 
 
 def test_a_tensor_file_with_a_shape_no_tensor_can_have_is_skipped_for_the_checkpoint_before(tmp_path, capsys):
-    from everystep.eval.train import TrainConfig, run
+    from everystep.eval.kills.train import TrainConfig, run
 
     directory = tmp_path / "c"
     run(TrainConfig(workload="mlp", strategy="checkfreq", steps=3, directory=str(directory), progress=False))

@@ -14,8 +14,8 @@ import pytest
 
 from everystep import Checkpointer
 from everystep.errors import EverystepError
-from everystep.eval.faults import FailurePlan
-from everystep.eval.train import TrainConfig, run
+from everystep.eval.kills.faults import FailurePlan
+from everystep.eval.kills.train import TrainConfig, run
 from everystep.tree import state_hash
 from everystep.recovery import Candidate
 from everystep.storage import CheckpointDirectory

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from everystep import BackgroundWriteError, Checkpointer, ConfigError
-from everystep.eval.train import TrainConfig
+from everystep.eval.kills.train import TrainConfig
 from everystep.eval.workloads import build
 from everystep.storage import CheckpointDirectory
 
@@ -54,7 +54,7 @@ def test_the_writer_process_writes_what_the_thread_writes_and_recovery_is_bitwis
 _KILLED = """
 import sys, torch
 from everystep import Checkpointer
-from everystep.eval.train import TrainConfig
+from everystep.eval.kills.train import TrainConfig
 from everystep.eval.workloads import build
 from tests.test_checkpointer import loop
 torch.set_num_threads(1)

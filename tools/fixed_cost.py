@@ -74,8 +74,8 @@ def measure(specs: list[str], workload: str, compress: str, blocks: int, steps: 
     import torch
 
     from everystep import Checkpointer
-    from everystep.eval.bench import interleaved_order
-    from everystep.eval.measure import _step
+    from everystep.eval.bench.command import interleaved_order
+    from everystep.eval.bench.measure import _step
     from everystep.eval.workloads import build
 
     torch.set_num_threads(1)

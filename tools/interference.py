@@ -115,8 +115,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps per block")
     args = parser.parse_args()
 
-    from everystep.eval.bench import interleaved_order
-    from everystep.eval.measure import _step
+    from everystep.eval.bench.command import interleaved_order
+    from everystep.eval.bench.measure import _step
     from everystep.eval.workloads import build
 
     torch.set_num_threads(1)

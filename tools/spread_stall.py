@@ -45,7 +45,7 @@ def timed_hooks(strategy: Any, spent: collections.Counter[str]) -> None:
 
 def run(name: str, args: argparse.Namespace, round_: int) -> dict[str, Any]:
     from everystep import Checkpointer
-    from everystep.eval.measure import _step
+    from everystep.eval.bench.measure import _step
     from everystep.eval.workloads import build
 
     warmup = 2 * args.every + args.parts + 1

@@ -27,7 +27,7 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     import time
 
-    from .eval.train import TrainConfig, run
+    from .eval.kills.train import TrainConfig, run
     from .stopping import deadline_from_environment
 
     deadline = time.time() + args.deadline if args.deadline is not None else deadline_from_environment()
@@ -66,7 +66,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
-    from .eval.train import recover_run
+    from .eval.kills.train import recover_run
 
     result = recover_run(args.dir, region=args.region)
     _write_json(args.json, result)
@@ -117,7 +117,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .eval import bench
+    from .eval.bench import command as bench
 
     options: dict[str, dict[str, Any]] = {"lowdiff": {"batch": args.batch}} if args.batch else {}
     for (strategy, name), value in args.option:
@@ -140,7 +140,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _write_json(args.json, result)
         return 0
     if args.region_layout:
-        from .eval.region_layout import measure_layouts
+        from .eval.bench.region_layout import measure_layouts
 
         r = measure_layouts(cfg.workload, device=cfg.device, repeats=max(cfg.repeats, 3), where=cfg.scratch)
         print(f"region write throughput, {cfg.workload}'s state ({r['bytes'] / 2**20:.1f} MiB in {r['tensors']} tensors) "
@@ -163,7 +163,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     runs = bench.run_bench(cfg)
     result = bench.report(cfg, runs)
     if cfg.remote:
-        from .eval.remote_bench import upload_throughput
+        from .eval.bench.remote import upload_throughput
         from .eval.workloads import state_bytes
 
         result["upload_throughput"] = upload_throughput(cfg.remote, state_bytes(cfg.workload), repeats=cfg.repeats)
@@ -199,9 +199,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .eval import simulate_cli
+    from .eval.simulator import command
 
-    return simulate_cli.main(args)
+    return command.main(args)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -221,7 +221,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_checkflow(args: argparse.Namespace) -> int:
-    from .eval.schedule import plan_workload
+    from .eval.checkflow_profile import plan_workload
 
     if args.bandwidth is None:  # (its range, and --per-size's and --time-steps', the parser checks)
         raise ConfigError("--checkflow needs --bandwidth, the device-to-host link (e.g. 25GB/s)")
@@ -240,14 +240,14 @@ def _plan_checkflow(args: argparse.Namespace) -> int:
         print(f"infeasible: {r['reason']}")
     _write_json(args.json, r)
     if args.plot and r["feasible"]:
-        from .eval.schedule import plot_schedule
+        from .eval.checkflow_profile import plot_schedule
 
         plot_schedule(r, args.plot)
     return 0 if r["feasible"] else 1
 
 
 def cmd_gpu_check(args: argparse.Namespace) -> int:
-    from .eval import gpu_check
+    from .eval.gpu import check as gpu_check
 
     if args.dry_run:
         sizes = gpu_check.DRY

@@ -53,7 +53,7 @@ def whole(least: int, most: int | None = None, what: str = "") -> Any:
 
 
 def _cores() -> int:
-    from .eval.run_config import usable_cores
+    from .eval.kills.run_config import usable_cores
 
     return usable_cores()
 
@@ -137,7 +137,7 @@ def strategy_option(text: str) -> tuple[tuple[str, str], Any]:
 
 
 def gpu_check_parts(text: str) -> tuple[str, ...]:
-    from .eval.gpu_sizes import ALL_PARTS
+    from .eval.gpu.sizes import ALL_PARTS
 
     chosen = comma_list(text)
     unknown = [p for p in chosen if p not in ALL_PARTS]

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .eval.train import TrainConfig, run
+from .eval.kills.train import TrainConfig, run
 
 __all__ = ["demo", "BENCH_SAMPLES"]
 
@@ -47,7 +47,7 @@ def demo(directory: Path, *, steps: int = 30) -> int:
         print("FAILED: recovery was not exact")
         return 1
     print("OK: recovery was exact")
-    from .eval.bench import BenchConfig, markdown_table, reference_spread, run_bench, summarise
+    from .eval.bench.command import BenchConfig, markdown_table, reference_spread, run_bench, summarise
     from .strategies import STRATEGIES
 
     spread = {"every": 5, "parts": 2}  # (by default a GoCkpt checkpoint starts every 50 steps)

@@ -45,7 +45,7 @@ def machine() -> dict[str, Any]:
     """The GPU, its driver and link, torch and the CPU this report was taken on."""
     import torch
 
-    from .run_config import usable_cores
+    from .kills.run_config import usable_cores
 
     info: dict[str, Any] = {
         "gpu": None, "gpu_memory_bytes": None, "driver": None, "cuda_runtime": torch.version.cuda,

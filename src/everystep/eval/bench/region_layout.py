@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..tree import flatten
-from ..storage.region import Region, RegionLayout, on_volatile_memory
-from .workloads import build
+from ...tree import flatten
+from ...storage.region import Region, RegionLayout, on_volatile_memory
+from ..workloads import build
 
 __all__ = ["measure_layouts"]
 

@@ -13,15 +13,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpointer import Checkpointer
-from ..distributed import init_process_group
-from ..errors import EverystepError
-from ..recovery import recover
-from ..storage import CheckpointDirectory
-from ..storage.region import open_region, readable_region, region_places
-from ..strategies import STRATEGIES
-from ..tree import state_hash, unflatten
-from .workloads import build, needs_ddp
+from ...checkpointer import Checkpointer
+from ...distributed import init_process_group
+from ...errors import EverystepError
+from ...recovery import recover
+from ...storage import CheckpointDirectory
+from ...storage.region import open_region, readable_region, region_places
+from ...strategies import STRATEGIES
+from ...tree import state_hash, unflatten
+from ..workloads import build, needs_ddp
 
 __all__ = ["recover_run", "training_state_hash"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["StrategyCosts", "simulate", "analytic_ratio", "exact_expected_seconds"]
 

@@ -1,6 +1,6 @@
 """What a bench's runs say: the summary per strategy (medians over the repeats, each overhead over
 the same repeat's ``none``), how much ``none`` itself varied, and the tables printed
-(:mod:`everystep.eval.bench` runs them)."""
+(:mod:`everystep.eval.bench.command` runs them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The kill-and-resume harness run over the checkpointing libraries (:mod:`everystep.eval.libraries`):
+"""The kill-and-resume harness run over the checkpointing libraries (:mod:`everystep.eval.bench.libraries`):
 does a library recover at all after a SIGKILL that lands while its write is in flight, how many
 finished steps it loses, and does training then go on bitwise as the uninterrupted run does.
 
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..tree import state_hash
+from ...tree import state_hash
 
 __all__ = ["kill_and_resume", "Trial"]
 
@@ -49,7 +49,7 @@ def _train(w: Any, start: int, stop: int, after: Any = None, before: Any = None)
 
 def _reference(workload: str, steps: int, out: str) -> None:
     """The uninterrupted run, in a process set up as the trial's are."""
-    from .workloads import build
+    from ..workloads import build
 
     w = build(workload, seed=0)
     losses = _train(w, 0, steps)
@@ -58,8 +58,8 @@ def _reference(workload: str, steps: int, out: str) -> None:
 
 def _first_life(name: str, workload: str, directory: str, kill_at: int, disk_every: int) -> None:
     """Train to ``kill_at`` with the library, then die by SIGKILL right after its save."""
-    from . import libraries
-    from .workloads import build
+    from ..bench import libraries
+    from ..workloads import build
 
     libraries.DISK_EVERY = disk_every
     w = build(workload, seed=0)
@@ -75,8 +75,8 @@ def _first_life(name: str, workload: str, directory: str, kill_at: int, disk_eve
 
 def _second_life(name: str, workload: str, directory: str, steps: int, disk_every: int, out: str) -> None:
     """Restore what the library finds, train on to ``steps``; write what happened to ``out``."""
-    from . import libraries
-    from .workloads import build
+    from ..bench import libraries
+    from ..workloads import build
 
     libraries.DISK_EVERY = disk_every
     w = build(workload, seed=0)
@@ -134,7 +134,7 @@ def _run(argv: list[str], tmp: str, *, keep: bool = False) -> tuple[int, int]:
                                                                      os.environ.get("PYTHONPATH")]))}
     log = os.path.join(tmp, f"{argv[0]}.log")
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "everystep.eval.library_kills", *argv], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "everystep.eval.kills.libraries", *argv], env=env,
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         code = proc.wait(timeout=600)
@@ -156,7 +156,7 @@ def _end(group: int) -> None:
 if __name__ == "__main__":
     import torch
 
-    from ..errors import quiet_imports
+    from ...errors import quiet_imports
 
     quiet_imports()
     torch.set_num_threads(1)

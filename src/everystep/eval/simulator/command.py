@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from .simulate import StrategyCosts, analytic_ratio, simulate
-from .plotting import pyplot
+from ...errors import ConfigError
+from .model import StrategyCosts, analytic_ratio, simulate
+from ..plotting import pyplot
 
 __all__ = ["main", "costs_from_bench", "parse_costs"]
 

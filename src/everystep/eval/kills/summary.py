@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ..errors import EverystepError
+from ...errors import EverystepError
 from .run_config import TrainConfig
 
 __all__ = ["summarise", "merge_ranks"]

@@ -3,7 +3,7 @@
 On a machine whose torch sees a GPU it runs, in order, each part in its own processes and inside a
 time box of its own (:data:`GPU`'s ``boxes``, 9 minutes in all; what a part leaves of its box goes
 to the next, and the boxes of default parts not asked for to those asked for, in proportion); the
-bench, bound and regime parts in interleaved rounds (:func:`~everystep.eval.gpu_rounds.rounds`: the
+bench, bound and regime parts in interleaved rounds (:func:`~everystep.eval.gpu.rounds.rounds`: the
 checks in the first, the runs bound by the disk in it alone), each run traced into the report's folder:
 
 1. ``tests``, only when asked for (``--parts tests``, a call of its own): ``tests/test_cuda.py``
@@ -57,15 +57,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import EverystepError
-from .bandwidth import measure_bandwidth
-from .machine import machine
-from .gpu_report import markdown
-from .libraries import LIBRARIES, missing
-from .interval_search import search_intervals, smallest_within
-from .gpu_rounds import Variant, bound_variants, exact, over_references, regime_variants, rounds, targets, variants
-from .gpu_sizes import (ASYNC_O, BOUND_TARGETS, DEVICE_SNAPSHOT, DRY, EVERY_STEP, EVERY_STEP_TARGETS, GOCKPT_TARGETS, GPU,
-                        INTERRUPT_GRACE, LIGHTCHECK_TARGET, PARTS, ALL_PARTS, PLAN_TARGET, SPREAD, Box, Sizes, failure)
+from ...errors import EverystepError
+from ..bench.bandwidth import measure_bandwidth
+from ..machine import machine
+from .report import markdown
+from ..bench.libraries import LIBRARIES, missing
+from ..bench.interval_search import search_intervals, smallest_within
+from .rounds import Variant, bound_variants, exact, over_references, regime_variants, rounds, targets, variants
+from .sizes import ASYNC_O, BOUND_TARGETS, DEVICE_SNAPSHOT, DRY, EVERY_STEP, EVERY_STEP_TARGETS, GOCKPT_TARGETS, GPU, INTERRUPT_GRACE, LIGHTCHECK_TARGET, PARTS, ALL_PARTS, PLAN_TARGET, SPREAD, Box, Sizes, failure
 
 __all__ = ["Sizes", "GPU", "DRY", "EVERY_STEP", "SPREAD", "PARTS", "ALL_PARTS", "gpu_check", "report_name",
            "no_gpu_reason"]
@@ -203,7 +202,7 @@ def run_bandwidth(sizes: Sizes, box: Box, failures: list[dict[str, str]]) -> dic
 def _in_process(part: str, spec: dict[str, Any], box: Box) -> dict[str, Any]:
     """Run one of this module's measurements in a fresh process (a CUDA fault there ends that
     process, not the check), inside the box."""
-    proc = subprocess.Popen([sys.executable, "-m", "everystep.eval.gpu_check", part, json.dumps(spec)],
+    proc = subprocess.Popen([sys.executable, "-m", "everystep.eval.gpu.check", part, json.dumps(spec)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_python_env(None),
                             start_new_session=True)
     try:
@@ -225,7 +224,7 @@ def _measured(sizes: Sizes, chosen: list[Variant], box: Box, failures: list[dict
     """Interleaved rounds of ``chosen`` (:func:`rounds`, each run's trace in ``traces``): their runs,
     the rounds done and the summary, each overhead over its reference (:func:`over_references`), and a
     failure for each exact strategy that did not resume bitwise."""
-    from .bench import summarise
+    from ..bench.command import summarise
 
     runs, done = rounds(sizes, chosen, sizes.repeats, box, failures, part, say=say, traces=traces)
     summary = summarise(runs) if runs else {}
@@ -240,7 +239,7 @@ def _measured(sizes: Sizes, chosen: list[Variant], box: Box, failures: list[dict
 
 def run_bench_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: Callable[[str], None],
                    traces: Path | None = None) -> dict[str, Any]:
-    from .bench import reference_spread
+    from ..bench.command import reference_spread
 
     chosen = variants(sizes)
     runs, done, summary = _measured(sizes, chosen, box, failures, "bench", say, traces)
@@ -257,7 +256,7 @@ def run_regime_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say:
     """GoCkpt where it applies: :data:`REGIME` every ``regime_every`` steps on a workload whose state
     takes several steps to copy, interleaved with ``none``; GoCkpt's and GoCkpt-O's stall per
     checkpoint over Async-O's against the paper's bounds."""
-    from .bench import reference_spread
+    from ..bench.command import reference_spread
 
     chosen = regime_variants(sizes)
     runs, done, summary = _measured(sizes, chosen, box, failures, "regime", say, traces)
@@ -281,7 +280,7 @@ def run_bound_part(sizes: Sizes, box: Box, failures: list[dict[str, str]], say: 
                    traces: Path | None = None) -> dict[str, Any]:
     """The strategies built to take every step, every step on the GPU-bound workload, interleaved
     with ``none``: each one's overhead against its target, beside ``none``'s spread between rounds."""
-    from .bench import reference_spread
+    from ..bench.command import reference_spread
 
     chosen = bound_variants(sizes)
     runs, done, summary = _measured(sizes, chosen, box, failures, "bound", say, traces)
@@ -297,7 +296,7 @@ def run_frequency(sizes: Sizes, bench: dict[str, Any], box: Box, failures: list[
                   say: Callable[[str], None]) -> dict[str, Any]:
     """LightCheck's and CheckFreq's smallest interval within the budget (:func:`search_intervals`),
     each round of probes interleaved with a ``none`` run of the same length."""
-    from .bench import summarise
+    from ..bench.command import summarise
 
     names = ("lightcheck", "checkfreq")
     summary = bench.get("summary", {})
@@ -428,7 +427,7 @@ def gpu_check(sizes: Sizes, out: Path, *, dry_run: bool, parts: tuple[str, ...] 
 def _compress_traces(folder: Path) -> dict[str, Any]:
     """Gather what each run's helpers wrote after it ended into its trace, gzip each (Perfetto opens
     ``.json.gz`` as it is); the folder and the traces' names, relative to the report."""
-    from .. import tracing
+    from ... import tracing
 
     names: list[str] = []
     for path in tracing.merge_all(folder) if folder.is_dir() else []:

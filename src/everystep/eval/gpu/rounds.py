@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import EverystepError
-from .libraries import LIBRARIES, missing
-from .gpu_sizes import (BOUND, BOUND_MEMORY_TIER, COMPRESSED, DEVICE_SNAPSHOT, EVERY_STEP, MEMORY_TIER, ONCE, REGIME, SPREAD,
-                        Box, Sizes, failure)
+from ...errors import EverystepError
+from ..bench.libraries import LIBRARIES, missing
+from .sizes import BOUND, BOUND_MEMORY_TIER, COMPRESSED, DEVICE_SNAPSHOT, EVERY_STEP, MEMORY_TIER, ONCE, REGIME, SPREAD, Box, Sizes, failure
 
 __all__ = ["Variant", "variants", "bound_variants", "regime_variants", "over_references", "targets", "spec", "rounds", "exact"]
 
@@ -28,7 +27,7 @@ class Variant:
     options: dict[str, Any] = field(default_factory=dict)
     scratch: str | None = None
     compress: str | None = None
-    """The gradient compression training runs with (:data:`~everystep.eval.gpu_sizes.COMPRESSED`)."""
+    """The gradient compression training runs with (:data:`~everystep.eval.gpu.sizes.COMPRESSED`)."""
     workload: str | None = None
     """None: the sizes' workload."""
     steps: int | None = None
@@ -37,13 +36,13 @@ class Variant:
     samples: int | None = None
     """Samples a step (None: the workload's batch)."""
     once: bool = False
-    """Measured in the first round only (:data:`~everystep.eval.gpu_sizes.ONCE`: bound by the disk)."""
+    """Measured in the first round only (:data:`~everystep.eval.gpu.sizes.ONCE`: bound by the disk)."""
 
 
 def variants(sizes: Sizes) -> list[Variant]:
     """``none``, :data:`EVERY_STEP` every step, :data:`MEMORY_TIER` every step with their memory tier
     (``NAME+memory``), the checkpointing libraries every step where they import
-    (:mod:`~everystep.eval.libraries`), CheckFreq snapshotting on the device (:data:`DEVICE_SNAPSHOT`), :data:`SPREAD`
+    (:mod:`~everystep.eval.bench.libraries`), CheckFreq snapshotting on the device (:data:`DEVICE_SNAPSHOT`), :data:`SPREAD`
     every ``spread_every`` steps (labelled ``NAME/K``) to the directory and with their memory tier
     (``NAME+memory/K``), and a ``none`` with each compression a strategy reuses (``none+C``);
     lightcheck's checkpoint directory, and so its region, in ``/dev/shm``. What writes the whole state
@@ -135,7 +134,7 @@ def spec(sizes: Sizes, v: Variant, repeat: int, steps: int | None = None, *, che
          trace: str | None = None) -> dict[str, Any]:
     """The run of ``v`` in round ``repeat``: its recovery and resume checks only where ``checks``,
     its trace to the path stem ``trace`` (None: none)."""
-    from .bench import BenchConfig, run_spec
+    from ..bench.command import BenchConfig, run_spec
 
     cfg = BenchConfig(workload=v.workload or sizes.workload, strategies=(v.strategy,),
                       steps=steps or v.steps or sizes.steps, warmup=v.warmup or sizes.warmup, repeats=1,
@@ -154,8 +153,8 @@ def rounds(sizes: Sizes, chosen: list[Variant], repeats: int, box: Box, failures
     that fails is reported and left out of the rounds after. ``traces``: a folder for each run's
     trace (:func:`~everystep.tracing.run_stem`); ``checks`` False: no run checks its recovery. Returns the runs of
     complete rounds and their number."""
-    from .. import tracing
-    from .bench import measure_run
+    from ... import tracing
+    from ..bench.command import measure_run
 
     runs: list[dict[str, Any]] = []
     done = 0
@@ -200,6 +199,6 @@ def exact(strategy: str, device: str) -> bool:
     """Whether a run of ``strategy`` must resume bitwise: not the peers (they keep no RNG or data
     position), not a lossy strategy, not ``lowdiff_plus`` on a GPU (its replica is updated by the
     CPU's arithmetic until the next re-base)."""
-    from ..strategies import STRATEGIES
+    from ...strategies import STRATEGIES
 
     return strategy in STRATEGIES and STRATEGIES[strategy].exact and not (strategy == "lowdiff_plus" and device == "cuda")

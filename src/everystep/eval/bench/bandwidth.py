@@ -19,7 +19,7 @@ def measure_bandwidth(nbytes: int, copies: int) -> dict[str, Any]:
     copies are memory copies, and the rows that need CUDA say so."""
     import torch
 
-    from ..transport.shared import SharedRegion
+    from ...transport.shared import SharedRegion
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -1,4 +1,4 @@
-"""One measured training run, in its own process: ``python -m everystep.eval.measure SPEC``.
+"""One measured training run, in its own process: ``python -m everystep.eval.bench.measure SPEC``.
 
 Prints one JSON line: step times after warm-up, checkpoint stall, bytes written, peak memory,
 steps that a failure would lose at each step end, and the time to recover from what was stored.
@@ -23,14 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import tracing
-from ..checkpointer import Checkpointer
-from ..state import capture_rng, restore_rng
-from ..distributed import init_process_group
-from ..tree import flatten, state_error
-from ..storage.region import memory_path
-from ..strategies import STRATEGIES
-from .workloads import build, needs_ddp
+from ... import tracing
+from ...checkpointer import Checkpointer
+from ...state import capture_rng, restore_rng
+from ...distributed import init_process_group
+from ...tree import flatten, state_error
+from ...storage.region import memory_path
+from ...strategies import STRATEGIES
+from ..workloads import build, needs_ddp
 
 __all__ = ["measure", "RESUME_STEPS", "CHECKFLOW_MEMORY"]
 
@@ -254,7 +254,7 @@ def _checkflow_memory(strategy: Any) -> dict[str, Any]:
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """One run as ``spec`` says (:func:`~everystep.eval.bench.run_spec`): the timed steps, and, unless
+    """One run as ``spec`` says (:func:`~everystep.eval.bench.command.run_spec`): the timed steps, and, unless
     ``spec["checks"]`` is false, the recovery and resume checks after them. ``seconds`` says where
     the run's own time went: building the workload (and the Checkpointer, its restore), the steps,
     the checks (and the Checkpointer's close)."""
@@ -410,7 +410,7 @@ def _copy_and_hash(strategy: Any) -> dict[str, float | None]:
 
 
 def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
-    """:func:`measure` for a baseline (:mod:`everystep.eval.baselines`): the same loop, counters and checks."""
+    """:func:`measure` for a baseline (:mod:`everystep.eval.bench.baselines`): the same loop, counters and checks."""
     from .baselines import Baseline
     from .libraries import ALL_BASELINES
 
@@ -472,7 +472,7 @@ def measure_baseline(spec: dict[str, Any]) -> dict[str, Any]:
 
 def forked(argv: list[str]) -> int:
     """The entry point of a run forked by ``everystep bench``'s zygote (:func:`~everystep.eval.zygote.report_entry`)."""
-    from .zygote import report_entry
+    from ..zygote import report_entry
 
     return report_entry(measure, argv)
 

@@ -7,10 +7,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..compress import parse_spec
-from ..errors import ConfigError
-from ..strategies import STRATEGIES, create, default_full_format, full_format_refusal, sharded_refusal
-from .workloads import LAYOUT_OF, OPTIMIZERS, PARALLEL, WORKLOADS, check_device
+from ...compress import parse_spec
+from ...errors import ConfigError
+from ...strategies import STRATEGIES, create, default_full_format, full_format_refusal, sharded_refusal
+from ..workloads import LAYOUT_OF, OPTIMIZERS, PARALLEL, WORKLOADS, check_device
 
 __all__ = ["TrainConfig", "usable_cores", "check_layout"]
 

@@ -24,18 +24,17 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .. import tracing
-from ..distributed import free_port
-from ..errors import ConfigError, EverystepError
-from ..strategies import STRATEGIES, full_format_refusal
-from .bench_table import (markdown_table, recovery_reads, reference_spread, strategy_notes, summarise, summarise_trainer,
-                          trainer_table)
+from ... import tracing
+from ...distributed import free_port
+from ...errors import ConfigError, EverystepError
+from ...strategies import STRATEGIES, full_format_refusal
+from .table import markdown_table, recovery_reads, reference_spread, strategy_notes, summarise, summarise_trainer, trainer_table
 from .measure import base_strategy
 from .libraries import ALL_BASELINES, LIBRARIES
-from .workloads import LAYOUT_OF, WORKLOADS, check_device
-from .plotting import pyplot
-from .run_config import check_layout
-from .zygote import Zygote, shared
+from ..workloads import LAYOUT_OF, WORKLOADS, check_device
+from ..plotting import pyplot
+from ..kills.run_config import check_layout
+from ..zygote import Zygote, shared
 
 __all__ = ["BenchConfig", "run_bench", "summarise", "summarise_trainer", "markdown_table", "trainer_table", "recovery_reads",
            "strategy_notes",
@@ -65,7 +64,7 @@ class BenchConfig:
     """Every run updates each layer during backward (:class:`~everystep.OptimizerInBackward`)."""
     trainer: str | None = None
     """``lightning`` or ``transformers``: every run trains in that trainer, checkpointed by everystep's
-    integration (:mod:`everystep.eval.trainers`); ``none`` is the trainer alone."""
+    integration (:mod:`everystep.eval.bench.trainers`); ``none`` is the trainer alone."""
     nproc: int = 1
     """Ranks per run (processes on this machine, a gloo or NCCL group on loopback)."""
     full_format: str | None = None
@@ -161,7 +160,7 @@ class BenchConfig:
             self.options[s] = {**self.options.get(s, {}), "full_format": self.full_format}
 
     def _add_remote(self) -> None:
-        from ..storage.stores import parse_url
+        from ...storage.stores import parse_url
 
         try:
             parse_url(self.remote or "")
@@ -255,7 +254,7 @@ def measure_run(spec: dict[str, Any], *, timeout: float | None = None) -> dict[s
 
 def _measure_run(spec: dict[str, Any], timeout: float | None) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
-    module = "everystep.eval.trainers" if spec.get("trainer") else "everystep.eval.measure"
+    module = "everystep.eval.bench.trainers" if spec.get("trainer") else "everystep.eval.bench.measure"
     zygote = shared(f"{module}:forked")
     if spec.get("nproc", 1) > 1:
         return _ranks_run(zygote, module, spec, env, timeout)

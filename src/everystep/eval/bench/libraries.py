@@ -1,5 +1,5 @@
 """The checkpointing libraries a user would pick today, run by ``everystep bench`` as baselines
-(:class:`~everystep.eval.baselines.Baseline`) beside everystep's strategies, on the same loop: each
+(:class:`~everystep.eval.bench.baselines.Baseline`) beside everystep's strategies, on the same loop: each
 configured as its documentation recommends for the fastest save it offers. They are the ``peers``
 extra (``pip install "everystep[peers]"``, ``make install-peers``), never a dependency of everystep.
 
@@ -9,7 +9,7 @@ extra (``pip install "everystep[peers]"``, ``make install-peers``), never a depe
   job master and its elastic agent), the checkpointer starts the saver process itself, as its
   documentation says of jobs under ``torchrun``: a child that ends with the training process's own
   exit, but lives on, orphaned, after a SIGKILL of it, when a restarted process may still find its
-  memory (:mod:`everystep.eval.library_kills` shows both). The bench restores it within the process.
+  memory (:mod:`everystep.eval.kills.libraries` shows both). The bench restores it within the process.
 - ``lm_resiliency``: GEMINI's in-memory checkpoints (``enable_resiliency``), taken by its hook
   after ``optimizer.step()`` every ``every`` steps into host slots (pinned on a GPU) with the RNG
   and the caller's state (the scheduler and the data position, through ``extra_state_fn``), flushed

@@ -24,16 +24,16 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..checkpointer import Checkpointer
-from ..distributed import Ranks, free_port, init_process_group
-from ..errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError, EverystepError, one_line_warnings
-from ..storage import MARKER, CheckpointDirectory
-from ..storage.region import on_volatile_memory, memory_path, memory_place, region_path
-from ..strategies import STRATEGIES
+from ...checkpointer import Checkpointer
+from ...distributed import Ranks, free_port, init_process_group
+from ...errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError, EverystepError, one_line_warnings
+from ...storage import MARKER, CheckpointDirectory
+from ...storage.region import on_volatile_memory, memory_path, memory_place, region_path
+from ...strategies import STRATEGIES
 from .faults import FailurePlan, Injector
-from .workloads import build, needs_ddp
-from .._process import die_with
-from .zygote import Forked, Zygote, shared
+from ..workloads import build, needs_ddp
+from ..._process import die_with
+from ..zygote import Forked, Zygote, shared
 from .recovering import recover_run, training_state_hash
 from .run_config import TrainConfig
 from .summary import merge_ranks, summarise
@@ -239,7 +239,7 @@ class _Job:
             if zygote is not None:
                 self.procs.append(zygote.fork(env, argv))
             else:
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "everystep.eval.worker", *argv], env=env,
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "everystep.eval.kills.worker", *argv], env=env,
                                                    start_new_session=True))
 
     def forward(self, signum: int, frame: Any) -> None:
@@ -377,7 +377,7 @@ def _die_with_supervisor() -> None:
 
 
 WORKER = f"{__name__}:worker_main"
-"""The entry point of a rank's process (:mod:`.zygote` forks it; ``python -m everystep.eval.train`` runs it)."""
+"""The entry point of a rank's process (:mod:`.zygote` forks it; ``python -m everystep.eval.kills.train`` runs it)."""
 
 
 def worker_argv(cfg: TrainConfig, journal: str, pending: Sequence[int] = ()) -> list[str]:

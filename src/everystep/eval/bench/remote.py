@@ -18,7 +18,7 @@ __all__ = ["upload_throughput"]
 
 
 def upload_throughput(url: str, nbytes: int, *, repeats: int = 3) -> dict[str, Any]:
-    from ..storage.stores import S3Store, client as s3_client
+    from ...storage.stores import S3Store, client as s3_client
 
     store = S3Store(url)
     client = s3_client()

@@ -1,4 +1,4 @@
-"""What the GPU check (:mod:`everystep.eval.gpu_check`) runs, and how much: the strategies of each
+"""What the GPU check (:mod:`everystep.eval.gpu.check`) runs, and how much: the strategies of each
 part, the targets it compares with, the sizes and time boxes on a GPU and in a dry run, and a box's clock."""
 
 from __future__ import annotations

@@ -6,14 +6,14 @@ under it SIGKILLed together, and a replacement torchrun started with an empty sc
 The checkpoint directory is shared by both, as a cluster's shared storage would be. The
 rendezvous store is held by the process that runs the job, so that losing either host leaves it.
 
-``python -m everystep.eval.hosts`` measures what a lost host costs with and without replicas on
+``python -m everystep.eval.kills.lost_hosts`` measures what a lost host costs with and without replicas on
 peers (``--strategy lightcheck`` or ``lowdiff_plus``): for each loss, where each rank's state came
 from, the steps lost, the seconds ``restore()`` took and the seconds from the replacement's start to
 its first step::
 
-    python -m everystep.eval.hosts --strategy lightcheck --workload gpt2-tiny --local 1 --steps 40 --losses 3
+    python -m everystep.eval.kills.lost_hosts --strategy lightcheck --workload gpt2-tiny --local 1 --steps 40 --losses 3
 
-(``python -m everystep.eval.hosts rank ...`` is what each torchrun runs on each rank.)
+(``python -m everystep.eval.kills.lost_hosts rank ...`` is what each torchrun runs on each rank.)
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ def rank_main(argv: list[str]) -> None:
     phases = {"started": psutil.Process().create_time()}
     import torch.distributed as dist
 
-    from ..checkpointer import Checkpointer
+    from ...checkpointer import Checkpointer
     from .train import training_state_hash
-    from .workloads import build
+    from ..workloads import build
 
     phases["imported"] = time.time()
-    p = argparse.ArgumentParser(prog="everystep.eval.hosts rank")
+    p = argparse.ArgumentParser(prog="everystep.eval.kills.lost_hosts rank")
     for name in ("directory", "results", "scratch", "strategy", "workload", "parallel"):
         p.add_argument(name)
     for name in ("steps", "persist_every"):
@@ -110,7 +110,7 @@ class TwoHosts:
                  remote: str | None = None, max_restarts: int = 20) -> None:
         import torch.distributed as dist
 
-        from ..distributed import free_port
+        from ...distributed import free_port
 
         self.tmp, self.local, self.steps, self.node_local = tmp, local, steps, node_local
         self.args = [strategy, workload, parallel, str(steps), str(persist_every), "1" if peers else "0", *filter(None, [remote])]
@@ -148,7 +148,7 @@ class TwoHosts:
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.rdzv_id,
                "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120",
                "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1",
-               "-m", "everystep.eval.hosts", "rank", str(self.disks[index]), str(self.results), str(scratch), *self.args]
+               "-m", "everystep.eval.kills.lost_hosts", "rank", str(self.disks[index]), str(self.results), str(scratch), *self.args]
         with open(f"{scratch}.log", "w") as out:
             proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
         entry = (proc, scratch, time.time())
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["rank"]:
         rank_main(argv[1:])
         return
-    p = argparse.ArgumentParser(prog="python -m everystep.eval.hosts", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m everystep.eval.kills.lost_hosts", description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", default="lightcheck", choices=("lightcheck", "lowdiff_plus"))
     p.add_argument("--workload", default="gpt2-tiny")
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"))

@@ -1,4 +1,4 @@
-"""Entry point of a supervised training child: ``python -m everystep.eval.worker SPEC JOURNAL``."""
+"""Entry point of a supervised training child: ``python -m everystep.eval.kills.worker SPEC JOURNAL``."""
 
 import sys
 

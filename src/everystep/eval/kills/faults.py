@@ -15,7 +15,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import _faults
+from ... import _faults
 
 __all__ = ["FailurePlan", "Injector", "POINTS"]
 

@@ -84,7 +84,7 @@ def _bandwidth_md(p: dict[str, Any], pcie: dict[str, Any]) -> list[str]:
 def _bench_md(p: dict[str, Any]) -> list[str]:
     if "summary" not in p:
         return []
-    from .bench import markdown_table
+    from ..bench.command import markdown_table
 
     out = ["", "## Every step, and every K steps (`NAME/K`)", "", f"{p['rounds']} interleaved round(s); overhead: mean "
            "step time over the same round's `none` (for a strategy that trains with a gradient compression, the `none` "
@@ -109,7 +109,7 @@ def _stall_md(ratios: dict[str, dict[str, Any]], tier: str = "") -> list[str]:
 def _regime_md(p: dict[str, Any]) -> list[str]:
     if "summary" not in p:
         return []
-    from .bench import markdown_table
+    from ..bench.command import markdown_table
 
     samples = f", {p['samples']} sample(s) a step" if p.get("samples") else ""
     return ["", f"## GoCkpt where its copy spans several steps ({p['workload']}{samples}, every {p['every']} steps)", "",
@@ -120,7 +120,7 @@ def _regime_md(p: dict[str, Any]) -> list[str]:
 def _bound_md(p: dict[str, Any]) -> list[str]:
     if "summary" not in p:
         return []
-    from .bench import markdown_table
+    from ..bench.command import markdown_table
 
     return ["", f"## Every step on a GPU-bound step ({p['workload']})", "", f"{p['rounds']} interleaved round(s), overhead "
             "as above.", "", markdown_table(p["summary"], p.get("reference_spread")), *_spread_md(p), *_targets_md(p)]

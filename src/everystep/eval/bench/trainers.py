@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .workloads import Workload, build
+from ..workloads import Workload, build
 
 __all__ = ["TRAINERS", "TRAINER_WORKLOADS", "measure"]
 
@@ -65,7 +65,7 @@ def _lightning(spec: dict[str, Any], directory: str, marks: list[tuple[float, fl
     from lightning.pytorch.demos import Transformer
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ..integrations.lightning import EverystepCallback, ResumableSampler
+    from ...integrations.lightning import EverystepCallback, ResumableSampler
 
     seed, w = spec["seed"], _workload(spec)
 
@@ -110,7 +110,7 @@ def _transformers(spec: dict[str, Any], directory: str, marks: list[tuple[float,
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
     from transformers.utils import logging
 
-    from ..integrations.transformers import EverystepCallback, EverystepTrainer
+    from ...integrations.transformers import EverystepCallback, EverystepTrainer
 
     logging.set_verbosity_error()
     seed, w = spec["seed"], _workload(spec)
@@ -163,7 +163,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def forked(argv: list[str]) -> int:
     """The entry point of a run forked by ``everystep bench``'s zygote (:func:`~everystep.eval.zygote.report_entry`)."""
-    from .zygote import report_entry
+    from ..zygote import report_entry
 
     return report_entry(measure, argv)
 
