@@ -29,7 +29,7 @@ from everystep.tree import state_hash
 from everystep.storage.region.slots import Region
 from everystep.storage.region.lending import lending_supported
 from everystep.storage.region.mapping import ALIGN, RegionLayout
-from everystep.strategies.lightcheck import WHOLE, LightCheck
+from everystep.strategies.lightcheck import ONE_UNIT, LightCheck
 
 from .conftest import ROOT, assert_recovered, call_cli, run_cli
 from .forked import run_script
@@ -533,7 +533,7 @@ def test_slow_copies_make_the_update_wait_for_them_and_recovery_stays_exact(tmp_
     assert s["losses"] == reference["losses"] and s["final_state_sha256"] == reference["final_state_sha256"]
     strategy = LightCheck(LightCheck.Config(persist_every=0))
     ckpt = _slowed(tmp_path / "d", strategy, "lightcheck.copy.unit", 0.01)
-    assert set(strategy.layer_waits) == {WHOLE} and strategy.layer_waits[WHOLE] > 0  # (its copies slept)
+    assert set(strategy.layer_waits) == {ONE_UNIT} and strategy.layer_waits[ONE_UNIT] > 0  # (its copies slept)
     assert ckpt.stats.snapshot_wait_seconds >= sum(strategy.layer_waits.values())
 
 

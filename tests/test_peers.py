@@ -253,7 +253,7 @@ def test_a_size_a_peer_announces_is_refused_below_a_header_and_above_the_free_me
     import psutil
     import torch
 
-    from everystep.peers import _size
+    from everystep.peers.wire import _size
 
     assert _size(torch.tensor([4096], dtype=torch.int64), 1) == 4096
     with pytest.raises(CorruptCheckpointError, match="rank 1 announced a state of 2 bytes"):

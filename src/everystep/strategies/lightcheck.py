@@ -65,9 +65,9 @@ from .region_tier import RegionTier
 from .mirrors import RegionPeers
 
 
-__all__ = ["LightCheck", "LightCheckConfig", "region_path", "open_region", "WHOLE"]
+__all__ = ["LightCheck", "LightCheckConfig", "region_path", "open_region", "ONE_UNIT"]
 
-WHOLE = "(state)"
+ONE_UNIT = "(state)"
 """The one copy unit when the whole model is updated at once (:attr:`LightCheck.layer_waits`'s key)."""
 _DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
@@ -283,7 +283,7 @@ class LightCheck(Strategy):
             members.setdefault(unit_of.get(t.data_ptr(), "(rest)") if t.numel() else "(rest)", []).append(key)
         units = [(name, members[name]) for name in ["(rest)", *reversed(layers)] if members.get(name)]
         if not self._layered:
-            units = [(WHOLE, [k for _, keys in units for k in keys])]
+            units = [(ONE_UNIT, [k for _, keys in units for k in keys])]
             return units, {ptr: 0 for ptr in unit_of}
         position = {name: i for i, (name, _) in enumerate(units)}
         params = {local_shard(p).data_ptr() for group in optimizer.param_groups for p in group["params"]}

@@ -114,14 +114,14 @@ class AgentPeers(peers.Peers):
         self.owner, self.session = owner, owner.session
         self.sharded = sharded
         """Whether a rank's own state is its shards: its buddy's agent then keeps a replica of its whole
-        state (:data:`~everystep.peers.WHOLE` and :data:`~everystep.peers.STEP` messages), else only
+        state (:data:`~everystep.peers.WHOLE_STATE` and :data:`~everystep.peers.STATE_STEP` messages), else only
         its own state of each step."""
         self._reading: Callable[[str, int, int], tuple[dict[str, Any], Any]] | None = None
 
     def whole(self, step: int, tensors: dict[str, Any], skeleton: Any) -> Any:
         """(Under sharding.) This rank's state of ``step`` whole, packed (on the training thread:
         the live tensors change at the next update)."""
-        head = {"step": step, "kind": peers.WHOLE, "state": skeleton, "index_keys": self.session.index_keys,
+        head = {"step": step, "kind": peers.WHOLE_STATE, "state": skeleton, "index_keys": self.session.index_keys,
                 "signature": self.session.signature()}
         return peers.pack(step, self.ranks.rank, tensors, head)
 
@@ -129,7 +129,7 @@ class AgentPeers(peers.Peers):
                 has_grad: list[int]) -> Any:
         """(Under sharding, on the mirroring thread.) The step's slot sent to this rank's agent — the
         gradient shards its optimizer consumed and what they cannot rebuild — packed."""
-        head = {"step": step, "kind": peers.STEP, "state": skeleton, "groups": groups, "skipped": skipped,
+        head = {"step": step, "kind": peers.STATE_STEP, "state": skeleton, "groups": groups, "skipped": skipped,
                 "has_grad": has_grad}
         return peers.pack(step, self.ranks.rank, slot.views, head)
 
@@ -139,13 +139,13 @@ class AgentPeers(peers.Peers):
             self.session.send_mirror(ward, step, tensors, head)
             return
         kind = head.get("kind")
-        if kind == peers.WHOLE:
+        if kind == peers.WHOLE_STATE:
             fitted = head.get("signature")
             if not isinstance(fitted, str):
                 raise CorruptCheckpointError(f"rank {ward} sent its state without what it fits")
             self.session.send_ward_state(ward, step, tensors, head.get("state"),
                                          _ward_keys(head.get("index_keys"), tensors, ward), fitted)
-        elif kind == peers.STEP:
+        elif kind == peers.STATE_STEP:
             groups, skipped, has_grad = _ward_step(head, tensors, ward)
             self.session.send_ward_step(ward, step, tensors, groups=groups, skipped=skipped, has_grad=has_grad,
                                         skeleton=head.get("state"))

@@ -22,7 +22,7 @@ from ..base import checksum
 from .hashing import HASH_THREADS
 
 __all__ = ["ALIGN", "PAGE", "RegionLayout", "LayoutCodes", "Area", "RegionSlot", "SlotWriter", "SlotMeta", "on_volatile_memory", "round_up",
-           "read_out", "Copy", "HASH_THREADS"]
+           "read_out", "CopiedKeys", "HASH_THREADS"]
 
 ALIGN = 128
 """Tensors of more than this many bytes start at multiples of it."""
@@ -131,12 +131,12 @@ class LayoutCodes:
                    json.dumps(layout.to_json(), separators=(",", ":")).encode())
 
 
-Copy = bool | Callable[[str], bool]
+CopiedKeys = bool | Callable[[str], bool]
 """Which of a slot's tensors a read copies out (:meth:`~everystep.storage.region.slots.Region.read_slot`):
 all, none, or those whose key passes the test."""
 
 
-def read_out(pool: Executor, data: torch.Tensor, entries: Sequence[LayoutEntry], copy: Copy
+def read_out(pool: Executor, data: torch.Tensor, entries: Sequence[LayoutEntry], copy: CopiedKeys
              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Each entry of ``data`` (a slot's data section, uint8) and its checksum: copied into a tensor
     of its own and hashed on the copy (while it is in cache) where ``copy`` says so (True, or a test

@@ -65,7 +65,7 @@ from ..base import MALFORMED, Access, refuse_constant
 from .hashing import RegionHasher, reopened
 from .lending import Lending, lending_supported
 from .objects import SlotObjects
-from .mapping import (HASH_THREADS, PAGE, Area, Copy, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter,
+from .mapping import (HASH_THREADS, PAGE, Area, CopiedKeys, LayoutCodes, RegionLayout, RegionSlot, SlotMeta, SlotWriter,
                       on_volatile_memory, read_out, round_up)
 
 __all__ = ["Region", "UntrustedRegionError", "UnreadableRegionError", "RegionSlot", "SlotWriter"]
@@ -422,7 +422,7 @@ class Region(SlotObjects):
             raise CorruptCheckpointError(f"{where}: unreadable metadata ({type(e).__name__}: {e})") from None
         return SlotMeta(where, area, meta, base, layout, sums)
 
-    def read_slot(self, slot: RegionSlot, *, copy: Copy = False, lend: Callable[[str], bool] | None = None
+    def read_slot(self, slot: RegionSlot, *, copy: CopiedKeys = False, lend: Callable[[str], bool] | None = None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The slot's tensors and its metadata, after every checksum is verified; raises
         :class:`CorruptCheckpointError` naming the slot.
@@ -452,7 +452,7 @@ class Region(SlotObjects):
                                                  then_drop=m.area))
         return tensors, m.meta
 
-    def verified(self, *, copy: Copy = False, lend: Callable[[str], bool] | None = None, warn: bool = True
+    def verified(self, *, copy: CopiedKeys = False, lend: Callable[[str], bool] | None = None, warn: bool = True
                  ) -> Iterator[tuple[RegionSlot, dict[str, torch.Tensor], dict[str, Any]]]:
         """The complete slots that verify, newest first, each read as :meth:`read_slot` reads it;
         each one skipped is warned about (``warn``). A reader (``access="read"``) always gets copies
@@ -472,7 +472,7 @@ class Region(SlotObjects):
                 continue
             yield slot, tensors, meta
 
-    def newest(self, *, copy: Copy = False, warn: bool = True
+    def newest(self, *, copy: CopiedKeys = False, warn: bool = True
                ) -> tuple[RegionSlot, dict[str, torch.Tensor], dict[str, Any]] | None:
         """The newest complete slot that verifies (see :meth:`verified`), or None."""
         return next(self.verified(copy=copy, warn=warn), None)
