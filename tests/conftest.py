@@ -215,3 +215,18 @@ def bucket(server, request):
     name = "b-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]  # one per test (and parameter)
     boto3.client("s3").create_bucket(Bucket=name)
     return name
+
+
+class TamperedClient:
+    """A boto3 client whose HEAD answers are changed as a server (or someone between) might send them."""
+
+    def __init__(self, client, edit):
+        self._client, self._edit = client, edit
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def head_object(self, **kwargs):
+        head = self._client.head_object(**kwargs)
+        self._edit(head)
+        return head

@@ -18,7 +18,7 @@ def test_every_python_example_of_the_readme_and_the_docs_runs_as_written(tmp_pat
 
     from everystep.distributed import free_port
 
-    from .test_s3 import _moto
+    from .test_s3_tier import _moto
 
     fences = sum(p.read_text().count("```python\n") for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
     port = free_port()
@@ -38,3 +38,13 @@ def test_every_python_example_of_the_readme_and_the_docs_runs_as_written(tmp_pat
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(results) == fences - 2  # all but the two trainers' examples
     assert {name: error for name, error in results.items() if error} == {}
+
+
+README_LINES = 300
+
+
+def test_the_readme_stays_under_300_lines():
+    """The README says what everystep is, how to start and the loop; figures and their analysis live
+    in docs/measurements.md, not in a README that grows with every measurement."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines < README_LINES, f"README.md has {lines} lines; move figures and analysis to docs/"

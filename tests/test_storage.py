@@ -69,7 +69,7 @@ def _reopen(catalog: Catalog, access: str = "write") -> Catalog:
 
 
 CATALOGS = {
-    # (the catalog over S3 is tested in test_s3.py: these tests damage its files on a local disk)
+    # (the catalog over S3 is tested in test_s3_store.py: these tests damage its files on a local disk)
     **{name: (lambda path, make=make: Catalog(make(path))) for name, make in STORES.items() if name != "s3"},
     "local in a directory": lambda path: CheckpointDirectory.open(path, strategy="test").catalog,
 }

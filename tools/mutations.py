@@ -56,7 +56,7 @@ KILLS = (
     "tests/test_sharded.py::test_fsdp2_ranks_killed_and_restarted_recover_bitwise",
     "tests/test_sharded.py::test_zero1_ranks_killed_and_restarted_recover_bitwise",
     "tests/test_sharded.py::test_hsdp_on_four_ranks_killed_and_restarted_recovers_bitwise",
-    "tests/test_s3.py::test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise",
+    "tests/test_s3_tier.py::test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise",
     "tests/test_peers.py::test_a_host_lost_again_and_again_recovers_from_its_peers_memory_bitwise",
     "tests/test_node_local.py::test_hosts_restarted_in_place_resume_from_their_own_disks_bitwise",
 )
@@ -93,15 +93,15 @@ MUTATIONS = (
     Mutation(
         name="remote-oldest",
         what="the remote tier pulls its oldest checkpoint, not its newest",
-        path="src/everystep/storage/remote.py",
+        path="src/everystep/storage/remote/tier.py",
         before="records = sorted(self._fulls(), key=lambda r: -r.manifest.step)",
         after="records = sorted(self._fulls(), key=lambda r: r.manifest.step)",
-        tests=("tests/test_s3.py::test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise",),
+        tests=("tests/test_s3_tier.py::test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise",),
     ),
     Mutation(
         name="peers-oldest",
         what="recovery from peers' memory takes the oldest step every rank can put together",
-        path="src/everystep/peers.py",
+        path="src/everystep/peers/plan.py",
         before="if s > newer_than}, reverse=True)",
         after="if s > newer_than}, reverse=False)",
         tests=("tests/test_peers.py::test_the_ranks_take_the_newest_step_every_ranks_state_can_be_put_together_at",),
@@ -119,7 +119,7 @@ MUTATIONS = (
         name="memory-tier-unread",
         what="recovery never takes the memory tier's slot: a killed process restarts from the directory",
         path="src/everystep/strategies/memory_tier.py",
-        before="        self._chosen = next(iter(found.values()), None)",
+        before="        self._chosen = next(iter(self.held.candidates(every=False, finish=self._finish).values()), None)",
         after="        self._chosen = None",
         tests=cases("tests/test_memory_tier.py::test_a_killed_training_process_recovers_from_memory_losing_at_most_one_step",
                     "full_sync", "checkfreq", "async", "checkflow", "gockpt", "gockpt_o", "gockpt:device"),
@@ -158,7 +158,7 @@ MUTATIONS = (
     Mutation(
         name="manifest-first",
         what="a commit that writes the manifest before its objects",
-        path="src/everystep/storage/sharded.py",
+        path="src/everystep/storage/formats/sharded.py",
         before="            info = write_part(catalog, kind, step, chunks, catalog.ranks)\n",
         after=(
             "            from .base import checksum\n"
@@ -175,7 +175,7 @@ MUTATIONS = (
     Mutation(
         name="one-host-commits",
         what="under node-local disks only rank 0's host records each commit",
-        path="src/everystep/storage/sharded.py",
+        path="src/everystep/storage/formats/sharded.py",
         before="    if catalog.leads:  # (every host's first rank",
         after="    if catalog.ranks.rank == 0:  # (every host's first rank",
         tests=("tests/test_node_local.py::test_hosts_restarted_in_place_resume_from_their_own_disks_bitwise",),
@@ -217,7 +217,7 @@ MUTATIONS = (
     Mutation(
         name="dcp-any-file",
         what="DCP reads whatever file its metadata names, from disk, unverified",
-        path="src/everystep/storage/dcp.py",
+        path="src/everystep/storage/formats/dcp.py",
         before="            if mode != \"rb\" or path.parent != self._directory or path.name not in self.files:\n"
                "                raise CorruptCheckpointError(f\"the DCP metadata of {self._directory.name} names {path}, "
                "which is not \"\n                                             \"one of the checkpoint's files\")\n"
@@ -251,7 +251,7 @@ MUTATIONS = (
         name="lent-pages-unsettled",
         what="a writer that lent a slot's tensors writes a slot again while the lent pages may still be the "
              "file's, so the new checkpoint shows through the live state",
-        path="src/everystep/storage/region.py",
+        path="src/everystep/storage/region/slots.py",
         before="        self.lending.settle()  # (no page lent out of a slot may still be the file's)\n",
         after="",
         tests=cases("tests/test_lightcheck.py::test_a_tensor_lent_out_of_a_slot_keeps_its_bytes_when_the_writer_"
@@ -260,7 +260,7 @@ MUTATIONS = (
     Mutation(
         name="state-not-lent",
         what="a restore from a region copies a fresh optimizer's state out of the slot, where it could lend it",
-        path="src/everystep/strategies/memory_tier.py",
+        path="src/everystep/strategies/region_tier.py",
         before="region.verified(copy=copy, lend=None if len(live) else live.kept_by_load)",
         after="region.verified(copy=copy, lend=None)",
         tests=("tests/test_lightcheck.py::test_a_fresh_optimizer_keeps_the_state_lent_out_of_the_slot_and_trains_on_bitwise",),
@@ -269,7 +269,7 @@ MUTATIONS = (
         name="lent-mapping-locks",
         what="the mapping a slot is read through keeps the writer's locked descriptor, so the tensors lent out of "
              "it keep the region locked after its writer closed",
-        path="src/everystep/storage/region.py",
+        path="src/everystep/storage/region/slots.py",
         before="        fd = reopened(self._fd, str(self.path))\n",
         after="        fd = os.dup(self._fd)\n",
         tests=cases("tests/test_lightcheck.py::test_a_tensor_lent_out_of_a_slot_keeps_its_bytes_when_the_writer_"

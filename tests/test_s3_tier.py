@@ -1,6 +1,6 @@
-"""The store in S3-compatible object storage, against a real server: moto's standalone server, started
-as a process of its own on loopback and reached over HTTP by boto3, as any S3 endpoint is
-(``AWS_ENDPOINT_URL``). Nothing of the client is patched."""
+"""The remote tier (:mod:`everystep.storage.remote.tier`) against a real server (moto's, as in
+``test_s3_store.py``): jobs whose machine is lost, pulls, uploads, retention on both sides, the CLI
+and the bench over a remote, and what a hostile bucket holds."""
 
 from __future__ import annotations
 
@@ -16,123 +16,16 @@ from pathlib import Path
 import pytest
 
 from everystep.distributed import free_port
-from everystep.errors import CorruptCheckpointError, RemoteStoreError
+from everystep.errors import RemoteStoreError
 from everystep.storage.base import Manifest, ObjectInfo, checksum
 from everystep.storage.catalog import Catalog
 
-from .conftest import ROOT, torch_libraries
+from .conftest import TamperedClient, ROOT, torch_libraries
 from .forked import run_script, start_script, wait_all
 
-from everystep.storage.stores.s3 import PART_BYTES, S3Store, parse_url
+from everystep.storage.stores.s3 import S3Store
 
 from .conftest import S3_SECRET as SECRET
-
-
-def test_urls_are_parsed_and_bad_ones_named():
-    assert parse_url("s3://my-bucket/runs/job-1") == ("my-bucket", "runs/job-1/")
-    assert parse_url("s3://my-bucket") == ("my-bucket", "")
-    for bad in ("s3:/b/p", "http://b/p", "s3://B/p", "s3://bucket/a/../b"):
-        with pytest.raises(ValueError, match="s3://"):
-            parse_url(bad)
-
-
-def test_values_are_put_whole_listed_with_versions_read_and_deleted(bucket):
-    store = S3Store(f"s3://{bucket}/job")
-    big = os.urandom(2 * PART_BYTES + 12345)  # three parts of a multipart upload
-    assert store.put("objects/big", [big[:100], memoryview(big)[100:]]) == len(big)
-    assert store.put("manifests/a.json", [b"{}"]) == 2
-    listed = store.list("")
-    assert set(listed) == {"objects/big", "manifests/a.json"} and all(listed.values())
-    assert store.get("objects/big") == big
-    first = listed["manifests/a.json"]
-    store.put("manifests/a.json", [b'{"x": 1}'])
-    assert store.list("manifests/")["manifests/a.json"] != first  # its version changed with its value
-    store.delete("objects/big")
-    assert "objects/big" not in store.list("objects/")
-    with pytest.raises(FileNotFoundError):
-        store.get("objects/big")
-    for bad in ("../x", "/abs", "objects//x", "objects/.."):
-        with pytest.raises(ValueError, match="is not a key"):
-            store.get(bad)
-
-
-def test_a_directory_value_is_uploaded_file_by_file_fetched_and_deleted_whole(bucket):
-    store = S3Store(f"s3://{bucket}/d")
-
-    def fill(folder):
-        folder.mkdir(parents=True)
-        (folder / "__0_0.distcp").write_bytes(b"zero")
-        (folder / ".metadata").write_bytes(b"meta")
-        return "filled"
-
-    assert store.put_directory("objects/full-1.dcp", fill) == "filled"
-    assert set(store.list("objects/")) == {"objects/full-1.dcp/__0_0.distcp", "objects/full-1.dcp/.metadata"}
-    local = store.fetch("objects/full-1.dcp")
-    assert (local / "__0_0.distcp").read_bytes() == b"zero"
-    store.delete("objects/full-1.dcp")
-    assert store.list("objects/") == {}
-    store.close()
-    assert not local.exists()
-
-
-def test_of_two_writers_creating_one_key_exactly_one_succeeds(bucket):
-    a, b = S3Store(f"s3://{bucket}/p"), S3Store(f"s3://{bucket}/p")
-    version = a.create("writer.lock", b"a")
-    assert version and b.create("writer.lock", b"b") is None
-    assert a.get("writer.lock") == b"a"
-    # a conditional replace: whoever holds the version it read, once
-    newer = b.replace("writer.lock", b"b", version)
-    assert newer and a.replace("writer.lock", b"a", version) is None and a.get("writer.lock") == b"b"
-
-
-_KILLED_MID_UPLOAD = """
-import os, signal, sys
-from everystep.storage.stores.s3 import PART_BYTES, S3Store
-
-def chunks():
-    yield os.urandom(PART_BYTES + 1)  # the first part goes up with the next chunk
-    yield b"x"
-    os.kill(os.getpid(), signal.SIGKILL)  # killed between parts, the upload in progress
-    yield b"never"
-
-S3Store(sys.argv[1]).put("objects/full-000000000007.safetensors", chunks())
-"""
-
-
-def test_a_writer_killed_mid_upload_leaves_nothing_visible_and_its_upload_is_aborted(bucket):
-    url = f"s3://{bucket}/k"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    done = run_script(_KILLED_MID_UPLOAD, url, env=env, timeout=120)
-    assert done.returncode == -signal.SIGKILL, done.stdout[-2000:]
-    store = S3Store(url)
-    assert store.list("") == {}  # nothing of it is an object
-    (token, key), = store.leftovers()
-    assert key == "objects/full-000000000007.safetensors"
-    store.delete(token)
-    assert store.leftovers() == []
-
-
-def test_a_catalog_in_s3_commits_reads_and_refuses_a_tampered_object(bucket):
-    import boto3
-
-    catalog = Catalog(S3Store(f"s3://{bucket}/c"))
-    info = catalog.write_object("full-000000000003.safetensors", [b"tensor bytes"])
-    catalog.commit(Manifest(kind="full", step=3, objects={"tensors": info}))
-    (record,) = catalog.manifests()
-    assert record.manifest.step == 3 and catalog.read_object(info) == b"tensor bytes"
-    # re-uploaded with other bytes by someone else: its checksum no longer matches
-    boto3.client("s3").put_object(Bucket=bucket, Key="c/objects/full-000000000003.safetensors", Body=b"tensor bytez")
-    with pytest.raises(CorruptCheckpointError):
-        Catalog(S3Store(f"s3://{bucket}/c", access="read")).read_object(info)
-
-
-def test_a_missing_bucket_is_one_error_naming_the_url_and_never_the_secret(server):
-    with pytest.raises(RemoteStoreError) as failed:
-        S3Store("s3://no-such-bucket/x").put("objects/a", [b"1"])
-    message = str(failed.value)
-    assert "s3://no-such-bucket/x/objects/a" in message and "NoSuchBucket" in message and "bucket does not exist" in message
-    assert SECRET not in message and "testing" not in message
-
 
 # -- the remote tier: checkpoints that outlive the machine -------------------------------------------
 
@@ -182,7 +75,6 @@ with open(f"{local}.r{rank}.json", "w") as f:
 if world > 1:
     dist.destroy_process_group()
 """
-
 
 _HOST = """
 import json, os, subprocess, sys
@@ -334,31 +226,6 @@ def test_a_pull_never_writes_over_a_local_object(tmp_path, bucket):
         directory.close()
     assert stray.read_bytes() == b"mine"
     assert any("which a pull never writes over" in str(w.message) for w in caught), [str(w.message) for w in caught]
-
-
-def test_a_server_that_ignores_conditional_writes_is_refused_naming_them_never_two_writers(tmp_path, bucket):
-    """A server that drops If-None-Match and If-Match (as older S3-compatible servers do; here moto,
-    sent the writes without their conditions) would let a second writer take the lock at once: the
-    tier refuses it, naming conditional writes, and nothing of the probe stays behind."""
-    import boto3
-
-    from everystep.errors import RemoteStoreError
-    from everystep.storage import CheckpointDirectory
-    from everystep.storage.remote.tier import RemoteTier
-
-    class Unconditional(S3Store):
-        def _conditional(self, what, key, data, **condition):
-            return super()._conditional(what, key, data)  # the server never sees the condition
-
-    url = f"s3://{bucket}/job"
-    directory = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
-    try:
-        with pytest.raises(RemoteStoreError, match="does not honour conditional writes .*If-None-Match, If-Match"):
-            RemoteTier(url, directory, every=2, mtbf=3600.0, keep=2, store=Unconditional(url))
-    finally:
-        directory.close()
-    left = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix="job/").get("Contents", [])
-    assert [o["Key"] for o in left] == ["job/everystep.json"]  # (the prefix's marker, written first)
 
 
 def test_a_share_that_fails_to_upload_on_one_rank_commits_nothing_is_reported_once_and_the_next_upload_goes_up(
@@ -600,20 +467,6 @@ def test_uploads_run_in_a_process_without_pytorch_started_again_when_it_died(buc
             assert ckpt.stats.last_remote_step == 5  # every upload went up, the next one by a new process
 
 
-def test_a_second_writer_on_a_live_writers_prefix_is_refused(bucket, tmp_path):
-    from everystep import Checkpointer
-    from everystep.errors import DirectoryInUseError
-    from everystep.eval.workloads import build
-
-    url = f"s3://{bucket}/one"
-    a, b = build("mlp", seed=0), build("mlp", seed=0)
-    with Checkpointer(tmp_path / "a", a.model, a.optimizer, strategy="full_sync", remote=url, remote_lease=1.5) as first:
-        first.restore()
-        with pytest.warns(RuntimeWarning, match=r"waiting \d+ s for the lock to expire"):
-            with pytest.raises(DirectoryInUseError, match=f"{url} is being written by another job .host .*, pid {os.getpid()}"):
-                Checkpointer(tmp_path / "b", b.model, b.optimizer, strategy="full_sync", remote=url, remote_lease=1.5)
-
-
 _BIG = """
 import os, sys, torch
 from everystep import Checkpointer
@@ -726,96 +579,6 @@ def test_the_bench_runs_each_strategy_with_and_without_the_remote_tier_and_compa
     assert report["upload_throughput"]["everystep_bytes_per_second"] > 0 and report["upload_throughput"]["ratio"] > 0
 
 
-@pytest.mark.parametrize("url", ["s3://", "s3://b", "s3://Upper/x", "s3://b/../x", "s3://b/./x", "s3://b/a b", "s3://b/a?x",
-                                 "s3://user:pass@b/x"])
-def test_a_malformed_url_is_one_line_naming_it_from_every_command(capsys, url):
-    """``verify``, ``inspect`` and ``recover`` as ``train --remote``: one line and status 2, never a
-    traceback, and a URL's credentials never printed."""
-    from .conftest import call_cli
-
-    for args in (("verify", url), ("inspect", url), ("recover", "--dir", url)):
-        code, out, err = call_cli(capsys, *args)
-        assert code == 2 and "is not an s3://bucket/prefix URL" in err and len(err.strip().splitlines()) == 1, (args, err)
-        assert "pass" not in err and "Traceback" not in err
-
-
-def test_credentials_in_the_endpoint_url_are_never_printed(server, capsys, monkeypatch):
-    from .conftest import call_cli
-
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://KEYID:{SECRET}@127.0.0.1:{free_port()}")  # nothing listens there
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    code, out, err = call_cli(capsys, "verify", "s3://bucket/x")
-    assert code == 2 and "Could not connect to the endpoint URL" in err and "127.0.0.1" in err, err
-    assert SECRET not in err and "KEYID" not in err
-
-
-class _Tampered:
-    """A boto3 client whose HEAD answers are changed as a server (or someone between) might send them."""
-
-    def __init__(self, client, edit):
-        self._client, self._edit = client, edit
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
-
-    def head_object(self, **kwargs):
-        head = self._client.head_object(**kwargs)
-        self._edit(head)
-        return head
-
-
-@pytest.mark.parametrize("edit", ["no Date header", "written in 2099"])
-def test_a_stale_lock_whose_age_cannot_be_read_is_taken_over_after_one_lease_at_most(bucket, edit):
-    """A lock left by a lost writer, read from a server that sends no ``Date`` or says the lock was
-    written in 2099: the next writer waits one lease at most, then takes it over; no traceback."""
-    import datetime
-    import warnings
-
-    from everystep.storage.remote.lock import LOCK_KEY, RemoteLock
-
-    url = f"s3://{bucket}/job"
-    store = S3Store(url)
-    store.create(LOCK_KEY, json.dumps({"holder": "gone", "host": "lost-host", "pid": 7}).encode())
-
-    def change(head):
-        if edit == "no Date header":
-            del head["ResponseMetadata"]["HTTPHeaders"]["date"]
-        else:
-            head["LastModified"] = datetime.datetime(2099, 1, 1, tzinfo=datetime.timezone.utc)
-
-    store._s3 = _Tampered(store._s3, change)
-    t0 = time.monotonic()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        lock = RemoteLock(store, url, lease=1.0)
-    try:
-        assert time.monotonic() - t0 < 1.0 + 0.5 + 5  # one lease, the half second after it, the requests
-        assert [str(w.message) for w in caught] == [f"{url} is locked by host lost-host, pid 7; waiting 1 s for the lock "
-                                                    "to expire (a live writer renews it before then)"]
-        assert json.loads(bytes(store.get(LOCK_KEY)))["pid"] == os.getpid()
-    finally:
-        lock.release()
-
-
-def test_a_forged_lock_prints_no_control_characters(bucket):
-    """A ``writer.lock`` whose host holds terminal escapes and a line of its own: the warning shows
-    them escaped, on one line."""
-    import warnings
-
-    from everystep.storage.remote.lock import LOCK_KEY, RemoteLock
-
-    url = f"s3://{bucket}/job"
-    store = S3Store(url)
-    store.create(LOCK_KEY, json.dumps({"host": "\x1b[2J\x1b[Hok\neverystep: all clear", "pid": "1\r"}).encode())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        # (a lease long enough that the forged lock is still live when the writer looks at it, on a loaded machine)
-        lock = RemoteLock(store, url, lease=2.0)
-    lock.release()
-    (said,) = [str(w.message) for w in caught]
-    assert "\x1b" not in said and "\n" not in said and "\r" not in said and "\\x1b[2J" in said, said
-
-
 def test_uploads_in_progress_that_are_not_everysteps_are_left_and_its_own_aborted(bucket, tmp_path):
     """A multipart upload in progress under a key with a space, and one in a folder everystep never
     writes: a writer's start leaves both (no traceback) and aborts the one a killed writer of its own left."""
@@ -846,7 +609,7 @@ def test_a_server_that_cannot_list_uploads_is_used_without_it_with_one_warning(b
     from everystep.storage import CheckpointDirectory
     from everystep.storage.remote.tier import RemoteTier
 
-    class NoListing(_Tampered):
+    class NoListing(TamperedClient):
         def get_paginator(self, name):
             if name == "list_multipart_uploads":
                 raise ClientError({"Error": {"Code": "NotImplemented", "Message": "not here"}}, "ListMultipartUploads")
@@ -862,36 +625,6 @@ def test_a_server_that_cannot_list_uploads_is_used_without_it_with_one_warning(b
     directory.close()
     said = [str(w.message) for w in caught if "cannot list multipart uploads" in str(w.message)]
     assert len(said) == 1 and "NotImplemented" in said[0], [str(w.message) for w in caught]
-
-
-def test_a_remote_object_longer_than_its_manifest_says_is_refused_without_downloading_it(bucket):
-    """An object replaced in the bucket by one of 8 MiB where its manifest says 100 bytes: reading it
-    takes 101 bytes, and refuses it naming both sizes."""
-    import boto3
-
-    url = f"s3://{bucket}/job"
-    catalog = Catalog(S3Store(url))
-    info = catalog.write_object("full-000000000001.safetensors", [b"x" * 100])
-    boto3.client("s3").put_object(Bucket=bucket, Key="job/objects/full-000000000001.safetensors", Body=b"y" * (8 << 20))
-    received = []
-
-    class Counting(_Tampered):
-        def get_object(self, **kwargs):
-            answer = self._client.get_object(**kwargs)
-            body = answer["Body"]
-
-            class Body:
-                def read(self, n=None):
-                    data = body.read(n)
-                    received.append(len(data))
-                    return data
-
-            return {**answer, "Body": Body()}
-
-    reader = Catalog(S3Store(url, s3=Counting(boto3.client("s3"), lambda head: None)))
-    with pytest.raises(CorruptCheckpointError, match=f"holds {(8 << 20)} bytes, more than the 100 expected"):
-        reader.read_object(info)
-    assert sum(received) == 101
 
 
 def test_reading_a_dcp_remote_leaves_no_folder_behind(bucket, tmp_path, capsys, monkeypatch):
