@@ -13,7 +13,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from ..tree import unflatten
 from .base import Manifest, Reader, malformed
-from .hosts import gather_from_hosts
+from .hosts import gather_from_hosts, read_together
 from .catalog import Catalog
 
 from .formats.sharded import RankShare, commit_parts, read_parts
@@ -107,6 +107,6 @@ def read_state_together(directory: "CheckpointDirectory", manifest: Manifest, sh
         found = read_state(directory, manifest, shards=shards, reader=reader)
     except CorruptCheckpointError as e:
         error = e
-    hosts.read_together(directory.catalog, error)
+    read_together(directory.catalog, error)
     assert found is not None
     return found
