@@ -184,9 +184,7 @@ class AgentLink:
                 if fds:
                     send_fds(self.conn, fds)
         except OSError as e:
-            reader = self._reader
-            if reader is not None and reader is not threading.current_thread():
-                reader.join(timeout=10.0)  # what it said before it went (why) is handled first
+            self.wait_reader(10.0)  # what it said before it went (why) is handled first
             self._mark_lost(f"sending to it failed ({e})")
             raise AgentLostError(self.lost) from e
 
@@ -240,6 +238,13 @@ class AgentLink:
 
         self._reader = threading.Thread(target=read, name="everystep-agent-reader", daemon=True)
         self._reader.start()
+
+    def wait_reader(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the reader to end: an agent that is gone has its last
+        messages (why it went) handled, and its end of the connection seen."""
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout=timeout)
 
     def _mark_lost(self, reason: str) -> None:
         if self.lost is None:

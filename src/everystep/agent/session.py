@@ -247,18 +247,20 @@ class AgentSession:
             self.commits = PartCommits(self.directory, rank=self.ranks.rank, keep=self.keep, timeout=self.timeout + 600,
                                        errors=self.errors, lost=lambda: self.lost, lose=self.lose,
                                        committed=lambda s, seconds: self.progress.record_durable(s, count=False, seconds=seconds))
+        lost = None
         try:
             if not self._fetched:
                 self.send_state(step, tensors, skeleton, persist=step == 0)
             crash_point("lowdiff_plus.start.slots")
             self._make_slots(tensors)
-        except AgentLostError:
-            pass  # it has exited: why (its last message) is read below, and the connection's end loses it
-        self.link.start_reader(
-            {"done": self._on_done, "persisted": self._on_persisted, "part": self._on_part, "diverged": self._on_diverged,
-             "error": self._on_error, "released": self._on_released},
-            self.lose,
-        )
+        except AgentLostError as e:  # it has exited: what it said last (why) is read first, by the reader
+            lost = str(e)
+        self.link.start_reader({"done": self._on_done, "persisted": self._on_persisted, "part": self._on_part,
+                                "diverged": self._on_diverged, "error": self._on_error, "released": self._on_released},
+                               self.lose)
+        if lost is not None:
+            self.link.wait_reader(10.0)
+            self.lose(lost)
 
     def _keys_of_params(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         where = {storage_key(t): k for k, t in tensors.items() if t.numel()}
@@ -300,8 +302,7 @@ class AgentSession:
             self.errors.record(msg["what"], RuntimeError(msg["detail"]))
 
     def _on_part(self, msg: dict[str, Any]) -> None:
-        if msg["error"] is None:
-            self.write_seconds = msg["seconds"]
+        self.write_seconds = msg["seconds"] if msg["error"] is None else self.write_seconds
         assert self.commits is not None
         self.commits.deliver(msg)
 
@@ -485,13 +486,11 @@ class AgentSession:
         if self.commits is not None:
             self.commits.close(wait=clean)
         link, self.link = self.link, None
-        if link is None:
-            return
-        if not clean:
+        if link is not None and not clean:
             link.hang_up()
-        elif self.lost is None:
+        elif link is not None and self.lost is None:
             link.close(timeout=self.timeout + 600)
-        else:
+        elif link is not None:
             link.kill()
 
     def kill(self) -> None:
