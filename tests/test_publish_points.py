@@ -18,7 +18,7 @@ import pytest
 from pathlib import Path
 
 from everystep.storage import CheckpointDirectory
-from everystep.storage.region import Region
+from everystep.storage.region import Region, region_path
 
 from .forked import run_script
 from .test_checkpointer import attach, live_hash, loop, make
@@ -93,7 +93,7 @@ def _newest_in_region(directory: Path, strategy: str, options: dict) -> int:
     """The newest complete slot of the strategy's region (lightcheck's, the memory tier's), or -1."""
     if strategy != "lightcheck" and not options.get("memory"):
         return -1
-    path = Path(options["region"].replace("{rank}", "0")) if options.get("region") else directory / "region" / "rank-0.bin"
+    path = region_path(directory, options.get("region"), 0, 1)
     if not path.exists():
         return -1
     region = Region.open(path, access="read")
