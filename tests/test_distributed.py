@@ -297,6 +297,42 @@ def test_sigterm_stops_every_rank_with_a_final_checkpoint_and_the_rerun_matches(
     assert rest["rank_state_sha256"] == reference[None]["rank_state_sha256"]
 
 
+def test_a_stop_signal_to_the_supervisor_is_only_recorded_by_its_handler(tmp_path):
+    """The handler runs between any two bytecodes of the supervisor, inside the zygote channel's lock as
+    well (while it polls the ranks): polling again from there waited for that lock for ever."""
+    import socket
+    import threading
+
+    from everystep._forking import Channel, Forked
+    from everystep.eval.kills.train import _Job
+
+    journal = tmp_path / "journal-r0.jsonl"
+    journal.write_text('{"event": "start"}\n')  # the rank has started: the signal is due to it
+    mine, theirs = socket.socketpair()
+    channel = Channel(mine)
+    job = _Job.__new__(_Job)
+    job.journals, job.started_before, job.held = [str(journal)], [0], None
+    job.procs = [Forked(channel, pid=2**22 + 1)]
+    done, let_go = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with channel._lock:
+            done.wait(5)
+            let_go.set()
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    while not channel._lock.locked():
+        time.sleep(0.001)
+    job.forward(signal.SIGTERM, None)
+    returned_while_locked = not let_go.is_set()
+    done.set()
+    holder.join()
+    mine.close(), theirs.close()
+    assert returned_while_locked
+    assert job.held == signal.SIGTERM  # passed on by wait()'s next round
+
+
 def test_replicated_state_that_differs_between_ranks_is_refused(tmp_path):
     script = f"""
 import os, torch, torch.distributed as dist

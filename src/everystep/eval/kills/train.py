@@ -243,10 +243,11 @@ class _Job:
                                                    start_new_session=True))
 
     def forward(self, signum: int, frame: Any) -> None:
-        """Pass a stop signal on to every rank — once every rank has started (its Checkpointer
-        handles the signal from then on); until then it is held, and passed on by :meth:`wait`."""
+        """Hold a stop signal for :meth:`wait` to pass on to every rank once every rank has started (its
+        Checkpointer handles the signal from then on). The handler only records it: it runs between
+        any two bytecodes of this process, inside the zygote channel's lock as well, where polling
+        the ranks again would wait for that lock for ever."""
         self.held = signum
-        self._pass_held()
 
     def _pass_held(self) -> None:
         if self.held is None or any(_starts(j) <= n for j, n in zip(self.journals, self.started_before)):
