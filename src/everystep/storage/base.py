@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Protocol, TypeVar
 
 import xxhash
 
@@ -26,9 +26,9 @@ from ..errors import CorruptCheckpointError
 if TYPE_CHECKING:
     from ..distributed import Ranks
 
-__all__ = ["malformed", "MALFORMED", "refuse_constant", "ObjectInfo", "Manifest", "check_object_name", "check_manifest_name",
+__all__ = ["malformed", "MALFORMED", "refuse_constant", "ObjectFile", "ObjectInfo", "Manifest", "check_object_name", "check_manifest_name",
            "manifest_name", "MAX_STEP", "ManifestRecord", "Store", "Reader", "Access", "new_hasher", "checksum", "CHECKSUM_ALGORITHM",
-           "read_verified", "open_object", "check_object", "check_bytes", "check_digest"]
+           "read_verified", "fetch_object", "check_object", "check_bytes", "check_digest"]
 
 Access = Literal["write", "shared", "read"]
 """``write``: the directory's one writer; ``shared``: a process writing on the writer's behalf (its
@@ -44,6 +44,18 @@ def new_hasher() -> "xxhash.xxh3_128":
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
     return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_128_hexdigest(data)}"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectFile:
+    """An object opened as a file to read once (:meth:`~everystep.storage.catalog.Catalog.open_object`):
+    its size is checked; its bytes are not — whoever reads them hashes what it reads against the
+    object's checksum before it uses any of it."""
+
+    file: BinaryIO
+    size: int
+    where: str
+    """The object as messages name it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +163,7 @@ _PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}|\.metadata")
 _MANIFEST_NAME = re.compile(r"(?P<kind>[a-z][a-z0-9_]{0,31})-(?P<step>[0-9]{12})(?:-r(?P<rank>[1-9][0-9]{0,6}))?")
 
 
-def open_object(open_value: Callable[[], T], info: ObjectInfo, where: str) -> T:
+def fetch_object(open_value: Callable[[], T], info: ObjectInfo, where: str) -> T:
     """``open_value()`` — the store's ``get`` or ``open_value`` of the object ``info`` describes —,
     with what makes it :class:`CorruptCheckpointError` naming ``where``: a name everystep does not
     write, a missing object, a value that is not one (a link, a folder), one longer than ``info`` says."""
@@ -177,7 +189,7 @@ def check_object(info: ObjectInfo, where: str, size: int) -> None:
 def read_verified(store: "Store", key: str, info: ObjectInfo, where: str) -> bytearray:
     """The bytes of the object ``info`` describes, ``key`` in ``store``, once their size and checksum
     are verified; :class:`CorruptCheckpointError` naming ``where`` when it is missing or they differ."""
-    data = open_object(lambda: store.get(key, limit=info.nbytes), info, where)
+    data = fetch_object(lambda: store.get(key, limit=info.nbytes), info, where)
     check_bytes(info, data, where)
     return data
 

@@ -21,7 +21,7 @@ import json
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from .._faults import crash_point
 from ..distributed import Ranks
@@ -31,18 +31,16 @@ from .base import (
     Access,
     Manifest,
     ManifestRecord,
+    ObjectFile,
     ObjectInfo,
     Store,
     check_manifest_name,
     check_object,
     check_object_name,
+    fetch_object,
     new_hasher,
-    open_object,
     read_verified,
 )
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["Catalog", "Supplemented", "OBJECTS", "MANIFESTS", "PINNED"]
 
@@ -216,26 +214,26 @@ class Catalog:
             self._bytes_read += len(data)
         return data
 
-    def read_tensors(self, info: ObjectInfo) -> "dict[str, torch.Tensor]":
-        """A tensor object's tensors, its size and checksum verified before they are returned. From a
-        local store each byte is read once, straight into the tensor it belongs to, and hashed on
-        the way (:func:`~everystep.storage.formats.tensorfile.read_tensors`); from another, the object is
-        read whole and each tensor copied out of it."""
+    def open_object(self, info: ObjectInfo) -> ObjectFile | None:
+        """The object as a file to read once, where the store holds it as one (a local store), its
+        size checked — its reader hashes what it reads against ``info.checksum`` before using any of
+        it (:func:`~everystep.storage.formats.tensorfile.read_object_tensors`); None from another
+        store, whose objects are read whole (:meth:`read_object`)."""
         from .stores.local import LocalStore
-        from .formats.tensorfile import load_tensors, read_tensors  # (PyTorch: not for the processes that only move bytes)
 
-        key = OBJECTS + info.name
-        where = self.where(key)
         if not isinstance(self.store, LocalStore):
-            return load_tensors(self.read_object(info), what=f"object {where}")
-        store = self.store
-        f, size = open_object(lambda: store.open_value(key, limit=info.nbytes), info, where)
-        with f:
+            return None
+        key, store = OBJECTS + info.name, self.store
+        where = self.where(key)
+        f, size = fetch_object(lambda: store.open_value(key, limit=info.nbytes), info, where)
+        try:
             check_object(info, where, size)
-            tensors = read_tensors(f, size, info.checksum, what=f"object {where}")
+        except BaseException:
+            f.close()
+            raise
         with self._lock:
             self._bytes_read += size
-        return tensors
+        return ObjectFile(f, size, where)
 
     def manifests(self) -> list[ManifestRecord]:
         """Every manifest, parsed and verified. A manifest this catalog already parsed or committed, and
@@ -347,10 +345,6 @@ class Supplemented:
         found = self._data.get(info.name)
         return found[1] if found is not None and found[0] == info else self._catalog.read_object(info)
 
-    def read_tensors(self, info: ObjectInfo) -> "dict[str, torch.Tensor]":
+    def open_object(self, info: ObjectInfo) -> ObjectFile | None:
         found = self._data.get(info.name)
-        if found is None or found[0] != info:
-            return self._catalog.read_tensors(info)
-        from .formats.tensorfile import load_tensors
-
-        return load_tensors(found[1], what=f"object {info.name}")
+        return self._catalog.open_object(info) if found is None or found[0] != info else None

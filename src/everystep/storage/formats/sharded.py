@@ -38,7 +38,7 @@ from ..base import Manifest, ObjectInfo, Reader, malformed
 from ..catalog import Catalog
 from ...layout import TensorLayout
 from ...parallelism import ShardBox, shard_box, shard_like
-from .tensorfile import load_tensors, tensor_chunks
+from .tensorfile import read_object_tensors, tensor_chunks
 from ...tree import OPTIMIZER_STATE, merged_meta
 
 __all__ = ["RankShare", "commit_parts", "commit_tensors", "commit_written", "part_rank", "parts_read", "read_parts", "write_part"]
@@ -233,15 +233,6 @@ def commit_tensors(
                         meta=meta, rank_meta=rank_meta, requires=requires)
 
 
-def _read_tensors(reader: Reader, info: ObjectInfo) -> dict[str, torch.Tensor]:
-    """An object's tensors, each byte read once where ``reader`` reads tensors itself (a catalog:
-    :meth:`Catalog.read_tensors`)."""
-    read = getattr(reader, "read_tensors", None)
-    if read is not None:
-        return read(info)
-    return load_tensors(reader.read_object(info), what=f"object {info.name}")
-
-
 def part_rank(key: str) -> int | None:
     """The rank whose part a manifest's object key names (``tensors-r3``: 3), or None for another key."""
     found = _PART_KEY.fullmatch(key)
@@ -290,7 +281,7 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
         info = manifest.objects.get("tensors")
         if info is None:
             raise CorruptCheckpointError(f"{what} lacks its tensor object")
-        return _as_shards(_read_tensors(catalog, info), shards), manifest.meta
+        return _as_shards(read_object_tensors(catalog, info), shards), manifest.meta
     read = set(parts_read(manifest, catalog.ranks.rank, catalog.ranks.world, shards))
     parts = manifest.meta["parts"]  # (checked by parts_read)
     world = len(parts)
@@ -305,7 +296,7 @@ def read_parts(catalog: Reader, manifest: Manifest, *, full_format: str = "safet
         info = manifest.objects.get(f"tensors-r{r}")
         if info is None:
             raise CorruptCheckpointError(f"{what} lacks the part of rank {r}")
-        loaded = _read_tensors(catalog, info)
+        loaded = read_object_tensors(catalog, info)
         for key, (start, end, shape) in part["pieces"].items():
             piece = loaded.pop(key, None)
             if piece is None or piece.numel() != end - start:

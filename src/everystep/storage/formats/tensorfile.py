@@ -26,9 +26,10 @@ import torch
 
 from ...errors import CorruptCheckpointError
 from ...layout import TensorLayout, shape_overflows, tensor_bytes
-from ..base import check_digest, new_hasher, refuse_constant
+from ..base import ObjectInfo, Reader, check_digest, new_hasher, refuse_constant
 
-__all__ = ["header_bytes", "tensor_chunks", "buffer_chunks", "load_tensors", "read_tensors", "parse_header", "CHUNK"]
+__all__ = ["header_bytes", "tensor_chunks", "buffer_chunks", "load_tensors", "read_tensors", "read_object_tensors",
+           "parse_header", "CHUNK"]
 
 CHUNK = 8 << 20
 
@@ -183,6 +184,19 @@ def load_tensors(data: bytes | bytearray | memoryview, *, what: str) -> dict[str
             t.view(-1).view(torch.uint8).copy_(flat[base + start:base + end])
         tensors[key] = t
     return tensors
+
+
+def read_object_tensors(reader: Reader, info: ObjectInfo) -> dict[str, torch.Tensor]:
+    """The tensors of the tensor object ``info`` from any reader, its size and checksum verified
+    before they are returned: read once, straight into its tensors and hashed on the way
+    (:func:`read_tensors`), from a file the reader opens (a local store's:
+    :meth:`~everystep.storage.catalog.Catalog.open_object`); else copied out of its verified bytes."""
+    open_file = getattr(reader, "open_object", None)
+    opened = open_file(info) if open_file is not None else None
+    if opened is None:
+        return load_tensors(reader.read_object(info), what=f"object {info.name}")
+    with opened.file as f:
+        return read_tensors(f, opened.size, info.checksum, what=f"object {opened.where}")
 
 
 def read_tensors(f: BinaryIO, size: int, checksum: str, *, what: str) -> dict[str, torch.Tensor]:
