@@ -139,8 +139,8 @@ def _flip(path: Path, slot: int) -> None:
     """Flip a byte in the middle of the largest tensor of the region's ``slot``."""
     region = Region.open(path, access="read")
     try:
-        manifest = next(r.manifest for r in region.manifests() if r.manifest and r.manifest.meta["slot"] == slot)
-        offset, nbytes = region.object_location(max(manifest.objects.values(), key=lambda o: o.nbytes))
+        manifest = next(r.manifest for r in region.objects.manifests() if r.manifest and r.manifest.meta["slot"] == slot)
+        offset, nbytes = region.objects.object_location(max(manifest.objects.values(), key=lambda o: o.nbytes))
     finally:
         region.close()
     with open(path, "r+b") as f:
@@ -402,16 +402,17 @@ def test_a_region_read_hands_on_as_views_only_the_optimizer_state_that_its_load_
     load is torch's own — which moves each such entry to its parameter's device, a copy. A tensor
     that stays on the host would otherwise keep pointing into the slot."""
     from everystep.state import replaces_state
-    from everystep.strategies.context import LiveShards
+    from everystep.strategies.context import LiveShards, LoadFate
 
     on_host, on_device = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")
     optimizer = torch.optim.AdamW([*on_host.parameters(), *on_device.parameters()])
     params = [p for group in optimizer.param_groups for p in group["params"]]
     live = LiveShards({}, params, {}, onto_devices=replaces_state(optimizer))
-    assert [live.moved_by_load(f"/optimizer/state/{i}/exp_avg") for i in range(4)] == [False, False, True, True]
-    assert not live.moved_by_load("/optimizer/state/2/step")
-    assert not live.moved_by_load("/optimizer/state/4/exp_avg")  # (no such parameter)
-    assert not live.moved_by_load("/model/weight")
+    kept, moved, unknown = LoadFate.KEPT, LoadFate.MOVED, LoadFate.UNKNOWN
+    assert [live.fate(f"/optimizer/state/{i}/exp_avg") for i in range(4)] == [kept, kept, moved, moved]
+    assert live.fate("/optimizer/state/2/step") is unknown  # (a step counter stays where it is: on the host)
+    assert live.fate("/optimizer/state/4/exp_avg") is unknown  # (no such parameter)
+    assert live.fate("/model/weight") is unknown
 
     class OwnLoad(torch.optim.AdamW):
         def load_state_dict(self, state_dict):  # (may keep the tensors it is given)
@@ -419,7 +420,9 @@ def test_a_region_read_hands_on_as_views_only_the_optimizer_state_that_its_load_
 
     own = OwnLoad(params)
     assert not replaces_state(own)
-    assert not LiveShards({}, params, {}, onto_devices=replaces_state(own)).moved_by_load("/optimizer/state/2/exp_avg")
+    assert LiveShards({}, params, {}, onto_devices=replaces_state(own)).fate("/optimizer/state/2/exp_avg") is unknown
+    in_place = LiveShards({}, params, {}, onto_devices=True, in_place=frozenset({"/optimizer/state/0/exp_avg"}))
+    assert in_place.fate("/optimizer/state/0/exp_avg") is LoadFate.IN_PLACE
 
 
 def test_every_slot_damaged_and_no_full_checkpoint_is_an_error_and_the_region_is_kept(tmp_path, shm):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from everystep.storage.remote import RemoteConfig
+
 from .test_checkpointer import attach, loop, make
 from .test_hostile import newest_slot_meta
 
@@ -59,7 +61,7 @@ def test_a_byte_of_a_remote_objects_tensor_past_its_first_page(tmp_path, bucket)
     import boto3
 
     url = f"s3://{bucket}/job"
-    _trained(tmp_path / "first", "checkfreq", 6, remote=url, remote_every=2)
+    _trained(tmp_path / "first", "checkfreq", 6, remote=RemoteConfig(url, every=2))
     s3 = boto3.client("s3")
     listed = s3.list_objects_v2(Bucket=bucket, Prefix="job/")["Contents"]
     steps = sorted(int(o["Key"].rsplit("-", 1)[1][:12]) for o in listed if "/manifests/full-" in o["Key"])

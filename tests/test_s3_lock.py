@@ -23,7 +23,7 @@ def test_a_server_that_ignores_conditional_writes_is_refused_naming_them_never_t
 
     from everystep.errors import RemoteStoreError
     from everystep.storage import CheckpointDirectory
-    from everystep.storage.remote.tier import RemoteTier
+    from everystep.storage.remote.tier import RemoteConfig, RemoteTier
 
     class Unconditional(S3Store):
         def _conditional(self, what, key, data, **condition):
@@ -33,7 +33,7 @@ def test_a_server_that_ignores_conditional_writes_is_refused_naming_them_never_t
     directory = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
     try:
         with pytest.raises(RemoteStoreError, match="does not honour conditional writes .*If-None-Match, If-Match"):
-            RemoteTier(url, directory, every=2, mtbf=3600.0, keep=2, store=Unconditional(url))
+            RemoteTier(RemoteConfig(url, every=2, mtbf=3600.0), directory, keep=2, store=Unconditional(url))
     finally:
         directory.close()
     left = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix="job/").get("Contents", [])
@@ -41,17 +41,17 @@ def test_a_server_that_ignores_conditional_writes_is_refused_naming_them_never_t
 
 
 def test_a_second_writer_on_a_live_writers_prefix_is_refused(bucket, tmp_path):
-    from everystep import Checkpointer
+    from everystep import Checkpointer, RemoteConfig
     from everystep.errors import DirectoryInUseError
     from everystep.eval.workloads import build
 
     url = f"s3://{bucket}/one"
     a, b = build("mlp", seed=0), build("mlp", seed=0)
-    with Checkpointer(tmp_path / "a", a.model, a.optimizer, strategy="full_sync", remote=url, remote_lease=1.5) as first:
+    with Checkpointer(tmp_path / "a", a.model, a.optimizer, strategy="full_sync", remote=RemoteConfig(url, lease=1.5)) as first:
         first.restore()
         with pytest.warns(RuntimeWarning, match=r"waiting \d+ s for the lock to expire"):
             with pytest.raises(DirectoryInUseError, match=f"{url} is being written by another job .host .*, pid {os.getpid()}"):
-                Checkpointer(tmp_path / "b", b.model, b.optimizer, strategy="full_sync", remote=url, remote_lease=1.5)
+                Checkpointer(tmp_path / "b", b.model, b.optimizer, strategy="full_sync", remote=RemoteConfig(url, lease=1.5))
 
 
 

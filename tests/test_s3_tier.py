@@ -19,6 +19,7 @@ from everystep.distributed import free_port
 from everystep.errors import RemoteStoreError
 from everystep.storage.base import Manifest, ObjectInfo, checksum
 from everystep.storage.catalog import Catalog
+from everystep.storage.remote import RemoteConfig
 
 from .conftest import TamperedClient, ROOT, torch_libraries
 from .forked import run_script, start_script, wait_all
@@ -32,7 +33,7 @@ from .conftest import S3_SECRET as SECRET
 _JOB = """
 import json, os, signal, sys, warnings
 import torch.distributed as dist
-from everystep import Checkpointer
+from everystep import Checkpointer, RemoteConfig
 from everystep.eval.kills.train import training_state_hash
 from everystep.eval.workloads import build
 
@@ -48,7 +49,7 @@ warned = warnings.catch_warnings(record=True)  # (the upload thread's too: what 
 caught = warned.__enter__()
 warnings.simplefilter("always")
 ckpt = Checkpointer(local, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=strategy,
-                    remote=url or None, remote_every=2, remote_lease=1.5, **options)
+                    remote=RemoteConfig(url, every=2, lease=1.5) if url else None, **options)
 start = ckpt.restore()
 read = ckpt.directory.catalog.bytes_read  # (what the restore read from the local directory)
 for step in range(start + 1, steps + 1):
@@ -216,11 +217,13 @@ def test_a_pull_never_writes_over_a_local_object(tmp_path, bucket):
     directory = CheckpointDirectory.open(tmp_path / "new", strategy="checkfreq")
     stray = directory.root / "objects" / f"full-{steps[-1]:012d}.safetensors"
     stray.write_bytes(b"mine")
-    tier = RemoteTier(url, directory, every=2, mtbf=3600.0, keep=2, lease=1.5)
+    tier = RemoteTier(RemoteConfig(url, every=2, mtbf=3600.0, lease=1.5), directory, keep=2)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert tier.pull() == (steps[-2] if len(steps) > 1 else None)  # (the one before, if it went up)
+            pulled = tier.pull()
+        assert (pulled.manifest.step if pulled else None) == (steps[-2] if len(steps) > 1 else None)  # (the one before)
+        assert pulled is None or pulled.state[0]["step"] == steps[-2]  # (what it read, handed to the restore)
     finally:
         tier.close(upload=False)
         directory.close()
@@ -278,8 +281,8 @@ def test_a_failed_upload_is_reported_though_retention_discards_its_checkpoint_ri
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", remote=f"s3://{bucket}/job",
-                              remote_every=1, keep=2) as ckpt:
+            with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", remote=RemoteConfig(f"s3://{bucket}/job", every=1),
+                              keep=2) as ckpt:
                 ckpt.restore()
                 for _ in range(1000):  # (each step commits, then retains the newest two)
                     w.loss(w.data.next()).backward()
@@ -339,8 +342,7 @@ def test_a_server_that_goes_away_is_reported_once_training_goes_on_and_uploads_r
             ckpt.remote.wait()  # (the test's sequence; training itself never waits)
 
     try:
-        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", remote="s3://gone/job",
-                          remote_every=1) as ckpt:
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", remote=RemoteConfig("s3://gone/job", every=1)) as ckpt:
             ckpt.restore()
             train(ckpt, 3)
             # (an upload takes the newest checkpoint committed at its step's end: S_2, committed as step 3 began)
@@ -378,8 +380,9 @@ def test_an_upload_slower_than_the_steps_keeps_its_checkpoint_from_retention_and
     w = build("mlp", seed=0, optimizer="adamw")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed upload warns
-        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", keep=1, remote=url,
-                          remote_every=2) as ckpt:
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", keep=1,
+                          remote=RemoteConfig(url, every=2),
+                          ) as ckpt:
             ckpt.restore()
             pinned, steps = tmp_path / "c" / "pinned.json", 0
             try:
@@ -428,8 +431,8 @@ def test_a_checkpoint_retired_by_another_processs_retention_before_its_pin_is_pa
     monkeypatch.setattr(CheckpointDirectory, "pin_newest", retired_first)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed upload warns
-        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", keep=1, remote=url,
-                          remote_every=1) as ckpt:
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", keep=1,
+                          remote=RemoteConfig(url, every=1)) as ckpt:
             ckpt.restore()
             for _ in range(3):  # (checkpoints at steps 1 and 2: the first step is not one)
                 w.loss(w.data.next()).backward()
@@ -449,8 +452,7 @@ def test_uploads_run_in_a_process_without_pytorch_started_again_when_it_died(buc
     w = build("mlp", seed=0, optimizer="adamw")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed upload warns
-        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", remote=f"s3://{bucket}/again",
-                          remote_every=1) as ckpt:
+        with Checkpointer(tmp_path / "c", w.model, w.optimizer, strategy="full_sync", remote=RemoteConfig(f"s3://{bucket}/again", every=1)) as ckpt:
             ckpt.restore()
             for step in range(1, 7):
                 w.loss(w.data.next()).backward()
@@ -469,13 +471,13 @@ def test_uploads_run_in_a_process_without_pytorch_started_again_when_it_died(buc
 
 _BIG = """
 import os, sys, torch
-from everystep import Checkpointer
+from everystep import Checkpointer, RemoteConfig
 
 local, url, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)
 model = torch.nn.Linear(1500, 1500)  # 27 MB with AdamW's state: each upload is a multipart one of 4 parts
 opt = torch.optim.AdamW(model.parameters())
-with Checkpointer(local, model, opt, strategy="full_sync", remote=url, remote_every=1, remote_lease=1.0) as ckpt:
+with Checkpointer(local, model, opt, strategy="full_sync", remote=RemoteConfig(url, every=1, lease=1.0)) as ckpt:
     start = ckpt.restore()
     for step in range(start + 1, steps + 1):
         model(torch.ones(4, 1500)).square().mean().backward()
@@ -592,7 +594,7 @@ def test_uploads_in_progress_that_are_not_everysteps_are_left_and_its_own_aborte
                 "job/objects/full-000000000003.safetensors"):  # (each named like an object of everystep's)
         s3.create_multipart_upload(Bucket=bucket, Key=key)
     directory = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
-    RemoteTier(f"s3://{bucket}/job", directory, every=2, mtbf=3600.0, keep=2).close(upload=False)
+    RemoteTier(RemoteConfig(f"s3://{bucket}/job", every=2, mtbf=3600.0), directory, keep=2).close(upload=False)
     directory.close()
     left = sorted(u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
     assert left == ["job/notes/full-000000000005.safetensors", "job/objects/a b/full-000000000004.safetensors"]
@@ -619,7 +621,7 @@ def test_a_server_that_cannot_list_uploads_is_used_without_it_with_one_warning(b
     directory = CheckpointDirectory.open(tmp_path / "c", strategy="checkfreq")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tier = RemoteTier(url, directory, every=2, mtbf=3600.0, keep=2,
+        tier = RemoteTier(RemoteConfig(url, every=2, mtbf=3600.0), directory, keep=2,
                           store=S3Store(url, s3=NoListing(boto3.client("s3"), lambda head: None)))
         tier.close(upload=False)
     directory.close()
@@ -770,3 +772,25 @@ def test_any_value_in_any_field_of_what_the_bucket_holds_ends_in_a_fallback_or_o
         return
     made = {int(k.rsplit("-", 1)[1][:12]) for k in fuzz_bucket if "/manifests/" in k}  # (as the uploads fell due)
     assert found["step"] in {0, *made}, (found, made)
+
+
+def test_the_remote_tiers_settings_are_one_config_and_the_arguments_they_replace_say_so(tmp_path):
+    import torch
+
+    from everystep import Checkpointer
+    from everystep.errors import ConfigError
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"remote_every is RemoteConfig's every: give remote=RemoteConfig\(url, every"):
+        Checkpointer(tmp_path / "c", model, opt, remote="s3://bucket/job", remote_every=2)
+    with pytest.raises(ConfigError, match="remote must be an s3://bucket/prefix URL or a RemoteConfig, got int"):
+        Checkpointer(tmp_path / "c", model, opt, remote=3)
+    assert not (tmp_path / "c").exists()  # (refused before anything was made)
+    for bad, match in ((dict(every=0), "RemoteConfig.every must be a positive number of steps or None, got 0"),
+                       (dict(lease=-1.0), "RemoteConfig.lease must be a positive number of seconds, got -1.0"),
+                       (dict(mtbf=True), "RemoteConfig.mtbf must be a positive number of seconds, got True")):
+        with pytest.raises(ConfigError, match=match):
+            RemoteConfig("s3://bucket/job", **bad)
+    with pytest.raises(ConfigError, match="remote must be an s3://bucket/prefix URL, got '/tmp/job'"):
+        RemoteConfig("/tmp/job")

@@ -209,3 +209,19 @@ def test_a_region_slot_with_a_shape_no_tensor_can_have_is_skipped_for_the_slot_b
     with pytest.warns(UserWarning, match="strides overflow"):
         with attach(again, tmp_path / "c", "lightcheck", every=1, persist_every=0, final=False) as ckpt:
             assert ckpt.restore() == newest - 1 and ckpt.recovered.source == "region"
+
+
+@pytest.mark.parametrize("field, value", [("world_size", None), ("world_size", 0), ("world_size", "2"),
+                                          ("strategy", 7), ("full_format", ["dcp"])])
+def test_a_marker_re_signed_with_a_field_of_another_type_is_one_line_naming_it(trained, tmp_path, capsys, field, value):
+    """Readers use the marker's world size and names as they are: one of another type, re-signed, is
+    refused by ``verify``, ``inspect`` and ``recover`` naming the marker (a TypeError's traceback before)."""
+    from everystep.storage.directory import MARKER, marker_bytes
+
+    directory = tmp_path / "c"
+    shutil.copytree(trained, directory)
+    marker = json.loads((directory / MARKER).read_text())
+    (directory / MARKER).write_bytes(marker_bytes({**marker, field: value}))
+    for args in (("verify", str(directory)), ("inspect", str(directory)), ("recover", "--dir", str(directory))):
+        code, out, err = call_cli(capsys, *args)
+        assert code == 2 and f"{directory / MARKER}" in err and "Traceback" not in err, (args, code, out, err)

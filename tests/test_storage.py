@@ -3,8 +3,9 @@ directories.
 
 Every Store implementation passes the tests that take ``store`` (``STORES``), and the catalog over each
 the tests that take ``catalog`` (``CATALOGS``). What reads checkpoints (manifests, objects, checksums,
-discard, readers that change nothing) is tested through ``READERS``, which adds lightcheck's region:
-it is written by copying into a slot (``begin``/``commit``), not through ``write_object``.
+discard, readers that change nothing) is tested through ``READERS``, which adds a region's slots
+(``Region.objects``): they are written by copying into a slot (``begin``/``commit``), not through
+``write_object``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from safetensors import safe_open
 from everystep.errors import CheckpointDirectoryError, CorruptCheckpointError, ReadOnlyStoreError
 from everystep.storage import Catalog, CheckpointDirectory, LocalStore, Manifest, plan_retention
 from everystep.storage.directory import marker_bytes
+from everystep.storage.region.objects import SlotObjects
 from everystep.storage.region.slots import Region
 from everystep.storage.stores.s3 import S3Store
 from everystep.storage.region.mapping import RegionLayout
@@ -634,19 +636,19 @@ def _region_written(path: Path) -> _Written:
         writer = store.begin(RegionLayout.of({"data": data}), 100)
         writer.views["data"].copy_(data)
         store.commit(writer, step, {"step": step})
-        return next(r.manifest for r in store.manifests() if r.manifest and r.manifest.step == step)
+        return next(r.manifest for r in store.objects.manifests() if r.manifest and r.manifest.step == step)
 
     def locate(info) -> tuple[Path, int, int]:
-        return (path, *store.object_location(info))
+        return (path, *store.objects.object_location(info))
 
-    return _Written(store, lambda: Region.open(path, access="read"), commit, locate)
+    return _Written(store.objects, lambda: Region.open(path, access="read").objects, commit, locate)
 
 
 def _memory_tier_written(path: Path) -> _Written:
     """A memory tier's: a region in memory (``/dev/shm``), its commits not flushed."""
     folder = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="everystep-test-"))
     w = _region_written(folder / path.name)
-    assert not w.reader.flush
+    assert not w.reader.region.flush
     w.folder = folder
     return w
 
@@ -661,8 +663,8 @@ if os.path.isdir("/dev/shm"):
 def written(request, tmp_path):
     w = READERS[request.param](tmp_path / "ckpt")
     yield w
-    if isinstance(w.reader, Region):
-        w.reader.close()
+    if isinstance(w.reader, SlotObjects):
+        w.reader.region.close()
     if hasattr(w, "folder"):
         shutil.rmtree(w.folder, ignore_errors=True)
 
@@ -704,8 +706,8 @@ def test_every_store_opened_for_reading_changes_nothing(written, tmp_path):
                 change()
         assert files_of(root) == before and before
     finally:
-        if isinstance(reader, Region):
-            reader.close()
+        if isinstance(reader, SlotObjects):
+            reader.region.close()
 
 
 @pytest.mark.parametrize("where", ["disk", "tmpfs"])

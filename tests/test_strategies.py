@@ -176,8 +176,8 @@ def _newest_object(root, strategy: str) -> tuple[Any, int]:
     if strategy == "lightcheck":  # the newest checkpoint is a slot of the region
         region = Region.open(root / "region" / "rank-0.bin", access="read")
         try:
-            newest = max((r.manifest for r in region.manifests() if r.manifest), key=lambda m: m.step)
-            offset, nbytes = region.object_location(next(iter(newest.objects.values())))
+            newest = max((r.manifest for r in region.objects.manifests() if r.manifest), key=lambda m: m.step)
+            offset, nbytes = region.objects.object_location(next(iter(newest.objects.values())))
             return region.path, offset + nbytes // 2
         finally:
             region.close()

@@ -254,15 +254,15 @@ MUTATIONS = (
         path="src/everystep/storage/region/slots.py",
         before="        self.lending.settle()  # (no page lent out of a slot may still be the file's)\n",
         after="",
-        tests=cases("tests/test_lightcheck.py::test_a_tensor_lent_out_of_a_slot_keeps_its_bytes_when_the_writer_"
+        tests=cases("tests/test_region.py::test_a_tensor_lent_out_of_a_slot_keeps_its_bytes_when_the_writer_"
                     "writes_that_slot_again", "by the next begin"),
     ),
     Mutation(
         name="state-not-lent",
         what="a restore from a region copies a fresh optimizer's state out of the slot, where it could lend it",
         path="src/everystep/strategies/region_tier.py",
-        before="region.verified(copy=copy, lend=None if len(live) else live.kept_by_load)",
-        after="region.verified(copy=copy, lend=None)",
+        before="    lend = None if len(live) else lambda key: live.fate(key) is LoadFate.KEPT\n",
+        after="    lend = None\n",
         tests=("tests/test_lightcheck.py::test_a_fresh_optimizer_keeps_the_state_lent_out_of_the_slot_and_trains_on_bitwise",),
     ),
     Mutation(
@@ -272,7 +272,7 @@ MUTATIONS = (
         path="src/everystep/storage/region/slots.py",
         before="        fd = reopened(self._fd, str(self.path))\n",
         after="        fd = os.dup(self._fd)\n",
-        tests=cases("tests/test_lightcheck.py::test_a_tensor_lent_out_of_a_slot_keeps_its_bytes_when_the_writer_"
+        tests=cases("tests/test_region.py::test_a_tensor_lent_out_of_a_slot_keeps_its_bytes_when_the_writer_"
                     "writes_that_slot_again", "by close"),
     ),
 )

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         UnclosedCheckpointerWarning,
     )
     from .optim import OptimizerInBackward
+    from .storage.remote import RemoteConfig
     from .state import TrainingComponents
     from .strategies import STRATEGIES
     from .tree import state_hash
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpointer",
     "OptimizerInBackward",
+    "RemoteConfig",
     "TrainingComponents",
     "state_hash",
     "STRATEGIES",
@@ -44,7 +46,8 @@ __all__ = [
 ]
 
 __getattr__, __dir__ = exports(__name__, {
-    "Checkpointer": ".checkpointer", "OptimizerInBackward": ".optim", "TrainingComponents": ".state",
+    "Checkpointer": ".checkpointer", "OptimizerInBackward": ".optim", "RemoteConfig": ".storage.remote",
+    "TrainingComponents": ".state",
     "state_hash": ".tree", "STRATEGIES": ".strategies",
     **{name: ".errors" for name in __all__ if name.endswith(("Error", "Warning"))},
 })

@@ -17,6 +17,7 @@ Step boundaries come from the optimizer's step hooks (see :mod:`everystep.captur
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -40,8 +41,8 @@ from .errors import (
 from .optim import OptimizerInBackward
 from .parallelism import restart_rounding, sharded_layout
 from .recovery import Recovered, load
-from .storage import CheckpointDirectory, agree_across_hosts, check_restored_across_hosts
-from .storage.remote import RemoteTier
+from .storage import CheckpointDirectory
+from .storage.remote import RemoteConfig, RemoteTier
 from .state import Stateful, TrainingComponents
 from .stopping import StopWatch
 from .strategies import STRATEGIES, CheckpointStats, Strategy, StrategyContext, create, default_full_format, sharded_refusal
@@ -95,13 +96,12 @@ class Checkpointer:
             directory holds; for a new one, ``"dcp"`` under sharding (FSDP2, HSDP, TP, FSDP+TP)
             where the strategy writes it (all but ``lowdiff_plus``, whose agent writes everystep's
             own), and ``"safetensors"`` otherwise. Both formats load at another world size or layout.
-        remote: an ``s3://bucket/prefix`` URL: full checkpoints are also uploaded there in the
-            background, and :meth:`restore` takes the newest one from there when the directory holds
-            nothing as new (a new machine); under several ranks each uploads and downloads a share
-            of each checkpoint, rank 0 committing it. See :mod:`everystep.storage.remote.tier`.
-        remote_every: upload every this many steps; ``None``: Young/Daly's interval for the
-            measured upload time and ``remote_mtbf`` (seconds between losses of a machine).
-        remote_lease: seconds without renewal after which the remote's writer lock is taken over.
+        remote: an ``s3://bucket/prefix`` URL, or a :class:`~everystep.RemoteConfig` (the URL, how
+            often to upload, the machines' MTBF, the writer lock's lease): full checkpoints are also
+            uploaded there in the background, and :meth:`restore` takes the newest one from there
+            when the directory holds nothing as new (a new machine); under several ranks each
+            uploads and downloads a share of each checkpoint, rank 0 committing it. See
+            :mod:`everystep.storage.remote.tier`.
         close_timeout: the most seconds :meth:`close` waits for storage (the final checkpoint, the
             writes in flight) before it raises :class:`~everystep.errors.StorageTimeoutError` naming
             the step that is durable and the one only in memory, and where; ``None``: no bound.
@@ -138,10 +138,7 @@ class Checkpointer:
         stop_signals: Sequence[int] = (),
         full_format: str | None = None,
         stagger: int | None = None,
-        remote: str | None = None,
-        remote_every: int | None = None,
-        remote_mtbf: float = 86400.0,
-        remote_lease: float = 60.0,
+        remote: str | RemoteConfig | None = None,
         close_timeout: float | None = 300.0,
         **options: Any,
     ) -> None:
@@ -149,6 +146,12 @@ class Checkpointer:
         check_arguments(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data,
                          compression=compression, final=final, deadline=deadline, k1=k1, k2=k2,
                          stop_signals=stop_signals, stagger=stagger, full_format=full_format, close_timeout=close_timeout)
+        if moved := [name for name in ("remote_every", "remote_mtbf", "remote_lease") if name in options]:
+            raise ConfigError(f"{moved[0]} is RemoteConfig's {moved[0][len('remote_'):]}: give "
+                              f"remote=RemoteConfig(url, {moved[0][len('remote_'):]}=...)")
+        if remote is not None and not isinstance(remote, (str, RemoteConfig)):
+            raise ConfigError(f"remote must be an s3://bucket/prefix URL or a RemoteConfig, got {type(remote).__name__}")
+        remote = RemoteConfig(remote) if isinstance(remote, str) else remote  # (a URL checked before anything is made)
         if close_timeout is not None and close_timeout <= 0:
             raise ConfigError(f"close_timeout must be a positive number of seconds or None, got {close_timeout}")
         self.close_timeout = close_timeout
@@ -198,7 +201,7 @@ class Checkpointer:
                               "another directory")
         try:
             if remote is not None:
-                self.remote = self._remote(remote, remote_every, remote_mtbf, remote_lease)
+                self.remote = self._remote(remote)
             self._attach(deadline, k1, k2, stop_signals, stagger)
         except BaseException:
             if store is not None:
@@ -207,11 +210,10 @@ class Checkpointer:
             raise
         self._closed = False
 
-    def _remote(self, url: Any, every: int | None, mtbf: float, lease: float) -> RemoteTier:
+    def _remote(self, remote: RemoteConfig) -> RemoteTier:
         if self.directory is None:
             raise ConfigError(f"strategy {self.strategy.name!r} stores nothing: it takes no remote")
-        return RemoteTier(url, self.directory, every=every, mtbf=mtbf, keep=self.strategy.config.keep,
-                          uploaded=lambda step: setattr(self.stats, "last_remote_step", step), lease=lease)
+        return RemoteTier(remote, self.directory, keep=self.strategy.config.keep, uploaded=self.stats.remote_holds)
 
     def _attach(self, deadline: float | None, k1: float, k2: float, stop_signals: Sequence[int],
                 stagger: int | None) -> None:
@@ -257,39 +259,33 @@ class Checkpointer:
         if self.directory is None:
             self.strategy.on_start(0)
             return 0
-        found, t0 = None, 0.0
-        node_local = self.directory.catalog.hosts is not None
-        held = agree_across_hosts(self.directory.catalog) if node_local else None
-        pulled = self.remote.pull() if self.remote is not None and self.directory.access != "read" else None
+        held = self.directory.agree_hosts()  # collective under node-local disks: what every host holds
+        self._ctx.pulled = self.remote.pull() if self.remote is not None and self.directory.access != "read" else None
         agreeing = time.perf_counter()
         self.strategy.agree_restore()  # collective: before the staggered waves, every rank at once
         agreeing = time.perf_counter() - agreeing
-        per_wave = self.stagger or self.ranks.world
-        waves = -(-self.ranks.world // per_wave)
+        found: Recovered | None = None
         error: BaseException | None = None
-        for wave in range(waves):
+        t0 = 0.0
+        per_wave = self.stagger or self.ranks.world
+        for wave in range(-(-self.ranks.world // per_wave)):
             if self.ranks.rank // per_wave == wave:
                 t0 = time.perf_counter()
                 try:
-                    candidate = self.strategy.recover()
+                    candidate = self.strategy.recover()  # (a pulled checkpoint among its sources)
                     found = load(candidate, self.components) if candidate is not None else None
                 except BaseException as e:  # after the barriers, so that no rank waits for this one
                     error = e
-            if waves > 1:
+            if per_wave < self.ranks.world:
                 self.ranks.barrier("control")
-        self.directory.forget_read_ahead()  # (a pulled state the restore did not take)
+        self._ctx.pulled = None  # (its state, if the restore did not take it)
         if error is not None:
             raise error
-        if self.ranks.distributed:  # every rank from the same step, or none
-            check_restored_across_hosts(self.directory.catalog, found.step if found is not None else 0, held)
+        self.directory.check_restored(found.step if found is not None else 0, held)  # every rank the same step
         if found is not None:
             self.step = self.stats.step = found.step  # (from memory, the directory holds an older one, or none)
             self.stats.last_durable_step = max(self.directory.newest_full_step(), 0) if found.source == "memory" else found.step
-            from_remote = found.step == pulled and found.source == "disk"
-            self.recovered = Recovered(
-                step=found.step, source="remote" if from_remote else found.source, manifest=found.manifest,
-                seconds=agreeing + time.perf_counter() - t0,
-            )
+            self.recovered = dataclasses.replace(found, seconds=agreeing + time.perf_counter() - t0)
         if self.directory.access != "read":
             self._start()
         return self.step

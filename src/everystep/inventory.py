@@ -63,7 +63,7 @@ def _slot_rows(directory: CheckpointDirectory, option: str | None, rank: int) ->
     if region is not None:
         try:
             complete = {s.slot: s for s in region.slots(warn=False)}
-            for record in region.manifests():
+            for record in region.objects.manifests():
                 if record.manifest is None:
                     rows.append({"name": f"{region.path}:{record.name}", "kind": "region", "step": -1, "bytes": 0,
                                  "valid": False, "reason": record.error})
@@ -77,7 +77,7 @@ def _slot_rows(directory: CheckpointDirectory, option: str | None, rank: int) ->
                 try:
                     region.read_slot(slot, copy=True)
                 except CorruptCheckpointError as e:
-                    if region.committed(record.name):
+                    if region.objects.committed(record.name):
                         row.update(valid=False, reason=str(e))
                 rows.append(row)
         finally:

@@ -25,6 +25,7 @@ from .storage import (CheckpointDirectory, Manifest, Reader, elsewhere, gather_f
 from .state import TrainingComponents
 from .tree import unflatten
 from .storage.formats import read_parts
+from .storage.remote import Pulled
 
 __all__ = ["Candidate", "Recovered", "load", "Link", "read_full", "read_state", "latest_full", "recover",
            "read_differential", "chain", "recover_chain", "common_step"]
@@ -78,23 +79,33 @@ Shards = Mapping[str, torch.Tensor] | None
 (:func:`~everystep.storage.formats.sharded.read_parts`); None: a replicated job's."""
 
 
-def read_full(directory: CheckpointDirectory, manifest: Manifest, *, shards: Shards = None) -> dict[str, Any]:
+def read_full(directory: CheckpointDirectory, manifest: Manifest, *, shards: Shards = None,
+              pulled: Pulled | None = None) -> dict[str, Any]:
     """Read, verify and rebuild the state tree of a full checkpoint (``shards``: as :func:`read_state`).
     Under node-local disks every rank reads it at once, and all fail if one does
-    (:func:`~everystep.storage.full.read_state_together`)."""
+    (:func:`~everystep.storage.full.read_state_together`). The checkpoint a remote tier ``pulled`` at
+    this restore is taken as it read it, where it read it as this job reads it (a replicated job's)."""
+    if _is_pulled(manifest, pulled) and pulled.state is not None and not shards:  # type: ignore[union-attr]
+        return pulled.state[0]  # type: ignore[union-attr]
     return read_state_together(directory, manifest, shards)[0]
 
 
-def latest_full(directory: CheckpointDirectory, *, shards: Shards = None) -> tuple[Manifest, dict[str, Any]] | None:
-    """The newest full checkpoint that verifies, with its state (``shards``: as :func:`read_state`);
-    ``None`` when there is none.
+def _is_pulled(manifest: Manifest, pulled: Pulled | None) -> bool:
+    """Whether ``manifest`` is the checkpoint a remote tier pulled at this restore."""
+    return pulled is not None and pulled.manifest.name == manifest.name and pulled.manifest.step == manifest.step
+
+
+def latest_full(directory: CheckpointDirectory, *, shards: Shards = None,
+                pulled: Pulled | None = None) -> tuple[Manifest, dict[str, Any]] | None:
+    """The newest full checkpoint that verifies, with its state (``shards``, ``pulled``: as
+    :func:`read_full`); ``None`` when there is none.
 
     Each checkpoint that fails verification is skipped with a warning naming why; if every one
     fails, :class:`NoValidCheckpointError` lists the reasons.
     """
     for _ in range(_RELISTS):
         skipped: list[tuple[str, str]] = []
-        found = _latest_listed(directory, skipped, shards)
+        found = _latest_listed(directory, skipped, shards, pulled)
         if found is _DISCARDED:
             continue  # warn only about the listing that is answered
         for warning, _ in skipped:
@@ -110,8 +121,8 @@ _RELISTS = 16
 _DISCARDED = object()
 
 
-def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]],
-                   shards: Shards) -> tuple[Manifest, dict[str, Any]] | None | object:
+def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]], shards: Shards,
+                   pulled: Pulled | None) -> tuple[Manifest, dict[str, Any]] | None | object:
     """:func:`latest_full` over one listing of the manifests, each skipped one added to ``skipped``
     (its warning, its reason); ``_DISCARDED`` when a checkpoint was discarded by the directory's
     writer while it was read (list again: a newer one is there)."""
@@ -119,7 +130,7 @@ def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]
     skipped.extend((f"skipping {r.name}: {r.error}", r.error) for r in records if r.error)
     for manifest in directory.fulls(records):
         try:
-            return manifest, read_full(directory, manifest, shards=shards)
+            return manifest, read_full(directory, manifest, shards=shards, pulled=pulled)
         except CorruptCheckpointError as e:
             if not directory.catalog.committed(manifest.name):
                 return _DISCARDED
@@ -130,15 +141,16 @@ def _latest_listed(directory: CheckpointDirectory, skipped: list[tuple[str, str]
     return None
 
 
-def recover(directory: CheckpointDirectory, *, shards: Shards = None) -> Candidate | None:
-    """The newest full checkpoint in ``directory`` that verifies (``shards``: as :func:`read_state`),
-    or ``None`` for an empty one."""
+def recover(directory: CheckpointDirectory, *, shards: Shards = None, pulled: Pulled | None = None) -> Candidate | None:
+    """The newest full checkpoint in ``directory`` that verifies (``shards``, ``pulled``: as
+    :func:`read_full`), or ``None`` for an empty one; its source ``remote`` where it is the one pulled."""
     t0 = time.perf_counter()
-    found = latest_full(directory, shards=shards)
+    found = latest_full(directory, shards=shards, pulled=pulled)
     if found is None:
         return None
     manifest, tree = found
-    return Candidate(step=manifest.step, tree=tree, source="disk", manifest=manifest, seconds=time.perf_counter() - t0)
+    return Candidate(step=manifest.step, tree=tree, source="remote" if _is_pulled(manifest, pulled) else "disk",
+                     manifest=manifest, seconds=time.perf_counter() - t0)
 
 
 @dataclass(frozen=True)
@@ -195,16 +207,22 @@ def chain(catalog: Reader, full: Manifest, kind: str,
 
 
 def recover_chain(directory: CheckpointDirectory, components: TrainingComponents, kind: str,
-                  apply: Callable[[Iterator[Link]], None], source: Callable[[int, int], str]) -> Candidate | None:
-    """The newest verified full checkpoint, whose replay (once :func:`load` has loaded it into
-    ``components``) has ``apply`` replay the chain of ``kind`` after it (it consumes the links it is
-    given, in order), then loads the end state of the last link applied, and reports the step
-    reached and ``source(full step, step reached)``. ``None`` for an empty store."""
+                  apply: Callable[[Iterator[Link]], None], source: Callable[[int, int], str],
+                  pulled: Pulled | None = None) -> Candidate | None:
+    """The newest verified full checkpoint (``pulled``: as :func:`read_full`), whose replay (once
+    :func:`load` has loaded it into ``components``) has ``apply`` replay the chain of ``kind`` after it
+    (it consumes the links it is given, in order), then loads the end state of the last link applied,
+    and reports the step reached and ``source(full step, step reached)`` — ``remote`` for the pulled
+    checkpoint with nothing replayed after it. ``None`` for an empty store."""
     t0 = time.perf_counter()
-    found = latest_full(directory)
+    found = latest_full(directory, pulled=pulled)
     if found is None:
         return None
     full, tree = found
+    from_remote = _is_pulled(full, pulled)
+
+    def reported(step: int) -> str:
+        return "remote" if from_remote and step == full.step else source(full.step, step)
 
     reader: Reader | None = directory.catalog
     if directory.catalog.hosts is not None:  # every rank takes the chain's parts from the hosts at once
@@ -228,9 +246,9 @@ def recover_chain(directory: CheckpointDirectory, components: TrainingComponents
         if applied:
             components.apply_end_state(applied[-1].end)
         step = applied[-1].manifest.step if applied else full.step
-        return step, source(full.step, step)
+        return step, reported(step)
 
-    return Candidate(step=full.step, tree=tree, source=source(full.step, full.step), manifest=full,
+    return Candidate(step=full.step, tree=tree, source=reported(full.step), manifest=full,
                      seconds=time.perf_counter() - t0, replay=replay)
 
 

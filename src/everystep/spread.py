@@ -25,6 +25,7 @@ from .storage.formats import RankShare, commit_parts, commit_tensors
 
 if TYPE_CHECKING:
     from .storage import Catalog, CheckpointDirectory
+    from .storage.remote import Pulled
 
 __all__ = ["SPREAD_KIND", "write_spread", "spread_state", "commit_spread", "read_spread", "bring_forward",
            "recover_spread"]
@@ -176,9 +177,10 @@ def bring_forward(optimizer: torch.optim.Optimizer, trained: dict[str, tuple[int
 
 
 def recover_spread(directory: "CheckpointDirectory", optimizer: torch.optim.Optimizer,
-                   trained: Callable[[], dict[str, tuple[int, torch.Tensor]]], shards: Shards) -> Candidate | None:
+                   trained: Callable[[], dict[str, tuple[int, torch.Tensor]]], shards: Shards,
+                   pulled: "Pulled | None" = None) -> Candidate | None:
     """The newest checkpoint in ``directory`` that verifies, full (read as :func:`~everystep.recovery.recover`
-    reads it, ``shards`` as there) or spread (its parts brought forward with ``optimizer`` on the
+    reads it, ``shards`` and ``pulled`` as there) or spread (its parts brought forward with ``optimizer`` on the
     training device; ``trained()``: as :func:`bring_forward` takes it); None for an empty directory."""
     t0 = time.perf_counter()
     records = directory.catalog.manifests()
@@ -190,7 +192,7 @@ def recover_spread(directory: "CheckpointDirectory", optimizer: torch.optim.Opti
         return found
     failed: NoValidCheckpointError | None = None
     try:
-        full = recover(directory, shards=shards)  # the newest that verifies, warning about others
+        full = recover(directory, shards=shards, pulled=pulled)  # the newest that verifies, warning about others
     except NoValidCheckpointError as e:  # none does: a spread one older than them may
         full, failed = None, e
     above = full.step if full is not None else -1

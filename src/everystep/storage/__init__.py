@@ -20,22 +20,21 @@ if TYPE_CHECKING:
     from .catalog import Catalog
     from .directory import MARKER, CheckpointDirectory
     from .full import persist_full, read_state, read_state_together, write_full
-    from .hosts import agree_across_hosts, check_restored_across_hosts, elsewhere, gather_from_hosts
+    from .hosts import elsewhere, gather_from_hosts
     from .retention import SPREAD_KIND, plan_retention
     from .stores.local import LocalStore, StoreWriteError
 
 __all__ = ["Manifest", "ManifestRecord", "ObjectInfo", "Reader", "Store", "MALFORMED", "checksum", "malformed",
            "manifest_name", "refuse_constant", "Catalog", "CheckpointDirectory", "MARKER", "persist_full", "read_state",
-           "read_state_together", "write_full", "agree_across_hosts", "check_restored_across_hosts", "elsewhere",
-           "gather_from_hosts", "plan_retention", "SPREAD_KIND", "LocalStore",
-           "StoreWriteError"]
+           "read_state_together", "write_full", "elsewhere", "gather_from_hosts", "plan_retention", "SPREAD_KIND",
+           "LocalStore", "StoreWriteError"]
 
 __getattr__, __dir__ = exports(__name__, {
     **dict.fromkeys(["Manifest", "ManifestRecord", "ObjectInfo", "Reader", "Store", "MALFORMED", "checksum", "malformed",
                      "manifest_name", "refuse_constant"], ".base"),
     "Catalog": ".catalog", "CheckpointDirectory": ".directory", "MARKER": ".directory",
     **dict.fromkeys(["persist_full", "read_state", "read_state_together", "write_full"], ".full"),
-    **dict.fromkeys(["agree_across_hosts", "check_restored_across_hosts", "elsewhere", "gather_from_hosts"], ".hosts"),
+    **dict.fromkeys(["elsewhere", "gather_from_hosts"], ".hosts"),
     "plan_retention": ".retention", "SPREAD_KIND": ".retention",
     "LocalStore": ".stores.local", "StoreWriteError": ".stores.local",
 })

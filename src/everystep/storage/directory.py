@@ -35,7 +35,8 @@ from .base import Access, Manifest, ManifestRecord, checksum
 from .stores.location import is_remote, open_remote
 from .catalog import MANIFESTS, OBJECTS, PINNED, Catalog
 from .dirlock import LOCK, DirectoryLock, holder
-from .hosts import PROBE, Hosts, agree_markers, discard_hidden, listing, probe, readers_hosts
+from .hosts import (PROBE, Hosts, agree_across_hosts, agree_markers, check_restored_across_hosts, discard_hidden,
+                    listing, probe, readers_hosts)
 from .stores.local import LocalStore, fsync_dir
 from .retention import plan_retention
 
@@ -63,7 +64,7 @@ def marker_bytes(marker: dict[str, Any]) -> bytes:
 
 def parse_marker(data: bytes, where: str) -> dict[str, Any]:
     """A directory's marker from its bytes (``where``: named in errors), checked: everystep's, of a
-    version this code reads, its checksum right."""
+    version this code reads, its checksum right, its world size and names of the types they have."""
     try:
         marker = json.loads(data)
     except ValueError as e:
@@ -76,6 +77,11 @@ def parse_marker(data: bytes, where: str) -> dict[str, Any]:
         )
     if marker["version"] >= 2 and marker_bytes_ok(marker) is not True:
         raise CheckpointDirectoryError(f"{where} fails its checksum (corrupted, or edited by hand)")
+    world = marker.get("world_size", 1)
+    if type(world) is not int or world < 1:
+        raise CheckpointDirectoryError(f"{where} names world size {world!r}, not a positive number of processes")
+    if any(not isinstance(marker.get(k), (str, type(None))) for k in ("strategy", "full_format")):
+        raise CheckpointDirectoryError(f"{where} names its strategy or full-checkpoint format by no name")
     return marker
 
 
@@ -97,25 +103,19 @@ class CheckpointDirectory:
         self.created = False
         """Whether :meth:`open` made this directory an everystep directory (see :meth:`undo_create`)."""
         self._marker_unwritten = False
-        self._read_ahead: tuple[str, Any] | None = None
 
-    def read_ahead(self, name: str, state: Any) -> None:
-        """Keep the state just read of the checkpoint ``name`` (a pull's, read from what it
-        downloaded) for the next read of it (:meth:`take_read_ahead`), which then reads nothing."""
-        self._read_ahead = (name, state)
+    def agree_hosts(self) -> dict[str, Any] | None:
+        """Collective at a restore under node-local directories: what every host holds, agreed
+        (:func:`~everystep.storage.hosts.agree_across_hosts`), for :meth:`check_restored`; None for
+        a directory of one host."""
+        return agree_across_hosts(self.catalog) if self.catalog.hosts is not None else None
 
-    def take_read_ahead(self, name: str) -> Any:
-        """The state :meth:`read_ahead` keeps of the checkpoint ``name``, once (None if none); what
-        is kept of another checkpoint stays."""
-        kept = self._read_ahead
-        if kept is None or kept[0] != name:
-            return None
-        self._read_ahead = None
-        return kept[1]
-
-    def forget_read_ahead(self) -> None:
-        """Drop what :meth:`read_ahead` keeps (a restore that took another state)."""
-        self._read_ahead = None
+    def check_restored(self, step: int, held: dict[str, Any] | None) -> None:
+        """Collective after a restore under several ranks: every rank restored ``step``, and none is
+        restored from nothing where a host holds a checkpoint (``held``: :meth:`agree_hosts`'s;
+        :func:`~everystep.storage.hosts.check_restored_across_hosts`)."""
+        if self.ranks.distributed:
+            check_restored_across_hosts(self.catalog, step, held)
 
     @property
     def root(self) -> Path:

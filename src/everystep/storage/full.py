@@ -75,12 +75,7 @@ def read_state(directory: "CheckpointDirectory", manifest: Manifest, *, shards: 
     """Read and verify a checkpoint that holds a whole state (a full one, or GoCkpt's spread one):
     its state tree, all its tensors (the tree's and any others) and its meta. ``shards``: a sharded
     job's live DTensors by key (:func:`~everystep.storage.formats.sharded.read_parts`); None: a replicated job's.
-    ``reader``: where its objects are read (default: the directory's catalog, unless the directory
-    keeps the state read ahead: :meth:`~everystep.storage.directory.CheckpointDirectory.read_ahead`)."""
-    if reader is None:
-        ahead = directory.take_read_ahead(manifest.name)
-        if ahead is not None and not shards:  # (read as a replicated job's)
-            return ahead  # type: ignore[no-any-return]
+    ``reader``: where its objects are read (default: the directory's catalog)."""
     tensors, meta = read_parts(reader or directory.catalog, manifest, full_format=directory.full_format, shards=shards)
     if "skeleton" not in meta:
         raise CorruptCheckpointError(f"manifest {manifest.name} lacks the skeleton of its state tree")
@@ -94,13 +89,10 @@ def read_state(directory: "CheckpointDirectory", manifest: Manifest, *, shards: 
 def read_state_together(directory: "CheckpointDirectory", manifest: Manifest, shards: Mapping[str, torch.Tensor] | None = None
                         ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """:func:`read_state`, and under node-local directories on every rank at once: each part a rank
-    reads from the host that holds it (:func:`~everystep.storage.hosts.gather_from_hosts`), or none where every
-    rank keeps the state read ahead (a pull read it so, and every rank took part); raises
+    reads from the host that holds it (:func:`~everystep.storage.hosts.gather_from_hosts`); raises
     :class:`CorruptCheckpointError` on every rank where it fails on any."""
     if directory.catalog.hosts is None:
         return read_state(directory, manifest, shards=shards)
-    if not shards and (ahead := directory.take_read_ahead(manifest.name)) is not None:
-        return ahead  # type: ignore[no-any-return]
     reader = gather_from_hosts(directory.catalog, [manifest], shards)
     error, found = None, None
     try:

@@ -373,7 +373,7 @@ class Strategy:
     def _recover(self) -> Candidate | None:
         """Default: the newest full checkpoint that verifies (see :mod:`everystep.recovery`)."""
         assert self.ctx.directory is not None
-        return recover(self.ctx.directory, shards=self.ctx.live_shards())
+        return recover(self.ctx.directory, shards=self.ctx.live_shards(), pulled=self.ctx.pulled)
 
     def _on_start(self, step: int) -> None:
         """Record the starting state S_step."""

@@ -4,6 +4,7 @@ the DTensors a sharded state is read back as (:class:`LiveShards`), and what che
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -23,8 +24,9 @@ from ..transport.host import HostBuffer
 
 if TYPE_CHECKING:
     from ..storage import Manifest, Catalog, CheckpointDirectory
+    from ..storage.remote import Pulled
 
-__all__ = ["StrategyContext", "CheckpointStats", "ParamKeys", "LiveShards", "as_shards"]
+__all__ = ["StrategyContext", "CheckpointStats", "ParamKeys", "LiveShards", "LoadFate", "as_shards"]
 
 
 @dataclass
@@ -45,6 +47,10 @@ class CheckpointStats:
     """The newest step committed in the remote tier (``remote=``); -1: none."""
     step: int = 0
     """The newest step trained."""
+
+    def remote_holds(self, step: int) -> None:
+        """The remote tier holds the checkpoint of ``step`` whole (uploaded, or found there)."""
+        self.last_remote_step = max(self.last_remote_step, step)
 
     @property
     def steps_not_durable(self) -> int:
@@ -79,6 +85,21 @@ _COMPRESSION = "/compression/"
 """Where a gradient compression's state lies in the flat state (:meth:`TrainingComponents.capture`)."""
 
 
+class LoadFate(enum.Enum):
+    """What a restore's load does with a stored tensor of the optimizer's state, which says what a read
+    may hand it on as (:func:`~everystep.strategies.region_tier.region_candidates`): a view of where it
+    lies where the load copies it (``IN_PLACE``, ``MOVED``), lent out of a region where the load keeps
+    it (``KEPT``), else a copy of its own."""
+
+    IN_PLACE = "copied into the live optimizer's own tensor: an entry the live optimizer holds already, " \
+               "a plain tensor on the host, the optimizer's load torch's own"
+    MOVED = "copied onto its parameter's GPU: an entry other than its step counter, the optimizer's load " \
+            "torch's own (which moves each such entry to its parameter's device and keeps a step counter as it is)"
+    KEPT = "kept as the optimizer's own: an entry the live optimizer does not hold yet, its parameter a plain " \
+           "tensor on the host, the optimizer's load torch's own (a dtype not the parameter's is cast: a copy)"
+    UNKNOWN = "not known (another key, a load of the optimizer's own, a step counter on a GPU)"
+
+
 class LiveShards(Mapping[str, torch.Tensor]):
     """The live DTensors of a state by key; an optimizer's state entry that is not there (optimizers
     make their state at the first step, after a restore) is placed as its parameter is, where the
@@ -86,7 +107,7 @@ class LiveShards(Mapping[str, torch.Tensor]):
     index ``optimizer.state_dict()`` gives it. A reader places an entry so only where its shape is
     the parameter's (``exp_avg``, not a step counter). :attr:`shapes`: the shape of each tensor of
     the live flat state (of a DTensor, its local shard's). ``onto_devices``: the optimizer's load is
-    torch's own (:meth:`moved_by_load`)."""
+    torch's own; ``in_place``: the keys it loads into the live optimizer's own tensors (:meth:`fate`)."""
 
     def __init__(self, live: dict[str, torch.Tensor], params: list[torch.Tensor],
                  shapes: dict[str, tuple[int, ...]], *, onto_devices: bool = False,
@@ -94,31 +115,16 @@ class LiveShards(Mapping[str, torch.Tensor]):
         self._live, self._params, self.shapes, self._onto_devices = live, params, shapes, onto_devices
         self._in_place = in_place
 
-    def loaded_in_place(self, key: str) -> bool:
-        """Whether a restore's load copies the stored tensor of ``key`` into the live optimizer's
-        own tensor, so that a read may hand it on as a view of where it lies: an entry of the
-        optimizer's state that the live optimizer holds already, a plain tensor on the host, the
-        optimizer's load being torch's own (a region's read lists such keys as its candidate's
-        ``borrowed``: see :meth:`TrainingComponents._optimizer_tree
-        <everystep.state.TrainingComponents._optimizer_tree>`, which copies out any it cannot load so)."""
-        return key in self._in_place
-
-    def moved_by_load(self, key: str) -> bool:
-        """Whether a restore's load copies the stored tensor of ``key`` onto a device, so that a read
-        may hand it on as a view of where it lies: an entry of the optimizer's state other than its
-        step counter whose parameter is on a GPU, the optimizer's load being torch's own (which moves
-        each such entry to its parameter's device, a copy, and keeps a step counter as it is)."""
-        param = self._parameter(key) if self._onto_devices and not key.endswith("/step") else None
-        return param is not None and param.device.type != "cpu"
-
-    def kept_by_load(self, key: str) -> bool:
-        """Whether a restore's load keeps the stored tensor of ``key`` as the optimizer's own, so that
-        a region's writer may lend it (:mod:`~everystep.storage.region.lending`): an entry of the
-        optimizer's state that the live optimizer does not hold yet, whose parameter is on the host,
-        the optimizer's load being torch's own (which keeps such an entry as it is given, unless its
-        dtype is not the parameter's: then it casts, and the lent tensor is dropped)."""
-        param = self._parameter(key) if self._onto_devices and key not in self._in_place else None
-        return param is not None and param.device.type == "cpu" and type(param) in (torch.Tensor, torch.nn.Parameter)
+    def fate(self, key: str) -> "LoadFate":
+        """What a restore's load does with the stored tensor of ``key`` (see :class:`LoadFate`)."""
+        if key in self._in_place:
+            return LoadFate.IN_PLACE
+        param = self._parameter(key) if self._onto_devices else None
+        if param is None:
+            return LoadFate.UNKNOWN
+        if param.device.type != "cpu":
+            return LoadFate.UNKNOWN if key.endswith("/step") else LoadFate.MOVED
+        return LoadFate.KEPT if type(param) in (torch.Tensor, torch.nn.Parameter) else LoadFate.UNKNOWN
 
     def _parameter(self, key: str) -> torch.Tensor | None:
         """The parameter whose optimizer state entry ``key`` is, or None for another key."""
@@ -172,6 +178,9 @@ class StrategyContext:
         sharded state is read on the training thread only: FSDP2's ``state_dict()`` reshards the
         parameters that a forward running meanwhile has gathered."""
         self.boundary: dict[str, Any] = {}
+        self.pulled: Pulled | None = None
+        """At a restore, what a remote tier pulled into the directory, which recovery takes as read
+        (:func:`~everystep.recovery.read_full`); None after it, or without one."""
         self._lock = threading.Lock()
         self._stable: tuple[Any, frozenset[str]] | None = None
         self._sharded: dict[str, torch.Tensor] = {}

@@ -65,7 +65,7 @@ class Differential(Strategy):
         """The newest verified full checkpoint, whose replay applies ``apply`` to the chain of
         differentials after it; ``source(full step, step reached)`` says what was recovered."""
         assert self.ctx.directory is not None
-        found = recover_chain(self.ctx.directory, self.ctx.components, self.kind, apply, source)
+        found = recover_chain(self.ctx.directory, self.ctx.components, self.kind, apply, source, self.ctx.pulled)
         if found is not None:
             self._base = found.step
         return found

@@ -24,7 +24,8 @@ class SpreadRecovery(FullState):
         """The newest checkpoint in the directory that verifies, full or spread; a spread one's parts
         are brought forward here, on the training device."""
         assert self.ctx.directory is not None
-        return recover_spread(self.ctx.directory, self.ctx.components.optimizer, self._trained, self.ctx.live_shards())
+        return recover_spread(self.ctx.directory, self.ctx.components.optimizer, self._trained, self.ctx.live_shards(),
+                              self.ctx.pulled)
 
     def _trained(self) -> dict[str, tuple[int, torch.Tensor]]:
         """The live parameters the optimizer trains, by key, with each one's index in its state."""

@@ -191,7 +191,8 @@ class LightCheck(Strategy):
         (every rank reads the same directory, so every rank decides alike)."""
         assert self.ctx.directory is not None
         chosen, self._chosen = self._chosen, None  # read and verified while agreeing
-        disk = recover(self.ctx.directory, shards=self.ctx.live_shards()) if self._use_disk else None
+        disk = recover(self.ctx.directory, shards=self.ctx.live_shards(), pulled=self.ctx.pulled) \
+            if self._use_disk else None
         found = chosen if chosen is not None and (disk is None or disk.step < chosen.step) else disk
         assert self.held is not None
         if found is None and self.held.damaged is not None:

@@ -34,7 +34,7 @@ from ..recovery import Candidate
 from ..storage.region import Region, UnreadableRegionError, SlotWriter, open_region
 from ..transport.host import HostBuffer, HostBufferPool, snapshot_into
 from ..tree import unflatten
-from .context import LiveShards, StrategyContext, as_shards
+from .context import LiveShards, LoadFate, StrategyContext, as_shards
 
 __all__ = ["RegionTier", "Finish", "region_candidates"]
 
@@ -144,11 +144,11 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
 
     What the live objects keep (the optimizer's state, the other components') is copied out of the
     slot as it is hashed, but for the state a fresh optimizer's load keeps as it is given
-    (:meth:`LiveShards.kept_by_load`), which the writer lends (:meth:`Region.read_slot
+    (:attr:`LoadFate.KEPT`), which the writer lends (:meth:`Region.read_slot
     <everystep.storage.region.slots.Region.read_slot>`; its pages become the process's own once the
     restore is done: :meth:`RegionTier.start`). The model's tensors, which a restore copies into the
-    live model, the optimizer's state that its load copies onto a GPU (:meth:`LiveShards.moved_by_load`)
-    and that which goes into the live optimizer's own tensors (:meth:`LiveShards.loaded_in_place`; the
+    live model, the optimizer's state that its load copies onto a GPU (:attr:`LoadFate.MOVED`)
+    and that which goes into the live optimizer's own tensors (:attr:`LoadFate.IN_PLACE`; the
     candidate's ``borrowed``) are views of the slot's private mapping (what is written into them
     stays in this process) verified where they lie, by the region's writer, which holds its lock:
     no other process rewrites a slot. A reader, and a sharded job (whose model holds DTensors),
@@ -156,16 +156,17 @@ def region_candidates(region: Region, live: LiveShards, *, every: bool, source: 
     found: dict[int, Candidate] = {}
     t0 = time.perf_counter()
     complete = region.slots(warn=False)
-    copy = True if len(live) else lambda key: not (key.startswith("/model/") or live.moved_by_load(key)
-                                                   or live.loaded_in_place(key))
-    for slot, tensors, meta in region.verified(copy=copy, lend=None if len(live) else live.kept_by_load):
+    viewed = (LoadFate.IN_PLACE, LoadFate.MOVED)  # (what the load copies: read as views of the slot)
+    copy = True if len(live) else lambda key: not key.startswith("/model/") and live.fate(key) not in viewed
+    lend = None if len(live) else lambda key: live.fate(key) is LoadFate.KEPT
+    for slot, tensors, meta in region.verified(copy=copy, lend=lend):
         if any(live.shapes.get(k, tuple(t.shape)) != tuple(t.shape) for k, t in tensors.items()):
             warnings.warn(f"skipping the region's slot of step {slot.step}: its tensors are not this rank's "
                           "(written under another layout or world size)", stacklevel=3)
             continue
         if len(live):  # (no live DTensor: nothing to place)
             as_shards(tensors, live)
-        borrowed = frozenset() if len(live) else frozenset(filter(live.loaded_in_place, tensors))  # (views: see above)
+        borrowed = frozenset() if len(live) else frozenset(k for k in tensors if live.fate(k) is LoadFate.IN_PLACE)
         found[slot.step] = Candidate(step=slot.step, tree=unflatten(meta["skeleton"], tensors), source=source,
                                      manifest=None, seconds=time.perf_counter() - t0, borrowed=borrowed)
         if finish is not None:

@@ -45,6 +45,7 @@ def rank_main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from ...checkpointer import Checkpointer
+    from ...storage.remote import RemoteConfig
     from .train import training_state_hash
     from ..workloads import build
 
@@ -69,7 +70,7 @@ def rank_main(argv: list[str]) -> None:
     if a.peers == "1":
         options["peers"] = True
     if a.remote:
-        options.update(remote=a.remote, remote_every=1, remote_lease=2.0)  # (a lost host's lock: taken over sooner)
+        options["remote"] = RemoteConfig(a.remote, every=1, lease=2.0)  # (a lost host's lock: taken over sooner)
     ckpt = Checkpointer(a.directory, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, strategy=a.strategy,
                         **options)
     with ckpt, open(os.path.join(a.scratch, f"events-{os.getpid()}.jsonl"), "a") as log:

@@ -29,6 +29,7 @@ from ...distributed import Ranks, free_port, init_process_group
 from ...errors import CheckpointDirectoryError, ConfigError, DirectoryInUseError, EverystepError, one_line_warnings
 from ...storage import MARKER, CheckpointDirectory
 from ...storage.region import on_volatile_memory, memory_path, memory_place, region_path
+from ...storage.remote import RemoteConfig
 from ...strategies import STRATEGIES
 from .faults import FailurePlan, Injector
 from ..workloads import build, needs_ddp
@@ -135,7 +136,8 @@ def _train(cfg: TrainConfig, journal: Journal, plan: FailurePlan | None) -> None
     with Checkpointer(
         store, w.model, w.optimizer, scheduler=w.scheduler, data=w.data, compression=w.compression,
         strategy=strategy, every=cfg.every, keep=cfg.keep, deadline=cfg.deadline, full_format=cfg.full_format,
-        stagger=cfg.stagger, remote=cfg.remote, remote_every=cfg.remote_every, close_timeout=cfg.close_timeout,
+        stagger=cfg.stagger, remote=RemoteConfig(cfg.remote, every=cfg.remote_every) if cfg.remote else None,
+        close_timeout=cfg.close_timeout,
         stop_signals=(signal.SIGTERM, signal.SIGUSR1), **cfg.options,
     ) as ckpt:
         t0 = time.perf_counter()

@@ -6,35 +6,49 @@ each complete slot a manifest of kind ``full`` whose objects are its tensors, na
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ...errors import CorruptCheckpointError
 from ...layout import LayoutEntry
-from ..base import Manifest, ManifestRecord, ObjectInfo, checksum
+from ..base import Access, Manifest, ManifestRecord, ObjectInfo, checksum
 from .mapping import RegionSlot, SlotMeta
 
 if TYPE_CHECKING:
     from ...distributed import Ranks
 
-__all__ = ["SlotObjects"]
+__all__ = ["SlotObjects", "Slots"]
+
+
+class Slots(Protocol):
+    """What the objects are read from: a region's slots (:class:`~everystep.storage.region.slots.Region`)."""
+
+    root: Path
+    path: Path
+    ranks: "Ranks"
+    access: Access
+
+    def parse_slot(self, slot: int) -> tuple[RegionSlot | None, str | None]: ...
+    def slots(self, *, warn: bool = True) -> list[RegionSlot]: ...
+    def slot_metadata(self, slot: RegionSlot) -> SlotMeta: ...
+    def invalidate(self, s: RegionSlot) -> None: ...
+    def check_writable(self) -> None: ...
 
 
 class SlotObjects:
-    """The Reader protocol of :class:`~everystep.storage.region.slots.Region`, mixed into it."""
+    """The Reader protocol over a region's complete slots (:attr:`Region.objects
+    <everystep.storage.region.slots.Region.objects>`)."""
 
-    path: Path
-    ranks: "Ranks"
+    def __init__(self, region: Slots) -> None:
+        self.region = region
+        self.root, self.path, self.ranks, self.access = region.root, region.path, region.ranks, region.access
 
-    if TYPE_CHECKING:
-        def _parse(self, slot: int) -> tuple[RegionSlot | None, str | None]: ...
-        def _metadata(self, slot: RegionSlot) -> SlotMeta: ...
-        def _invalidate(self, s: RegionSlot) -> None: ...
-        def slots(self, *, warn: bool = True) -> list[RegionSlot]: ...
+    def check_writable(self) -> None:
+        self.region.check_writable()
 
     def manifests(self) -> list[ManifestRecord]:
         records = []
         for slot in (0, 1):
-            parsed, problem = self._parse(slot)
+            parsed, problem = self.region.parse_slot(slot)
             if problem:
                 records.append(ManifestRecord(f"slot{slot}", None, problem))
             elif parsed is not None:
@@ -49,7 +63,7 @@ class SlotObjects:
         return Manifest(kind="full", step=slot.step, objects={}, rank=self.ranks.rank).name
 
     def _manifest(self, slot: RegionSlot) -> Manifest:
-        m = self._metadata(slot)
+        m = self.region.slot_metadata(slot)
         objects = {e.key: ObjectInfo(f"slot{slot.slot}/{e.key}", e.nbytes, m.sums[e.key]) for e in m.layout.entries}
         return Manifest(kind="full", step=slot.step, objects=objects,
                         meta={"skeleton": m.meta["skeleton"], "slot": slot.slot, "generation": slot.generation,
@@ -59,9 +73,9 @@ class SlotObjects:
     def _entry(self, info: ObjectInfo) -> tuple[SlotMeta, LayoutEntry]:
         """The verified metadata of the complete slot that holds the object, and the object's entry."""
         number, _, key = info.name.partition("/")
-        for slot in self.slots(warn=False):
+        for slot in self.region.slots(warn=False):
             if f"slot{slot.slot}" == number:
-                m = self._metadata(slot)
+                m = self.region.slot_metadata(slot)
                 entry = next((e for e in m.layout.entries if e.key == key), None)
                 if entry is not None:
                     return m, entry
@@ -81,12 +95,12 @@ class SlotObjects:
         return m.area.offset + m.base + e.offset, e.nbytes
 
     def committed(self, manifest_name: str) -> bool:
-        return any(self._name(s) == manifest_name for s in self.slots(warn=False))
+        return any(self._name(s) == manifest_name for s in self.region.slots(warn=False))
 
     def discard(self, manifest_name: str) -> None:
-        for s in self.slots(warn=False):
+        for s in self.region.slots(warn=False):
             if self._name(s) == manifest_name:
-                self._invalidate(s)
+                self.region.invalidate(s)
 
     def stored_files(self) -> list[str]:
         return [self.path.name]

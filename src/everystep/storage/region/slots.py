@@ -30,9 +30,8 @@ them, which costs a TLB shootdown per page when another thread of the process ru
 core — the training thread, once the GIL is free. On gpt2-tiny (2 virtual cores), LightCheck's
 overhead went from +56% to +80% and the shootdowns from about one to about 460 a step.
 
-The region implements the :class:`~everystep.storage.base.Reader` protocol
-(:mod:`~everystep.storage.region.objects`): a complete slot is a manifest of kind ``full`` whose
-objects are its tensors. Writing goes through
+Its complete slots are read as a :class:`~everystep.storage.base.Reader`'s objects through
+:attr:`Region.objects` (:mod:`~everystep.storage.region.objects`); writing goes through
 :meth:`Region.begin` and :meth:`Region.commit`, since the data is copied into place.
 """
 
@@ -97,7 +96,7 @@ def _flush(view: mmap.mmap, offset: int, nbytes: int) -> None:
     view.flush(offset, nbytes)
 
 
-class Region(SlotObjects):
+class Region:
     """The two-slot region in one file (see the module docstring)."""
 
     def __init__(self, path: Path, fd: int, *, access: Access, ranks: Ranks, flush: bool | None) -> None:
@@ -202,7 +201,8 @@ class Region(SlotObjects):
             return bytes(stop - start)
         return self._headers[start:stop]
 
-    def _parse(self, slot: int) -> tuple[RegionSlot | None, str | None]:
+    def parse_slot(self, slot: int) -> tuple[RegionSlot | None, str | None]:
+        """Slot ``slot``'s header: the slot if complete, else None, and why it is no slot header, or None."""
         raw = self._header_bytes(slot)
         if raw == bytes(len(raw)):
             return None, None  # never written
@@ -220,12 +220,17 @@ class Region(SlotObjects):
         """Slots whose header says complete, newest first (step, then generation)."""
         found = []
         for slot in (0, 1):
-            parsed, problem = self._parse(slot)
+            parsed, problem = self.parse_slot(slot)
             if problem and warn:
                 warnings.warn(f"skipping {problem}", stacklevel=2)
             if parsed is not None:
                 found.append(parsed)
         return sorted(found, key=lambda s: (s.step, s.generation), reverse=True)
+
+    @property
+    def objects(self) -> SlotObjects:
+        """The complete slots as stored objects: a :class:`~everystep.storage.base.Reader`."""
+        return SlotObjects(self)
 
     def _write_header(self, slot: int, state: int, step: int, generation: int, area: Area, meta_nbytes: int,
                       meta_digest: bytes) -> None:
@@ -282,7 +287,7 @@ class Region(SlotObjects):
             mine.close()
             del self._areas[slot]
         taken = [a for s, a in self._areas.items() if s != slot]
-        other = self._parse(1 - slot)[0]
+        other = self.parse_slot(1 - slot)[0]
         spans = [(a.offset, a.nbytes) for a in taken] + ([(other.area_offset, other.area_nbytes)] if other else [])
         offset = _AREAS_START
         for start, size in sorted(spans):
@@ -358,7 +363,8 @@ class Region(SlotObjects):
         crash_point("store.region.before_header")
         self._write_header(writer.slot, _COMPLETE, step, writer.generation, area, len(body), _digest(body))
 
-    def _invalidate(self, s: RegionSlot) -> None:
+    def invalidate(self, s: RegionSlot) -> None:
+        """Mark the slot as not a checkpoint (its header says being written), durably."""
         self.check_writable()
         body = _SLOT.pack(_SLOT_MAGIC, _WRITING, s.slot, 0, s.generation, s.area_offset, s.area_nbytes, 0, bytes(16))
         at = (1 + s.slot) * PAGE
@@ -371,7 +377,7 @@ class Region(SlotObjects):
         ``step``, so they belong to a run that no longer leads anywhere); returns their steps."""
         newer = [s for s in self.slots(warn=False) if s.step > step]
         for s in newer:
-            self._invalidate(s)
+            self.invalidate(s)
         return [s.step for s in newer]
 
     # -- reading ---------------------------------------------------------------------------------
@@ -397,7 +403,7 @@ class Region(SlotObjects):
         finally:
             os.close(fd)
 
-    def _metadata(self, slot: RegionSlot) -> "SlotMeta":
+    def slot_metadata(self, slot: RegionSlot) -> "SlotMeta":
         """The slot's metadata, its checksum verified and its layout checked against its area;
         raises :class:`CorruptCheckpointError` naming the slot."""
         area = self._read_area(slot)
@@ -434,7 +440,7 @@ class Region(SlotObjects):
         a live writer gets, and what a restore keeps. ``lend``: of those, the ones the writer may
         lend instead, from a private mapping (:mod:`~everystep.storage.region.lending`; :attr:`lending`
         makes their pages the process's own), where the kernel can."""
-        m = self._metadata(slot)
+        m = self.slot_metadata(slot)
         lent = [e for e in m.layout.entries if lend(e.key)] \
             if lend is not None and self.access != "read" and m.area.private and lending_supported() else []
         if lent:
@@ -463,12 +469,12 @@ class Region(SlotObjects):
             try:
                 tensors, meta = self.read_slot(slot, copy=copy, lend=lend)
             except CorruptCheckpointError as e:
-                if self.access == "read" and self._parse(slot.slot)[0] != slot:
+                if self.access == "read" and self.parse_slot(slot.slot)[0] != slot:
                     continue  # rewritten by the writer while it was read: not corrupt
                 if warn:
                     warnings.warn(f"skipping {e}", stacklevel=3)
                 continue
-            if self.access == "read" and self._parse(slot.slot)[0] != slot:
+            if self.access == "read" and self.parse_slot(slot.slot)[0] != slot:
                 continue
             yield slot, tensors, meta
 

@@ -7,12 +7,14 @@ from ..._lazy import exports
 
 if TYPE_CHECKING:
     from .lock import LOCK_KEY, RemoteLock, check_conditional_writes
-    from .tier import RemoteTier
+    from .tier import Pulled, RemoteConfig, RemoteTier
     from .uploader import UploadProcess
 
-__all__ = ["RemoteTier", "RemoteLock", "LOCK_KEY", "check_conditional_writes", "UploadProcess"]
+__all__ = ["RemoteTier", "RemoteConfig", "Pulled", "RemoteLock", "LOCK_KEY", "check_conditional_writes",
+           "UploadProcess"]
 
 __getattr__, __dir__ = exports(__name__, {
-    "RemoteTier": ".tier", **dict.fromkeys(["RemoteLock", "LOCK_KEY", "check_conditional_writes"], ".lock"),
+    **dict.fromkeys(["RemoteTier", "RemoteConfig", "Pulled"], ".tier"),
+    **dict.fromkeys(["RemoteLock", "LOCK_KEY", "check_conditional_writes"], ".lock"),
     "UploadProcess": ".uploader",
 })

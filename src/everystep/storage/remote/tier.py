@@ -20,7 +20,9 @@ for), the first one at once.
 
 At restore, :meth:`RemoteTier.pull` takes the newest remote full checkpoint that verifies, if it is
 newer than the local directory's newest, into the local directory (objects, then the manifest), and
-the strategy recovers as from its own: on a new machine, training resumes where the remote left it.
+returns what it read (:class:`Pulled`), which the restore offers to the strategy's recovery: it
+recovers as from its own directory, the pulled state taken as read, and names it as from the remote.
+On a new machine, training resumes where the remote left it.
 
 The remote holds a copy of the local directory's marker (``everystep.json``): a prefix holding
 another job's checkpoints (another strategy, format or world size) is refused, naming the URL.
@@ -46,6 +48,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..._faults import crash_point
@@ -67,7 +70,7 @@ from .uploader import UploadProcess
 if TYPE_CHECKING:
     from ..directory import CheckpointDirectory  # noqa: F811
 
-__all__ = ["RemoteTier", "RemoteLock", "LOCK_KEY"]
+__all__ = ["RemoteTier", "RemoteConfig", "Pulled", "RemoteLock", "LOCK_KEY"]
 
 _SAME_JOB = ("strategy", "full_format", "world_size")
 """What of the markers must agree for a prefix to hold this job's checkpoints."""
@@ -76,25 +79,61 @@ FOLLOW_TIMEOUT = 7 * 86400.0
 uploads can be an hour apart (Young/Daly's interval), and rank 0 says when the job closes."""
 
 
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Where and how often the remote tier copies a job's full checkpoints (``Checkpointer(remote=...)``
+    takes one, or its URL alone for these defaults).
+
+    Args:
+        url: ``s3://bucket/prefix``.
+        every: upload every this many steps; ``None``: Young/Daly's interval for the measured upload
+            time and step time and ``mtbf``.
+        mtbf: seconds between losses of a machine, the failure the remote tier is for.
+        lease: seconds without renewal after which the remote's writer lock is taken over.
+    """
+
+    url: str
+    every: int | None = None
+    mtbf: float = 86400.0
+    lease: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not is_remote(self.url):
+            raise ConfigError(f"remote must be an s3://bucket/prefix URL, got {self.url!r}")
+        if self.every is not None and (type(self.every) is not int or self.every < 1):
+            raise ConfigError(f"RemoteConfig.every must be a positive number of steps or None, got {self.every!r}")
+        for name, value in (("mtbf", self.mtbf), ("lease", self.lease)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"RemoteConfig.{name} must be a positive number of seconds, got {value!r}")
+        from ..stores.s3 import parse_url
+
+        try:
+            parse_url(self.url)
+        except ValueError as e:
+            raise ConfigError(f"remote: {e}") from None
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """The checkpoint :meth:`RemoteTier.pull` brought back, committed in the local directory: its
+    manifest, and the state it read to check it — ``(tree, tensors, meta)`` as
+    :func:`~everystep.storage.full.read_state` returns it, or None where the pull did not read it
+    (DCP's format, read by every rank at restore; a rank that did not lead the check). A restore offers
+    it to the strategy's recovery, which takes the state from here rather than read it again, and
+    names its source ``remote``."""
+
+    manifest: Manifest
+    state: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None
+
+
 class RemoteTier:
     """Uploads ``directory``'s full checkpoints to ``url`` and brings them back (see the module docstring)."""
 
-    def __init__(self, url: str, directory: "CheckpointDirectory", *, every: int | None, mtbf: float, keep: int,
-                 store: ConditionalStore | None = None, uploaded: Callable[[int], None] | None = None, lease: float = 60.0) -> None:
-        from ..stores.s3 import parse_url
-
-        if not is_remote(url):
-            raise ConfigError(f"remote must be an s3://bucket/prefix URL, got {url!r}")
-        if every is not None and (type(every) is not int or every < 1):
-            raise ConfigError(f"remote_every must be a positive number of steps or None, got {every!r}")
-        for name, value in (("remote_mtbf", mtbf), ("remote_lease", lease)):
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        try:
-            parse_url(url)
-        except ValueError as e:
-            raise ConfigError(f"remote: {e}") from None
-        self.url, self.directory, self.every, self.mtbf, self.keep = url, directory, every, float(mtbf), keep
+    def __init__(self, config: RemoteConfig | str, directory: "CheckpointDirectory", *, keep: int,
+                 store: ConditionalStore | None = None, uploaded: Callable[[int], None] | None = None) -> None:
+        config = config if isinstance(config, RemoteConfig) else RemoteConfig(config)
+        url, lease = config.url, config.lease
+        self.url, self.directory, self.every, self.mtbf, self.keep = url, directory, config.every, float(config.mtbf), keep
         self.store = store if store is not None else open_remote(url)
         self.catalog = Catalog(self.store)
         self.uploaded_step = -1
@@ -159,10 +198,10 @@ class RemoteTier:
 
     # -- bringing back ---------------------------------------------------------------------------
 
-    def pull(self) -> int | None:
+    def pull(self) -> Pulled | None:
         """Take the newest remote full checkpoint that verifies into the local directory, if it is newer
-        than the local newest; its step, or None. Under several ranks every rank calls it at once
-        (the training thread's ``control`` channel): each downloads its share."""
+        than the local newest: what it read (:class:`Pulled`), or None. Under several ranks every rank
+        calls it at once (the training thread's ``control`` channel): each downloads its share."""
         found: dict[str, Any] = {"candidates": [], "held": -1}
         error: BaseException | None = None
         if self.lead:
@@ -205,10 +244,10 @@ class RemoteTier:
             except BaseException as e:
                 error = e
             self.ranks.exchange("control", {}, error, what)  # every rank's share in the local directory
-            bad = self._check_pulled(manifest, data, what)
+            bad, state = self._check_pulled(manifest, data, what)
             if bad is None:
                 self._holds(step)
-                return step
+                return Pulled(manifest, state)
             for name in written:  # each rank its own share: nothing of it stays in the local directory
                 catalog.delete_object(name)
             if self.lead:
@@ -222,14 +261,16 @@ class RemoteTier:
             self.uploaded_step = step
             self._uploaded(step)
 
-    def _check_pulled(self, manifest: Manifest, data: dict[str, tuple[ObjectInfo, bytearray]], what: str) -> str | None:
-        """Why the pulled checkpoint does not read as a state (:meth:`_malformed`), or None, once it is
-        committed locally (every rank learns which). Under node-local disks every rank reads it, its
-        parts from the hosts that hold them, and each host's leader commits it in its own directory."""
-        node_local, error, bad = self.directory.catalog.hosts is not None, None, None
+    def _check_pulled(self, manifest: Manifest, data: dict[str, tuple[ObjectInfo, bytearray]], what: str
+                      ) -> tuple[str | None, Any]:
+        """Why the pulled checkpoint does not read as a state (:meth:`_read_pulled`), or None, once it is
+        committed locally (every rank learns which), and the state this rank read of it, or None.
+        Under node-local disks every rank reads it, its parts from the hosts that hold them, and each
+        host's leader commits it in its own directory."""
+        node_local, error, bad, state = self.directory.catalog.hosts is not None, None, None, None
         if self.lead or node_local:
             try:
-                bad = self._malformed(manifest, data)
+                bad, state = self._read_pulled(manifest, data)
             except BaseException as e:
                 error = e
         if node_local:
@@ -239,25 +280,23 @@ class RemoteTier:
                 self.directory.catalog.commit(manifest)
         except BaseException as e:
             error = e
-        return self.ranks.exchange("control", {"bad": bad}, error, what)[0]["bad"]  # (before any rank restores)
+        bad = self.ranks.exchange("control", {"bad": bad}, error, what)[0]["bad"]  # (before any rank restores)
+        return bad, state if bad is None else None
 
-    def _malformed(self, manifest: Manifest, data: dict[str, tuple[ObjectInfo, bytearray]]) -> str | None:
+    def _read_pulled(self, manifest: Manifest, data: dict[str, tuple[ObjectInfo, bytearray]]) -> tuple[str | None, Any]:
         """Why the pulled checkpoint, its objects in the local directory and not yet committed there,
         does not read as a state (its checksums prove only that its bytes are the ones it names), or
-        None. It is read from ``data``, what this rank downloaded (the other ranks' shares from the
-        directory), and the directory keeps the state for the restore, which reads nothing again.
-        A checkpoint in DCP's format is read by every rank together at restore, not here."""
+        None, with the state read. It is read from ``data``, what this rank downloaded (the other
+        ranks' shares from the directory). A checkpoint in DCP's format is read by every rank together
+        at restore, not here: no state."""
         if manifest.meta.get("format") == "dcp":
-            return None
+            return None, None
         try:
-            if self.directory.catalog.hosts is not None:  # (collective: every rank reads its state, and keeps it)
-                state = read_state_together(self.directory, manifest)
-            else:
-                state = read_state(self.directory, manifest, reader=Supplemented(self.directory.catalog, data))
+            if self.directory.catalog.hosts is not None:  # (collective: every rank reads its state)
+                return None, read_state_together(self.directory, manifest)
+            return None, read_state(self.directory, manifest, reader=Supplemented(self.directory.catalog, data))
         except CorruptCheckpointError as e:
-            return str(e)
-        self.directory.read_ahead(manifest.name, state)
-        return None
+            return str(e), None
 
     def _new_object(self, info: ObjectInfo) -> bytearray:
         """The verified bytes of a remote object the local directory does not hold.
