@@ -99,6 +99,23 @@ MUTATIONS = (
         tests=("tests/test_s3_tier.py::test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise",),
     ),
     Mutation(
+        name="pull-read-again",
+        what="the restore reads a checkpoint the remote tier pulled again from the local directory, where the pull "
+             "hands it the state it read",
+        path="src/everystep/recovery.py",
+        before="    if _is_pulled(manifest, pulled) and pulled.state is not None and not shards:",
+        after="    if False:",
+        tests=("tests/test_s3_tier.py::test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise",),
+    ),
+    Mutation(
+        name="pull-source-lost",
+        what="a state recovered from what the remote tier pulled is reported as read from the disk",
+        path="src/everystep/recovery.py",
+        before='source="remote" if _is_pulled(manifest, pulled) else "disk"',
+        after='source="disk"',
+        tests=("tests/test_s3_tier.py::test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise",),
+    ),
+    Mutation(
         name="peers-oldest",
         what="recovery from peers' memory takes the oldest step every rank can put together",
         path="src/everystep/peers/plan.py",
