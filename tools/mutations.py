@@ -103,7 +103,7 @@ MUTATIONS = (
         what="the restore reads a checkpoint the remote tier pulled again from the local directory, where the pull "
              "hands it the state it read",
         path="src/everystep/recovery.py",
-        before="    if _is_pulled(manifest, pulled) and pulled.state is not None and not shards:",
+        before="    if pulled is not None and pulled.state is not None and not shards and _is_pulled(manifest, pulled):",
         after="    if False:",
         tests=("tests/test_s3_tier.py::test_a_job_whose_machine_is_lost_resumes_on_a_new_one_from_the_remote_bitwise",),
     ),

@@ -85,14 +85,15 @@ def read_full(directory: CheckpointDirectory, manifest: Manifest, *, shards: Sha
     Under node-local disks every rank reads it at once, and all fail if one does
     (:func:`~everystep.storage.full.read_state_together`). The checkpoint a remote tier ``pulled`` at
     this restore is taken as it read it, where it read it as this job reads it (a replicated job's)."""
-    if _is_pulled(manifest, pulled) and pulled.state is not None and not shards:  # type: ignore[union-attr]
-        return pulled.state[0]  # type: ignore[union-attr]
+    if pulled is not None and pulled.state is not None and not shards and _is_pulled(manifest, pulled):
+        return pulled.state[0]
     return read_state_together(directory, manifest, shards)[0]
 
 
 def _is_pulled(manifest: Manifest, pulled: Pulled | None) -> bool:
-    """Whether ``manifest`` is the checkpoint a remote tier pulled at this restore."""
-    return pulled is not None and pulled.manifest.name == manifest.name and pulled.manifest.step == manifest.step
+    """Whether ``manifest`` is the checkpoint a remote tier pulled at this restore (a name says its
+    kind, step and rank)."""
+    return pulled is not None and pulled.manifest.name == manifest.name
 
 
 def latest_full(directory: CheckpointDirectory, *, shards: Shards = None,

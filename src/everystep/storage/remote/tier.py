@@ -129,9 +129,8 @@ class Pulled:
 class RemoteTier:
     """Uploads ``directory``'s full checkpoints to ``url`` and brings them back (see the module docstring)."""
 
-    def __init__(self, config: RemoteConfig | str, directory: "CheckpointDirectory", *, keep: int,
+    def __init__(self, config: RemoteConfig, directory: "CheckpointDirectory", *, keep: int,
                  store: ConditionalStore | None = None, uploaded: Callable[[int], None] | None = None) -> None:
-        config = config if isinstance(config, RemoteConfig) else RemoteConfig(config)
         url, lease = config.url, config.lease
         self.url, self.directory, self.every, self.mtbf, self.keep = url, directory, config.every, float(config.mtbf), keep
         self.store = store if store is not None else open_remote(url)
