@@ -32,14 +32,15 @@ install-peers: $(PEERS_STAMP)
 demo: $(STAMP)
 	$(BIN)/everystep demo
 
-# Two workers: most tests wait on processes they start (ranks, agents, killed runs), so two
-# workers keep a 2-core machine busy; more would crowd the ranks those tests start. loadgroup: the
-# tests that import PyTorch Lightning and Transformers into the test process share one worker.
+# Three workers on two cores: most tests wait on processes they start (ranks, agents, killed runs)
+# or on storage they hold back, and with two workers the cores stood idle for a sixth of the run
+# (802 s of CPU in 475 s of two cores); a third worker fills them. loadgroup: the tests that import
+# PyTorch Lightning and Transformers into the test process share one worker.
 # The package is compiled first: the suite starts hundreds of interpreters, and where bytecode is
 # not written as modules are imported (PYTHONDONTWRITEBYTECODE) each would compile it again.
 test: $(STAMP)
 	$(BIN)/python -m compileall -q src
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not long" tests
+	$(BIN)/python -m pytest -q -n 3 --dist loadgroup -m "not long" tests
 
 # The runs at an issue's acceptance scale (marked `long`): hosts lost again and again, four ranks, a
 # lost machine of two ranks, node-local disks, the trainers on two and four ranks. Each restart starts

@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -230,7 +231,17 @@ def test_a_replaced_host_with_neither_peers_nor_remote_is_refused_in_one_message
         job.lose(1)
         # Host 0's rank may commit a step more, and retire one, before its collectives with the lost
         # host fail; its torchrun then starts it again. What the refused start does is judged from there.
-        _wait_for(lambda: not any(running(pid) for pid in survivor), "host 0's rank to end")
+        try:
+            _wait_for(lambda: not any(running(pid) for pid in survivor), "host 0's rank to end")
+        except AssertionError:  # (where it waits, from its own stacks: each rank writes them on SIGUSR1)
+            size = Path(f"{job.hosts[0][1]}.log").stat().st_size
+            for pid in survivor:
+                os.kill(pid, signal.SIGUSR1)
+            try:
+                _wait_for(lambda: Path(f"{job.hosts[0][1]}.log").stat().st_size > size, "the stacks", timeout=10)
+            except AssertionError:
+                pass
+            raise AssertionError("host 0's rank did not end after host 1 was lost:\n" + TwoHosts.log(job.hosts[0][1]))
         before = sorted(p.name for p in (job.disks[0] / "manifests").iterdir())
         replaced = time.time()
         job.start(1, replace=True)

@@ -39,9 +39,12 @@ def rank_main(argv: list[str]) -> None:
     """One rank's training: restore, then every step to ``steps``, each step's loss logged with the
     time; the start logged with where the state came from, how long ``restore()`` took, and when each
     phase of the start ended (:data:`PHASES`)."""
+    import faulthandler
+
     import psutil
 
     phases = {"started": psutil.Process().create_time()}
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (a rank that hangs says where: kill -USR1, into its host's log)
     import torch.distributed as dist
 
     from ...checkpointer import Checkpointer
