@@ -33,9 +33,10 @@ demo: $(STAMP)
 	$(BIN)/everystep demo
 
 # Three workers on two cores: most tests wait on processes they start (ranks, agents, killed runs)
-# or on storage they hold back, and with two workers the cores stood idle for a sixth of the run
-# (802 s of CPU in 475 s of two cores); a third worker fills them. loadgroup: the tests that import
-# PyTorch Lightning and Transformers into the test process share one worker.
+# or on storage they hold back, and with two workers the cores stood idle for a sixth of the run; a
+# third fills them (one commit, one run after the other: 354 s with two, 318-337 s with three).
+# loadgroup: the tests that import PyTorch Lightning and Transformers into the test process share
+# one worker.
 # The package is compiled first: the suite starts hundreds of interpreters, and where bytecode is
 # not written as modules are imported (PYTHONDONTWRITEBYTECODE) each would compile it again.
 test: $(STAMP)
